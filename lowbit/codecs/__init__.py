@@ -1,0 +1,55 @@
+"""Codecs: flat float tensor -> wire payload (real, packed bytes) -> tensor."""
+
+from __future__ import annotations
+
+from .base import Codec, CodecKind, Payload, check_flat, header_size, pack_header, unpack_header
+from .identity import IdentityCodec
+from .minmax import MinMaxCodec
+from .modulo import ModuloCodec, centered_mod
+from .packing import pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
+from .quantize import ROUNDINGS, error_bound, round_to_int
+from .rng import derive_seed, make_generator, shared_generator
+from .uniform import UniformCodec
+
+CODECS: dict[str, type[Codec]] = {
+    "fp32": IdentityCodec,
+    "uniform": UniformCodec,
+    "minmax": MinMaxCodec,
+    "modulo": ModuloCodec,
+}
+
+
+def make_codec(name: str, **kwargs) -> Codec:
+    """Build a registered codec by name, e.g. ``make_codec("modulo", bits=2, theta=0.5)``."""
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; valid names: {sorted(CODECS)}")
+    return CODECS[name](**kwargs)
+
+
+__all__ = [
+    "Codec",
+    "CodecKind",
+    "Payload",
+    "check_flat",
+    "header_size",
+    "pack_header",
+    "unpack_header",
+    "IdentityCodec",
+    "UniformCodec",
+    "MinMaxCodec",
+    "ModuloCodec",
+    "centered_mod",
+    "CODECS",
+    "make_codec",
+    "pack_bits",
+    "unpack_bits",
+    "pack_wide",
+    "unpack_wide",
+    "packed_nbytes",
+    "ROUNDINGS",
+    "round_to_int",
+    "error_bound",
+    "derive_seed",
+    "make_generator",
+    "shared_generator",
+]

@@ -1,0 +1,84 @@
+"""Bagua's min-max quantizer (low precision decentralized SGD).
+
+The input's range ``[min, max]`` is split into ``2^b - 1`` equal intervals and
+each element is sent as the index of a grid point (``b = 8`` in Bagua, with
+deterministic rounding)."""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .packing import pack_bits, unpack_bits
+from .quantize import check_int_range, check_numel, check_rounding, round_to_int
+
+__all__ = ["MinMaxCodec"]
+
+
+@dataclass(frozen=True)
+class MinMaxCodec(Codec):
+    """Header ``<iff``: (numel, min, max) with min/max as float32; data: codes
+    ``round((x - min) * scale)`` in ``0..2^b - 1``, ``scale = (2^b - 1) / (max - min)``,
+    packed ``b`` bits each (all codes 0 when ``max == min``).
+    ``decode = codes / scale + min``.
+
+    ``scale`` is computed (in float64) from the float32 header values, the same
+    way on both ends. Error: ``<= (max - min) / (2^b - 1) / 2`` with ``nearest``
+    rounding (Bagua's choice, biased), ``< (max - min) / (2^b - 1)`` and
+    unbiased with ``stochastic``. ``decode`` returns float32 unless ``dtype`` is
+    given. Non-finite inputs raise ValueError.
+    """
+
+    bits: int = 8
+    rounding: str = "nearest"
+
+    name = "minmax"
+    kind = CodecKind.PLAIN
+    header_format = "iff"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bits", check_int_range(self.bits, "bits", 1, 8))
+        check_rounding(self.rounding)
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.rounding == "stochastic"
+
+    @property
+    def levels(self) -> int:
+        """Largest code, ``2^bits - 1``."""
+        return (1 << self.bits) - 1
+
+    def _scale(self, lo: float, hi: float) -> float:
+        return self.levels / (hi - lo) if hi > lo else 0.0
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        check_flat(x)
+        n = check_numel(x)
+        if n == 0:
+            return Payload(header=pack_header(self.header_format, 0, 0.0, 0.0, device=x.device),
+                           data=torch.empty(0, dtype=torch.uint8, device=x.device))
+        x64 = x.detach().to(torch.float64)
+        lo, hi = torch.aminmax(x.detach())
+        lo, hi = float(lo), float(hi)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise ValueError(f"x must be finite for the min-max codec, got range [{lo}, {hi}]")
+        try:  # the float32 values the receiver will see
+            lo, hi = struct.unpack("<ff", struct.pack("<ff", lo, hi))
+        except OverflowError:
+            raise ValueError(f"the range of x [{lo}, {hi}] does not fit the float32 header") from None
+        header = pack_header(self.header_format, n, lo, hi, device=x.device)
+        scale = self._scale(lo, hi)
+        codes = round_to_int((x64 - lo) * scale, self.rounding, generator).clamp_(0, self.levels)
+        return Payload(header=header, data=pack_bits(codes.to(torch.int64), self.bits))
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, lo, hi = unpack_header(self.header_format, payload.header)
+        codes = unpack_bits(payload.data, self.bits, n).to(torch.float64)
+        scale = self._scale(lo, hi)
+        x = codes / scale + lo if scale > 0 else torch.full_like(codes, lo)
+        return x.to(torch.float32 if dtype is None else dtype)

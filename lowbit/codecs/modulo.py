@@ -1,0 +1,123 @@
+"""Moniqua's modulo codec (Lu & De Sa, "Moniqua: Modulo Quantized
+Communication in Decentralized SGD", ICML 2020): Lemma 1, Lemma 2, eq. (5),
+Algorithm 1 lines 3-5.
+
+The sender quantizes ``(x / B_theta) mod 1`` on the circle ``[-1/2, 1/2)``
+with ``2^bits`` equally spaced points (spacing ``2^-bits``; the point ``1/2``
+is the point ``-1/2``, so all ``2^bits`` codes are used). The receiver, whose
+own value ``y`` satisfies ``|x - y| < theta``, recovers
+
+    x_hat = (B_theta * Q_delta((x / B_theta) mod 1) - y) mod B_theta + y      (5)
+
+with ``|x_hat - x| <= delta * B_theta`` (Lemma 2), where
+``B_theta = 2 theta / (1 - 2 delta)`` and ``delta`` is the error bound of
+``Q_delta`` on the circle: ``2^-bits`` (stochastic) or ``2^-(bits+1)`` (nearest).
+
+Precision: all arithmetic is float64, whatever the input dtype or device, so
+Lemma 2 holds up to float64 rounding (relative ~1e-16 of ``|x|``). Outputs
+are cast to ``ref``'s dtype; for float32 this adds at most half an ulp of
+``x_hat`` to the error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .packing import pack_bits, unpack_bits
+from .quantize import check_int_range, check_numel, check_positive, check_rounding, round_to_int
+
+__all__ = ["ModuloCodec", "centered_mod"]
+
+
+def centered_mod(z: torch.Tensor, a: float) -> torch.Tensor:
+    """The paper's ``z mod a`` (eq. 1): the representative of ``z + a Z`` in
+    ``[-a/2, a/2)``, element-wise, for ``a > 0``."""
+    r = torch.remainder(z + a / 2, a) - a / 2
+    return torch.where(r >= a / 2, r - a, r)  # remainder may round up to a
+
+
+@dataclass(frozen=True)
+class ModuloCodec(Codec):
+    """Moniqua's modulo quantizer; kind SIDE_INFO: ``decode`` needs ``ref``.
+
+    Header ``<i``: numel; data: codes in ``0..2^bits - 1`` packed ``bits`` each.
+    ``decode(payload, ref=y)`` returns ``x_hat`` of eq. (5) in ``y``'s dtype and
+    on ``y``'s device; decoding against the sender's own ``x`` gives Algorithm 1
+    line 4's local biased term, against the receiver's model line 5.
+    """
+
+    # bits and theta are required; the None defaults only exist because a field
+    # without a default would pick up Codec's abstract ``bits`` property as its
+    # default. Omitting either raises ValueError in __post_init__.
+    bits: int = None  # type: ignore[assignment]
+    theta: float = None  # type: ignore[assignment]
+    rounding: str = "stochastic"
+
+    name = "modulo"
+    kind = CodecKind.SIDE_INFO
+    header_format = "i"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bits", check_int_range(self.bits, "bits", 1, 8))
+        object.__setattr__(self, "theta", check_positive(self.theta, "theta"))
+        check_rounding(self.rounding)
+        if self.delta >= 0.5:
+            raise ValueError(
+                f"bits={self.bits} with rounding={self.rounding!r} gives delta={self.delta}, but Lemma 2 "
+                "needs delta < 1/2 (B_theta = 2 theta / (1 - 2 delta)): use rounding='nearest' or bits >= 2"
+            )
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        # With |x - y| < theta no wrap-around happens in (5), so x_hat = x + B_theta (Q(z) - z):
+        # unbiased exactly when Q_delta is (stochastic rounding). Outside that regime, no.
+        return self.rounding == "stochastic"
+
+    @property
+    def levels(self) -> int:
+        """Number of points on the circle, ``2^bits``."""
+        return 1 << self.bits
+
+    @property
+    def delta(self) -> float:
+        """Error bound of ``Q_delta`` on the circle ``[-1/2, 1/2)`` (assumption (2))."""
+        return 2.0 ** -self.bits if self.rounding == "stochastic" else 2.0 ** -(self.bits + 1)
+
+    @property
+    def B_theta(self) -> float:
+        """``2 theta / (1 - 2 delta)``."""
+        return 2 * self.theta / (1 - 2 * self.delta)
+
+    @property
+    def error_bound(self) -> float:
+        """Lemma 2: ``|x_hat - x| <= delta * B_theta`` when ``|x - y| < theta``."""
+        return self.delta * self.B_theta
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """Algorithm 1 line 3: ``q = Q_delta((x / B_theta) mod 1)``, sent as codes."""
+        check_flat(x)
+        n = check_numel(x)
+        x64 = x.detach().to(torch.float64)
+        if not bool(torch.isfinite(x64).all()):
+            raise ValueError("x must be finite for the modulo codec")
+        z = centered_mod(x64 / self.B_theta, 1.0)
+        c = round_to_int(z * self.levels, self.rounding, generator)
+        codes = torch.remainder(c, self.levels).to(torch.int64)
+        return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_bits(codes, self.bits))
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None) -> torch.Tensor:
+        """Eq. (5): ``x_hat = (q B_theta - y) mod B_theta + y`` with ``y = ref``."""
+        (n,) = unpack_header(self.header_format, payload.header)
+        if ref is None:
+            raise ValueError("ModuloCodec.decode needs ref= (the receiver's own model y with |x - y| < theta)")
+        check_flat(ref, "ref")
+        if ref.numel() != n:
+            raise ValueError(f"ref must have the payload's {n} elements, got shape {tuple(ref.shape)}")
+        codes = unpack_bits(payload.data.to(ref.device), self.bits, n)
+        B = self.B_theta
+        q = codes.to(torch.float64) * (B / self.levels)
+        y = ref.detach().to(torch.float64)
+        return (centered_mod(q - y, B) + y).to(ref.dtype)

@@ -1,0 +1,96 @@
+"""The core of every uniform quantizer: rounding a real tensor to integers.
+
+``stochastic``: ``floor(v) + 1[u < frac(v)]`` with ``u ~ U[0, 1)``, which is
+``floor(v + u)`` written so that it stays exactly unbiased in floating point
+(``E[round] = v``, error ``< 1``). ``nearest``: ``torch.round`` (half to even,
+error ``<= 1/2``, biased).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+__all__ = [
+    "ROUNDINGS",
+    "check_rounding",
+    "round_to_int",
+    "error_bound",
+    "work_dtype",
+    "check_int_range",
+    "check_positive",
+    "check_numel",
+]
+
+ROUNDINGS = ("stochastic", "nearest")
+
+
+def check_rounding(rounding, field: str = "rounding") -> str:
+    """Return ``rounding`` if it is one of :data:`ROUNDINGS`, else raise ValueError."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"{field} must be one of {ROUNDINGS}, got {rounding!r}")
+    return rounding
+
+
+def work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the rounding is done in: float64 stays, everything else is float32
+    at least (half-precision uniforms would be too coarse to be unbiased)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def round_to_int(v: torch.Tensor, rounding: str, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round ``v`` element-wise to integers (returned as a floating tensor).
+
+    The result has ``v``'s dtype when it is float32/float64 (half types are
+    computed and returned in float32), and ``v``'s device. The uniforms of
+    stochastic rounding come from ``torch.rand`` with ``generator`` (the global
+    generator if None), drawn on the generator's device and moved to ``v``'s,
+    so a CPU generator gives the same draws whatever device ``v`` is on.
+    """
+    check_rounding(rounding)
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        raise TypeError(f"v must be a floating-point tensor, got {getattr(v, 'dtype', type(v).__name__)}")
+    v = v.to(work_dtype(v.dtype))
+    if rounding == "nearest":
+        return torch.round(v)
+    gen_device = generator.device if generator is not None else v.device
+    u = torch.rand(v.shape, generator=generator, dtype=v.dtype, device=gen_device).to(v.device)
+    lo = torch.floor(v)
+    return lo + (u < (v - lo)).to(v.dtype)
+
+
+def error_bound(step: float, rounding: str) -> float:
+    """Worst-case ``|Q(x) - x|`` of rounding to the grid ``step * Z``: ``step``
+    for stochastic (strictly less), ``step / 2`` for nearest."""
+    check_rounding(rounding)
+    step = check_positive(step, "step")
+    return step if rounding == "stochastic" else step / 2
+
+
+# --- field validation shared by the codecs -----------------------------------
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int_range(value, field: str, lo: int, hi: int) -> int:
+    """``value`` must be an int (not bool) in ``lo..hi``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+        raise ValueError(f"{field} must be an int in {lo}..{hi}, got {value!r}")
+    return int(value)
+
+
+def check_positive(value, field: str) -> float:
+    """``value`` must be a finite real number > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{field} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def check_numel(x: torch.Tensor) -> int:
+    """The element count, which headers store as int32."""
+    n = x.numel()
+    if n > INT32_MAX:
+        raise ValueError(f"x has {n} elements; a payload header holds at most {INT32_MAX} (int32)")
+    return n

@@ -1,0 +1,85 @@
+"""Naive uniform quantization to the grid ``{step * n : n in Z}``.
+
+This is the quantizer ``Q_delta`` of Theorem 1 of the Moniqua paper (points
+``{delta n}``, unbiased with stochastic rounding): quantizing models directly
+with it is the "naive quantized gossip" that Theorem 1 shows cannot converge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .packing import pack_wide, unpack_wide
+from .quantize import INT32_MAX, check_numel, check_positive, check_rounding, error_bound, round_to_int
+
+__all__ = ["UniformCodec"]
+
+_MAX_SPAN = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class UniformCodec(Codec):
+    """``x -> n = round(x / step)`` (integers), sent with a variable width.
+
+    Header ``<iiB``: (numel, offset = min n, width b); data: ``n - offset``
+    packed with :func:`pack_wide` in ``b = max(1, ceil(log2(max n - min n + 1)))``
+    bits. The width is per message, so ``bits`` is only the worst case (32);
+    ``payload.nbytes`` is the honest size. Raises ValueError when the codes do
+    not fit (offset outside int32, or a range wider than 32 bits), i.e. when
+    ``step`` is too small for the data.
+
+    Arithmetic is float64 internally; ``decode`` returns float32 unless
+    ``dtype`` is given. Error ``|decode - x| <= error_bound`` (= ``step`` for
+    stochastic rounding, ``step / 2`` for nearest), up to float rounding.
+    """
+
+    step: float
+    rounding: str = "stochastic"
+
+    name = "uniform"
+    kind = CodecKind.PLAIN
+    header_format = "iiB"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "step", check_positive(self.step, "step"))
+        check_rounding(self.rounding)
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return self.rounding == "stochastic"
+
+    @property
+    def bits(self) -> float:
+        return 32.0
+
+    @property
+    def error_bound(self) -> float:
+        return error_bound(self.step, self.rounding)
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        check_flat(x)
+        n = check_numel(x)
+        if n == 0:
+            return Payload(header=pack_header(self.header_format, 0, 0, 1, device=x.device),
+                           data=torch.empty(0, dtype=torch.uint8, device=x.device))
+        codes = round_to_int(x.detach().to(torch.float64) / self.step, self.rounding, generator)
+        lo, hi = torch.aminmax(codes)
+        lo, hi = float(lo), float(hi)
+        if not (-INT32_MAX - 1 <= lo <= INT32_MAX and hi - lo <= _MAX_SPAN):
+            raise ValueError(
+                f"step={self.step} is too small for x (or x is not finite): the codes span "
+                f"[{lo:.6g}, {hi:.6g}], but the offset must fit int32 and the range 32 bits"
+            )
+        lo_i = int(lo)
+        b = max(1, int(hi - lo).bit_length())
+        data = pack_wide(codes.to(torch.int64) - lo_i, b)
+        return Payload(header=pack_header(self.header_format, n, lo_i, b, device=x.device), data=data)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, offset, b = unpack_header(self.header_format, payload.header)
+        codes = unpack_wide(payload.data, b, n)
+        x = (codes + offset).to(torch.float64) * self.step
+        return x.to(torch.float32 if dtype is None else dtype)

@@ -1,0 +1,208 @@
+"""``torch.distributed`` runtime: one process per rank, gloo (CPU) or NCCL (CUDA).
+
+Same contract as the in-process runtime (:mod:`lowbit.comm.inprocess`): every
+op returns new tensors on the device of the tensor handed in, collectives list
+ranks in rank order, and a neighbour exchange carries buffers whose sizes may
+differ from rank to rank. Neighbour sets must be symmetric (``j`` in
+``neighbors`` of ``i`` iff ``i`` in ``neighbors`` of ``j``), as in the
+in-process runtime; a rank may list no neighbours at all.
+
+Where the bytes travel is chosen by the backend of the default process group:
+NCCL moves CUDA tensors (a CPU tensor is copied to the current CUDA device and
+the result copied back), gloo moves CPU tensors (a CUDA tensor is staged
+through the CPU).
+
+Floating-point sums: gloo and NCCL add the ranks' tensors in their own order
+(ring chunks), so a float ``all_reduce(..., "sum")`` can differ from the
+in-process runtime in the last bits. ``deterministic=True`` makes floating sums
+all-gather the tensors and add them in rank order, bit for bit what the
+in-process runtime computes (at the cost of the all-gather's traffic; the
+ledger still counts an all-reduce). Integer sums, max and min are exact either
+way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from .base import Transport
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class TorchDistributedTransport(Transport):
+    """Transport over the initialised default ``torch.distributed`` process group.
+
+    ``owns_group``: :meth:`close` destroys the process group (set by
+    :func:`init_from_env` when it created the group itself).
+    ``deterministic``: float sums are reduced in rank order (see module doc).
+    """
+
+    def __init__(self, *, owns_group: bool = False, deterministic: bool = False):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "TorchDistributedTransport needs an initialised torch.distributed default process group; "
+                "call lowbit.comm.init_from_env() under torchrun, or use lowbit.comm.launch()"
+            )
+        super().__init__(dist.get_rank(), dist.get_world_size())
+        self.backend = str(dist.get_backend()).lower()
+        self.deterministic = bool(deterministic)
+        self._owns_group = owns_group
+        self._nccl = "nccl" in self.backend
+        self._cpu_ok = "gloo" in self.backend or "mpi" in self.backend or not self._nccl
+
+    def __repr__(self) -> str:
+        return f"TorchDistributedTransport(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+
+    # ---- where the bytes travel ---------------------------------------------
+    def _device(self, t: torch.Tensor) -> torch.device:
+        """The device the backend moves ``t`` on."""
+        if t.device.type == "cuda" and self._nccl:
+            return t.device
+        if self._cpu_ok:
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+
+    def _staged(self, t: torch.Tensor, copy: bool) -> torch.Tensor:
+        """``t`` on the comm device, contiguous (a fresh copy if ``copy``)."""
+        x = t.detach().to(self._device(t), copy=copy)
+        return x if x.is_contiguous() else x.contiguous()
+
+    def _check_root(self, root: int, what: str) -> int:
+        root = int(root)
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"{what} must be a rank in [0, {self.world_size - 1}], got {root}")
+        return root
+
+    # ---- the runtime --------------------------------------------------------
+    def _neighbor_exchange(self, buf, neighbors):
+        peers = list(dict.fromkeys(neighbors))  # a repeated neighbour is one link
+        if not peers:
+            return {}
+        dev = self._device(buf)
+        send = self._staged(buf, copy=False)  # only read
+        # 1) sizes: every buffer size is known before its bytes are posted.
+        my_size = torch.tensor([send.numel()], dtype=torch.int64, device=dev)
+        sizes = {j: torch.zeros(1, dtype=torch.int64, device=dev) for j in peers}
+        ops = []
+        for j in peers:
+            ops.append(dist.P2POp(dist.isend, my_size, j, tag=1))
+            ops.append(dist.P2POp(dist.irecv, sizes[j], j, tag=1))
+        _run_p2p(ops)
+        # 2) payloads; an empty buffer is not put on the wire (both sides know).
+        recv = {j: torch.empty(int(sizes[j].item()), dtype=torch.uint8, device=dev) for j in peers}
+        ops = []
+        for j in peers:
+            if send.numel() > 0:
+                ops.append(dist.P2POp(dist.isend, send, j, tag=2))
+            if recv[j].numel() > 0:
+                ops.append(dist.P2POp(dist.irecv, recv[j], j, tag=2))
+        _run_p2p(ops)
+        return {j: recv[j].to(buf.device) for j in peers}
+
+    def _all_reduce(self, t, op):
+        if self.deterministic and op == "sum" and t.is_floating_point() and self.world_size > 1:
+            parts = self._all_gather(t)
+            acc = parts[0].clone()
+            for p in parts[1:]:
+                acc += p
+            return acc
+        x = self._staged(t, copy=True)
+        dist.all_reduce(x, op=_REDUCE[op])
+        return x.to(t.device)
+
+    def _all_gather(self, t):
+        x = self._staged(t, copy=False)
+        outs = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(outs, x)
+        return [o.to(t.device) for o in outs]
+
+    def _broadcast(self, t, src):
+        src = self._check_root(src, "src")
+        if self.rank == src:
+            x = self._staged(t, copy=True)
+        else:
+            x = torch.empty(t.shape, dtype=t.dtype, device=self._device(t))
+        dist.broadcast(x, src)
+        return x.to(t.device)
+
+    def _gather(self, t, dst):
+        dst = self._check_root(dst, "dst")
+        if self._nccl:  # NCCL gather support varies by version: all-gather, keep dst's copy
+            parts = self._all_gather(t)
+            return parts if self.rank == dst else None
+        x = self._staged(t, copy=False)
+        outs = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
+        dist.gather(x, outs, dst=dst)
+        return [o.to(t.device) for o in outs] if outs is not None else None
+
+    def _barrier(self):
+        if self._nccl and torch.cuda.is_available():
+            dist.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            dist.barrier()
+
+    def close(self) -> None:
+        """Destroy the process group if this transport created it (idempotent)."""
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+
+
+def _run_p2p(ops) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def _env_int(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def init_from_env(
+    backend: str | None = None, *, timeout_s: float | None = None, deterministic: bool = False
+) -> TorchDistributedTransport:
+    """Join a ``torchrun``-style launch and return this rank's transport.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (required)
+    and ``LOCAL_RANK`` (the CUDA device for NCCL; default ``RANK`` modulo the
+    number of visible GPUs). ``backend``: ``"nccl"`` if CUDA is available,
+    else ``"gloo"``. If the default process group already exists it is reused
+    (and not destroyed by :meth:`~TorchDistributedTransport.close`).
+    """
+    if dist.is_initialized():
+        return TorchDistributedTransport(owns_group=False, deterministic=deterministic)
+    missing = [v for v in _ENV_REQUIRED if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init_from_env: environment variable(s) {', '.join(missing)} not set; "
+            f"it needs {', '.join(_ENV_REQUIRED)} (and LOCAL_RANK): start the script with torchrun "
+            "or run it through lowbit.comm.launch()"
+        )
+    rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} / WORLD_SIZE={world_size}: need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE")
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    kwargs = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=float(timeout_s))
+    if "nccl" in backend.lower():
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"backend={backend!r} needs CUDA, which is not available here; use backend='gloo'")
+        local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank % torch.cuda.device_count()
+        if not 0 <= local < torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        torch.cuda.set_device(local)
+        kwargs["device_id"] = torch.device("cuda", local)
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+    return TorchDistributedTransport(owns_group=True, deterministic=deterministic)

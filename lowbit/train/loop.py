@@ -1,0 +1,138 @@
+"""The per-worker training loop (SPMD): the same function runs on every
+worker of either runtime, against a :class:`~lowbit.comm.Transport`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..algorithms import ALGORITHMS, Algorithm
+from ..codecs import IdentityCodec, MinMaxCodec, UniformCodec
+from ..codecs.rng import derive_seed
+from ..comm.base import Transport
+from ..integrations import FlatParams
+from ..topology import make_topology
+from .config import TrainConfig
+from .tasks import make_task
+
+_INIT_LOCK = threading.Lock()
+
+# Codecs the quantized baselines accept on the command line (--codec).
+GOSSIP_CODECS = ("uniform", "minmax", "fp32")
+
+
+def build_codec(cfg: TrainConfig):
+    name = cfg.codec or "uniform"
+    if name not in GOSSIP_CODECS:
+        raise ValueError(f"codec={name!r} is not available for algorithm={cfg.algorithm!r}; choose one of: {', '.join(GOSSIP_CODECS)}")
+    if name == "uniform":
+        return UniformCodec(step=cfg.delta, rounding=cfg.rounding)
+    if name == "minmax":
+        return MinMaxCodec(bits=cfg.bits, rounding=cfg.rounding)
+    return IdentityCodec()
+
+
+def build_algorithm(cfg: TrainConfig, transport: Transport) -> Algorithm:
+    fixed_codec = {"allreduce": "fp32", "dpsgd": "fp32", "moniqua": "modulo"}
+    if cfg.algorithm in fixed_codec and cfg.codec not in (None, fixed_codec[cfg.algorithm]):
+        raise ValueError(f"codec={cfg.codec!r}: algorithm={cfg.algorithm!r} sends {fixed_codec[cfg.algorithm]} only")
+    cls = ALGORITHMS[cfg.algorithm]
+    if cls.family == "centralized":
+        return cls(transport, seed=cfg.seed)
+    topo = make_topology(cfg.topology, cfg.workers)
+    kw = dict(weights=cfg.weights, seed=cfg.seed)
+    if cfg.algorithm == "naive":
+        return cls(transport, topo, codec=build_codec(cfg), **kw)
+    if cfg.algorithm == "moniqua":
+        return cls(transport, topo, bits=cfg.bits, theta=cfg.theta, rounding=cfg.rounding,
+                   theta_schedule=cfg.theta_schedule, **kw)
+    return cls(transport, topo, **kw)
+
+
+@dataclass
+class WorkerResult:
+    """What one worker hands back (picklable, for the process runtime)."""
+
+    rank: int
+    params: torch.Tensor
+    ledger_rows: list
+    compute_seconds: list[float]
+    extra_memory_bytes: int
+    evals: list[dict] = field(default_factory=list)
+
+
+def _evaluate(k, cfg, task, model, flat, transport, eval_model, eval_flat) -> dict:
+    """Collective (all ranks call it), not counted in the ledger."""
+    n = transport.world_size
+    with transport.untracked():
+        x = flat.data
+        x_bar = transport.all_reduce(x.detach().clone(), "sum") / n
+        local = task.evaluate(model)
+        local_acc = local["test_accuracy"] if local["test_accuracy"] is not None else float("nan")
+        gns = task.full_grad_norm_sq(model)
+        cons = float((x - x_bar).pow(2).sum())
+        stats = transport.all_reduce(torch.tensor([local_acc, gns, cons, float(transport.ledger.bytes_sent)],
+                                                  dtype=torch.float64), "sum")
+    out = {"step": k}
+    if transport.rank == 0:
+        eval_flat.data.copy_(x_bar)
+        avg = task.evaluate(eval_model)
+        out.update(train_loss=avg["train_loss"], test_accuracy=avg["test_accuracy"])
+    out.update(local_test_accuracy=None if local["test_accuracy"] is None else float(stats[0]) / n,
+               grad_norm_sq=float(stats[1]) / n, consensus_distance=float(stats[2]) / n,
+               bytes_sent=int(stats[3]))
+    return out
+
+
+def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -> WorkerResult:
+    rank, n = transport.rank, transport.world_size
+    if n != cfg.workers:
+        raise ValueError(f"the runtime has {n} workers but workers={cfg.workers}")
+    task_kw = {"quadratic": dict(dim=cfg.dim, delta=cfg.delta, noise=cfg.noise),
+               "digits-mlp": dict(hidden=cfg.hidden)}[cfg.task]
+    task = make_task(cfg.task, **task_kw)
+    with _INIT_LOCK:  # thread workers share torch's global RNG
+        torch.manual_seed(cfg.seed)  # A4: every worker starts from the same x_0
+        model = task.make_model()
+        eval_model = task.make_model()
+    flat, eval_flat = FlatParams(model), FlatParams(eval_model)
+    algo = build_algorithm(cfg, transport)
+    algo.setup(flat.data)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    shard = task.shard(rank, n, cfg.seed)
+    data_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 0, rank, stream=1))
+
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{n}", unit="step", leave=False)
+    compute: list[float] = []
+    evals: list[dict] = []
+    for k in range(cfg.steps):
+        if k % cfg.eval_every == 0:
+            evals.append(_evaluate(k, cfg, task, model, flat, transport, eval_model, eval_flat))
+        transport.set_step(k)
+        t0 = time.thread_time()
+        lr = cfg.lr_at(k)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        flat.zero_grad()
+        loss = task.loss(model, task.sample(shard, cfg.batch_size, data_gen))
+        loss.backward()
+        algo.before_update(k, flat.data, flat.grad, lr)
+        opt.step()
+        algo.after_update(k, flat.data, flat.grad, lr)
+        compute.append(time.thread_time() - t0)
+        if bar is not None:
+            bar.update(1)
+    transport.set_step(cfg.steps)
+    evals.append(_evaluate(cfg.steps, cfg, task, model, flat, transport, eval_model, eval_flat))
+    if bar is not None:
+        bar.close()
+    flat.check_aliasing()
+    return WorkerResult(rank=rank, params=flat.data.detach().clone(), ledger_rows=transport.ledger.to_rows(),
+                        compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(), evals=evals)

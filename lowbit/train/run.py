@@ -1,0 +1,121 @@
+"""Run a training job on a runtime, combine the workers' results, write them."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..comm.inprocess import run_threads
+from ..comm.ledger import Ledger
+from .config import TrainConfig
+from .loop import WorkerResult, run_worker
+
+
+def _thread_job(cfg: TrainConfig, progress: bool):
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)  # n workers share the cores; thread CPU time stays per worker
+    try:
+        return run_threads(cfg.workers, functools.partial(run_worker, cfg=cfg, progress=progress))
+    finally:
+        torch.set_num_threads(old)
+
+
+def _torch_worker(transport, cfg: TrainConfig, progress: bool) -> WorkerResult:
+    return run_worker(transport, cfg, progress)
+
+
+def _torch_job(cfg: TrainConfig, progress: bool):
+    from ..comm.launcher import is_torchrun, launch
+
+    if not is_torchrun():
+        return launch(cfg.workers, _torch_worker, cfg, progress)
+    # Under torchrun this process is one worker: run it, collect on rank 0.
+    import torch.distributed as dist
+
+    from ..comm.distributed import init_from_env
+
+    transport = init_from_env()
+    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+    res = run_worker(transport, cfg, progress)
+    gathered = [None] * transport.world_size if transport.rank == 0 else None
+    dist.gather_object(res, gathered, dst=0)
+    transport.close()
+    return gathered
+
+
+def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float) -> dict:
+    n = cfg.workers
+    net = cfg.network()
+    ledgers = [Ledger.from_rows(r.rank, n, r.ledger_rows) for r in results]
+    d = results[0].params.numel()
+    compute = sum(max(r.compute_seconds[k] for r in results) for k in range(cfg.steps))
+    comm = sum(max(net.step_seconds(led.records.get(k, ()), n) for led in ledgers) for k in range(cfg.steps))
+    records = [rec for led in ledgers for recs in led.records.values() for rec in recs]
+    bits_per_msg = (8.0 * sum(rec.nbytes * rec.peers for rec in records) / (d * sum(rec.peers for rec in records))
+                    if records else 0.0)
+    bytes_sent = sum(led.bytes_sent for led in ledgers)
+    last = results[0].evals[-1]
+    return {
+        "final_test_accuracy": last["test_accuracy"],
+        "final_local_test_accuracy": last["local_test_accuracy"],
+        "final_train_loss": last["train_loss"],
+        "final_grad_norm_sq": last["grad_norm_sq"],
+        "final_consensus_distance": last["consensus_distance"],
+        "bytes_sent": bytes_sent,
+        "bytes_sent_per_step": bytes_sent / cfg.steps,
+        "messages_sent": sum(led.messages_sent for led in ledgers),
+        "bits_per_element_per_message": bits_per_msg,
+        "parameters": d,
+        "extra_memory_bytes": max(r.extra_memory_bytes for r in results),
+        "emulated_seconds": compute + comm,
+        "emulated_compute_seconds": compute,
+        "emulated_comm_seconds": comm,
+        "wall_seconds": wall_seconds,
+        "steps": cfg.steps,
+        "config": cfg.to_dict(),
+    }
+
+
+def metrics_rows(cfg: TrainConfig, results: list[WorkerResult]) -> list[dict]:
+    """One row per evaluation, with the emulated clock at that step."""
+    n, net = cfg.workers, cfg.network()
+    ledgers = [Ledger.from_rows(r.rank, n, r.ledger_rows) for r in results]
+    per_step = [max(r.compute_seconds[k] for r in results)
+                + max(net.step_seconds(led.records.get(k, ()), n) for led in ledgers) for k in range(cfg.steps)]
+    rows = []
+    for ev in results[0].evals:
+        rows.append({**ev, "emulated_seconds": math.fsum(per_step[: ev["step"]])})
+    return rows
+
+
+@dataclass
+class Run:
+    summary: dict
+    metrics: list[dict]
+    workers: list[WorkerResult]
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool = False) -> Run | None:
+    """Run ``cfg`` and return its :class:`Run` (None on non-zero torchrun
+    ranks); write ``metrics.jsonl`` and ``summary.json`` into ``out`` if given."""
+    t0 = time.perf_counter()
+    results = _thread_job(cfg, progress) if cfg.backend == "thread" else _torch_job(cfg, progress)
+    wall = time.perf_counter() - t0
+    if results is None:
+        return None
+    run = Run(summarize(cfg, results, wall), metrics_rows(cfg, results), results)
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "metrics.jsonl", "w") as f:
+            for row in run.metrics:
+                f.write(json.dumps(row) + "\n")
+        (out / "summary.json").write_text(json.dumps(run.summary, indent=2) + "\n")
+    return run

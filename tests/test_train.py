@@ -1,0 +1,90 @@
+"""End to end: the paper's claims on the quadratic and on digits, both runtimes, the CLI."""
+
+import json
+
+import pytest
+import torch
+
+from lowbit.cli import main
+from lowbit.topology import make_topology, smallest_nonzero_weight
+from lowbit.train import TrainConfig, train
+
+
+def _quad(**kw):
+    base = dict(task="quadratic", workers=8, topology="ring", steps=400, dim=16, delta=0.1, eval_every=50)
+    return TrainConfig(**{**base, **kw})
+
+
+def test_theorem1_naive_floor_and_moniqua_below_it():
+    phi = smallest_nonzero_weight(make_topology("ring", 8).mixing_matrix())
+    delta = 0.1
+    floor = phi ** 2 * delta ** 2 / (8 * (1 + phi ** 2))
+    for lr in (0.02, 0.1, 0.5):
+        run = train(_quad(algorithm="naive", lr=lr))
+        tail = [m["grad_norm_sq"] for m in run.metrics[-4:]]
+        assert min(tail) >= floor, (lr, tail, floor)
+    run = train(_quad(algorithm="moniqua", bits=2, lr=0.1, theta=0.05))
+    assert run.summary["bits_per_element_per_message"] <= 2 + 32 / 16  # 2 bits + 4-byte header over 16 elements
+    assert run.summary["final_grad_norm_sq"] <= floor / 10
+
+
+def test_digits_moniqua_2bit_matches_dpsgd():
+    moniqua = train(TrainConfig(algorithm="moniqua", bits=2)).summary
+    dpsgd = train(TrainConfig(algorithm="dpsgd")).summary
+    assert dpsgd["final_test_accuracy"] >= 0.90
+    assert moniqua["final_test_accuracy"] >= 0.90
+    assert moniqua["final_test_accuracy"] >= dpsgd["final_test_accuracy"] - 0.02
+    # 2 bits per parameter on the wire against 32
+    assert moniqua["bytes_sent"] * 15 < dpsgd["bytes_sent"]
+    assert moniqua["extra_memory_bytes"] == 0
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "moniqua"])
+def test_both_runtimes_give_the_same_model_and_bytes(algorithm):
+    cfg = TrainConfig(algorithm=algorithm, workers=4, steps=30, eval_every=10)
+    a = train(cfg)
+    b = train(TrainConfig(**{**cfg.to_dict(), "backend": "torch"}))
+    for wa, wb in zip(a.workers, b.workers):
+        torch.testing.assert_close(wa.params, wb.params, atol=1e-6, rtol=0)
+        assert wa.ledger_rows == wb.ledger_rows
+    assert a.summary["bytes_sent"] == b.summary["bytes_sent"] > 0
+
+
+def test_cli_writes_metrics_and_summary(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["train", "--task", "digits-mlp", "--algorithm", "moniqua", "--bits", "2", "--workers", "4",
+               "--steps", "20", "--eval-every", "10", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    assert "bytes sent" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 10, 20]
+    assert rows[-1]["bytes_sent"] > rows[1]["bytes_sent"] > rows[0]["bytes_sent"] == 0
+    s = json.loads((out / "summary.json").read_text())
+    for key in ("final_test_accuracy", "final_train_loss", "final_grad_norm_sq", "bytes_sent",
+                "bits_per_element_per_message", "extra_memory_bytes", "emulated_seconds", "wall_seconds",
+                "steps", "config"):
+        assert key in s
+    assert s["steps"] == 20 and s["config"]["bits"] == 2
+    assert s["emulated_seconds"] > s["emulated_comm_seconds"] > 0
+
+
+@pytest.mark.parametrize("argv,word", [
+    (["--bits", "9"], "bits"),
+    (["--bits", "0"], "bits"),
+    (["--task", "nope"], "task"),
+    (["--algorithm", "nope"], "algorithm"),
+    (["--topology", "nope"], "topology"),
+    (["--workers", "0"], "workers"),
+    (["--topology", "torus", "--workers", "7"], "workers"),
+    (["--theta", "0"], "theta"),
+    (["--theta", "-1"], "theta"),
+    (["--algorithm", "moniqua", "--bits", "1"], "delta"),
+    (["--algorithm", "moniqua", "--codec", "minmax"], "codec"),
+    (["--algorithm", "naive", "--codec", "nope"], "codec"),
+    (["--bandwidth", "fast"], "bandwidth"),
+    (["--backend", "mpi"], "backend"),
+])
+def test_cli_rejects_bad_input_naming_the_option(argv, word, capsys):
+    rc = main(["train", "--no-progress", "--steps", "1"] + argv)
+    assert rc == 2
+    assert word in capsys.readouterr().err
