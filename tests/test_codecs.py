@@ -343,8 +343,6 @@ def test_shared_randomness(codec):
         (lambda: ModuloCodec(bits=2, theta=float("nan")), "theta"),
         (lambda: ModuloCodec(bits=1, theta=1.0), "bits"),
         (lambda: ModuloCodec(bits=1, theta=1.0, rounding="stochastic"), "delta"),
-        (lambda: ModuloCodec(theta=1.0), "bits"),
-        (lambda: ModuloCodec(bits=2), "theta"),
         (lambda: UniformCodec(step=0.0), "step"),
         (lambda: UniformCodec(step=-0.1), "step"),
         (lambda: UniformCodec(step=0.1, rounding="floor"), "rounding"),
@@ -354,6 +352,12 @@ def test_shared_randomness(codec):
 def test_errors_name_the_field(factory, field):
     with pytest.raises(ValueError, match=field):
         factory()
+
+
+@pytest.mark.parametrize("kwargs,field", [(dict(theta=1.0), "bits"), (dict(bits=2), "theta")])
+def test_modulo_requires_bits_and_theta(kwargs, field):
+    with pytest.raises(TypeError, match=field):
+        ModuloCodec(**kwargs)
 
 
 def test_make_codec_and_frozen():

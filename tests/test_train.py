@@ -88,3 +88,18 @@ def test_cli_rejects_bad_input_naming_the_option(argv, word, capsys):
     rc = main(["train", "--no-progress", "--steps", "1"] + argv)
     assert rc == 2
     assert word in capsys.readouterr().err
+
+
+def test_torchrun_launch_joins_and_matches_threads(tmp_path):
+    """The CLI under torchrun: each process is one worker; rank 0 writes the results."""
+    import subprocess
+    import sys
+
+    args = ["train", "--backend", "torch", "--workers", "2", "--steps", "20", "--eval-every", "10", "--no-progress"]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "lowbit",
+                           *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    ref = train(TrainConfig(workers=2, steps=20, eval_every=10)).summary
+    assert s["bytes_sent"] == ref["bytes_sent"]
+    assert s["final_train_loss"] == pytest.approx(ref["final_train_loss"], abs=1e-5)

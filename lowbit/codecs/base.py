@@ -79,8 +79,13 @@ class Codec(ABC):
     """Base class of every codec.
 
     Subclasses are frozen dataclasses and set the class attributes below.
-    ``bits`` is the nominal number of bits per element of the data part.
+    Each also provides ``bits``, the nominal number of bits per element of the
+    data part, as a dataclass field or a property. (It is declared here by
+    annotation only: a class attribute would become the default of a
+    subclass's ``bits`` field.)
     """
+
+    bits: float
 
     name: str = "codec"
     kind: CodecKind = CodecKind.PLAIN
@@ -90,11 +95,6 @@ class Codec(ABC):
     @property
     def header_nbytes(self) -> int:
         return header_size(self.header_format)
-
-    @property
-    @abstractmethod
-    def bits(self) -> float:
-        """Nominal bits per element of the packed data."""
 
     @abstractmethod
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:

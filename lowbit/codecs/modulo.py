@@ -49,11 +49,8 @@ class ModuloCodec(Codec):
     line 4's local biased term, against the receiver's model line 5.
     """
 
-    # bits and theta are required; the None defaults only exist because a field
-    # without a default would pick up Codec's abstract ``bits`` property as its
-    # default. Omitting either raises ValueError in __post_init__.
-    bits: int = None  # type: ignore[assignment]
-    theta: float = None  # type: ignore[assignment]
+    bits: int
+    theta: float
     rounding: str = "stochastic"
 
     name = "modulo"

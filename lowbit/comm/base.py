@@ -53,10 +53,13 @@ class Transport(ABC):
     # ---- the contract ----------------------------------------------------
     def neighbor_exchange(self, buf: torch.Tensor, neighbors: Sequence[int]) -> dict[int, torch.Tensor]:
         """Send the 1-D uint8 ``buf`` to every rank in ``neighbors`` and receive
-        one buffer from each of them (sizes may differ between ranks)."""
+        one buffer from each of them (sizes may differ between ranks). The
+        neighbour relation must be symmetric: j lists i whenever i lists j."""
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise TypeError(f"neighbor_exchange sends 1-D uint8 buffers, got {buf.dtype} {tuple(buf.shape)}")
         neighbors = tuple(int(j) for j in neighbors)
+        if len(set(neighbors)) != len(neighbors):
+            raise ValueError(f"neighbors of rank {self.rank} must be distinct, got {neighbors}")
         for j in neighbors:
             if not 0 <= j < self.world_size or j == self.rank:
                 raise ValueError(f"neighbor {j} of rank {self.rank} is not another rank in [0, {self.world_size - 1}]")
@@ -76,13 +79,19 @@ class Transport(ABC):
         self._record("all_gather", t.numel() * t.element_size())
         return self._all_gather(t)
 
+    def _check_root(self, name: str, root: int) -> None:
+        if not 0 <= root < self.world_size:
+            raise ValueError(f"{name} must be a rank in [0, {self.world_size - 1}], got {root}")
+
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """``src``'s tensor on every rank (same shape and dtype on all ranks)."""
+        self._check_root("src", src)
         self._record("broadcast", t.numel() * t.element_size(), root=self.rank == src)
         return self._broadcast(t, src)
 
     def gather(self, t: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
         """Every rank's tensor on ``dst`` in rank order; None elsewhere."""
+        self._check_root("dst", dst)
         self._record("gather", t.numel() * t.element_size(), root=self.rank == dst)
         return self._gather(t, dst)
 

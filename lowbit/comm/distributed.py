@@ -73,15 +73,9 @@ class TorchDistributedTransport(Transport):
         x = t.detach().to(self._device(t), copy=copy)
         return x if x.is_contiguous() else x.contiguous()
 
-    def _check_root(self, root: int, what: str) -> int:
-        root = int(root)
-        if not 0 <= root < self.world_size:
-            raise ValueError(f"{what} must be a rank in [0, {self.world_size - 1}], got {root}")
-        return root
-
     # ---- the runtime --------------------------------------------------------
     def _neighbor_exchange(self, buf, neighbors):
-        peers = list(dict.fromkeys(neighbors))  # a repeated neighbour is one link
+        peers = list(neighbors)  # distinct: checked by Transport.neighbor_exchange
         if not peers:
             return {}
         dev = self._device(buf)
@@ -123,7 +117,6 @@ class TorchDistributedTransport(Transport):
         return [o.to(t.device) for o in outs]
 
     def _broadcast(self, t, src):
-        src = self._check_root(src, "src")
         if self.rank == src:
             x = self._staged(t, copy=True)
         else:
@@ -132,7 +125,6 @@ class TorchDistributedTransport(Transport):
         return x.to(t.device)
 
     def _gather(self, t, dst):
-        dst = self._check_root(dst, "dst")
         if self._nccl:  # NCCL gather support varies by version: all-gather, keep dst's copy
             parts = self._all_gather(t)
             return parts if self.rank == dst else None

@@ -109,7 +109,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
     if progress and rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{n}", unit="step", leave=False)
+        bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{n}", unit="step", leave=False, mininterval=0.5)
     compute: list[float] = []
     evals: list[dict] = []
     for k in range(cfg.steps):
