@@ -37,6 +37,8 @@ def _add_train(sub) -> None:
                    help="quadratic offset and the naive quantizer's step (Theorem 1)")
     p.add_argument("--codec", default=None, help="codec of the naive baseline: uniform, minmax, fp32")
     p.add_argument("--rounding", default=d["rounding"].default, help="stochastic or nearest")
+    p.add_argument("--shared-randomness", action=argparse.BooleanOptionalAction, default=True,
+                   help="Moniqua: all workers use the same stochastic-rounding offsets each step")
     p.add_argument("--eval-every", type=int, default=d["eval_every"].default)
     p.add_argument("--dim", type=int, default=d["dim"].default, help="dimension of the quadratic task")
     p.add_argument("--noise", type=float, default=d["noise"].default, help="gradient noise of the quadratic task")

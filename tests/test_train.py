@@ -26,6 +26,11 @@ def test_theorem1_naive_floor_and_moniqua_below_it():
     run = train(_quad(algorithm="moniqua", bits=2, lr=0.1, theta=0.05))
     assert run.summary["bits_per_element_per_message"] <= 2 + 32 / 16  # 2 bits + 4-byte header over 16 elements
     assert run.summary["final_grad_norm_sq"] <= floor / 10
+    # Without shared randomness the rounding errors of workers do not cancel; with
+    # theta_k following a decaying step size (Theorem 2) Moniqua still goes below the floor.
+    run = train(_quad(algorithm="moniqua", bits=2, lr=0.1, lr_schedule="cosine", theta=0.02,
+                      theta_schedule="lr", shared_randomness=False))
+    assert run.summary["final_grad_norm_sq"] <= floor
 
 
 def test_digits_moniqua_2bit_matches_dpsgd():
@@ -83,6 +88,9 @@ def test_cli_writes_metrics_and_summary(tmp_path, capsys):
     (["--algorithm", "naive", "--codec", "nope"], "codec"),
     (["--bandwidth", "fast"], "bandwidth"),
     (["--backend", "mpi"], "backend"),
+    (["--rounding", "up"], "rounding"),
+    (["--theta-schedule", "auto"], "theta_schedule"),
+    (["--algorithm", "moniqua", "--bits", "1", "--backend", "torch"], "delta"),  # before any process starts
 ])
 def test_cli_rejects_bad_input_naming_the_option(argv, word, capsys):
     rc = main(["train", "--no-progress", "--steps", "1"] + argv)

@@ -6,11 +6,16 @@ import math
 from dataclasses import asdict, dataclass, fields
 
 from ..algorithms import ALGORITHMS
+from ..algorithms.moniqua import THETA_SCHEDULES
+from ..codecs import ROUNDINGS, Codec, IdentityCodec, MinMaxCodec, ModuloCodec, UniformCodec
 from ..comm.netmodel import NetworkModel
 from ..topology import WEIGHTINGS, make_topology
 from .tasks import TASKS
 
 BACKENDS = ("thread", "torch")
+# Codecs the naive quantized baseline accepts (--codec); the others send one codec only.
+GOSSIP_CODECS = ("uniform", "minmax", "fp32")
+FIXED_CODECS = {"allreduce": "fp32", "dpsgd": "fp32", "moniqua": "modulo"}
 LR_SCHEDULES = ("constant", "cosine")
 
 # Per-task defaults for options left as None.
@@ -43,6 +48,7 @@ class TrainConfig:
     delta: float = 0.1
     codec: str | None = None
     rounding: str = "stochastic"
+    shared_randomness: bool = True
     eval_every: int = 25
     dim: int = 16
     noise: float = 0.0
@@ -64,6 +70,8 @@ class TrainConfig:
         choice("backend", BACKENDS)
         choice("weights", WEIGHTINGS)
         choice("lr_schedule", LR_SCHEDULES)
+        choice("rounding", ROUNDINGS)
+        choice("theta_schedule", THETA_SCHEDULES)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         make_topology(self.topology, self.workers)  # unknown name or impossible size -> ValueError
@@ -86,6 +94,25 @@ class TrainConfig:
         if self.weight_decay < 0 or self.noise < 0:
             raise ValueError(f"weight_decay and noise must be >= 0, got {self.weight_decay}, {self.noise}")
         NetworkModel.parse(self.bandwidth, self.latency)  # raises on bad units
+        # Build the codec here so that a bad combination fails before any worker starts.
+        if self.algorithm in FIXED_CODECS and self.codec not in (None, FIXED_CODECS[self.algorithm]):
+            raise ValueError(f"codec={self.codec!r}: algorithm={self.algorithm!r} sends {FIXED_CODECS[self.algorithm]} only")
+        if self.algorithm == "naive":
+            self.gossip_codec()
+        if self.algorithm == "moniqua":
+            ModuloCodec(bits=self.bits, theta=self.theta, rounding=self.rounding)
+
+    def gossip_codec(self) -> Codec:
+        """The codec of the naive quantized baseline."""
+        name = self.codec or "uniform"
+        if name not in GOSSIP_CODECS:
+            raise ValueError(f"codec={name!r} is not available for algorithm={self.algorithm!r}; "
+                             f"choose one of: {', '.join(GOSSIP_CODECS)}")
+        if name == "uniform":
+            return UniformCodec(step=self.delta, rounding=self.rounding)
+        if name == "minmax":
+            return MinMaxCodec(bits=self.bits, rounding=self.rounding)
+        return IdentityCodec()
 
     def lr_at(self, k: int) -> float:
         if self.lr_schedule == "cosine":

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithms import ALGORITHMS, Algorithm
-from ..codecs import IdentityCodec, MinMaxCodec, UniformCodec
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..integrations import FlatParams
@@ -20,35 +19,18 @@ from .tasks import make_task
 
 _INIT_LOCK = threading.Lock()
 
-# Codecs the quantized baselines accept on the command line (--codec).
-GOSSIP_CODECS = ("uniform", "minmax", "fp32")
-
-
-def build_codec(cfg: TrainConfig):
-    name = cfg.codec or "uniform"
-    if name not in GOSSIP_CODECS:
-        raise ValueError(f"codec={name!r} is not available for algorithm={cfg.algorithm!r}; choose one of: {', '.join(GOSSIP_CODECS)}")
-    if name == "uniform":
-        return UniformCodec(step=cfg.delta, rounding=cfg.rounding)
-    if name == "minmax":
-        return MinMaxCodec(bits=cfg.bits, rounding=cfg.rounding)
-    return IdentityCodec()
-
 
 def build_algorithm(cfg: TrainConfig, transport: Transport) -> Algorithm:
-    fixed_codec = {"allreduce": "fp32", "dpsgd": "fp32", "moniqua": "modulo"}
-    if cfg.algorithm in fixed_codec and cfg.codec not in (None, fixed_codec[cfg.algorithm]):
-        raise ValueError(f"codec={cfg.codec!r}: algorithm={cfg.algorithm!r} sends {fixed_codec[cfg.algorithm]} only")
     cls = ALGORITHMS[cfg.algorithm]
     if cls.family == "centralized":
         return cls(transport, seed=cfg.seed)
     topo = make_topology(cfg.topology, cfg.workers)
     kw = dict(weights=cfg.weights, seed=cfg.seed)
     if cfg.algorithm == "naive":
-        return cls(transport, topo, codec=build_codec(cfg), **kw)
+        return cls(transport, topo, codec=cfg.gossip_codec(), **kw)
     if cfg.algorithm == "moniqua":
         return cls(transport, topo, bits=cfg.bits, theta=cfg.theta, rounding=cfg.rounding,
-                   theta_schedule=cfg.theta_schedule, **kw)
+                   theta_schedule=cfg.theta_schedule, shared_randomness=cfg.shared_randomness, **kw)
     return cls(transport, topo, **kw)
 
 
