@@ -19,10 +19,10 @@ def test_theorem1_naive_floor_and_moniqua_below_it():
     phi = smallest_nonzero_weight(make_topology("ring", 8).mixing_matrix())
     delta = 0.1
     floor = phi ** 2 * delta ** 2 / (8 * (1 + phi ** 2))
-    for lr in (0.02, 0.1, 0.5):
-        run = train(_quad(algorithm="naive", lr=lr))
+    for lr, schedule in ((0.02, "constant"), (0.5, "constant"), (0.1, "cosine")):  # cosine decays to 0
+        run = train(_quad(algorithm="naive", lr=lr, lr_schedule=schedule))
         tail = [m["grad_norm_sq"] for m in run.metrics[-4:]]
-        assert min(tail) >= floor, (lr, tail, floor)
+        assert min(tail) >= floor, (lr, schedule, tail, floor)
     run = train(_quad(algorithm="moniqua", bits=2, lr=0.1, theta=0.05))
     assert run.summary["bits_per_element_per_message"] <= 2 + 32 / 16  # 2 bits + 4-byte header over 16 elements
     assert run.summary["final_grad_norm_sq"] <= floor / 10
@@ -71,6 +71,17 @@ def test_cli_writes_metrics_and_summary(tmp_path, capsys):
         assert key in s
     assert s["steps"] == 20 and s["config"]["bits"] == 2
     assert s["emulated_seconds"] > s["emulated_comm_seconds"] > 0
+    # network model: one 2-bit message per step on parallel links, 1 ms + bytes / 100 Mbit/s
+    msg = -(-s["parameters"] * 2 // 8) + 4
+    assert s["bytes_sent"] == 20 * 4 * 2 * msg
+    assert s["emulated_comm_seconds"] == pytest.approx(20 * (1e-3 + msg * 8 / 1e8))
+
+
+def test_allreduce_ring_bytes_and_seconds():
+    s = train(TrainConfig(algorithm="allreduce", workers=4, steps=5, eval_every=5)).summary
+    m = s["parameters"] * 4
+    assert s["bytes_sent"] == 5 * 4 * (2 * 3 * m // 4)
+    assert s["emulated_comm_seconds"] == pytest.approx(5 * (2 * 3 * 1e-3 + 2 * 3 / 4 * m * 8 / 1e8))
 
 
 @pytest.mark.parametrize("argv,word", [
