@@ -105,6 +105,10 @@ class Run:
 def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool = False) -> Run | None:
     """Run ``cfg`` and return its :class:`Run` (None on non-zero torchrun
     ranks); write ``metrics.jsonl`` and ``summary.json`` into ``out`` if given."""
+    from ..comm.launcher import is_torchrun
+
+    if cfg.backend == "thread" and is_torchrun():
+        raise ValueError("backend='thread' simulates all workers in one process; under torchrun use --backend torch")
     t0 = time.perf_counter()
     results = _thread_job(cfg, progress) if cfg.backend == "thread" else _torch_job(cfg, progress)
     wall = time.perf_counter() - t0
