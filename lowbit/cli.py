@@ -47,6 +47,32 @@ def _add_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmarks", description="Benchmarks measured side by side in one process.")
+    what = p.add_subparsers(dest="bench_what")
+    c = what.add_parser("codecs", help="encode/decode throughput of every codec against memcpy")
+    c.add_argument("--size", type=int, default=1_000_000, help="elements of the fp32 input")
+    c.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is shown)")
+    c.add_argument("--device", default="cpu", help="cpu or cuda")
+    c.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
+def _bench(args) -> int:
+    import json
+
+    from .bench import bench_codecs, format_rows
+
+    if args.bench_what != "codecs":
+        print("lowbit: error: choose what to benchmark: lowbit bench codecs", file=sys.stderr)
+        return 2
+    rows = bench_codecs(size=args.size, repeats=args.repeats, device=args.device)
+    print(format_rows(rows, args.size))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
 def _fmt(v) -> str:
     if v is None:
         return "-"
@@ -92,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lowbit", description="Distributed training with few bits on the wire.")
     sub = parser.add_subparsers(dest="command")
     _add_train(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
-        return _train(args)
+        return _train(args) if args.command == "train" else _bench(args)
     except ValueError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
         return 2
