@@ -40,4 +40,4 @@ def test_decode(benchmark, data, case):
     codec = case.make()
     payload = codec.encode(x, generator=shared_generator(0, 0, 0))
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
-    benchmark(lambda: codec.decode(payload, **kw))
+    benchmark(lambda: codec.decode(payload, generator=shared_generator(0, 0, 0), **kw))

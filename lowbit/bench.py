@@ -26,14 +26,22 @@ class BenchCase:
 
 
 def default_cases() -> list[BenchCase]:
-    from .codecs import IdentityCodec, MinMaxCodec, ModuloCodec, UniformCodec
+    from . import codecs as c
 
-    cases = [BenchCase("fp32", IdentityCodec)]
+    cases = [BenchCase("fp32", c.IdentityCodec), BenchCase("fp16", lambda: c.HalfCodec("fp16")),
+             BenchCase("bf16", lambda: c.HalfCodec("bf16"))]
     for b in (1, 2, 4, 8):
         if b >= 2:
-            cases.append(BenchCase(f"modulo b={b}", lambda b=b: ModuloCodec(bits=b, theta=0.1)))
-        cases.append(BenchCase(f"minmax b={b}", lambda b=b: MinMaxCodec(bits=b)))
-    cases.append(BenchCase("uniform step=0.01", lambda: UniformCodec(step=0.01)))
+            cases.append(BenchCase(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=0.1)))
+        cases.append(BenchCase(f"minmax b={b}", lambda b=b: c.MinMaxCodec(bits=b)))
+    cases.append(BenchCase("uniform step=0.01", lambda: c.UniformCodec(step=0.01)))
+    for m in (1, 3, 7):  # 2, 3, 4 bits
+        cases.append(BenchCase(f"dithered M={m}", lambda m=m: c.DitheredCodec(levels=m)))
+    cases.append(BenchCase("nested k=4", lambda: c.NestedDitheredCodec(delta1=0.005, k=4)))
+    for s in (1, 7, 127):
+        cases.append(BenchCase(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s)))
+    cases += [BenchCase("terngrad", c.TernGradCodec), BenchCase("sign", c.SignCodec),
+              BenchCase("powersgd r=2", lambda: c.PowerSGDCodec(rank=2))]
     return cases
 
 
@@ -65,9 +73,9 @@ def bench_codecs(size: int = 1_000_000, repeats: int = 5, cases: list[BenchCase]
         codec = case.make()
         gen = lambda: shared_generator(seed, 0, 0, device="cpu")  # noqa: E731
         payload = codec.encode(x, generator=gen())
-        dec_kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
+        ref_kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
         t_enc = _median_seconds(lambda: codec.encode(x, generator=gen()), repeats)
-        t_dec = _median_seconds(lambda: codec.decode(payload, **dec_kw), repeats)
+        t_dec = _median_seconds(lambda: codec.decode(payload, generator=gen(), **ref_kw), repeats)
         rows.append({"codec": case.label, "encode_gbps": gb / t_enc, "decode_gbps": gb / t_dec,
                      "bytes_per_element": payload.nbytes / size,
                      "encode_x_memcpy": t_enc / t_copy, "decode_x_memcpy": t_dec / t_copy})

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lowbit.algorithms import DPSGD, AllReduceSGD, Moniqua, NaiveQuantizedDPSGD
-from lowbit.codecs import ModuloCodec, UniformCodec
+from lowbit.codecs import DitheredCodec, ModuloCodec, UniformCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
 from lowbit.topology import make_topology
@@ -74,11 +74,12 @@ def _reference_quantized(X0, A, b, W, mix):
     return out
 
 
-def test_naive_quantized_gossip_is_equation_4():
+@pytest.mark.parametrize("codec", [UniformCodec(step=0.01), DitheredCodec(levels=4)], ids=["uniform", "dithered"])
+def test_naive_quantized_gossip_is_equation_4(codec):
+    """Also checks that a receiver regenerates a subtractive-dither sender's u from the seed."""
     X0, A, b = _problem()
     topo = make_topology("ring", N)
     Wn = topo.mixing_matrix()
-    codec = UniformCodec(step=0.01)
     traj, _ = _run(lambda t: NaiveQuantizedDPSGD(t, topo, codec=codec, seed=3), X0, A, b)
 
     def mix(k, X):

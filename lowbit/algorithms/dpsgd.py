@@ -31,7 +31,9 @@ class QuantizedGossip(GossipAlgorithm):
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         mixed = x * self.w_self
         for j in self.neighbors:
-            xj = self.codec.decode(self.codec.payload_from_wire(received[j]))
+            # a dithered codec's receiver regenerates sender j's dither from the shared seed
+            gen_j = shared_generator(self.seed, k, j, device=x.device) if self.codec.dither_on_decode else None
+            xj = self.codec.decode(self.codec.payload_from_wire(received[j]), generator=gen_j)
             mixed.add_(xj.to(x.dtype), alpha=self.w[j])
         x.copy_(mixed)
 

@@ -8,14 +8,30 @@ from .minmax import MinMaxCodec
 from .modulo import ModuloCodec, centered_mod
 from .packing import pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 from .quantize import ROUNDINGS, error_bound, round_to_int
-from .rng import derive_seed, make_generator, shared_generator
+from .rng import clone_generator, derive_seed, make_generator, shared_generator
 from .uniform import UniformCodec
+from .dithered import DitheredCodec
+from .entropy import ENTROPY_METHODS, EntropyCodedCodec, empirical_entropy_bits, entropy_code, entropy_decode
+from .lowp import HalfCodec
+from .nested import NestedDitheredCodec, choose_nested_parameters
+from .powersgd import PowerSGDCodec
+from .qsgd import QSGDCodec
+from .sign import SignCodec
+from .terngrad import TernGradCodec
 
 CODECS: dict[str, type[Codec]] = {
     "fp32": IdentityCodec,
     "uniform": UniformCodec,
     "minmax": MinMaxCodec,
     "modulo": ModuloCodec,
+    "dithered": DitheredCodec,
+    "nested": NestedDitheredCodec,
+    "qsgd": QSGDCodec,
+    "terngrad": TernGradCodec,
+    "sign": SignCodec,
+    "half": HalfCodec,
+    "powersgd": PowerSGDCodec,
+    "entropy": EntropyCodedCodec,
 }
 
 
@@ -52,4 +68,18 @@ __all__ = [
     "derive_seed",
     "make_generator",
     "shared_generator",
+    "clone_generator",
+    "DitheredCodec",
+    "NestedDitheredCodec",
+    "choose_nested_parameters",
+    "QSGDCodec",
+    "TernGradCodec",
+    "SignCodec",
+    "HalfCodec",
+    "PowerSGDCodec",
+    "EntropyCodedCodec",
+    "ENTROPY_METHODS",
+    "empirical_entropy_bits",
+    "entropy_code",
+    "entropy_decode",
 ]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .rng import clone_generator
+
 
 class CodecKind(enum.Enum):
     """What ``decode`` needs besides the payload."""
@@ -91,6 +93,7 @@ class Codec(ABC):
     kind: CodecKind = CodecKind.PLAIN
     unbiased: bool = False
     header_format: str = ""  # struct format of the fixed header
+    dither_on_decode: bool = False  # decode regenerates the sender's dither (needs ``generator``)
 
     @property
     def header_nbytes(self) -> int:
@@ -101,11 +104,18 @@ class Codec(ABC):
         """Encode a flat floating-point tensor."""
 
     @abstractmethod
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode; ``ref`` is the receiver's reference for side-information codecs."""
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """Decode. ``ref``: the receiver's reference, for side-information codecs.
+        ``generator``: for codecs whose ``dither_on_decode`` is True, a generator
+        seeded as the sender's was for this message (shared randomness), not yet
+        drawn from; other codecs ignore it."""
 
     def roundtrip(self, x: torch.Tensor, *, generator=None, ref=None) -> torch.Tensor:
-        return self.decode(self.encode(x, generator=generator), ref=ref)
+        """``decode(encode(x))``; a codec with ``dither_on_decode`` decodes with a copy
+        of ``generator`` taken before encoding, as a receiver would regenerate it."""
+        receiver = clone_generator(generator) if self.dither_on_decode and generator is not None else None
+        return self.decode(self.encode(x, generator=generator), ref=ref, generator=receiver)
 
     def payload_from_wire(self, buf: torch.Tensor) -> Payload:
         return Payload.from_wire(buf, self.header_nbytes)
@@ -118,3 +128,130 @@ def check_flat(x: torch.Tensor, arg: str = "x") -> None:
         raise ValueError(f"{arg} must be a flat (1-D) tensor, got shape {tuple(x.shape)}")
     if not x.is_floating_point():
         raise TypeError(f"{arg} must be a floating-point tensor, got {x.dtype}")
+
+
+# --- summable codecs: integer codes that many workers add up (all-reduce) --------------
+
+SCALE_REDUCE_OPS = ("max", "min")
+SUM_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def check_world_size(world_size) -> int:
+    """``world_size`` must be an int (not bool) >= 1."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    return world_size
+
+
+class SummableCodec(Codec):
+    """A codec whose integer codes from many workers may be summed before one decode.
+
+    Protocol for ``M`` workers holding flat tensors ``x_1..x_M`` of one length:
+
+    1. Agree on the scale, one all-reduce per round ``r = 0, 1, ...``: worker ``m``
+       contributes ``codec.shared_scale(x_m, agreed)`` (``agreed``: the tuple of the
+       previous rounds' results) and everyone receives the element-wise
+       ``codec.scale_reduce_ops[r]`` (``"max"`` or ``"min"``) over the workers.
+       ``scale`` below is the agreed tensor when there is one round and the tuple of
+       the agreed tensors otherwise (:func:`agree_scale` is the in-process version).
+    2. Each worker computes ``q_m = codec.encode_int(x_m, scale, generator)`` (int64)
+       and the workers sum them (all-reduce SUM) after casting to
+       ``codec.sum_dtype(M)``, which is wide enough that the sum cannot overflow.
+    3. Everyone computes ``codec.decode_sum(sum, scale, M)``: the AVERAGE of the
+       ``M`` decodes, from the integer sum alone.
+
+    ``encode``/``decode`` remain the single-message form: with ``scale=`` given, a
+    payload carries exactly ``encode_int``'s codes and the agreed scale in its header.
+    ``max_code`` bounds ``|code|``; :meth:`sum_dtype` follows from it.
+    """
+
+    kind: CodecKind = CodecKind.SUMMABLE
+    scale_reduce_ops: tuple[str, ...] = ("max",)
+
+    @property
+    def scale_reduce_op(self) -> str:
+        """How the first (for most codecs the only) scale round is combined: ``"max"`` or ``"min"``."""
+        return self.scale_reduce_ops[0]
+
+    @property
+    @abstractmethod
+    def max_code(self) -> int:
+        """The largest ``|code|`` that :meth:`encode_int` can produce."""
+
+    @abstractmethod
+    def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
+        """This worker's statistic for scale round ``len(agreed)``."""
+
+    @abstractmethod
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The integer (int64) codes of ``x`` against the agreed ``scale``."""
+
+    @abstractmethod
+    def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The average of the ``world_size`` workers' decodes, from the sum of their codes.
+        ``numel``: the decoded length, needed only by codecs whose codes are shorter than
+        the input (random-k); ``dtype``: float32 unless given."""
+
+    @abstractmethod
+    def scale_nbytes(self, numel: int) -> int:
+        """Bytes one worker contributes to the scale rounds for an input of ``numel`` elements."""
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype | None = None) -> torch.dtype:
+        """The narrowest of int8/int16/int32/int64 that holds the sum of ``world_size`` codes
+        (any codes: ``world_size * max_code`` in magnitude). With ``dtype`` given, check that
+        it is wide enough and return it. Raises ValueError when it (or int64) is too narrow."""
+        m = check_world_size(world_size)
+        need = m * self.max_code
+        if dtype is not None:
+            if dtype not in SUM_DTYPES:
+                raise ValueError(f"dtype must be one of {[str(d) for d in SUM_DTYPES]}, got {dtype}")
+            if need > torch.iinfo(dtype).max:
+                raise ValueError(
+                    f"dtype={dtype} would overflow: the sum of world_size={m} codes of bits={self.bits} "
+                    f"can reach {need} > {torch.iinfo(dtype).max}; use {self._widest_ok(m, need)}"
+                )
+            return dtype
+        for d in SUM_DTYPES:
+            if need <= torch.iinfo(d).max:
+                return d
+        raise ValueError(
+            f"bits={self.bits} with world_size={m}: the sum of codes can reach {need}, which does not "
+            f"fit int64 (max {torch.iinfo(torch.int64).max}); use fewer bits or fewer workers"
+        )
+
+    def _widest_ok(self, m: int, need: int) -> str:
+        for d in SUM_DTYPES:
+            if need <= torch.iinfo(d).max:
+                return str(d)
+        return "fewer bits or fewer workers (not even int64 holds it)"
+
+
+def is_summable(codec: Codec) -> bool:
+    """True when ``codec`` implements :class:`SummableCodec` and its kind is SUMMABLE
+    (a wrapper such as random-k is summable only for some configurations)."""
+    return isinstance(codec, SummableCodec) and codec.kind is CodecKind.SUMMABLE
+
+
+def reduce_scale(op: str, stats) -> torch.Tensor:
+    """Element-wise ``op`` (``"max"``/``"min"``) over the workers' statistics: what the
+    scale all-reduce computes."""
+    if op not in SCALE_REDUCE_OPS:
+        raise ValueError(f"op must be one of {SCALE_REDUCE_OPS}, got {op!r}")
+    stats = list(stats)
+    if not stats:
+        raise ValueError("stats must hold at least one worker's statistic")
+    s = torch.stack(stats)
+    return s.amax(0) if op == "max" else s.amin(0)
+
+
+def agree_scale(codec: SummableCodec, xs):
+    """In-process stand-in for the scale all-reduce rounds over the workers' inputs ``xs``:
+    the agreed tensor (one round) or tuple of agreed tensors (several rounds)."""
+    if not is_summable(codec):
+        raise ValueError(f"{type(codec).__name__} is not summable (kind {codec.kind.value})")
+    xs = list(xs)
+    agreed: list[torch.Tensor] = []
+    for op in codec.scale_reduce_ops:
+        agreed.append(reduce_scale(op, [codec.shared_scale(x, tuple(agreed)) for x in xs]))
+    return agreed[0] if len(agreed) == 1 else tuple(agreed)

@@ -37,7 +37,8 @@ class IdentityCodec(Codec):
         data = x.detach().to(torch.float32, copy=True).contiguous().view(torch.uint8)
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         (n,) = unpack_header(self.header_format, payload.header)
         if payload.data.numel() != 4 * n:
             raise ValueError(f"fp32 payload of {n} elements needs {4 * n} data bytes, got {payload.data.numel()}")

@@ -76,7 +76,8 @@ class MinMaxCodec(Codec):
         codes = round_to_int((x64 - lo) * scale, self.rounding, generator).clamp_(0, self.levels)
         return Payload(header=header, data=pack_bits(codes.to(torch.int64), self.bits))
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         n, lo, hi = unpack_header(self.header_format, payload.header)
         codes = unpack_bits(payload.data, self.bits, n).to(torch.float64)
         scale = self._scale(lo, hi)

@@ -105,7 +105,8 @@ class ModuloCodec(Codec):
         codes = torch.remainder(c, self.levels).to(torch.int64)
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_bits(codes, self.bits))
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
         """Eq. (5): ``x_hat = (q B_theta - y) mod B_theta + y`` with ``y = ref``."""
         (n,) = unpack_header(self.header_format, payload.header)
         if ref is None:

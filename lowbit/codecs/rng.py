@@ -27,3 +27,10 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 def shared_generator(run_seed: int, step: int, sender: int, stream: int = 0, device="cpu") -> torch.Generator:
     """The generator both ends of a message derive for (run_seed, step, sender, stream)."""
     return make_generator(derive_seed(run_seed, step, sender, stream), device)
+
+
+def clone_generator(generator: torch.Generator) -> torch.Generator:
+    """A new generator on the same device in the same state (the receiver's copy)."""
+    g = torch.Generator(device=generator.device)
+    g.set_state(generator.get_state())
+    return g

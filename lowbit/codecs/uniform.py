@@ -78,7 +78,8 @@ class UniformCodec(Codec):
         data = pack_wide(codes.to(torch.int64) - lo_i, b)
         return Payload(header=pack_header(self.header_format, n, lo_i, b, device=x.device), data=data)
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         n, offset, b = unpack_header(self.header_format, payload.header)
         codes = unpack_wide(payload.data, b, n)
         x = (codes + offset).to(torch.float64) * self.step

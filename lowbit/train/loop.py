@@ -46,7 +46,7 @@ class WorkerResult:
     evals: list[dict] = field(default_factory=list)
 
 
-def _evaluate(k, cfg, task, model, flat, transport, eval_model, eval_flat) -> dict:
+def _evaluate(k, task, model, flat, transport, eval_model, eval_flat) -> dict:
     """Collective (all ranks call it), not counted in the ledger."""
     n = transport.world_size
     with transport.untracked():
@@ -96,7 +96,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
     evals: list[dict] = []
     for k in range(cfg.steps):
         if k % cfg.eval_every == 0:
-            evals.append(_evaluate(k, cfg, task, model, flat, transport, eval_model, eval_flat))
+            evals.append(_evaluate(k, task, model, flat, transport, eval_model, eval_flat))
         transport.set_step(k)
         t0 = time.thread_time()
         lr = cfg.lr_at(k)
@@ -112,7 +112,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
         if bar is not None:
             bar.update(1)
     transport.set_step(cfg.steps)
-    evals.append(_evaluate(cfg.steps, cfg, task, model, flat, transport, eval_model, eval_flat))
+    evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
     if bar is not None:
         bar.close()
     flat.check_aliasing()

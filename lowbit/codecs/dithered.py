@@ -1,0 +1,276 @@
+"""Dithered quantization of stochastic gradients, DQSG ("Nested Dithered
+Quantization for Communication Reduction in Distributed Training", ICLR 2019
+submission): section 2.1, section 3.1 eq. (2) and (4), Lemma 2, Lemma 3,
+Algorithm 1.
+
+The vector ``x`` is split into ``K`` contiguous parts of near-equal length
+(eq. 4; ``K = 1`` is eq. 2). Part ``j`` is scaled by ``kappa_j = ||x_j||_inf``
+and quantized with step ``Delta = 1/M`` after adding a dither
+``u ~ U[-Delta/2, Delta/2)`` that the receiver regenerates from a shared seed:
+
+    q = round(x / kappa / Delta + u / Delta)          (integer index, Remark 1)
+    subtractive:    x~ = kappa * (Delta * q - u)      (eq. 2, Algorithm 1)
+    half-dithered:  x~ = kappa *  Delta * q           (section 2.1, Lemma 2)
+
+Index range. ``|x / kappa| <= 1`` and ``u / Delta`` lies in ``[-1/2, 1/2)``, so
+with rounding half up (``round(w) = floor(w + 1/2)``) the index is
+``floor(x / (kappa Delta) + r)`` with ``r = u / Delta + 1/2`` in ``[0, 1)``, which
+lies in ``{-M, ..., M}``: exactly the paper's ``2M + 1`` levels, sent as
+``q + M`` in ``bits = ceil(log2(2M + 1))`` bits. (Float rounding of
+``x/kappa*M + r`` can reach ``M + 1`` when ``r`` is within ``2^-52`` of 1; those
+indices are clamped to ``M``, an event of probability about ``2^-52``.)
+
+Error. Subtractive: by Schuchman's theorem (Theorem 1; the integer grid never
+overloads) ``(x~ - x) / kappa`` is uniform on ``[-Delta/2, Delta/2]`` and
+independent of ``x``, so ``x~`` is unbiased and ``E||x~ - x||^2 =
+sum_j n_j kappa_j^2 Delta^2 / 12`` (Lemma 3; ``n Delta^2 kappa^2 / 12`` for
+``K = 1``). Half-dithered: the index is stochastic rounding of ``x/(kappa Delta)``
+(Lemma 2: QSGD's quantizer, TernGrad for ``M = 1``), so ``x~`` is also
+unbiased, but its error depends on the input: its variance is
+``kappa^2 Delta^2 f (1 - f)`` with ``f`` the fractional part of
+``x / (kappa Delta)``, between 0 and ``kappa^2 Delta^2 / 4``.
+
+Shared randomness. The dither is ``u = (r - 1/2) Delta`` with ``r =
+torch.rand(n, dtype=float64, generator=generator)`` drawn on the generator's
+device (then moved to the data's), the first and only draw of ``encode``.
+The receiver must pass ``decode`` a generator of the same kind (same device)
+seeded identically, e.g. both ends call
+``shared_generator(run_seed, step, sender)`` from :mod:`lowbit.codecs.rng`. A
+generator from another seed gives a silently wrong decode (the error is then a
+difference of two independent dithers, not bounded by ``kappa Delta / 2``).
+
+Wire format. Header ``<if``: (numel, kappa_1) with kappa_1 the first part's
+scale as float32 (8 bytes, whatever ``K``). Data: the other ``min(K, n) - 1``
+scales as little-endian float32 (4 bytes each; empty for ``K = 1``), then the
+``n`` codes ``q + M`` packed ``bits`` each (:func:`pack_wide` layout). So
+``nbytes = 8 + 4 (min(K, n) - 1) + ceil(n bits / 8)`` for ``n >= 1`` and 8
+for ``n = 0``. When ``K > n`` there are ``n`` parts of one element each.
+
+Scales are rounded *up* to float32 on the sender, and both ends use the
+float32 value, so ``|x / kappa| <= 1`` holds exactly. Arithmetic is float64;
+``decode`` returns float32 unless ``dtype`` is given. Non-finite inputs, or
+scales beyond the float32 range, raise ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .packing import pack_wide, unpack_wide
+from .quantize import INT32_MAX, check_int_range, check_numel
+
+__all__ = ["DitheredCodec", "partition_sizes"]
+
+_MAX_LEVELS = 2**31 - 1  # 2M + 1 codes must fit the 32-bit packing
+
+
+def partition_sizes(n: int, parts: int) -> list[int]:
+    """Lengths of the contiguous parts of eq. (4): ``min(parts, n)`` parts, the
+    first ``n % parts`` of them one element longer (as ``torch.tensor_split``)."""
+    p = min(parts, n)
+    if p == 0:
+        return []
+    base, extra = divmod(n, p)
+    return [base + 1] * extra + [base] * (p - extra)
+
+
+def _uniforms(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
+    """``r ~ U[0, 1)``, float64, drawn on the generator's device, moved to ``device``."""
+    gen_device = generator.device if generator is not None else device
+    return torch.rand(n, generator=generator, dtype=torch.float64, device=gen_device).to(device)
+
+
+def _float32_up(k: torch.Tensor) -> torch.Tensor:
+    """Smallest float32 values ``>= k`` (float64, non-negative), returned as float32."""
+    k32 = k.to(torch.float32)
+    below = k32.to(torch.float64) < k
+    if bool(below.any()):
+        k32 = torch.where(below, torch.nextafter(k32, torch.full_like(k32, math.inf)), k32)
+    return k32
+
+
+@dataclass(frozen=True)
+class DitheredCodec(Codec):
+    """DQSG (eq. 2 / eq. 4): ``levels`` = M (step ``Delta = 1/M``, indices
+    ``-M..M``), ``subtractive`` (True: the receiver subtracts the dither;
+    False: half-dithered), ``partitions`` = K (one float32 scale per part).
+
+    ``encode(x, generator=g)``: ``g`` supplies the dither; it is required when
+    ``subtractive`` (otherwise the receiver could not regenerate it) and
+    optional for half-dithered codecs (None: torch's global generator).
+
+    ``decode(payload, generator=g2, dtype=None)``: kind is PLAIN (no reference
+    model is needed) but a subtractive decode *needs* ``g2``, a generator of the
+    same kind built from the same seed as the sender's ``g`` and not yet drawn
+    from (ValueError without one). Half-dithered decodes ignore ``generator``.
+    ``roundtrip(x, generator=g)`` handles this itself: it decodes with a copy
+    of ``g`` taken before encoding.
+
+    See the module docstring for the wire format and the error laws.
+    """
+
+    levels: int
+    subtractive: bool = True
+    partitions: int = 1
+
+    name = "dithered"
+
+    @property
+    def dither_on_decode(self) -> bool:  # type: ignore[override]
+        return self.subtractive
+    kind = CodecKind.PLAIN
+    unbiased = True  # both variants: subtractive by Theorem 1, half-dithered by Lemma 2
+    header_format = "if"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "levels", check_int_range(self.levels, "levels", 1, _MAX_LEVELS))
+        if not isinstance(self.subtractive, (bool, np.bool_)):
+            raise ValueError(f"subtractive must be a bool, got {self.subtractive!r}")
+        object.__setattr__(self, "subtractive", bool(self.subtractive))
+        object.__setattr__(self, "partitions", check_int_range(self.partitions, "partitions", 1, INT32_MAX))
+
+    # --- derived quantities ------------------------------------------------------
+
+    @property
+    def step(self) -> float:
+        """``Delta = 1/M`` (relative to each part's scale ``kappa``)."""
+        return 1.0 / self.levels
+
+    @property
+    def num_codes(self) -> int:
+        """Number of quantization indices, ``2M + 1``."""
+        return 2 * self.levels + 1
+
+    @property
+    def bits(self) -> int:
+        """Packed width of one index: ``ceil(log2(2M + 1))`` (the scales, 32 bits per
+        part, come on top: see the module docstring)."""
+        return (2 * self.levels).bit_length()
+
+    def data_nbytes(self, n: int) -> int:
+        """Bytes of ``payload.data`` for ``n`` elements."""
+        if n == 0:
+            return 0
+        return 4 * (min(self.partitions, n) - 1) + (n * self.bits + 7) // 8
+
+    def dither(self, n: int, generator: torch.Generator | None, device=None) -> torch.Tensor:
+        """The dither ``u / kappa`` in ``[-Delta/2, Delta/2)`` that ``encode`` draws from
+        ``generator`` (float64, on ``device``, default the generator's)."""
+        device = device if device is not None else (generator.device if generator is not None else "cpu")
+        return (_uniforms(n, generator, device) - 0.5) / self.levels
+
+    def scales(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-part scales ``kappa_j = ||x_j||_inf`` rounded up to float32, as float64
+        (the values that travel on the wire)."""
+        check_flat(x)
+        return self._scales(x.detach().to(torch.float64)).to(torch.float64)
+
+    def expected_sq_error(self, x: torch.Tensor) -> float:
+        """``E||decode(encode(x)) - x||^2`` over the dither, for this ``x``.
+
+        Subtractive (Lemma 3, exact by Theorem 1): ``sum_j n_j kappa_j^2 Delta^2 / 12``.
+        Half-dithered: ``sum_i kappa_i^2 Delta^2 f_i (1 - f_i)``, ``f_i = frac(x_i / (kappa_i Delta))``.
+        """
+        check_flat(x)
+        x64 = x.detach().to(torch.float64)
+        if x64.numel() == 0:
+            return 0.0
+        kap = self._expand(self._scales(x64).to(torch.float64), x64.numel())
+        if self.subtractive:
+            return float((kap**2).sum()) * self.step**2 / 12
+        w = torch.where(kap > 0, x64 / torch.where(kap > 0, kap, 1.0), 0.0) * self.levels
+        f = w - torch.floor(w)
+        return float((kap**2 * f * (1 - f)).sum()) * self.step**2
+
+    # --- helpers -----------------------------------------------------------------
+
+    def _scales(self, x64: torch.Tensor) -> torch.Tensor:
+        """float32 scales (rounded up), one per part; ValueError if not finite."""
+        n = x64.numel()
+        a = x64.abs()
+        sizes = partition_sizes(n, self.partitions)
+        p = len(sizes)
+        if p == 1:
+            k = a.amax().reshape(1)
+        else:
+            base, extra = sizes[-1], n % p
+            head = a[: extra * (base + 1)].view(extra, base + 1).amax(dim=1)
+            tail = a[extra * (base + 1):].view(p - extra, base).amax(dim=1)
+            k = torch.cat([head, tail])
+        k32 = _float32_up(k)
+        if not bool(torch.isfinite(k32).all()):
+            worst = float(k.max())
+            raise ValueError(
+                f"x must be finite with |x| within the float32 range for the dithered codec, got max |x| = {worst}"
+            )
+        return k32
+
+    def _expand(self, kappa: torch.Tensor, n: int) -> torch.Tensor:
+        """Per-element scale from the per-part scales."""
+        sizes = partition_sizes(n, self.partitions)
+        if len(sizes) == 1:
+            return kappa.expand(n)
+        return kappa.repeat_interleave(torch.tensor(sizes, device=kappa.device), output_size=n)
+
+    # --- codec -------------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """Eq. (2)/(4): scales, then indices ``q = round(x/(kappa Delta) + u/Delta)``."""
+        check_flat(x)
+        n = check_numel(x)
+        if self.subtractive and generator is None:
+            raise ValueError(
+                "DitheredCodec(subtractive=True).encode needs generator= (e.g. shared_generator(run_seed, step, "
+                "sender)): the receiver regenerates the dither from the same seed"
+            )
+        dev = x.device
+        if n == 0:
+            return Payload(header=pack_header(self.header_format, 0, 0.0, device=dev),
+                           data=torch.empty(0, dtype=torch.uint8, device=dev))
+        x64 = x.detach().to(torch.float64)
+        k32 = self._scales(x64)
+        kap = self._expand(k32.to(torch.float64), n)
+        v = torch.where(kap > 0, x64 / torch.where(kap > 0, kap, 1.0), 0.0)  # in [-1, 1]
+        r = _uniforms(n, generator, dev)  # u / Delta = r - 1/2
+        q = torch.floor(v * self.levels + r).clamp_(-self.levels, self.levels).to(torch.int64)
+        k_host = k32.cpu()
+        header = pack_header(self.header_format, n, float(k_host[0]), device=dev)
+        rest = torch.from_numpy(k_host[1:].numpy().astype("<f4").view(np.uint8).copy())
+        data = torch.cat([rest.to(dev), pack_wide(q + self.levels, self.bits)])
+        return Payload(header=header, data=data)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``kappa (Delta q - u)`` (subtractive; ``generator`` required, same seed and
+        kind as the sender's) or ``kappa Delta q`` (half-dithered). ``ref`` is unused."""
+        n, k1 = unpack_header(self.header_format, payload.header)
+        out_dtype = torch.float32 if dtype is None else dtype
+        dev = payload.data.device
+        if self.subtractive and generator is None:
+            raise ValueError(
+                "DitheredCodec(subtractive=True).decode needs generator=: a generator of the same kind seeded like "
+                "the sender's (e.g. shared_generator(run_seed, step, sender)), to regenerate the dither"
+            )
+        if n == 0:
+            return torch.empty(0, dtype=out_dtype, device=dev)
+        p = min(self.partitions, n)
+        need = self.data_nbytes(n)
+        if payload.data.numel() != need:
+            raise ValueError(f"a {n}-element payload of {self!r} has {need} data bytes, got {payload.data.numel()}")
+        extra = 4 * (p - 1)
+        rest = np.frombuffer(payload.data[:extra].cpu().numpy().tobytes(), dtype="<f4").astype(np.float64)
+        kappa = torch.cat([torch.tensor([k1], dtype=torch.float64), torch.from_numpy(rest)]).to(dev)
+        q = (unpack_wide(payload.data[extra:], self.bits, n) - self.levels).to(torch.float64)
+        kap = self._expand(kappa, n)
+        if self.subtractive:
+            u_over_delta = _uniforms(n, generator, dev) - 0.5
+            xt = kap * (q - u_over_delta) / self.levels
+        else:
+            xt = kap * q / self.levels
+        return xt.to(out_dtype)
+

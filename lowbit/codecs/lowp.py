@@ -1,0 +1,91 @@
+"""16-bit floats on the wire: the usual "half-precision communication" baseline.
+
+``fp16`` (IEEE binary16): 11 significant bits, largest finite value 65504,
+normal down to ``2^-14``, subnormal down to ``2^-24``. ``bf16`` (bfloat16):
+8 significant bits, float32's exponent range. Casting rounds to nearest
+(ties to even), a deterministic and hence biased rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .quantize import check_numel
+
+__all__ = ["HalfCodec", "HALF_DTYPES"]
+
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class HalfCodec(Codec):
+    """Send ``x`` cast to ``fp16`` or ``bf16``: header ``<i`` (numel), data
+    ``2 * numel`` bytes (the 16-bit values, native byte order).
+
+    Errors, for ``x`` inside the format's normal range: relative
+    ``|decode - x| <= 2^-11 |x|`` (fp16) or ``2^-8 |x|`` (bf16) (half an ulp).
+    Below it, values become subnormal or zero: absolute error at most half the
+    smallest subnormal (``2^-25`` for fp16, ``2^-134`` for bf16) -- tiny
+    values are flushed, never an error. Above it (``|x| >= 65520`` for fp16,
+    i.e. any value that would round to ``inf``) ``encode`` raises ValueError:
+    nothing silently becomes ``inf``. Non-finite inputs raise ValueError too.
+    ``decode`` returns float32 unless ``dtype`` is given.
+    """
+
+    dtype: str = "fp16"
+
+    name = "half"
+    kind = CodecKind.PLAIN
+    unbiased = False
+    header_format = "i"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in HALF_DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(HALF_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def bits(self) -> float:
+        return 16.0
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return HALF_DTYPES[self.dtype]
+
+    @property
+    def rel_error(self) -> float:
+        """Half an ulp relative to the value, in the normal range."""
+        return 2.0**-11 if self.dtype == "fp16" else 2.0**-8
+
+    @property
+    def abs_error(self) -> float:
+        """Largest error on values below the normal range (half the smallest subnormal)."""
+        return 2.0**-25 if self.dtype == "fp16" else 2.0**-134
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        check_flat(x)
+        n = check_numel(x)
+        x = x.detach()
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"x must be finite for the {self.dtype} codec")
+        h = x.to(self.torch_dtype)
+        bad = torch.isinf(h)
+        if bool(bad.any()):
+            worst = float(x[bad].abs().max())
+            limit = float(torch.finfo(self.torch_dtype).max)
+            raise ValueError(
+                f"x overflows {self.dtype}: |x| reaches {worst:.6g} but the largest {self.dtype} value is {limit:.6g}; "
+                "scale x down or use another codec"
+            )
+        data = h.contiguous().view(torch.uint8).clone()
+        return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        (n,) = unpack_header(self.header_format, payload.header)
+        if payload.data.numel() != 2 * n:
+            raise ValueError(f"{self.dtype} payload of {n} elements needs {2 * n} data bytes, got {payload.data.numel()}")
+        x = payload.data.clone().view(self.torch_dtype)
+        return x.to(torch.float32 if dtype is None else dtype)

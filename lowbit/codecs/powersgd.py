@@ -1,0 +1,174 @@
+"""PowerSGD's low-rank compressor (Vogels, Karimireddy, Jaggi, "PowerSGD:
+Practical Low-Rank Gradient Compression for Distributed Optimization",
+NeurIPS 2019), Algorithm 1 for a single worker:
+
+    P = M Q_prev;   P = orthogonalize(P);   Q = M^T P;   M_hat = P Q^T,
+
+one step of subspace (power) iteration, warm-started from the previous step's
+``Q``. Since ``P`` has orthonormal columns, ``M_hat = P P^T M`` is the
+projection of ``M`` onto ``span(P)``, so ``||M_hat - M|| <= ||M||``; with warm
+starts the subspace converges to the top-``r`` singular subspace of a slowly
+changing ``M``.
+
+Matrix layout. A flat vector of ``N`` elements is viewed, row-major, as an
+``n x m`` matrix with ``n = ceil(sqrt(N))`` rows and ``m = ceil(N / n)``
+columns, zero-padded at the end (``n * m - N < n`` zeros); ``decode`` crops
+them. The rank used is ``r_eff = min(rank, n, m)`` (a larger rank cannot
+capture more). :meth:`PowerSGDCodec.matrix_shape` gives ``(n, m, r_eff)``.
+
+Distributed use. In the paper the workers all-reduce ``P`` (before
+orthogonalizing) and then ``Q`` separately, two rounds of communication,
+so that the average of the compressed matrices is exact and linear. That
+protocol belongs to the algorithm layer; this codec is the point-to-point
+version (each payload carries one worker's ``P`` and ``Q``), and
+:meth:`PowerSGDCodec.factors` exposes them for that layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .quantize import INT32_MAX, check_int_range, check_numel
+
+__all__ = ["PowerSGDCodec", "matrix_shape"]
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def matrix_shape(numel: int) -> tuple[int, int]:
+    """``(n, m)``: ``n = ceil(sqrt(numel))`` rows, ``m = ceil(numel / n)`` columns
+    (``(0, 0)`` for an empty vector)."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    if numel == 0:
+        return 0, 0
+    n = math.isqrt(numel - 1) + 1  # ceil(sqrt(numel))
+    return n, -(-numel // n)
+
+
+@dataclass(frozen=True)
+class PowerSGDCodec(Codec):
+    """Rank-``rank`` PowerSGD compression of a flat vector.
+
+    Header ``<i``: numel. Data: ``P`` (``n x r_eff``) then ``Q``
+    (``m x r_eff``), row-major float32, so ``nbytes = 4 + 4 (n + m) r_eff``.
+    ``decode = (P Q^T).flatten()[:numel]``, computed in float64 from the
+    float32 factors, returned as float32 unless ``dtype`` is given.
+
+    Warm start. The step needs the previous ``Q`` (state). It is explicit:
+
+    * ``init_state(numel, generator)`` draws ``Q0`` (``m x r_eff``, i.i.d.
+      standard normal, float32), as the paper does at the first step;
+    * ``encode_with_state(x, state=Q, generator=g)`` returns
+      ``(payload, new_Q)``; ``new_Q`` is the float32 ``Q`` that was sent,
+      i.e. exactly what the receiver has, to pass as ``state`` next time.
+      ``state=None`` draws a fresh ``Q0`` from ``generator``;
+    * plain ``encode(x, generator=g)`` is ``encode_with_state(x, None, g)[0]``:
+      one power step from a random start (a cold start, always usable but
+      less accurate than warm-started steps).
+
+    The compressor is biased (and deterministic given ``Q``); the paper uses
+    it with error feedback, which the algorithm layer holds. Orthogonalization
+    is a reduced QR (Householder), which also copes with rank-deficient ``P``
+    (e.g. ``M = 0``). Non-finite inputs and factors beyond float32 raise ValueError.
+    """
+
+    rank: int
+
+    name = "powersgd"
+    kind = CodecKind.PLAIN
+    unbiased = False
+    header_format = "i"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rank", check_int_range(self.rank, "rank", 1, INT32_MAX))
+
+    @property
+    def bits(self) -> float:
+        """Nominal: the factors are float32. The real rate per element is
+        :meth:`bits_for` (``32 (n + m) r_eff / numel``), a function of numel."""
+        return 32.0
+
+    def matrix_shape(self, numel: int) -> tuple[int, int, int]:
+        """``(n, m, r_eff)`` used for a vector of ``numel`` elements."""
+        n, m = matrix_shape(numel)
+        return n, m, min(self.rank, n, m)
+
+    def data_nbytes(self, numel: int) -> int:
+        """Bytes of the factors: ``4 (n + m) r_eff``."""
+        n, m, r = self.matrix_shape(numel)
+        return 4 * (n + m) * r
+
+    def bits_for(self, numel: int) -> float:
+        """Data bits per element for a vector of ``numel`` elements."""
+        return 8.0 * self.data_nbytes(numel) / numel if numel else 0.0
+
+    def init_state(self, numel: int, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+        """A fresh ``Q0``: ``m x r_eff`` standard normal float32, drawn on the
+        generator's device (CPU by default) and moved to ``device``."""
+        _, m, r = self.matrix_shape(numel)
+        gen_device = generator.device if generator is not None else "cpu"
+        q = torch.randn(m, r, generator=generator, dtype=torch.float32, device=gen_device)
+        return q if device is None else q.to(device)
+
+    def _check_state(self, state: torch.Tensor, m: int, r: int) -> None:
+        if not isinstance(state, torch.Tensor) or not state.is_floating_point():
+            raise TypeError(f"state must be a floating-point torch.Tensor (the previous Q), got {type(state).__name__}")
+        if tuple(state.shape) != (m, r):
+            raise ValueError(f"state must be the previous Q of shape ({m}, {r}) for this numel, got {tuple(state.shape)}")
+        if not bool(torch.isfinite(state).all()):
+            raise ValueError("state must be finite")
+
+    def encode_with_state(self, x: torch.Tensor, state: torch.Tensor | None = None, *,
+                          generator: torch.Generator | None = None) -> tuple[Payload, torch.Tensor]:
+        """One warm-started power step: ``(payload, new_state)`` (see the class doc)."""
+        check_flat(x)
+        N = check_numel(x)
+        n, m, r = self.matrix_shape(N)
+        x64 = x.detach().to(torch.float64)
+        if not bool(torch.isfinite(x64).all()):
+            raise ValueError("x must be finite for the PowerSGD codec")
+        header = pack_header(self.header_format, N, device=x.device)
+        if N == 0:
+            empty = torch.empty(0, dtype=torch.uint8, device=x.device)
+            return Payload(header=header, data=empty), torch.empty(0, 0, dtype=torch.float32, device=x.device)
+        if state is None:
+            state = self.init_state(N, generator, device=x.device)
+        else:
+            self._check_state(state, m, r)
+        M = torch.nn.functional.pad(x64, (0, n * m - N)).view(n, m)
+        P = M @ state.detach().to(device=x.device, dtype=torch.float64)
+        P = torch.linalg.qr(P, mode="reduced").Q
+        P32 = P.to(torch.float32)
+        Q = M.T @ P32.to(torch.float64)  # with the P the receiver sees
+        if float(Q.abs().max()) > _F32_MAX:
+            raise ValueError("the factor Q = M^T P does not fit float32 (|x| too large)")
+        Q32 = Q.to(torch.float32)
+        data = torch.cat([P32.reshape(-1), Q32.reshape(-1)]).view(torch.uint8)
+        return Payload(header=header, data=data), Q32.clone()
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """A cold-start step: ``Q0`` is drawn from ``generator``."""
+        return self.encode_with_state(x, None, generator=generator)[0]
+
+    def factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 factors ``(P, Q)`` (``n x r_eff``, ``m x r_eff``) of a payload."""
+        (N,) = unpack_header(self.header_format, payload.header)
+        n, m, r = self.matrix_shape(N)
+        need = 4 * (n + m) * r
+        if payload.data.numel() != need:
+            raise ValueError(f"PowerSGD payload of {N} elements ({n}x{m}, rank {r}) needs {need} data bytes, "
+                             f"got {payload.data.numel()}")
+        f = payload.data.clone().view(torch.float32)
+        return f[: n * r].view(n, r), f[n * r:].view(m, r)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        (N,) = unpack_header(self.header_format, payload.header)
+        P, Q = self.factors(payload)
+        x = (P.to(torch.float64) @ Q.to(torch.float64).T).reshape(-1)[:N]
+        return x.to(torch.float32 if dtype is None else dtype)
