@@ -40,6 +40,11 @@ def default_cases() -> list[BenchCase]:
     cases.append(BenchCase("nested k=4", lambda: c.NestedDitheredCodec(delta1=0.005, k=4)))
     for s in (1, 7, 127):
         cases.append(BenchCase(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s)))
+    for b in (2, 4, 8):
+        cases.append(BenchCase(f"qsgd_maxnorm b={b}", lambda b=b: c.QSGDMaxNormCodec(bits=b)))
+    cases.append(BenchCase("multiscale (2,6)", lambda: c.MultiScaleMaxNormCodec(scales=(2, 6))))
+    cases.append(BenchCase("globalrandk 1% maxnorm b=8",
+                           lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=10_000, seed=1)))
     cases += [BenchCase("terngrad", c.TernGradCodec), BenchCase("sign", c.SignCodec),
               BenchCase("powersgd r=2", lambda: c.PowerSGDCodec(rank=2))]
     return cases

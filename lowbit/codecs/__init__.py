@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .base import Codec, CodecKind, Payload, check_flat, header_size, pack_header, unpack_header
+from .base import (Codec, CodecKind, Payload, SummableCodec, agree_scale, check_flat, header_size, is_summable,
+                   pack_header, unpack_header)
 from .identity import IdentityCodec
 from .minmax import MinMaxCodec
 from .modulo import ModuloCodec, centered_mod
@@ -13,6 +14,8 @@ from .uniform import UniformCodec
 from .dithered import DitheredCodec
 from .entropy import ENTROPY_METHODS, EntropyCodedCodec, empirical_entropy_bits, entropy_code, entropy_decode
 from .lowp import HalfCodec
+from .maxnorm import MultiScaleMaxNormCodec, QSGDMaxNormCodec
+from .randk import RandKCodec, global_index_seed
 from .nested import NestedDitheredCodec, choose_nested_parameters
 from .powersgd import PowerSGDCodec
 from .qsgd import QSGDCodec
@@ -32,6 +35,9 @@ CODECS: dict[str, type[Codec]] = {
     "half": HalfCodec,
     "powersgd": PowerSGDCodec,
     "entropy": EntropyCodedCodec,
+    "qsgd_maxnorm": QSGDMaxNormCodec,
+    "qsgd_maxnorm_multiscale": MultiScaleMaxNormCodec,
+    "randk": RandKCodec,
 }
 
 
@@ -82,4 +88,11 @@ __all__ = [
     "empirical_entropy_bits",
     "entropy_code",
     "entropy_decode",
+    "SummableCodec",
+    "agree_scale",
+    "is_summable",
+    "QSGDMaxNormCodec",
+    "MultiScaleMaxNormCodec",
+    "RandKCodec",
+    "global_index_seed",
 ]

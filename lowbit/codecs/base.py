@@ -209,7 +209,7 @@ class SummableCodec(Codec):
             if need > torch.iinfo(dtype).max:
                 raise ValueError(
                     f"dtype={dtype} would overflow: the sum of world_size={m} codes of bits={self.bits} "
-                    f"can reach {need} > {torch.iinfo(dtype).max}; use {self._widest_ok(m, need)}"
+                    f"can reach {need} > {torch.iinfo(dtype).max}; use {_narrowest_holding(need)}"
                 )
             return dtype
         for d in SUM_DTYPES:
@@ -220,11 +220,12 @@ class SummableCodec(Codec):
             f"fit int64 (max {torch.iinfo(torch.int64).max}); use fewer bits or fewer workers"
         )
 
-    def _widest_ok(self, m: int, need: int) -> str:
-        for d in SUM_DTYPES:
-            if need <= torch.iinfo(d).max:
-                return str(d)
-        return "fewer bits or fewer workers (not even int64 holds it)"
+
+def _narrowest_holding(need: int) -> str:
+    for d in SUM_DTYPES:
+        if need <= torch.iinfo(d).max:
+            return str(d)
+    return "fewer bits or fewer workers (not even int64 holds it)"
 
 
 def is_summable(codec: Codec) -> bool:

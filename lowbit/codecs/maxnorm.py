@@ -1,0 +1,380 @@
+"""All-reduce compatible stochastic quantizers with a norm shared by MAX over the
+workers (paper 004, "Unbiased single-scale and multi-scale quantizers for
+distributed optimization": QSGDMaxNorm, section 3.1, eqs. 7-9, Lemma 1,
+Algorithm 1; QSGDMaxNormMultiScale, section 3.2, eqs. 10-13, Lemma 2,
+Algorithm 2).
+
+Single scale. All workers agree on ``W = max_m ||x_m||`` (a MAX all-reduce of
+one float32). With ``a_i = |x_i| / W`` in ``[0, 1]`` each worker sends the
+integer ``code_i = sign(x_i) * s * xi_i``, where ``s * xi_i`` is ``s * a_i``
+rounded stochastically to one of its two neighbouring integers (eq. 8), so
+``E[code_i] = s * x_i / W``. Codes of all workers are summed as integers and
+``W * sum / (s * M)`` is the average of the workers' reconstructions (eq. 9).
+
+Bits and levels. ``bits`` is the number of bits each coordinate takes on the
+wire, the paper's ``r = ceil(log2 s) + 1``: one sign bit plus a magnitude
+``s * xi_i`` in ``0..s``. The largest ``s`` whose magnitudes fit ``bits - 1``
+bits is ``s = 2^(bits-1) - 1``, for which ``ceil(log2 s) + 1 = bits`` holds
+exactly (``bits >= 3``; ``bits = 2`` gives the ternary ``s = 1``, where the
+paper's formula undercounts the magnitude bit). The paper's "precision" or
+"number of bits" ``log2 s`` of a scale (the numbers in its legends, e.g.
+QSGD-MN 8) is ``precision = bits - 1 = log2(s + 1)``: QSGD-MN with precision
+``p`` is ``QSGDMaxNormCodec(bits=p + 1)``, with ``s = 2^p - 1`` levels.
+
+Multiple scales. ``MultiScaleMaxNormCodec(scales=(2, 6))`` is the paper's
+two-scale "(2, 6)": the scales are given by their precision ``p_j`` (log2 of
+the number of levels), ``s_j = 2^p_j - 1``, i.e. levels ``(3, 63)``. Each
+coordinate uses the largest scale ``s`` with ``s <= (W / |x_i|) * min_j s_j``
+(eq. 11), so its code magnitude ``ceil(s * a_i)`` never exceeds
+``min_j s_j`` and fits the bits of the smallest scale. Workers share the scale
+index by MIN (scale sharing, a second all-reduce of ``ceil(log2 N)`` bits per
+coordinate), after which all codes of a coordinate are on the same scale and
+can be summed; decoding divides element-wise by the coordinate's scale
+(eq. 13). Bits per coordinate: ``min_j p_j + 1 + ceil(log2 N)``.
+
+Wire form (``encode``/``decode``, one worker's message): header ``<if``
+(numel, W as float32); data: the offset codes ``code + s`` (multi-scale:
+``code + s_min`` with the scale index in the bits above) packed LSB-first with
+:func:`pack_wide`, exactly ``bits`` bits per coordinate. A single-scale
+``MultiScaleMaxNormCodec(scales=(p,))`` quantizes like
+``QSGDMaxNormCodec(bits=p + 1)``. Without ``scale=``, ``encode`` uses the
+worker's own norm (and scale indices), i.e. ``M = 1``.
+
+Precision: norms, ratios and reconstructions are float64; the shared norm is
+rounded UP to float32 (so the header holds it exactly and ``a_i <= 1``).
+``norm="linf"`` shares ``max_m max_i |x_{m,i}|`` instead of the l2 norm.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .base import (
+    Payload,
+    SummableCodec,
+    check_flat,
+    check_world_size,
+    pack_header,
+    unpack_header,
+)
+from .packing import pack_wide, unpack_wide
+from .quantize import check_int_range, check_numel, round_to_int
+
+__all__ = ["NORMS", "QSGDMaxNormCodec", "MultiScaleMaxNormCodec"]
+
+NORMS = ("l2", "linf")
+_MAX_SCALES = 16
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_norm(norm) -> str:
+    if norm not in NORMS:
+        raise ValueError(f"norm must be one of {NORMS}, got {norm!r}")
+    return norm
+
+
+def _f32_up(value: float) -> float:
+    """The smallest float32 value >= ``value`` (``value`` finite, >= 0)."""
+    if not math.isfinite(value) or value > _F32_MAX:
+        raise ValueError(f"the norm of x ({value}) is not finite or does not fit the float32 header")
+    f = np.float32(value)
+    if float(f) < value:
+        f = np.nextafter(f, np.float32(np.inf), dtype=np.float32)
+    return float(f)
+
+
+def _as_float64(x: torch.Tensor) -> torch.Tensor:
+    check_flat(x)
+    check_numel(x)
+    x64 = x.detach().to(torch.float64)
+    if x64.numel() and not bool(torch.isfinite(x64).all()):
+        raise ValueError("x must be finite for the max-norm codecs")
+    return x64
+
+
+def _local_statistic(x64: torch.Tensor, norm: str) -> float:
+    """``||x||`` in float64, never below ``max |x_i|`` (which it is mathematically;
+    taking the max guards float rounding so that ``|x_i| / W <= 1`` exactly)."""
+    if x64.numel() == 0:
+        return 0.0
+    amax = float(x64.abs().max())
+    return amax if norm == "linf" else max(float(torch.linalg.vector_norm(x64)), amax)
+
+
+def _norm_value(scale, field: str = "scale") -> float:
+    """The agreed norm W from a tensor of one element or a real number, as the float32
+    value the header carries."""
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"{field} must hold one value (the shared norm), got shape {tuple(scale.shape)}")
+        v = float(scale.reshape(()))
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        v = float(scale)
+    else:
+        raise ValueError(f"{field} must be a one-element tensor or a number, got {type(scale).__name__}")
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(f"{field} (the shared norm) must be finite and >= 0, got {v}")
+    return _f32_up(v)
+
+
+def _ratios(x64: torch.Tensor, W: float, norm: str) -> torch.Tensor:
+    """``a_i = |x_i| / W`` in [0, 1]; ValueError when W is below this worker's ``max |x_i|``."""
+    ax = x64.abs()
+    amax = float(ax.max()) if ax.numel() else 0.0
+    if amax > W:
+        raise ValueError(
+            f"scale={W} is smaller than this worker's max |x_i| = {amax}: the shared {norm} norm must be "
+            "the MAX of the workers' shared_scale values (scale_reduce_op='max')"
+        )
+    return ax / W if W > 0 else torch.zeros_like(ax)
+
+
+def _signed(x64: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
+    return (torch.sign(x64) * mag).to(torch.int64)
+
+
+def _check_int_sum(int_sum: torch.Tensor, numel, field: str = "int_sum") -> int:
+    if not isinstance(int_sum, torch.Tensor) or int_sum.dim() != 1 or int_sum.is_floating_point() \
+            or int_sum.is_complex() or int_sum.dtype == torch.bool:
+        desc = f"{int_sum.dtype} {tuple(int_sum.shape)}" if isinstance(int_sum, torch.Tensor) else type(int_sum).__name__
+        raise ValueError(f"{field} must be a 1-D integer tensor, got {desc}")
+    n = int_sum.numel()
+    if numel is not None and numel != n:
+        raise ValueError(f"numel={numel} does not match the {n} summed codes")
+    return n
+
+
+def _lemma_bound(numel: int, s_hat: int, W: float, norm: str) -> float:
+    if norm == "l2":
+        return (1 + min(numel / s_hat**2, math.sqrt(numel) / s_hat)) * W**2
+    return (1 + numel / s_hat**2) * W**2
+
+
+@dataclass(frozen=True)
+class QSGDMaxNormCodec(SummableCodec):
+    """QSGDMaxNorm (section 3.1): ``s = 2^(bits-1) - 1`` levels, ``bits`` bits per
+    coordinate (sign + magnitude), norm shared by MAX; unbiased; kind SUMMABLE.
+
+    ``shared_scale(x)``: ``[W_m]`` (float32, one element), combined by ``max``.
+    ``encode_int(x, W)``: int64 codes in ``-s..s``. ``decode_sum(sum, W, M)``:
+    ``W * sum / (s * M)``. ``encode(x, scale=W)`` / ``decode``: one message.
+    """
+
+    bits: int = 8
+    norm: str = "l2"
+
+    name = "qsgd_maxnorm"
+    unbiased = True
+    header_format = "if"
+    scale_reduce_ops = ("max",)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bits", check_int_range(self.bits, "bits", 2, 32))
+        _check_norm(self.norm)
+
+    @property
+    def levels(self) -> int:
+        """``s = 2^(bits-1) - 1``: the paper's number of quantization levels."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def precision(self) -> int:
+        """The paper's precision ``log2(s + 1) = bits - 1`` (QSGD-MN <precision>)."""
+        return self.bits - 1
+
+    @property
+    def max_code(self) -> int:
+        return self.levels
+
+    def scale_nbytes(self, numel: int) -> int:
+        return 4
+
+    def variance_bound(self, numel: int, scale) -> float:
+        """Lemma 1: ``E||Q(x) - x||^2 <= (1 + min(n / s^2, sqrt(n) / s)) W^2`` for the l2
+        norm; for ``linf`` the same argument (``sum_i p_i <= n``) gives ``(1 + n / s^2) W^2``."""
+        return _lemma_bound(numel, self.levels, _norm_value(scale), self.norm)
+
+    # --- the summable protocol ---------------------------------------------------
+
+    def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
+        if len(agreed) != 0:
+            raise ValueError(f"{type(self).__name__} has one scale round; agreed must be empty, got {len(agreed)}")
+        W = _f32_up(_local_statistic(_as_float64(x), self.norm))
+        return torch.tensor([W], dtype=torch.float32, device=x.device)
+
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+        x64 = _as_float64(x)
+        W = _norm_value(scale)
+        t = _ratios(x64, W, self.norm) * self.levels  # <= s exactly, since a <= 1
+        return _signed(x64, round_to_int(t, "stochastic", generator))
+
+    def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        _check_int_sum(int_sum, numel)
+        m = check_world_size(world_size)
+        W = _norm_value(scale)
+        out = int_sum.to(torch.float64) * (W / self.levels) / m
+        return out.to(torch.float32 if dtype is None else dtype)
+
+    # --- one message -----------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
+        """One worker's message; ``scale``: the agreed norm (default: this worker's own)."""
+        if scale is None:
+            scale = self.shared_scale(x)
+        W = _norm_value(scale)
+        codes = self.encode_int(x, W, generator)
+        header = pack_header(self.header_format, codes.numel(), W, device=x.device)
+        return Payload(header=header, data=pack_wide(codes + self.levels, self.bits))
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, W = unpack_header(self.header_format, payload.header)
+        codes = unpack_wide(payload.data, self.bits, n) - self.levels
+        return self.decode_sum(codes, W, 1, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class MultiScaleMaxNormCodec(SummableCodec):
+    """QSGDMaxNormMultiScale (section 3.2). ``scales``: the precisions ``p_j`` (log2 of
+    levels) of the ``N`` scales, e.g. ``(2, 6)`` for the paper's two-scale (2, 6):
+    levels ``s_j = 2^p_j - 1`` = ``(3, 63)``. Stored sorted ascending; distinct.
+
+    Bits per coordinate: ``min p_j + 1`` (sign + magnitude, magnitudes never exceed
+    ``s_min``) plus ``ceil(log2 N)`` for the scale index. Unbiased; kind SUMMABLE with
+    two scale rounds: ``shared_scale(x)`` -> ``[W_m]`` combined by ``max``; then
+    ``shared_scale(x, (W,))`` -> per-coordinate index (uint8) of the largest scale
+    admissible by eq. 11 for this worker, combined by ``min``. ``scale = (W, index)``.
+    """
+
+    scales: tuple = (2, 6)
+    norm: str = "l2"
+
+    name = "qsgd_maxnorm_multiscale"
+    unbiased = True
+    header_format = "if"
+    scale_reduce_ops = ("max", "min")
+
+    def __post_init__(self) -> None:
+        sc = self.scales
+        if isinstance(sc, (str, bytes)) or not hasattr(sc, "__iter__"):
+            raise ValueError(f"scales must be a tuple of ints (precisions in bits), got {sc!r}")
+        sc = tuple(sc)
+        if not 1 <= len(sc) <= _MAX_SCALES:
+            raise ValueError(f"scales must hold 1..{_MAX_SCALES} precisions, got {len(sc)}: {sc!r}")
+        sc = tuple(sorted(check_int_range(p, f"scales[{i}]", 1, 31) for i, p in enumerate(sc)))
+        if len(set(sc)) != len(sc):
+            raise ValueError(f"scales must be distinct, got {self.scales!r}")
+        object.__setattr__(self, "scales", sc)
+        _check_norm(self.norm)
+        # distinct precisions <= 31 keep min p + 1 + ceil(log2 N) <= 32: one pack_wide word
+
+    @property
+    def levels(self) -> tuple:
+        """``s_j = 2^p_j - 1`` for each scale, ascending."""
+        return tuple((1 << p) - 1 for p in self.scales)
+
+    @property
+    def index_bits(self) -> int:
+        """``ceil(log2 N)`` bits of scale index per coordinate (0 for one scale)."""
+        return (len(self.scales) - 1).bit_length()
+
+    @property
+    def code_bits(self) -> int:
+        """Bits of the signed code: ``min p_j + 1``."""
+        return self.scales[0] + 1
+
+    @property
+    def bits(self) -> int:  # type: ignore[override]
+        """Bits per coordinate on the wire: the paper's ``ceil(log2 s_min) + 1 + ceil(log2 N)``."""
+        return self.code_bits + self.index_bits
+
+    @property
+    def max_code(self) -> int:
+        return self.levels[0]
+
+    def scale_nbytes(self, numel: int) -> int:
+        """4 bytes of norm, then ``ceil(numel * ceil(log2 N) / 8)`` bytes of packed indices."""
+        return 4 + (numel * self.index_bits + 7) // 8
+
+    def variance_bound(self, numel: int, scale) -> float:
+        """Lemma 2: Lemma 1's bound with ``s_hat = min_j s_j``."""
+        W = _norm_value(scale[0] if isinstance(scale, (tuple, list)) else scale)
+        return _lemma_bound(numel, self.levels[0], W, self.norm)
+
+    def _levels_tensor(self, device) -> torch.Tensor:
+        return torch.tensor(self.levels, dtype=torch.float64, device=device)
+
+    def _split_scale(self, scale, n: int, device) -> tuple[float, torch.Tensor]:
+        if not isinstance(scale, (tuple, list)) or len(scale) != 2:
+            raise ValueError("scale must be the pair (norm, index) agreed in the two scale rounds")
+        W = _norm_value(scale[0], "scale[0]")
+        idx = scale[1]
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 1 or idx.numel() != n \
+                or idx.is_floating_point() or idx.is_complex():
+            desc = f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"scale[1] (the scale index) must be a 1-D integer tensor of {n} elements, got {desc}")
+        idx = idx.to(device=device, dtype=torch.int64)
+        if n and (int(idx.min()) < 0 or int(idx.max()) >= len(self.scales)):
+            raise ValueError(f"scale[1] (the scale index) must lie in 0..{len(self.scales) - 1}")
+        return W, idx
+
+    # --- the summable protocol ---------------------------------------------------
+
+    def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
+        x64 = _as_float64(x)
+        if len(agreed) == 0:
+            W = _f32_up(_local_statistic(x64, self.norm))
+            return torch.tensor([W], dtype=torch.float32, device=x.device)
+        if len(agreed) != 1:
+            raise ValueError(f"{type(self).__name__} has two scale rounds; agreed must hold 0 or 1 tensors, got {len(agreed)}")
+        a = _ratios(x64, _norm_value(agreed[0], "agreed[0]"), self.norm)
+        s_min = float(self.levels[0])
+        idx = torch.zeros(a.shape, dtype=torch.uint8, device=x.device)
+        for j, s in enumerate(self.levels):  # ascending: the last admissible scale wins (eq. 11)
+            idx[(a * float(s)) <= s_min] = j
+        return idx
+
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+        x64 = _as_float64(x)
+        W, idx = self._split_scale(scale, x64.numel(), x64.device)
+        t = _ratios(x64, W, self.norm) * self._levels_tensor(x64.device)[idx]
+        if t.numel() and float(t.max()) > self.levels[0]:
+            raise ValueError(
+                "scale[1] (the scale index) exceeds this worker's admissible scale for some coordinate: "
+                "indices must be the MIN over workers of shared_scale(x, (W,)) (eq. 11)"
+            )
+        return _signed(x64, round_to_int(t, "stochastic", generator))
+
+    def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        n = _check_int_sum(int_sum, numel)
+        m = check_world_size(world_size)
+        W, idx = self._split_scale(scale, n, int_sum.device)
+        out = int_sum.to(torch.float64) * W / self._levels_tensor(int_sum.device)[idx] / m
+        return out.to(torch.float32 if dtype is None else dtype)
+
+    # --- one message -----------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
+        """One worker's message; ``scale``: the agreed ``(W, index)`` (default: this worker's own)."""
+        if scale is None:
+            W = self.shared_scale(x)
+            scale = (W, self.shared_scale(x, (W,)))
+        W, idx = self._split_scale(scale, x.numel(), x.device)
+        codes = self.encode_int(x, (W, idx), generator)
+        words = (idx << self.code_bits) | (codes + self.levels[0])
+        header = pack_header(self.header_format, codes.numel(), W, device=x.device)
+        return Payload(header=header, data=pack_wide(words, self.bits))
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, W = unpack_header(self.header_format, payload.header)
+        words = unpack_wide(payload.data, self.bits, n)
+        codes = (words & ((1 << self.code_bits) - 1)) - self.levels[0]
+        return self.decode_sum(codes, (W, words >> self.code_bits), 1, dtype=dtype)
+

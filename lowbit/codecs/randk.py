@@ -1,0 +1,278 @@
+"""Random-k sparsification around an inner codec (paper 004, sections 3.3-3.4:
+GlobalRandKMaxNorm and GlobalRandKMaxNormMultiScale).
+
+``k`` of the ``d`` coordinates are kept (``min(k, d)`` when ``d < k``), chosen
+uniformly without replacement by :meth:`RandKCodec.indices` from a seed: the
+first ``k`` entries of ``torch.randperm(d)`` drawn from a CPU generator seeded
+with it, sorted. The inner codec encodes the ``k`` kept values; decoding
+scatters them back (zeros elsewhere) and, with ``rescale=True``, multiplies by
+``d / k`` so that the result is unbiased when the inner codec is.
+
+GlobalRandK (``send_indices=False``, the paper's scheme): every worker uses the
+same seed for a step (``codec.with_seed(global_index_seed(run_seed, step))``),
+so every worker keeps the same coordinates and the indices are NOT sent: the
+header carries the 8-byte seed (``<iq``: numel, seed, then the inner header)
+from which a receiver regenerates them. If the codec has no seed, ``encode``
+draws one from ``generator`` (a per-worker selection, still only 8 bytes).
+With a summable inner codec and a seed, the random-k codec is summable: the
+scale protocol of the inner codec runs on the ``k`` kept values, the integer
+codes (``k`` of them) are summed, and ``decode_sum(..., numel=d)`` scatters
+and rescales the average.
+
+Per-worker RandK with explicit indices (``send_indices=True``): the data starts
+with the ``k`` indices packed in ``max(1, ceil(log2 d))`` bits each (counted
+in ``nbytes``), then the inner data; header ``<i`` (numel) + inner header.
+Workers keep different coordinates, so this form is never summable.
+
+Selections depend only on (d, k, seed) and the torch version's ``randperm``;
+all workers must run the same torch version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from .base import (
+    Codec,
+    CodecKind,
+    Payload,
+    SummableCodec,
+    check_flat,
+    header_size,
+    is_summable,
+    pack_header,
+    unpack_header,
+)
+from .packing import pack_wide, packed_nbytes, unpack_wide
+from .quantize import INT32_MAX, check_int_range, check_numel
+from .rng import derive_seed, make_generator
+
+__all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM"]
+
+#: The ``stream`` of :func:`lowbit.codecs.rng.derive_seed` reserved for global random-k selections.
+GLOBAL_RANDK_STREAM = 0x52414E444B  # "RANDK"
+_SEED_MAX = 2**63 - 1
+
+
+def global_index_seed(run_seed: int, step: int) -> int:
+    """The selection seed every worker derives for ``step`` (sender-independent)."""
+    return derive_seed(run_seed, step, 0, GLOBAL_RANDK_STREAM)
+
+
+def _check_seed(seed, field: str = "seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
+        raise ValueError(f"{field} must be an int in 0..2^63-1, got {seed!r}")
+    return seed
+
+
+def _accepts_kw(fn, name: str) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+@dataclass(frozen=True)
+class RandKCodec(SummableCodec):
+    """Keep ``k`` random coordinates, encode them with ``inner``; see the module docstring.
+
+    ``kind`` is SUMMABLE when ``inner`` is summable and ``send_indices`` is False (the
+    summable methods then need ``seed``, the same on every worker), PLAIN otherwise.
+    ``unbiased`` when ``inner`` is and ``rescale`` is True. ``bits`` is nominal: the
+    inner codec's bits per KEPT coordinate (plus 32 per index with ``send_indices``);
+    ``payload.nbytes`` is the honest size.
+    """
+
+    inner: Codec
+    k: int
+    rescale: bool = True
+    send_indices: bool = False
+    seed: int | None = None
+
+    name = "randk"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Codec):
+            raise ValueError(f"inner must be a Codec, got {type(self.inner).__name__}")
+        if self.inner.kind is CodecKind.SIDE_INFO:
+            raise ValueError(f"inner must be a PLAIN or SUMMABLE codec, got {type(self.inner).__name__} "
+                             "(side-information codecs need the receiver's reference)")
+        object.__setattr__(self, "k", check_int_range(self.k, "k", 1, INT32_MAX))
+        for field in ("rescale", "send_indices"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
+        if self.seed is not None:
+            _check_seed(self.seed)
+
+    # --- description -------------------------------------------------------------------
+
+    @property
+    def kind(self) -> CodecKind:  # type: ignore[override]
+        return CodecKind.SUMMABLE if is_summable(self.inner) and not self.send_indices else CodecKind.PLAIN
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        return bool(self.inner.unbiased) and self.rescale
+
+    @property
+    def bits(self) -> float:  # type: ignore[override]
+        return self.inner.bits + (32 if self.send_indices else 0)
+
+    @property
+    def header_format(self) -> str:  # type: ignore[override]
+        return ("i" if self.send_indices else "iq") + self.inner.header_format
+
+    @property
+    def _own_header(self) -> str:
+        return "i" if self.send_indices else "iq"
+
+    @property
+    def dither_on_decode(self) -> bool:  # type: ignore[override]
+        return bool(getattr(self.inner, "dither_on_decode", False))
+
+    @staticmethod
+    def _draw_seed(generator: torch.Generator | None) -> int:
+        """A per-message selection seed from ``generator`` (when the codec has none)."""
+        device = generator.device if generator is not None else "cpu"
+        return int(torch.randint(0, _SEED_MAX, (1,), generator=generator, device=device))
+
+    def with_seed(self, seed: int) -> "RandKCodec":
+        """The same codec with the selection seed fixed (e.g. ``global_index_seed(run_seed, step)``)."""
+        return dataclasses.replace(self, seed=_check_seed(seed))
+
+    def kept(self, numel: int) -> int:
+        """How many coordinates are kept out of ``numel``: ``min(k, numel)``."""
+        return min(self.k, numel)
+
+    def indices(self, numel: int, seed: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+        """The sorted kept indices (int64) for a vector of ``numel`` elements and ``seed``
+        (default: the codec's ``seed``)."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        seed = self._need_seed() if seed is None else _check_seed(seed)
+        perm = torch.randperm(numel, generator=make_generator(seed), dtype=torch.int64)
+        return perm[: self.kept(numel)].sort().values.to(device)
+
+    def _need_seed(self) -> int:
+        if self.seed is None:
+            raise ValueError(
+                "seed must be set for this RandKCodec call (the same on every worker for global random-k), "
+                "e.g. codec.with_seed(global_index_seed(run_seed, step))"
+            )
+        return self.seed
+
+    def _index_bits(self, numel: int) -> int:
+        return max(1, (numel - 1).bit_length())
+
+    def _factor(self, numel: int) -> float:
+        kk = self.kept(numel)
+        return numel / kk if self.rescale and kk else 1.0
+
+    # --- one message -----------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
+        """Encode the kept values with ``inner``; ``scale`` (summable inner only) is passed on."""
+        check_flat(x)
+        n = check_numel(x)
+        seed = self.seed if self.seed is not None else self._draw_seed(generator)
+        idx = self.indices(n, seed, device=x.device)
+        kw = {"generator": generator}
+        if scale is not None:
+            if not is_summable(self.inner):
+                raise ValueError(f"scale= needs a summable inner codec, got {type(self.inner).__name__}")
+            kw["scale"] = scale
+        ip = self.inner.encode(x[idx], **kw)
+        if self.send_indices:
+            header = pack_header("i", n, device=x.device)
+            data = torch.cat([pack_wide(idx, self._index_bits(n)), ip.data.to(x.device)])
+        else:
+            header = pack_header("iq", n, seed, device=x.device)
+            data = ip.data
+        return Payload(header=torch.cat([header, ip.header.to(x.device)]), data=data)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Scatter the inner decode back. ``generator``: only for an inner codec with
+        ``dither_on_decode`` (a copy of the sender's generator; the seed draw of ``encode``
+        is replayed on it first when the codec has no fixed ``seed``)."""
+        own = header_size(self._own_header)
+        fields = unpack_header(self._own_header, payload.header[:own])
+        n = fields[0]
+        kk = self.kept(n)
+        data = payload.data
+        if self.send_indices:
+            nb = packed_nbytes(kk, self._index_bits(n))
+            idx = unpack_wide(data[:nb], self._index_bits(n), kk)
+            data = data[nb:]
+        else:
+            idx = self.indices(n, fields[1], device=data.device)
+        inner_p = Payload(header=payload.header[own:], data=data)
+        out_dtype = torch.float32 if dtype is None else dtype
+        kw = {}
+        if dtype is not None and _accepts_kw(self.inner.decode, "dtype"):
+            kw["dtype"] = dtype
+        if self.dither_on_decode:
+            if generator is not None and self.seed is None:
+                self._draw_seed(generator)  # keep the receiver's copy in step with the sender's
+            kw["generator"] = generator
+        vals = self.inner.decode(inner_p, **kw)
+        return self._scatter(vals, idx, n, out_dtype)
+
+    def _scatter(self, vals: torch.Tensor, idx: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.zeros(n, dtype=torch.float64, device=vals.device)
+        out[idx.to(vals.device)] = vals.to(torch.float64) * self._factor(n)
+        return out.to(dtype)
+
+    # --- the summable protocol (inner summable, send_indices False, seed set) ---------------
+
+    def _summable_inner(self) -> SummableCodec:
+        if self.kind is not CodecKind.SUMMABLE:
+            raise ValueError(
+                f"RandKCodec is summable only with a summable inner codec and send_indices=False "
+                f"(inner={type(self.inner).__name__}, send_indices={self.send_indices})"
+            )
+        self._need_seed()
+        return self.inner  # type: ignore[return-value]
+
+    def _kept_values(self, x: torch.Tensor) -> torch.Tensor:
+        check_flat(x)
+        return x[self.indices(check_numel(x), device=x.device)]
+
+    @property
+    def scale_reduce_ops(self) -> tuple:  # type: ignore[override]
+        return self.inner.scale_reduce_ops if is_summable(self.inner) else ()
+
+    @property
+    def max_code(self) -> int:
+        if not is_summable(self.inner):
+            raise ValueError(f"max_code needs a summable inner codec, got {type(self.inner).__name__}")
+        return self.inner.max_code
+
+    def sum_dtype(self, world_size: int, dtype: torch.dtype | None = None) -> torch.dtype:
+        return self._summable_inner().sum_dtype(world_size, dtype)
+
+    def scale_nbytes(self, numel: int) -> int:
+        return self._summable_inner().scale_nbytes(self.kept(numel))
+
+    def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
+        return self._summable_inner().shared_scale(self._kept_values(x), agreed)
+
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self._summable_inner().encode_int(self._kept_values(x), scale, generator)
+
+    def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        inner = self._summable_inner()
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be given (the length of the decoded vector, a non-negative int), got {numel!r}")
+        if int_sum.dim() != 1 or int_sum.numel() != self.kept(numel):
+            raise ValueError(f"int_sum must hold the {self.kept(numel)} kept codes for numel={numel}, "
+                             f"got shape {tuple(int_sum.shape)}")
+        vals = inner.decode_sum(int_sum, scale, world_size, dtype=torch.float64)
+        idx = self.indices(numel, device=int_sum.device)
+        return self._scatter(vals, idx, numel, torch.float32 if dtype is None else dtype)
