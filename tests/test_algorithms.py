@@ -1,6 +1,5 @@
 """Algorithms against their equations in matrix form (X W) on a small problem."""
 
-import numpy as np
 import pytest
 import torch
 

@@ -27,7 +27,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .packing import pack_bits, unpack_bits
-from .quantize import check_int_range, check_numel, check_positive, check_rounding, round_to_int
+from .quantize import check_int_range, check_positive, check_rounding, finite_float64, round_to_int
 
 __all__ = ["ModuloCodec", "centered_mod"]
 
@@ -95,11 +95,7 @@ class ModuloCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Algorithm 1 line 3: ``q = Q_delta((x / B_theta) mod 1)``, sent as codes."""
-        check_flat(x)
-        n = check_numel(x)
-        x64 = x.detach().to(torch.float64)
-        if not bool(torch.isfinite(x64).all()):
-            raise ValueError("x must be finite for the modulo codec")
+        n, x64 = finite_float64(x, "modulo")
         z = centered_mod(x64 / self.B_theta, 1.0)
         c = round_to_int(z * self.levels, self.rounding, generator)
         codes = torch.remainder(c, self.levels).to(torch.int64)

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .packing import pack_wide, packed_nbytes, unpack_wide
-from .quantize import INT32_MAX, check_int_range, check_numel, round_to_int
+from .quantize import INT32_MAX, check_int_range, finite_float64, round_to_int
 
 __all__ = ["QSGDCodec", "float32_up"]
 
@@ -103,11 +103,7 @@ class QSGDCodec(Codec):
         return 1 if self.bucket is None else -(-n // self.bucket)
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
-        n = check_numel(x)
-        x64 = x.detach().to(torch.float64)
-        if not bool(torch.isfinite(x64).all()):
-            raise ValueError("x must be finite for the QSGD codec")
+        n, x64 = finite_float64(x, "QSGD")
         s = self.levels
         if self.bucket is None:
             norms = float32_up(torch.linalg.vector_norm(x64).reshape(1))

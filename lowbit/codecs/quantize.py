@@ -13,6 +13,8 @@ import numbers
 
 import torch
 
+from .base import check_flat
+
 __all__ = [
     "ROUNDINGS",
     "check_rounding",
@@ -94,3 +96,14 @@ def check_numel(x: torch.Tensor) -> int:
     if n > INT32_MAX:
         raise ValueError(f"x has {n} elements; a payload header holds at most {INT32_MAX} (int32)")
     return n
+
+
+def finite_float64(x: torch.Tensor, codec: str) -> tuple[int, torch.Tensor]:
+    """The common prelude of an encode: ``x`` flat, floating, at most int32 long
+    and finite; returns its length and a float64 copy for the arithmetic."""
+    check_flat(x)
+    n = check_numel(x)
+    x64 = x.detach().to(torch.float64)
+    if not bool(torch.isfinite(x64).all()):
+        raise ValueError(f"x must be finite for the {codec} codec")
+    return n, x64

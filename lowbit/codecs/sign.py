@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .packing import pack_bits, unpack_bits
-from .quantize import check_numel
+from .quantize import finite_float64
 
 __all__ = ["SignCodec", "SIGN_SCALES"]
 
@@ -68,11 +68,7 @@ class SignCodec(Codec):
         return float(torch.linalg.vector_norm(x64)) / math.sqrt(x64.numel())
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
-        n = check_numel(x)
-        x64 = x.detach().to(torch.float64)
-        if not bool(torch.isfinite(x64).all()):
-            raise ValueError("x must be finite for the sign codec")
+        n, x64 = finite_float64(x, "sign")
         data = pack_bits((x64 >= 0).to(torch.int64), 1)
         if self.scale == "none":
             return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)

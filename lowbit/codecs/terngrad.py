@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .packing import pack_bits, unpack_bits
 from .qsgd import float32_up
-from .quantize import check_numel, round_to_int
+from .quantize import finite_float64, round_to_int
 
 __all__ = ["TernGradCodec"]
 
@@ -46,11 +46,7 @@ class TernGradCodec(Codec):
         return 2.0
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
-        n = check_numel(x)
-        x64 = x.detach().to(torch.float64)
-        if not bool(torch.isfinite(x64).all()):
-            raise ValueError("x must be finite for the TernGrad codec")
+        n, x64 = finite_float64(x, "TernGrad")
         scale = float(float32_up(x64.abs().max().reshape(1), "scale")[0]) if n else 0.0
         ratio = (x64.abs() / scale).clamp_(max=1.0) if scale > 0 else torch.zeros_like(x64)
         b = round_to_int(ratio, "stochastic", generator).clamp_(0, 1)

@@ -12,7 +12,6 @@ import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
