@@ -121,6 +121,16 @@ class Codec(ABC):
         return Payload.from_wire(buf, self.header_nbytes)
 
 
+def check_ref(ref: torch.Tensor | None, n: int, needs: str) -> None:
+    """A side-information decode's reference: present, flat, floating, ``n`` long.
+    ``needs`` says what the codec expects of it (shown when it is missing)."""
+    if ref is None:
+        raise ValueError(f"decode needs ref= ({needs})")
+    check_flat(ref, "ref")
+    if ref.numel() != n:
+        raise ValueError(f"ref must have the payload's {n} elements, got shape {tuple(ref.shape)}")
+
+
 def check_flat(x: torch.Tensor, arg: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(x).__name__}")

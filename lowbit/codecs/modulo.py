@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_ref, pack_header, unpack_header
 from .packing import pack_bits, unpack_bits
 from .quantize import check_int_range, check_positive, check_rounding, finite_float64, round_to_int
 
@@ -105,11 +105,7 @@ class ModuloCodec(Codec):
                generator: torch.Generator | None = None) -> torch.Tensor:
         """Eq. (5): ``x_hat = (q B_theta - y) mod B_theta + y`` with ``y = ref``."""
         (n,) = unpack_header(self.header_format, payload.header)
-        if ref is None:
-            raise ValueError("ModuloCodec.decode needs ref= (the receiver's own model y with |x - y| < theta)")
-        check_flat(ref, "ref")
-        if ref.numel() != n:
-            raise ValueError(f"ref must have the payload's {n} elements, got shape {tuple(ref.shape)}")
+        check_ref(ref, n, "ModuloCodec: the receiver's own model y with |x - y| < theta")
         codes = unpack_bits(payload.data.to(ref.device), self.bits, n)
         B = self.B_theta
         q = codes.to(torch.float64) * (B / self.levels)

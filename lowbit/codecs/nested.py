@@ -57,10 +57,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_ref, pack_header, unpack_header
 from .dithered import _uniforms
 from .packing import pack_wide, unpack_wide
-from .quantize import check_int_range, check_numel, check_positive
+from .quantize import check_int_range, check_positive, finite_float64
 
 __all__ = [
     "NestedDitheredCodec",
@@ -365,27 +365,19 @@ class NestedDitheredCodec(Codec):
     # --- codec -------------------------------------------------------------------
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
-        n = check_numel(x)
         if generator is None:
             raise ValueError(
                 "NestedDitheredCodec.encode needs generator= (e.g. shared_generator(run_seed, step, sender)): "
                 "the receiver regenerates the dither from the same seed"
             )
-        x64 = x.detach().to(torch.float64)
-        if not bool(torch.isfinite(x64).all()):
-            raise ValueError("x must be finite for the nested dithered codec")
+        n, x64 = finite_float64(x, "nested dithered")
         codes = self.indices(x64, self.dither(n, generator, device=x.device))
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_wide(codes, self.bits))
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
         (n,) = unpack_header(self.header_format, payload.header)
-        if ref is None:
-            raise ValueError("NestedDitheredCodec.decode needs ref= (the receiver's side information y, close to x)")
-        check_flat(ref, "ref")
-        if ref.numel() != n:
-            raise ValueError(f"ref must have the payload's {n} elements, got shape {tuple(ref.shape)}")
+        check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
         if generator is None:
             raise ValueError(
                 "NestedDitheredCodec.decode needs generator=: a generator of the same kind seeded like the "

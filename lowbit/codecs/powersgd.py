@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
-from .quantize import INT32_MAX, check_int_range, check_numel
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .quantize import INT32_MAX, check_int_range, finite_float64
 
 __all__ = ["PowerSGDCodec", "matrix_shape"]
 
@@ -126,12 +126,8 @@ class PowerSGDCodec(Codec):
     def encode_with_state(self, x: torch.Tensor, state: torch.Tensor | None = None, *,
                           generator: torch.Generator | None = None) -> tuple[Payload, torch.Tensor]:
         """One warm-started power step: ``(payload, new_state)`` (see the class doc)."""
-        check_flat(x)
-        N = check_numel(x)
+        N, x64 = finite_float64(x, "PowerSGD")
         n, m, r = self.matrix_shape(N)
-        x64 = x.detach().to(torch.float64)
-        if not bool(torch.isfinite(x64).all()):
-            raise ValueError("x must be finite for the PowerSGD codec")
         header = pack_header(self.header_format, N, device=x.device)
         if N == 0:
             empty = torch.empty(0, dtype=torch.uint8, device=x.device)
