@@ -5,44 +5,27 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .algorithms import ALGORITHMS
-from .topology import TOPOLOGIES, WEIGHTINGS
-from .train.config import BACKENDS, LR_SCHEDULES, TrainConfig
-from .train.tasks import TASKS
+from .train.config import TrainConfig
 
 
 def _add_train(sub) -> None:
+    """One option per :class:`TrainConfig` field, typed and documented by the field."""
+    import dataclasses
+    import typing
+
     p = sub.add_parser("train", help="train a model on n workers and write metrics.jsonl and summary.json",
                        description="Train on n workers. With no options: digits-mlp, Moniqua 2-bit, 8 workers, ring.")
-    d = TrainConfig.__dataclass_fields__
-    p.add_argument("--task", default=d["task"].default, help=f"one of: {', '.join(TASKS)}")
-    p.add_argument("--algorithm", default=d["algorithm"].default, help=f"one of: {', '.join(ALGORITHMS)}")
-    p.add_argument("--bits", type=int, default=d["bits"].default, help="bits per element (1..8)")
-    p.add_argument("--workers", type=int, default=d["workers"].default)
-    p.add_argument("--topology", default=d["topology"].default, help=f"one of: {', '.join(TOPOLOGIES)}")
-    p.add_argument("--weights", default=d["weights"].default, help=f"mixing weights: {', '.join(WEIGHTINGS)}")
-    p.add_argument("--steps", type=int, default=d["steps"].default)
-    p.add_argument("--seed", type=int, default=d["seed"].default)
-    p.add_argument("--backend", default=d["backend"].default, help=f"one of: {', '.join(BACKENDS)}")
-    p.add_argument("--bandwidth", default=d["bandwidth"].default, help="network model bandwidth, e.g. 100Mbit")
-    p.add_argument("--latency", default=d["latency"].default, help="network model latency, e.g. 1ms")
-    p.add_argument("--lr", type=float, default=None, help="step size (task default if omitted)")
-    p.add_argument("--lr-schedule", default=d["lr_schedule"].default, help=f"one of: {', '.join(LR_SCHEDULES)}")
-    p.add_argument("--momentum", type=float, default=None)
-    p.add_argument("--weight-decay", type=float, default=None)
-    p.add_argument("--batch-size", type=int, default=None)
-    p.add_argument("--theta", type=float, default=None, help="Moniqua's a priori bound theta (> 0)")
-    p.add_argument("--theta-schedule", default=d["theta_schedule"].default, help="constant, or lr (theta_k ~ lr_k)")
-    p.add_argument("--delta", type=float, default=d["delta"].default,
-                   help="quadratic offset and the naive quantizer's step (Theorem 1)")
-    p.add_argument("--codec", default=None, help="codec of the naive baseline: uniform, minmax, fp32")
-    p.add_argument("--rounding", default=d["rounding"].default, help="stochastic or nearest")
-    p.add_argument("--shared-randomness", action=argparse.BooleanOptionalAction, default=True,
-                   help="Moniqua: all workers use the same stochastic-rounding offsets each step")
-    p.add_argument("--eval-every", type=int, default=d["eval_every"].default)
-    p.add_argument("--dim", type=int, default=d["dim"].default, help="dimension of the quadratic task")
-    p.add_argument("--noise", type=float, default=d["noise"].default, help="gradient noise of the quadratic task")
-    p.add_argument("--hidden", type=int, default=d["hidden"].default, help="hidden units of digits-mlp")
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
+        hint = hints[f.name]
+        if hint is bool:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+            kw["type"] = f.metadata.get("type", base[0] if len(base) == 1 else str)
+        p.add_argument(flag, **kw)
     p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

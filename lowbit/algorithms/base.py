@@ -29,6 +29,24 @@ from ..topology import Topology, check_mixing_matrix
 class Algorithm(ABC):
     name: str = "algorithm"
     family: str = ""  # "centralized" or "decentralized"
+    # False for asynchronous algorithms (AD-PSGD family): no step is a global
+    # barrier, so the training loop evaluates only before the first step and
+    # after finish().
+    synchronous: bool = True
+    # Codec names (lowbit.codecs.CODECS) a run may choose with --codec; the
+    # first is the default. Empty: the algorithm sends one fixed format.
+    codecs: tuple[str, ...] = ()
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        """Raise ValueError for options of the run config ``cfg`` (a
+        ``lowbit.train.TrainConfig``) that this algorithm cannot take. Called
+        before any worker starts."""
+
+    @classmethod
+    def from_config(cls, cfg, transport: Transport, topology: Topology | None):
+        """Build this worker's instance from the run config."""
+        return cls(transport, seed=cfg.seed)
 
     def __init__(self, transport: Transport, *, seed: int = 0):
         if not isinstance(seed, int) or seed < 0:
@@ -49,12 +67,46 @@ class Algorithm(ABC):
 
     def extra_memory_bytes(self) -> int:
         """Bytes of state this worker keeps between steps beyond the model and
-        the optimizer (replicas, error memory, previous iterates)."""
-        return 0
+        the optimizer (replicas, error memory, previous iterates): by default
+        the size of :meth:`state_tensors`."""
+        return tensors_nbytes(self.state_tensors().values())
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The persistent state, by name (counted by :meth:`extra_memory_bytes`)."""
         return {}
+
+    def finish(self) -> None:
+        """Called once after the last step, before the final evaluation (an
+        asynchronous algorithm drains its in-flight traffic here)."""
+
+    def nominal_bits_per_element(self) -> float:
+        """Bits per element of the code before any framing (the paper's count)."""
+        return 32.0
+
+    def state_dict(self) -> dict:
+        """Everything needed to continue exactly after a restart: the state
+        tensors plus :meth:`extra_state` (scalars such as a tuned theta)."""
+        return {"tensors": {k: v.detach().clone() for k, v in self.state_tensors().items()},
+                "extra": self.extra_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        tensors = self.state_tensors()
+        missing = set(tensors) ^ set(state["tensors"])
+        if missing:
+            raise ValueError(f"{self.name} state_dict: tensors {sorted(missing)} do not match this algorithm's state")
+        for k, t in tensors.items():
+            src = state["tensors"][k]
+            if src.shape != t.shape:
+                raise ValueError(f"{self.name} state_dict: {k} has shape {tuple(src.shape)}, expected {tuple(t.shape)}")
+            t.copy_(src)
+        self.load_extra_state(state.get("extra", {}))
+
+    def extra_state(self) -> dict:
+        """Non-tensor state (python scalars) to checkpoint; see :meth:`state_dict`."""
+        return {}
+
+    def load_extra_state(self, extra: dict) -> None:
+        """Restore what :meth:`extra_state` returned."""
 
 
 def tensors_nbytes(tensors) -> int:
@@ -82,6 +134,10 @@ class GossipAlgorithm(Algorithm):
         # W is symmetric: W_ji (what i takes from j, in the paper's notation) equals W_ij.
         self.w_self = float(self.W[self.rank, self.rank])
         self.w = {j: float(self.W[j, self.rank]) for j in self.neighbors}
+
+    @classmethod
+    def from_config(cls, cfg, transport, topology):
+        return cls(transport, topology, weights=cfg.weights, seed=cfg.seed)
 
 
 class CentralizedAlgorithm(Algorithm):

@@ -49,6 +49,11 @@ class NaiveQuantizedDPSGD(QuantizedGossip):
     """Eq. (4) with Theorem 1's quantizer by default: unbiased, points {delta n}."""
 
     name = "naive"
+    codecs = ("uniform", "minmax", "fp32")
+
+    @classmethod
+    def from_config(cls, cfg, transport, topology):
+        return cls(transport, topology, codec=cfg.make_codec(cls.codecs), weights=cfg.weights, seed=cfg.seed)
 
     def __init__(self, transport, topology, codec: Codec | None = None, delta: float = 0.1, **kw):
         super().__init__(transport, topology, codec if codec is not None else UniformCodec(step=delta), **kw)

@@ -36,6 +36,19 @@ THETA_SCHEDULES = ("constant", "lr")
 class Moniqua(GossipAlgorithm):
     name = "moniqua"
 
+    @classmethod
+    def check_config(cls, cfg):
+        ModuloCodec(bits=cfg.bits, theta=cfg.theta, rounding=cfg.rounding or "stochastic")
+
+    @classmethod
+    def from_config(cls, cfg, transport, topology):
+        return cls(transport, topology, bits=cfg.bits, theta=cfg.theta, rounding=cfg.rounding or "stochastic",
+                   theta_schedule=cfg.theta_schedule, shared_randomness=cfg.shared_randomness,
+                   weights=cfg.weights, seed=cfg.seed)
+
+    def nominal_bits_per_element(self):
+        return float(self.codec.bits)
+
     def __init__(self, transport, topology, *, bits: int = 2, theta: float = 0.5,
                  rounding: str = "stochastic", theta_schedule: str = "constant",
                  shared_randomness: bool = True, **kw):

@@ -1,22 +1,26 @@
-"""One training run's configuration, validated in one place."""
+"""One training run's configuration, validated in one place.
+
+Every field is one ``lowbit train`` option (``--name-with-dashes``; the help
+text is the field's ``metadata["help"]``). Options an algorithm does not use
+are ignored by it; options it cannot take are rejected by its
+``check_config`` before any worker starts.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.moniqua import THETA_SCHEDULES
-from ..codecs import ROUNDINGS, Codec, IdentityCodec, MinMaxCodec, ModuloCodec, UniformCodec
+from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
 from ..comm.netmodel import NetworkModel
-from ..topology import WEIGHTINGS, make_topology
-from .tasks import TASKS
+from ..topology import TOPOLOGIES, WEIGHTINGS, make_topology
+from .tasks import SPLITS, TASKS
 
 BACKENDS = ("thread", "torch")
-# Codecs the naive quantized baseline accepts (--codec); the others send one codec only.
-GOSSIP_CODECS = ("uniform", "minmax", "fp32")
-FIXED_CODECS = {"allreduce": "fp32", "dpsgd": "fp32", "moniqua": "modulo"}
 LR_SCHEDULES = ("constant", "cosine")
+SERVERS = ("ps", "allgather")
 
 # Per-task defaults for options left as None.
 TASK_DEFAULTS = {
@@ -24,35 +28,70 @@ TASK_DEFAULTS = {
     "digits-mlp": dict(lr=0.1, momentum=0.9, weight_decay=1e-4, theta=0.05, batch_size=32),
 }
 
+# How --codec NAME becomes a codec, from the run's options. An algorithm lists
+# the names it accepts in its ``codecs`` attribute.
+CODEC_BUILDERS = {
+    "fp32": lambda c: IdentityCodec(),
+    "half": lambda c: HalfCodec(),
+    "uniform": lambda c: UniformCodec(step=c.delta, rounding=c.rounding or "stochastic"),
+    "minmax": lambda c: MinMaxCodec(bits=c.bits, rounding=c.rounding or "nearest"),
+    "sign": lambda c: SignCodec(),
+    "terngrad": lambda c: TernGradCodec(),
+}
+
+
+def _opt(default, help: str, **meta):
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def _theta(v):
+    """--theta takes a number or ``auto``."""
+    return v if v == "auto" else float(v)
+
 
 @dataclass
 class TrainConfig:
-    task: str = "digits-mlp"
-    algorithm: str = "moniqua"
-    bits: int = 2
-    workers: int = 8
-    topology: str = "ring"
-    weights: str = "uniform"
-    steps: int = 300
-    seed: int = 0
-    backend: str = "thread"
-    bandwidth: str = "100Mbit"
-    latency: str = "1ms"
-    lr: float | None = None
-    lr_schedule: str = "constant"
-    momentum: float | None = None
-    weight_decay: float | None = None
-    batch_size: int | None = None
-    theta: float | None = None
-    theta_schedule: str = "constant"
-    delta: float = 0.1
-    codec: str | None = None
-    rounding: str = "stochastic"
-    shared_randomness: bool = True
-    eval_every: int = 25
-    dim: int = 16
-    noise: float = 0.0
-    hidden: int = 128
+    task: str = _opt("digits-mlp", f"one of: {', '.join(TASKS)}")
+    algorithm: str = _opt("moniqua", f"one of: {', '.join(ALGORITHMS)}")
+    bits: int = _opt(2, "bits per element (1..8)")
+    workers: int = _opt(8, "number of workers")
+    topology: str = _opt("ring", f"one of: {', '.join(TOPOLOGIES)}")
+    weights: str = _opt("uniform", f"mixing weights: {', '.join(WEIGHTINGS)}")
+    steps: int = _opt(300, "training steps")
+    seed: int = _opt(0, "run seed (model init, data, shared randomness)")
+    backend: str = _opt("thread", f"one of: {', '.join(BACKENDS)}")
+    bandwidth: str = _opt("100Mbit", "network model bandwidth, e.g. 100Mbit")
+    latency: str = _opt("1ms", "network model latency, e.g. 1ms")
+    lr: float | None = _opt(None, "step size (task default if omitted)")
+    lr_schedule: str = _opt("constant", f"one of: {', '.join(LR_SCHEDULES)}")
+    momentum: float | None = _opt(None, "SGD momentum (task default if omitted)")
+    weight_decay: float | None = _opt(None, "SGD weight decay (task default if omitted)")
+    batch_size: int | None = _opt(None, "minibatch per worker (task default if omitted)")
+    split: str = _opt("iid", f"how training data is split over workers: {', '.join(SPLITS)}")
+    slow: str | None = _opt(None, "slow workers down, e.g. '0:3' (rank 0 computes 3x slower; RANK:FACTOR,...)")
+    # --- the decentralized family ---
+    theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (Theorem 2 from "
+                                     "tracked gradient norms)", type=_theta)
+    theta_schedule: str = _opt("constant", "constant, or lr (theta_k ~ lr_k)")
+    theta_warmup: int = _opt(20, "steps over which --theta auto tracks ||g||_inf")
+    verify: bool = _opt(True, "Moniqua: send a hash of the quantized model; the receiver checks what it recovered")
+    entropy: str | None = _opt(None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans")
+    gamma: float | None = _opt(None, "consensus step size: Moniqua's slack matrix gamma W + (1 - gamma) I, "
+                               "ChocoSGD's gamma (algorithm default if omitted)")
+    delta: float = _opt(0.1, "quadratic offset and the naive quantizer's step (Theorem 1)")
+    codec: str | None = _opt(None, "codec of a quantized baseline (see the algorithm's list)")
+    rounding: str | None = _opt(None, f"one of: {', '.join(ROUNDINGS)} (algorithm default if omitted)")
+    shared_randomness: bool = _opt(True, "Moniqua: all workers use the same stochastic-rounding offsets each step")
+    # --- the centralized family ---
+    server: str = _opt("allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}")
+    scales: str | None = _opt(None, "multi-scale bit widths, e.g. 2,6")
+    k: float | None = _opt(None, "GlobalRandK: coordinates kept (an int, or a fraction of d if < 1)")
+    powersgd_rank: int = _opt(2, "PowerSGD rank", flag="--rank")
+    # --- tasks ---
+    eval_every: int = _opt(25, "evaluate every this many steps")
+    dim: int = _opt(16, "dimension of the quadratic task")
+    noise: float = _opt(0.0, "gradient noise of the quadratic task")
+    hidden: int = _opt(128, "hidden units of digits-mlp")
 
     def __post_init__(self) -> None:
         for k, v in TASK_DEFAULTS.get(self.task, {}).items():
@@ -70,14 +109,18 @@ class TrainConfig:
         choice("backend", BACKENDS)
         choice("weights", WEIGHTINGS)
         choice("lr_schedule", LR_SCHEDULES)
-        choice("rounding", ROUNDINGS)
         choice("theta_schedule", THETA_SCHEDULES)
+        choice("split", SPLITS)
+        choice("server", SERVERS)
+        if self.rounding is not None:
+            choice("rounding", ROUNDINGS)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         make_topology(self.topology, self.workers)  # unknown name or impossible size -> ValueError
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {self.bits}")
-        for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1)):
+        for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1),
+                         ("theta_warmup", 1), ("powersgd_rank", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
@@ -87,32 +130,59 @@ class TrainConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be > 0, got {v}")
-        if self.theta is not None and not (math.isfinite(self.theta) and self.theta > 0):
-            raise ValueError(f"theta must be > 0, got {self.theta}")
+        if self.theta is not None and self.theta != "auto" and not (
+                isinstance(self.theta, (int, float)) and math.isfinite(self.theta) and self.theta > 0):
+            raise ValueError(f"theta must be a number > 0 or 'auto', got {self.theta!r}")
+        if self.gamma is not None and not 0 < self.gamma <= 1:
+            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.k is not None and not (math.isfinite(self.k) and self.k > 0):
+            raise ValueError(f"k must be > 0 (a count, or a fraction of d if < 1), got {self.k}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0 or self.noise < 0:
             raise ValueError(f"weight_decay and noise must be >= 0, got {self.weight_decay}, {self.noise}")
+        self.slow_factors()
         NetworkModel.parse(self.bandwidth, self.latency)  # raises on bad units
-        # Build the codec here so that a bad combination fails before any worker starts.
-        if self.algorithm in FIXED_CODECS and self.codec not in (None, FIXED_CODECS[self.algorithm]):
-            raise ValueError(f"codec={self.codec!r}: algorithm={self.algorithm!r} sends {FIXED_CODECS[self.algorithm]} only")
-        if self.algorithm == "naive":
-            self.gossip_codec()
-        if self.algorithm == "moniqua":
-            ModuloCodec(bits=self.bits, theta=self.theta, rounding=self.rounding)
+        cls = ALGORITHMS[self.algorithm]
+        if self.codec is not None and not cls.codecs:
+            raise ValueError(f"codec={self.codec!r}: algorithm={self.algorithm!r} sends one fixed format; "
+                             f"omit --codec")
+        if cls.codecs:
+            self.make_codec(cls.codecs)  # a bad combination fails here, before any worker starts
+        cls.check_config(self)
 
-    def gossip_codec(self) -> Codec:
-        """The codec of the naive quantized baseline."""
-        name = self.codec or "uniform"
-        if name not in GOSSIP_CODECS:
+    def make_codec(self, allowed: tuple[str, ...]) -> Codec:
+        """The codec ``--codec`` names (default: the first of ``allowed``), built from the run's options."""
+        name = self.codec or allowed[0]
+        if name not in allowed:
             raise ValueError(f"codec={name!r} is not available for algorithm={self.algorithm!r}; "
-                             f"choose one of: {', '.join(GOSSIP_CODECS)}")
-        if name == "uniform":
-            return UniformCodec(step=self.delta, rounding=self.rounding)
-        if name == "minmax":
-            return MinMaxCodec(bits=self.bits, rounding=self.rounding)
-        return IdentityCodec()
+                             f"choose one of: {', '.join(allowed)}")
+        return CODEC_BUILDERS[name](self)
+
+    def slow_factors(self) -> dict[int, float]:
+        """``--slow 0:3,2:1.5`` as {rank: factor}."""
+        if not self.slow:
+            return {}
+        out = {}
+        for part in str(self.slow).split(","):
+            try:
+                r, f = part.split(":")
+                r, f = int(r), float(f)
+            except ValueError:
+                raise ValueError(f"slow must look like RANK:FACTOR[,RANK:FACTOR...], got {self.slow!r}") from None
+            if not 0 <= r < self.workers or not (math.isfinite(f) and f >= 1):
+                raise ValueError(f"slow: rank must be in [0, {self.workers - 1}] and factor >= 1, got {part!r}")
+            out[r] = f
+        return out
+
+    def scale_bits(self) -> tuple[int, ...]:
+        """``--scales 2,6`` as (2, 6)."""
+        if self.scales is None:
+            return ()
+        try:
+            return tuple(int(s) for s in str(self.scales).split(","))
+        except ValueError:
+            raise ValueError(f"scales must be comma-separated integers such as 2,6, got {self.scales!r}") from None
 
     def lr_at(self, k: int) -> float:
         if self.lr_schedule == "cosine":

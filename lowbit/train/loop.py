@@ -22,16 +22,8 @@ _INIT_LOCK = threading.Lock()
 
 def build_algorithm(cfg: TrainConfig, transport: Transport) -> Algorithm:
     cls = ALGORITHMS[cfg.algorithm]
-    if cls.family == "centralized":
-        return cls(transport, seed=cfg.seed)
-    topo = make_topology(cfg.topology, cfg.workers)
-    kw = dict(weights=cfg.weights, seed=cfg.seed)
-    if cfg.algorithm == "naive":
-        return cls(transport, topo, codec=cfg.gossip_codec(), **kw)
-    if cfg.algorithm == "moniqua":
-        return cls(transport, topo, bits=cfg.bits, theta=cfg.theta, rounding=cfg.rounding,
-                   theta_schedule=cfg.theta_schedule, shared_randomness=cfg.shared_randomness, **kw)
-    return cls(transport, topo, **kw)
+    topo = make_topology(cfg.topology, cfg.workers) if cls.family == "decentralized" else None
+    return cls.from_config(cfg, transport, topo)
 
 
 @dataclass
@@ -74,7 +66,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
     if n != cfg.workers:
         raise ValueError(f"the runtime has {n} workers but workers={cfg.workers}")
     task_kw = {"quadratic": dict(dim=cfg.dim, delta=cfg.delta, noise=cfg.noise),
-               "digits-mlp": dict(hidden=cfg.hidden)}[cfg.task]
+               "digits-mlp": dict(hidden=cfg.hidden, split=cfg.split)}[cfg.task]
     task = make_task(cfg.task, **task_kw)
     with _INIT_LOCK:  # thread workers share torch's global RNG
         torch.manual_seed(cfg.seed)  # A4: every worker starts from the same x_0
@@ -92,10 +84,12 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{n}", unit="step", leave=False, mininterval=0.5)
+    slow = cfg.slow_factors().get(rank, 1.0)
     compute: list[float] = []
     evals: list[dict] = []
     for k in range(cfg.steps):
-        if k % cfg.eval_every == 0:
+        # An asynchronous algorithm has no global barrier: evaluate (a collective) only at the ends.
+        if k % cfg.eval_every == 0 and (algo.synchronous or k == 0):
             evals.append(_evaluate(k, task, model, flat, transport, eval_model, eval_flat))
         transport.set_step(k)
         t0 = time.thread_time()
@@ -105,12 +99,17 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
         flat.zero_grad()
         loss = task.loss(model, task.sample(shard, cfg.batch_size, data_gen))
         loss.backward()
+        # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
+        extra = (slow - 1.0) * (time.thread_time() - t0)
+        if extra > 0:
+            time.sleep(extra)
         algo.before_update(k, flat.data, flat.grad, lr)
         opt.step()
         algo.after_update(k, flat.data, flat.grad, lr)
-        compute.append(time.thread_time() - t0)
+        compute.append(time.thread_time() - t0 + extra)
         if bar is not None:
             bar.update(1)
+    algo.finish()
     transport.set_step(cfg.steps)
     evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
     if bar is not None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SPLITS = ("iid",)
+SPLITS = ("iid", "label")
 
 
 class Task(ABC):
@@ -112,10 +112,25 @@ class Classification(Task):
         self.split = split
 
     def shard(self, rank, world_size, seed):
+        """iid: a random 1/n of the samples. label: worker i holds the classes
+        c with c mod n == i (one class each when n equals the number of
+        classes); when workers outnumber classes, the workers that share a
+        class (i mod C == c) split its samples."""
         if world_size > len(self.y_train):
             raise ValueError(f"workers={world_size} exceeds the {len(self.y_train)} training samples")
         perm = torch.randperm(len(self.y_train), generator=torch.Generator().manual_seed(seed))
-        idx = torch.tensor_split(perm, world_size)[rank]
+        if self.split == "iid":
+            idx = torch.tensor_split(perm, world_size)[rank]
+            return Shard(self.X_train[idx], self.y_train[idx])
+        classes = torch.unique(self.y_train).tolist()
+        y = self.y_train[perm]
+        if world_size <= len(classes):
+            mine = [c for i, c in enumerate(classes) if i % world_size == rank]
+            idx = perm[torch.isin(y, torch.tensor(mine))]
+        else:
+            c = classes[rank % len(classes)]
+            sharing = [i for i in range(world_size) if i % len(classes) == rank % len(classes)]
+            idx = torch.tensor_split(perm[y == c], len(sharing))[sharing.index(rank)]
         return Shard(self.X_train[idx], self.y_train[idx])
 
     def sample(self, shard, batch_size, gen):
