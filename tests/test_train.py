@@ -101,6 +101,17 @@ def test_allreduce_ring_bytes_and_seconds():
     (["--backend", "mpi"], "backend"),
     (["--rounding", "up"], "rounding"),
     (["--theta-schedule", "auto"], "theta_schedule"),
+    (["--theta", "big"], "theta"),
+    (["--split", "nope"], "split"),
+    (["--slow", "0"], "slow"),
+    (["--slow", "9:2"], "slow"),
+    (["--slow", "0:0.5"], "slow"),
+    (["--gamma", "0"], "gamma"),
+    (["--gamma", "1.5"], "gamma"),
+    (["--server", "nope"], "server"),
+    (["--k", "-1"], "k"),
+    (["--rank", "0"], "powersgd_rank"),
+    (["--algorithm", "dpsgd", "--codec", "minmax"], "codec"),
     (["--algorithm", "moniqua", "--bits", "1", "--backend", "torch"], "delta"),  # before any process starts
 ])
 def test_cli_rejects_bad_input_naming_the_option(argv, word, capsys):
@@ -122,3 +133,40 @@ def test_torchrun_launch_joins_and_matches_threads(tmp_path):
     ref = train(TrainConfig(workers=2, steps=20, eval_every=10)).summary
     assert s["bytes_sent"] == ref["bytes_sent"]
     assert s["final_train_loss"] == pytest.approx(ref["final_train_loss"], abs=1e-5)
+
+
+def test_every_config_field_is_a_cli_option(tmp_path):
+    """The train options are generated from TrainConfig: each field round-trips through argv."""
+    import argparse
+
+    from lowbit import cli
+
+    parser = argparse.ArgumentParser()
+    cli._add_train(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "--rank", "3", "--no-verify", "--theta", "auto", "--split", "label",
+                              "--slow", "1:2", "--k", "0.01", "--gamma", "0.5"])
+    assert (args.powersgd_rank, args.verify, args.theta, args.split, args.slow, args.k, args.gamma) == (
+        3, False, "auto", "label", "1:2", 0.01, 0.5)
+    assert set(TrainConfig.option_names()) <= set(vars(args))
+
+
+@pytest.mark.parametrize("workers", [10, 4, 16])
+def test_label_split_gives_each_worker_its_classes(workers):
+    from lowbit.train.tasks import DigitsMLP
+
+    task = DigitsMLP(split="label")
+    shards = [task.shard(r, workers, seed=0) for r in range(workers)]
+    labels = [set(s.y.tolist()) for s in shards]
+    assert sum(len(s.y) for s in shards) == len(task.y_train)  # nothing lost, nothing repeated
+    if workers <= 10:
+        assert all(labels[r] == {c for c in range(10) if c % workers == r} for r in range(workers))
+    else:  # workers outnumber classes: those sharing a class split its samples
+        assert all(labels[r] == {r % 10} for r in range(workers))
+        assert len(shards[0].y) + len(shards[10].y) == int((task.y_train == 0).sum())
+
+
+def test_slow_worker_is_charged_its_factor():
+    fast = train(TrainConfig(algorithm="dpsgd", workers=2, steps=20, eval_every=10)).workers
+    slow = train(TrainConfig(algorithm="dpsgd", workers=2, steps=20, eval_every=10, slow="1:3")).workers
+    torch.testing.assert_close(fast[1].params, slow[1].params, atol=0, rtol=0)  # same training, slower clock
+    assert sum(slow[1].compute_seconds) > 1.5 * sum(fast[1].compute_seconds)

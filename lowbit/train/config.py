@@ -44,9 +44,12 @@ def _opt(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
 
 
-def _theta(v):
-    """--theta takes a number or ``auto``."""
-    return v if v == "auto" else float(v)
+def _theta(v: str):
+    """--theta takes a number or ``auto`` (anything else is reported by validate)."""
+    try:
+        return float(v)
+    except ValueError:
+        return v
 
 
 @dataclass
