@@ -73,6 +73,8 @@ def _print_summary(s: dict) -> None:
             ("bytes sent (all workers)", s["bytes_sent"]),
             ("bytes per step", s["bytes_sent_per_step"]),
             ("bits/element/message", s["bits_per_element_per_message"]),
+            ("nominal bits/element", s["nominal_bits_per_element"]),
+            ("wire bits/element/step", s["wire_bits_per_element"]),
             ("extra memory per worker (B)", s["extra_memory_bytes"]),
             ("emulated seconds", s["emulated_seconds"]),
             ("wall seconds", s["wall_seconds"])]

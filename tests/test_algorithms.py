@@ -100,7 +100,10 @@ def test_moniqua_is_algorithm_1(bits, rounding):
     theta = 0.5  # above |x_i - x_j| at x_0; Lemma 2's bound is checked whenever that still holds
     checked = []
     codec = ModuloCodec(bits=bits, theta=theta, rounding=rounding)
-    traj, sent = _run(lambda t: Moniqua(t, topo, bits=bits, theta=theta, rounding=rounding, seed=5), X0, A, b)
+    # Algorithm 1 as written: plain W, and no verification (later steps break |x_i - x_j| < theta;
+    # tests/test_moniqua.py checks that verification catches those)
+    traj, sent = _run(lambda t: Moniqua(t, topo, bits=bits, theta=theta, rounding=rounding, gamma=1.0,
+                                        verify=False, seed=5), X0, A, b)
 
     def mix(k, X):
         Q = [codec.encode(X[j], generator=shared_generator(5, k, 0)) for j in range(N)]  # line 3, shared u
@@ -118,8 +121,8 @@ def test_moniqua_is_algorithm_1(bits, rounding):
     for k, X in enumerate(_reference_quantized(X0, A, b, Wn, mix)):
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
     assert len(checked) >= N  # at least the first step satisfies Lemma 2's premise
-    # each message: ceil(D * bits / 8) packed bytes plus the codec header
-    assert sent[0] == STEPS * 2 * codec.encode(X0[0]).nbytes
+    # each message: ceil(D * bits / 8) packed bytes (every worker knows D: no length header)
+    assert sent[0] == STEPS * 2 * codec.encode(X0[0]).data.numel()
     assert codec.encode(X0[0]).data.numel() == -(-D * bits // 8)
 
 

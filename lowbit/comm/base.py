@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -17,6 +17,11 @@ from .ledger import CommRecord, Ledger
 from .netmodel import op_messages_and_bytes
 
 REDUCE_OPS = ("sum", "max", "min")
+
+# handler(src, step, request) -> reply: what a passive worker does with a gossip request.
+GossipHandler = Callable[[int, int, torch.Tensor], torch.Tensor]
+# clock(step) -> the virtual time of this rank's gossip at its step (in-process schedule).
+GossipClock = Callable[[int], float]
 
 
 class Transport(ABC):
@@ -46,9 +51,9 @@ class Transport(ABC):
         finally:
             self.ledger.tracking = old
 
-    def _record(self, op: str, nbytes: int, peers: int = 1, root: bool = False) -> None:
+    def _record(self, op: str, nbytes: int, peers: int = 1, root: bool = False, force: bool = False) -> None:
         messages, sent = op_messages_and_bytes(op, nbytes, self.world_size, peers=peers, root=root)
-        self.ledger.record(CommRecord(op, nbytes, sent, messages, peers))
+        self.ledger.record(CommRecord(op, nbytes, sent, messages, peers), force=force)
 
     # ---- the contract ----------------------------------------------------
     def neighbor_exchange(self, buf: torch.Tensor, neighbors: Sequence[int]) -> dict[int, torch.Tensor]:
@@ -98,6 +103,90 @@ class Transport(ABC):
     def barrier(self) -> None:
         self._barrier()
 
+    # ---- pairwise asynchronous gossip (AD-PSGD) ---------------------------
+    # Not SPMD-lockstep: a worker (active) sends a request to ONE neighbour and
+    # gets that neighbour's reply; the neighbour (passive) answers with its
+    # ``handler`` without taking part in the call (a background responder
+    # thread on torch.distributed; in-process, the active thread runs the
+    # passive's handler at the turn the seeded schedule gives the exchange).
+    # Ledger: the active side counts its request and the passive side its reply,
+    # each as a one-peer "neighbor" message at its own current step; the small
+    # fixed header (kind, length, step) is framing and is not counted.
+    def gossip_open(self, neighbors: Sequence[int], handler: GossipHandler, *,
+                    clock: GossipClock | None = None) -> None:
+        """Start answering gossip requests from ``neighbors`` with
+        ``handler(src, step, request) -> reply`` (1-D uint8 buffers; ``step``
+        is the requester's step). Every rank calls it once, at the same point
+        of the program (on torch.distributed it creates a process group).
+        ``clock(step)``: the virtual time of this rank's gossip at ``step``,
+        which orders the exchanges of the in-process runtime (default: the
+        step itself); the torch runtime ignores it (real time orders them)."""
+        if getattr(self, "_gossip_peers", None) is not None:
+            raise RuntimeError(f"rank {self.rank}: gossip_open called twice without gossip_close")
+        peers = tuple(int(j) for j in neighbors)
+        if len(set(peers)) != len(peers):
+            raise ValueError(f"neighbors of rank {self.rank} must be distinct, got {peers}")
+        for j in peers:
+            if not 0 <= j < self.world_size or j == self.rank:
+                raise ValueError(f"neighbor {j} of rank {self.rank} is not another rank in [0, {self.world_size - 1}]")
+        if not callable(handler):
+            raise TypeError(f"handler must be callable(src, step, request) -> reply, got {handler!r}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be callable(step) -> float or None, got {clock!r}")
+
+        def answer(src: int, step: int, request: torch.Tensor) -> torch.Tensor:
+            reply = handler(src, step, request)
+            _check_u8(reply, "a gossip handler's reply")
+            self._record("neighbor", reply.numel(), force=True)
+            return reply
+
+        self._gossip_peers = peers
+        self._gossip_open(peers, answer, clock if clock is not None else float)
+
+    def gossip(self, peer: int, request, step: int) -> torch.Tensor:
+        """Send ``request`` (a 1-D uint8 buffer, or a callable returning one) to
+        neighbour ``peer`` as this rank's gossip at ``step``; return ``peer``'s
+        reply (its handler's output). A callable is called when the request
+        really leaves: in-process, at the exchange's turn in the schedule, so
+        the request carries the model as it is then."""
+        peers = getattr(self, "_gossip_peers", None)
+        if peers is None:
+            raise RuntimeError(f"rank {self.rank}: call gossip_open before gossip")
+        if peer not in peers:
+            raise ValueError(f"peer must be one of rank {self.rank}'s gossip neighbours {peers}, got {peer!r}")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        if not callable(request):
+            _check_u8(request, "gossip")
+
+        def make() -> torch.Tensor:
+            buf = request() if callable(request) else request
+            _check_u8(buf, "gossip")
+            self._record("neighbor", buf.numel(), force=True)
+            return buf
+
+        return self._gossip(peer, make, step)
+
+    def gossip_close(self) -> None:
+        """This rank sends no more requests; keep answering until every
+        neighbour has closed too, then stop answering (idempotent)."""
+        if getattr(self, "_gossip_peers", None) is None:
+            return
+        try:
+            self._gossip_close()
+        finally:
+            self._gossip_peers = None
+
+    def _gossip_open(self, neighbors, handler, clock) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support asynchronous gossip")
+
+    def _gossip(self, peer, make, step) -> torch.Tensor:
+        """Call ``make()`` for the request buffer when it is sent; return the reply."""
+        raise NotImplementedError(f"{type(self).__name__} does not support asynchronous gossip")
+
+    def _gossip_close(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support asynchronous gossip")
+
     # ---- what a runtime implements ----------------------------------------
     @abstractmethod
     def _neighbor_exchange(self, buf, neighbors) -> dict[int, torch.Tensor]: ...
@@ -119,3 +208,9 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release runtime resources (no-op by default)."""
+
+
+def _check_u8(buf, what: str) -> None:
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        got = f"{buf.dtype} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__
+        raise TypeError(f"{what} sends 1-D uint8 buffers, got {got}")

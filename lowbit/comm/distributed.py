@@ -19,12 +19,25 @@ all-gather the tensors and add them in rank order, bit for bit what the
 in-process runtime computes (at the cost of the all-gather's traffic; the
 ledger still counts an all-reduce). Integer sums, max and min are exact either
 way.
+
+Asynchronous pairwise gossip (``Transport.gossip``, AD-PSGD) runs on a
+separate gloo process group created by ``gossip_open`` (CPU buffers, whatever
+the default backend): a background *responder* thread per rank loops on
+``recv`` from any source (tag ``_TAG_REQ``) for a 3-int64 header (kind,
+length, step), receives the request bytes from that sender, runs the
+handler and sends the reply back (tags ``_TAG_REP``/``_TAG_REP_DATA``). The
+active side is the worker's own thread: send header and bytes, receive the
+reply. Nothing waits on a global barrier; two ranks asking each other at once
+are both answered by their responders. ``gossip_close`` sends a DONE header to
+every neighbour and joins the responder, which stops once every neighbour has
+sent DONE (a finished rank keeps answering those still training).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -33,6 +46,9 @@ from .base import Transport
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Asynchronous gossip: message tags on the gossip group, and header kinds.
+_TAG_REQ, _TAG_REQ_DATA, _TAG_REP, _TAG_REP_DATA = 701, 702, 703, 704
+_KIND_REQUEST, _KIND_DONE = 1, 2
 
 
 class TorchDistributedTransport(Transport):
@@ -138,6 +154,64 @@ class TorchDistributedTransport(Transport):
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
             dist.barrier()
+
+    # ---- asynchronous gossip ----------------------------------------------
+    def _gossip_open(self, neighbors, handler, clock):
+        self._g_group = dist.new_group(backend="gloo")  # collective: every rank opens
+        self._g_handler = handler
+        self._g_error: BaseException | None = None
+        self._g_thread = threading.Thread(target=self._responder, args=(tuple(neighbors),),
+                                          name=f"lowbit-gossip-responder-{self.rank}", daemon=True)
+        self._g_thread.start()
+
+    def _responder(self, neighbors) -> None:
+        """Answer requests until every neighbour has sent DONE."""
+        g, open_peers = self._g_group, set(neighbors)
+        try:
+            while open_peers:
+                hdr = torch.empty(3, dtype=torch.int64)
+                src = dist.recv(hdr, src=None, group=g, tag=_TAG_REQ)
+                kind, n, step = (int(v) for v in hdr.tolist())
+                if kind == _KIND_DONE:
+                    open_peers.discard(src)
+                    continue
+                if kind != _KIND_REQUEST or src not in neighbors:
+                    raise RuntimeError(f"rank {self.rank}: unexpected gossip header {hdr.tolist()} from rank {src}")
+                req = torch.empty(n, dtype=torch.uint8)
+                if n:
+                    dist.recv(req, src=src, group=g, tag=_TAG_REQ_DATA)
+                reply = self._g_handler(src, step, req).detach().cpu().contiguous()
+                dist.send(torch.tensor([reply.numel()], dtype=torch.int64), dst=src, group=g, tag=_TAG_REP)
+                if reply.numel():
+                    dist.send(reply, dst=src, group=g, tag=_TAG_REP_DATA)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the worker's own thread
+            self._g_error = e
+
+    def _check_responder(self) -> None:
+        if self._g_error is not None:
+            raise RuntimeError(f"rank {self.rank}: the gossip responder failed: {self._g_error!r}") from self._g_error
+
+    def _gossip(self, peer, make, step):
+        self._check_responder()
+        g = self._g_group
+        buf = make()
+        send = buf.detach().cpu().contiguous()
+        dist.send(torch.tensor([_KIND_REQUEST, send.numel(), step], dtype=torch.int64), dst=peer, group=g, tag=_TAG_REQ)
+        if send.numel():
+            dist.send(send, dst=peer, group=g, tag=_TAG_REQ_DATA)
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=peer, group=g, tag=_TAG_REP)
+        reply = torch.empty(int(size.item()), dtype=torch.uint8)
+        if reply.numel():
+            dist.recv(reply, src=peer, group=g, tag=_TAG_REP_DATA)
+        return reply.to(buf.device)
+
+    def _gossip_close(self):
+        g = self._g_group
+        for j in self._gossip_peers:
+            dist.send(torch.tensor([_KIND_DONE, 0, 0], dtype=torch.int64), dst=j, group=g, tag=_TAG_REQ)
+        self._g_thread.join()
+        self._check_responder()
 
     def close(self) -> None:
         """Destroy the process group if this transport created it (idempotent)."""

@@ -3,6 +3,16 @@
 Deterministic: reductions add the ranks' tensors in rank order, and an
 exchange delivers exactly the buffer that was sent. Any worker that fails
 aborts the others instead of leaving them waiting.
+
+Asynchronous gossip (``Transport.gossip``) is made reproducible by a schedule
+in virtual time (:class:`GossipBoard`): rank i's gossip at step k happens at
+the virtual time ``clock_i(k)`` its ``gossip_open`` gave; exchanges run one at
+a time in the order of (time, rank), the active thread running the passive
+neighbour's handler, and an exchange waits until its passive neighbour is
+parked (waiting for its own next exchange, or finished), so no exchange ever
+changes a model while its owner computes a gradient on it. Independent
+exchanges and the workers' computations still overlap; the result depends
+only on the clocks, not on thread timing.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ class ThreadWorld:
         self.slots: list[torch.Tensor | None] = [None] * world_size
         self.barrier_ = threading.Barrier(world_size, timeout=_TIMEOUT_S)
         self.aborted = threading.Event()
+        self.board = GossipBoard(world_size)
 
     def transport(self, rank: int) -> "ThreadTransport":
         return ThreadTransport(self, rank)
@@ -41,6 +52,39 @@ class ThreadWorld:
         """Release every worker waiting in a collective or an exchange."""
         self.aborted.set()
         self.barrier_.abort()
+        with self.board.cond:
+            self.board.cond.notify_all()
+
+
+class GossipBoard:
+    """The in-process sequencer of asynchronous gossip.
+
+    Per rank: whether it has opened, its handler and clock, the key
+    ``(clock(k), rank)`` of its next exchange (None once closed), and whether it
+    is *parked* (its thread waits inside ``gossip``/``gossip_close``, so its
+    model is quiet). The exchange with the smallest key runs once every rank
+    has opened and its passive neighbour is parked; then the active rank's
+    key moves to its next step and it is no longer parked (it updates its own
+    model and computes its next gradient meanwhile). A rank's close waits
+    until all its neighbours have closed: until then they may still gossip
+    with it.
+    """
+
+    def __init__(self, world_size: int):
+        n = world_size
+        self.cond = threading.Condition()
+        self.opened = [False] * n
+        self.handlers: list = [None] * n
+        self.clocks: list = [None] * n
+        self.neighbors: list[tuple[int, ...]] = [()] * n
+        self.key: list[tuple[float, int] | None] = [None] * n
+        self.parked = [False] * n
+        self.closed = [False] * n
+        self.log: list[tuple[float, int, int, int]] = []  # (time, active, step, passive), in order
+
+    def next_key(self) -> tuple[float, int] | None:
+        keys = [k for k, c in zip(self.key, self.closed) if not c and k is not None]
+        return min(keys) if keys else None
 
 
 class ThreadTransport(Transport):
@@ -101,6 +145,66 @@ class ThreadTransport(Transport):
 
     def _barrier(self):
         self._sync()
+
+    # ---- asynchronous gossip on the virtual-time schedule ----------------------
+    def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        """Wait on the board (its lock held) until ``ready()``."""
+        b = self.world.board
+        deadline = time.monotonic() + _TIMEOUT_S
+        while not ready():
+            if self.world.aborted.is_set():
+                raise threading.BrokenBarrierError(f"rank {self.rank}: another worker failed") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} waited {_TIMEOUT_S}s for {what}")
+            b.cond.wait(timeout=0.05)
+
+    def _time(self, step: int) -> float:
+        t = float(self.world.board.clocks[self.rank](step))
+        if t != t:
+            raise ValueError(f"rank {self.rank}: clock({step}) is NaN")
+        return t
+
+    def _gossip_open(self, neighbors, handler, clock):
+        b = self.world.board
+        with b.cond:
+            if b.closed[self.rank]:
+                raise RuntimeError(f"rank {self.rank}: the in-process gossip board was already closed by this rank")
+            b.handlers[self.rank] = handler
+            b.clocks[self.rank] = clock
+            b.neighbors[self.rank] = tuple(neighbors)
+            b.key[self.rank] = (self._time(0), self.rank)
+            b.opened[self.rank] = True
+            b.cond.notify_all()
+
+    def _gossip(self, peer, make, step):
+        b, me = self.world.board, self.rank
+        with b.cond:
+            key = (self._time(step), me)
+            prev = b.key[me]
+            if prev is not None and key < prev:
+                raise ValueError(f"rank {me}: clock({step}) = {key[0]} is earlier than this rank's previous gossip")
+            b.key[me] = key
+            b.parked[me] = True
+            b.cond.notify_all()
+            self._wait(lambda: all(b.opened) and b.next_key() == key and b.parked[peer],
+                       f"its turn to gossip with rank {peer} at step {step}")
+            if me not in b.neighbors[peer]:
+                raise ValueError(f"rank {peer} does not list rank {me} as a gossip neighbour (neighbours must be symmetric)")
+            b.log.append((key[0], me, step, peer))
+            reply = b.handlers[peer](me, step, make().clone())
+            b.parked[me] = False
+            b.key[me] = (self._time(step + 1), me)  # a lower bound of this rank's next exchange
+            b.cond.notify_all()
+        return reply.clone()
+
+    def _gossip_close(self):
+        b, me = self.world.board, self.rank
+        with b.cond:
+            b.closed[me] = True
+            b.key[me] = None
+            b.parked[me] = True
+            b.cond.notify_all()
+            self._wait(lambda: all(b.closed[j] for j in b.neighbors[me]), "its neighbours to finish gossiping")
 
 
 def run_threads(world_size: int, fn: Callable[[Transport], T]) -> list[T]:

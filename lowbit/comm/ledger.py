@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -33,10 +34,17 @@ class Ledger:
     step: int = 0
     records: dict[int, list[CommRecord]] = field(default_factory=lambda: defaultdict(list))
     tracking: bool = True
+    # Asynchronous gossip records from a background responder thread while the
+    # worker's own thread records its requests: appends go through one lock.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def record(self, rec: CommRecord) -> None:
-        if self.tracking:
-            self.records[self.step].append(rec)
+    def record(self, rec: CommRecord, force: bool = False) -> None:
+        """Append ``rec`` at the current step. ``force``: count it even inside
+        :meth:`Transport.untracked` (a background thread's gossip reply is
+        training traffic whatever the worker's own thread is doing)."""
+        if self.tracking or force:
+            with self._lock:
+                self.records[self.step].append(rec)
 
     @property
     def bytes_sent(self) -> int:

@@ -12,7 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from ..algorithms import ALGORITHMS
-from ..algorithms.moniqua import THETA_SCHEDULES
+from ..algorithms.moniqua import THETA_SCHEDULES, VERIFY_BLOCK
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
 from ..comm.netmodel import NetworkModel
 from ..topology import TOPOLOGIES, WEIGHTINGS, make_topology
@@ -78,18 +78,32 @@ class TrainConfig:
     theta_schedule: str = _opt("constant", "constant, or lr (theta_k ~ lr_k)")
     theta_warmup: int = _opt(20, "steps over which --theta auto tracks ||g||_inf")
     verify: bool = _opt(True, "Moniqua: send a hash of the quantized model; the receiver checks what it recovered")
+    verify_block: int = _opt(VERIFY_BLOCK, "Moniqua verification: elements per hashed block (a failed block is repaired alone)")
     entropy: str | None = _opt(None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans")
     gamma: float | None = _opt(None, "consensus step size: Moniqua's slack matrix gamma W + (1 - gamma) I, "
                                "ChocoSGD's gamma (algorithm default if omitted)")
     delta: float = _opt(0.1, "quadratic offset and the naive quantizer's step (Theorem 1)")
     codec: str | None = _opt(None, "codec of a quantized baseline (see the algorithm's list)")
     rounding: str | None = _opt(None, f"one of: {', '.join(ROUNDINGS)} (algorithm default if omitted)")
+    peer_selection: str = _opt("all", "lowprec-decentralized: Bagua's peer selection, all or shift_one")
     shared_randomness: bool = _opt(True, "Moniqua: all workers use the same stochastic-rounding offsets each step")
     # --- the centralized family ---
     server: str = _opt("allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}")
     scales: str | None = _opt(None, "multi-scale bit widths, e.g. 2,6")
     k: float | None = _opt(None, "GlobalRandK: coordinates kept (an int, or a fraction of d if < 1)")
     powersgd_rank: int = _opt(2, "PowerSGD rank", flag="--rank")
+    levels: int | None = _opt(None, "DQSG/NDQSG: M (2M+1 indices, Delta = 1/M); default the largest M with "
+                              "2M+1 <= 2^bits")
+    nested_fraction: float = _opt(0.5, "NDQSG: fraction of workers in P2 (nested quantizer), in [0, 1)")
+    nested_delta1: float | None = _opt(None, "NDQSG: fine step Delta1 relative to ||g||_inf (default 1/3)")
+    nested_k: int = _opt(3, "NDQSG: Delta2 = k Delta1, k >= 2 (ceil(log2 k) bits per element)")
+    nested_alpha: float | None = _opt(None, "NDQSG: shrinkage alpha in (0, 1] (default 1, or matched with "
+                                      "--nested-sigma)")
+    nested_sigma: float | None = _opt(None, "NDQSG: choose Delta1 by Theorem 6 for side-information noise std "
+                                      "(relative to ||g||_inf)")
+    nested_failure: float = _opt(0.05, "NDQSG: Theorem 6 target decoding-failure probability per element")
+    sum_dtype: str | None = _opt(None, "max-norm family: integer dtype of the code sum (int8, int16, int32, "
+                                 "int64; default the narrowest that cannot overflow)")
     # --- tasks ---
     eval_every: int = _opt(25, "evaluate every this many steps")
     dim: int = _opt(16, "dimension of the quadratic task")
@@ -123,7 +137,7 @@ class TrainConfig:
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {self.bits}")
         for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1),
-                         ("theta_warmup", 1), ("powersgd_rank", 1)):
+                         ("theta_warmup", 1), ("powersgd_rank", 1), ("verify_block", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v}")

@@ -35,6 +35,7 @@ class WorkerResult:
     ledger_rows: list
     compute_seconds: list[float]
     extra_memory_bytes: int
+    nominal_bits_per_element: float
     evals: list[dict] = field(default_factory=list)
 
 
@@ -116,4 +117,5 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
         bar.close()
     flat.check_aliasing()
     return WorkerResult(rank=rank, params=flat.data.detach().clone(), ledger_rows=transport.ledger.to_rows(),
-                        compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(), evals=evals)
+                        compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(),
+                        nominal_bits_per_element=float(algo.nominal_bits_per_element()), evals=evals)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..algorithms import ALGORITHMS
 from ..comm.inprocess import run_threads
 from ..comm.ledger import Ledger
 from .config import TrainConfig
@@ -50,17 +51,32 @@ def _torch_job(cfg: TrainConfig, progress: bool):
     return gathered
 
 
+def _clock(cfg: TrainConfig, results: list[WorkerResult], ledgers: list[Ledger]) -> tuple[list[float], list[float]]:
+    """Emulated (compute, communication) seconds of each step. Synchronous algorithms wait
+    for the slowest worker at every step (its compute, and the step's slowest modelled
+    communication); an asynchronous one does not, so its clock is the slowest worker's own."""
+    n, net = cfg.workers, cfg.network()
+    steps = range(cfg.steps)
+    comm = [[net.step_seconds(led.records.get(k, ()), n) for k in steps] for led in ledgers]
+    if ALGORITHMS[cfg.algorithm].synchronous:
+        return ([max(r.compute_seconds[k] for r in results) for k in steps],
+                [max(c[k] for c in comm) for k in steps])
+    i = max(range(len(results)), key=lambda i: math.fsum(results[i].compute_seconds) + math.fsum(comm[i]))
+    return list(results[i].compute_seconds), comm[i]
+
+
 def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float) -> dict:
     n = cfg.workers
-    net = cfg.network()
     ledgers = [Ledger.from_rows(r.rank, n, r.ledger_rows) for r in results]
     d = results[0].params.numel()
-    compute = sum(max(r.compute_seconds[k] for r in results) for k in range(cfg.steps))
-    comm = sum(max(net.step_seconds(led.records.get(k, ()), n) for led in ledgers) for k in range(cfg.steps))
+    compute, comm = (math.fsum(t) for t in _clock(cfg, results, ledgers))
     records = [rec for led in ledgers for recs in led.records.values() for rec in recs]
     bits_per_msg = (8.0 * sum(rec.nbytes * rec.peers for rec in records) / (d * sum(rec.peers for rec in records))
                     if records else 0.0)
     bytes_sent = sum(led.bytes_sent for led in ledgers)
+    # 8 * bytes a worker really sent per step / d, averaged over workers and steps (headers,
+    # padding and wide sum dtypes included); the nominal bits are the algorithm's own count.
+    wire_bits = 8.0 * bytes_sent / (n * cfg.steps * d) if d else 0.0
     last = results[0].evals[-1]
     return {
         "final_test_accuracy": last["test_accuracy"],
@@ -72,6 +88,8 @@ def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float
         "bytes_sent_per_step": bytes_sent / cfg.steps,
         "messages_sent": sum(led.messages_sent for led in ledgers),
         "bits_per_element_per_message": bits_per_msg,
+        "nominal_bits_per_element": sum(r.nominal_bits_per_element for r in results) / n,  # NDQSG groups differ
+        "wire_bits_per_element": wire_bits,
         "parameters": d,
         "extra_memory_bytes": max(r.extra_memory_bytes for r in results),
         "emulated_seconds": compute + comm,
@@ -85,14 +103,9 @@ def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float
 
 def metrics_rows(cfg: TrainConfig, results: list[WorkerResult]) -> list[dict]:
     """One row per evaluation, with the emulated clock at that step."""
-    n, net = cfg.workers, cfg.network()
-    ledgers = [Ledger.from_rows(r.rank, n, r.ledger_rows) for r in results]
-    per_step = [max(r.compute_seconds[k] for r in results)
-                + max(net.step_seconds(led.records.get(k, ()), n) for led in ledgers) for k in range(cfg.steps)]
-    rows = []
-    for ev in results[0].evals:
-        rows.append({**ev, "emulated_seconds": math.fsum(per_step[: ev["step"]])})
-    return rows
+    ledgers = [Ledger.from_rows(r.rank, cfg.workers, r.ledger_rows) for r in results]
+    per_step = [a + b for a, b in zip(*_clock(cfg, results, ledgers))]
+    return [{**ev, "emulated_seconds": math.fsum(per_step[: ev["step"]])} for ev in results[0].evals]
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""CHOCO-SGD: Koloskova, Stich, Jaggi, "Decentralized Stochastic Optimization
+and Gossip Algorithms with Compressed Communication" (ICML 2019), Algorithm 1.
+
+Per worker i at step t (line numbers of Algorithm 1)::
+
+    3: g_t = grad F_i(x_t; xi)                                       (the loop)
+    4: x_{t+1/2} = x_t - eta g_t                                       (the optimizer step)
+    5: q_i = Q(x_{t+1/2} - xh_i)                                       (sent to neighbours)
+    6-8: xh_j <- xh_j + q_j   for j = i and every neighbour j
+    9: x_{t+1} = x_{t+1/2} + gamma sum_j w_ij (xh_j - xh_i)
+
+with xh_j = 0 at the start (the paper's initialisation). Worker i holds its own
+xh_i and one xh_j per neighbour: (degree + 1) x d of extra memory, the
+Theta(m d) of Table 1 in the Moniqua paper. Every holder of xh_j adds the same
+decoded q_j, so all copies of xh_j are bitwise equal.
+
+gamma (the consensus step size, ``--gamma``) must be in (0, 1]. Default: 1.0
+for a lossless codec (fp32; CHOCO-SGD is then D-PSGD with the gradient step
+first) and ``DEFAULT_GAMMA`` = 0.5 for a lossy one (Theorem 2's gamma* needs
+the compression factor delta, which a min-max quantizer does not state; 0.5
+is our fixed choice, not a tuned value).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..codecs import Codec, IdentityCodec, MinMaxCodec
+from .base import GossipAlgorithm
+from .dcd import REPLICA_CODECS, exchange_compressed
+
+DEFAULT_GAMMA = 0.5
+
+
+def check_gamma(gamma, name: str = "gamma") -> float:
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) \
+            or not 0 < gamma <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {gamma!r}")
+    return float(gamma)
+
+
+def default_gamma(codec: Codec) -> float:
+    return 1.0 if isinstance(codec, IdentityCodec) else DEFAULT_GAMMA
+
+
+class ChocoSGD(GossipAlgorithm):
+    name = "choco"
+    codecs = REPLICA_CODECS
+
+    @classmethod
+    def from_config(cls, cfg, transport, topology):
+        return cls(transport, topology, codec=cfg.make_codec(cls.codecs), gamma=cfg.gamma,
+                   weights=cfg.weights, seed=cfg.seed)
+
+    def __init__(self, transport, topology, *, codec: Codec | None = None, gamma: float | None = None, **kw):
+        super().__init__(transport, topology, **kw)
+        self.codec = codec if codec is not None else MinMaxCodec(bits=8)
+        self.gamma = check_gamma(gamma) if gamma is not None else default_gamma(self.codec)
+        self.xhat: dict[int, torch.Tensor] = {}
+
+    def nominal_bits_per_element(self):
+        return float(self.codec.bits)
+
+    def setup(self, x):
+        self.xhat = {j: torch.zeros_like(x) for j in (self.rank, *self.neighbors)}
+
+    def state_tensors(self):
+        return {f"xhat_{j}": t for j, t in sorted(self.xhat.items())}
+
+    def after_update(self, k, x, g, lr):
+        # x is x_{t+1/2} here (line 4 was the optimizer step)
+        q_i, received = exchange_compressed(self, self.codec, k, x - self.xhat[self.rank], self.neighbors)  # 5
+        self.xhat[self.rank].add_(q_i)                                                                     # 6-8
+        for j in self.neighbors:
+            self.xhat[j].add_(received[j])
+        xh_i = self.xhat[self.rank]
+        delta = torch.zeros_like(x)
+        for j in self.neighbors:
+            delta.add_(self.xhat[j] - xh_i, alpha=self.w[j])
+        x.add_(delta, alpha=self.gamma)                                                                    # 9

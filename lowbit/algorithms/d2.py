@@ -1,0 +1,107 @@
+"""D2 (Tang et al. 2018, "D^2: Decentralized Training over Decentralized
+Data") with exact (fp32) gossip, and Moniqua on D2 (section 5 of the Moniqua
+paper, Theorem 4).
+
+In matrix form (columns are workers)::
+
+    X_{k+1/2} = 2 X_k - X_{k-1} - a_k G_k + a_{k-1} G_{k-1}
+    X_{k+1}   = X_{k+1/2} W                                  (d2: fp32 on the wire)
+    X_{k+1}   = X_{k+1/2} W + (Xh_{k+1/2} - X_{k+1/2})(W - I) (moniqua-d2: modulo gossip)
+
+with X_{-1} = X_0 and G_{-1} = 0 (so the first step is D-PSGD's; the paper's
+convention X_{-1} = 0 is the same under its x_0 = 0). The extrapolation
+cancels the outer variance of non-identical local data, which D-PSGD cannot.
+
+In the training loop: ``before_update`` stores X_k and sets
+``x <- 2 x_k - x_{k-1} + u_{k-1}``; the optimizer then subtracts a_k g_k;
+``after_update`` records the step it actually took, ``u_k = x_pre - x_post``
+(= a_k g_k for plain SGD), and gossips x_{k+1/2}. Because u_k is the step
+actually taken, weight decay is exact (it is D2 on f + wd |x|^2 / 2).
+Momentum is rejected: the heavy-ball step depends on past gradients, so the
+correction ``- u_k + u_{k-1}`` would no longer cancel the outer variance as
+D2's equations require.
+
+State: X_{k-1} and u_{k-1} (two vectors of d, ``state_tensors``). Moniqua-D2
+reuses :class:`~lowbit.algorithms.moniqua.Moniqua`'s gossip (theta, auto
+theta, slack matrix, verification, entropy coding); with ``theta="auto"``
+G_inf is the infinity norm of u_k / a_k, and theta comes from Theorem 2's
+expression (Theorem 4's constant (6 D_1 n + 8) depends on eigenvalue
+constants D_1 the paper defines only in its supplement; verification
+catches a theta that is too small).
+
+Stability: D2 needs lambda_min(W) > -1/3 (Tang et al. 2018); the uniform
+ring (weights 1/3) has lambda_min = -1/3 exactly for even n, a marginal mode
+that fp32 D2 survives but that accumulates Moniqua's quantization noise.
+moniqua-d2 therefore wants the slack matrix (gamma < 1 moves lambda_min to
+1 - 4 gamma / 3) and a small quantization error (4 bits, small theta): on
+digits-mlp with a label split, bits=4, theta=0.2, gamma=0.5 trains as fp32
+D2 does while bits=2 with theta 0.5-4 diverges.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .dpsgd import DPSGD
+from .moniqua import Moniqua
+
+
+class _D2Extrapolation:
+    """The D2 recursion around a ``gossip(k, x, lr)`` that applies X W (or its quantized form)."""
+
+    _prev_x: torch.Tensor | None = None
+    _prev_step: torch.Tensor | None = None
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.momentum != 0:
+            raise ValueError(f"momentum must be 0 for algorithm={cfg.algorithm!r} (got {cfg.momentum}): D2's "
+                             f"correction -a_k g_k + a_(k-1) g_(k-1) cancels the outer variance only for plain "
+                             f"gradient steps; pass --momentum 0")
+        super().check_config(cfg)
+
+    def setup(self, x):
+        self._prev_x = x.detach().clone()  # X_{-1} = X_0
+        self._prev_step = torch.zeros_like(x)  # a_{-1} G_{-1} = 0
+
+    def state_tensors(self):
+        if self._prev_x is None:
+            return {}
+        return {"prev_x": self._prev_x, "prev_step": self._prev_step}
+
+    def before_update(self, k, x, g, lr):
+        if self._prev_x is None:
+            raise RuntimeError(f"{self.name}: setup(x) must be called before the first step")
+        pre = x * 2 - self._prev_x + self._prev_step  # the optimizer then subtracts a_k g_k
+        self._prev_x.copy_(x)
+        x.copy_(pre)
+        self._prev_step.copy_(x)  # holds x_pre until after_update
+
+    def after_update(self, k, x, g, lr):
+        self._prev_step.sub_(x)  # u_k = x_pre - x_{k+1/2}: the step the optimizer took
+        warming_up = getattr(self, "warming_up", False)
+        self.gossip(k, x, lr)
+        if warming_up:
+            self._observe_step(self._prev_step, lr)
+
+    def _observe_step(self, u, lr):
+        """Hook, during an auto-theta warm-up: the local step u_k."""
+
+
+class D2(_D2Extrapolation, DPSGD):
+    """D2 with fp32 gossip: X_{k+1} = X_{k+1/2} W."""
+
+    name = "d2"
+
+    def gossip(self, k, x, lr):
+        DPSGD.before_update(self, k, x, None, lr)
+
+
+class MoniquaD2(_D2Extrapolation, Moniqua):
+    """D2 whose mixing is Moniqua's modulo gossip (Algorithm 1 lines 3-6 on X_{k+1/2})."""
+
+    name = "moniqua-d2"
+
+    def _observe_step(self, u, lr):
+        if lr > 0:
+            self._track(float(u.abs().max()) / lr)

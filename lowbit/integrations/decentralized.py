@@ -1,0 +1,337 @@
+"""DecentralizedDataParallel: any lowbit algorithm around a user's own
+``nn.Module`` and optimizer, under ``torchrun`` or on a given Transport.
+
+Use (every rank runs the same code)::
+
+    model = DecentralizedDataParallel(net, opt, algorithm="moniqua", bits=2, theta=0.05)
+    for x, y in batches:
+        model.zero_grad()                   # keeps the flat gradient buffer
+        loss_fn(model(x), y).backward()
+        model.step()                        # communicate, optimizer.step(), communicate
+    avg = model.averaged_module()           # collective: the average over all workers
+    torch.save(model.state_dict(), f"ckpt.rank{rank}.pt")
+    model.close()
+
+``step()`` runs, with the wrapper's step counter ``k`` and ``lr`` read from the
+optimizer's first parameter group::
+
+    transport.set_step(k)
+    algo.before_update(k, x, g, lr)     # gossip (rewrites x) or aggregation (rewrites g)
+    optimizer.step()
+    algo.after_update(k, x, g, lr)
+
+where ``x`` / ``g`` are the module's trainable parameters / gradients as one
+flat buffer (:class:`~lowbit.integrations.FlatParams`; parameters become views
+of it, so the optimizer's references stay valid). Move the module to its
+device before wrapping: ``.to()`` afterwards replaces the parameters' storage.
+
+Buffers (BatchNorm running statistics) are never sent during training.
+``buffers="local"`` (default): each worker keeps its own, and
+:meth:`averaged_module` carries this rank's. ``buffers="average"``:
+:meth:`averaged_module` also averages the floating-point buffers over all
+workers (integer buffers such as ``num_batches_tracked`` take the maximum).
+Everything :meth:`averaged_module` sends is evaluation traffic, outside the
+ledger (``transport.untracked()``), as is the initial broadcast of rank 0's
+parameters and buffers (``sync_initial=True``, as DDP does at construction).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..algorithms import ALGORITHMS, Algorithm
+from ..comm.base import Transport
+from ..topology import Topology, make_topology
+from .flat import FlatParams
+
+BUFFER_POLICIES = ("local", "average")
+_FORMAT = 1
+
+
+class DecentralizedDataParallel(nn.Module):
+    """Wrap ``module`` and ``optimizer`` so that :meth:`step` runs ``algorithm``.
+
+    ``algorithm``: a registry name (``lowbit.algorithms.ALGORITHMS``), an
+    :class:`~lowbit.algorithms.Algorithm` subclass, or a built instance (then
+    its transport is used and no ``algorithm_options`` may be given).
+    ``algorithm_options`` go to the algorithm's constructor (``bits=2``,
+    ``theta=0.05``, ``seed=...``).
+    ``topology``: a name (``ring``, ``torus``, ``complete``, ``star``,
+    ``exponential``) or a :class:`~lowbit.topology.Topology`, for decentralized
+    algorithms only (default ring).
+    ``transport``: None joins the ``torchrun`` launch (or the already initialised
+    default process group) through :func:`lowbit.comm.init_from_env`.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 algorithm: str | type[Algorithm] | Algorithm = "moniqua", topology: str | Topology | None = None,
+                 transport: Transport | None = None, *, buffers: str = "local", sync_initial: bool = True,
+                 **algorithm_options: Any):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if buffers not in BUFFER_POLICIES:
+            raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
+        _check_optimizer_params(module, optimizer)
+
+        if isinstance(algorithm, Algorithm):
+            if algorithm_options:
+                raise ValueError(f"algorithm is an instance; options {sorted(algorithm_options)} cannot be applied to it")
+            if topology is not None:
+                raise ValueError("algorithm is an instance (it has its topology); do not pass topology")
+            if transport is not None and transport is not algorithm.transport:
+                raise ValueError("transport differs from the algorithm instance's transport")
+            transport = algorithm.transport
+        self._owns_transport = False
+        if transport is None:
+            from ..comm import init_from_env
+
+            transport = init_from_env()
+            self._owns_transport = transport._owns_group
+        if not isinstance(transport, Transport):
+            raise TypeError(f"transport must be a lowbit.comm.Transport, got {type(transport).__name__}")
+        self.transport = transport
+        self.buffers_policy = buffers
+        self.optimizer = optimizer
+        self.module = module
+        self.algorithm = algorithm if isinstance(algorithm, Algorithm) else \
+            _build_algorithm(algorithm, transport, topology, algorithm_options)
+        self.flat = FlatParams(module)
+        if sync_initial and transport.world_size > 1:
+            self._broadcast_from_rank0()
+        self.algorithm.setup(self.flat.data)
+        self.step_count = 0  # k of the next step
+        self._closed = False
+
+    # ---- training ------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Zero the flat gradient buffer. ``set_to_none=True`` is refused: the
+        gradients must stay views of the flat buffer."""
+        if set_to_none:
+            raise ValueError("set_to_none must be False: gradients are views of one flat buffer")
+        self.flat.zero_grad()
+
+    def step(self) -> None:
+        """One training step after ``loss.backward()``: before_update,
+        ``optimizer.step()``, after_update, then the step counter advances."""
+        if self._closed:
+            raise RuntimeError("step() after close()")
+        self._restore_grad_views()
+        self.flat.check_aliasing()
+        k = self.step_count
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        x, g = self.flat.data, self.flat.grad
+        self.transport.set_step(k)
+        self.algorithm.before_update(k, x, g, lr)
+        self.optimizer.step()
+        self.algorithm.after_update(k, x, g, lr)
+        self.step_count = k + 1
+
+    optimizer_step = step
+
+    def _restore_grad_views(self) -> None:
+        """Undo ``optimizer.zero_grad()`` (set_to_none, PyTorch's default):
+        copy any gradient that autograd put in a fresh tensor into the flat
+        buffer (zero where a parameter got none) and make ``.grad`` a view again."""
+        data = self.flat.data
+        lo, hi = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
+        if any(not (lo <= p.data_ptr() < hi) or p.dtype != data.dtype for p in self.flat.params):
+            raise RuntimeError("a parameter no longer points into the flat parameter buffer (was the module "
+                               "moved with .to()/.cuda()/.double() after wrapping? move it before)")
+        base = self.flat.grad
+        start, end = base.data_ptr(), base.data_ptr() + base.numel() * base.element_size()
+        offset = 0
+        for p in self.flat.params:
+            n = p.numel()
+            view = base[offset:offset + n].view_as(p)
+            if p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif not (start <= p.grad.data_ptr() < end):
+                view.copy_(p.grad)
+                p.grad = view
+            offset += n
+
+    def close(self) -> None:
+        """End of training: ``algorithm.finish()`` (an asynchronous algorithm
+        drains its in-flight messages) and, if the wrapper joined the process
+        group itself, leave it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.algorithm.finish()
+        self.transport.set_step(self.step_count)
+        if self._owns_transport:
+            self.transport.close()
+
+    def __enter__(self) -> "DecentralizedDataParallel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def rank(self) -> int:
+        return self.transport.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.transport.world_size
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent so far (the ledger)."""
+        return self.transport.ledger.bytes_sent
+
+    # ---- evaluation -------------------------------------------------------------
+    def averaged_module(self) -> nn.Module:
+        """A copy of the module whose trainable parameters are the average over
+        all workers (buffers per the ``buffers`` policy). A collective: every
+        rank must call it. Not counted in the ledger."""
+        n = self.transport.world_size
+        with self.transport.untracked():
+            avg = self.transport.all_reduce(self.flat.data.detach().clone(), "sum") / n
+            bufs = {name: b for name, b in self.module.named_buffers()}
+            if self.buffers_policy == "average":
+                bufs = {name: self._average_buffer(b) for name, b in bufs.items()}
+        out = copy.deepcopy(self.module)
+        offset = 0
+        for p in (p for p in out.parameters() if p.requires_grad):
+            k = p.numel()
+            p.data = avg[offset:offset + k].view_as(p).clone()
+            p.grad = None
+            offset += k
+        for name, b in out.named_buffers():
+            b.copy_(bufs[name])
+        return out
+
+    def _average_buffer(self, b: torch.Tensor) -> torch.Tensor:
+        if b.is_floating_point():
+            return self.transport.all_reduce(b.detach().clone(), "sum") / self.transport.world_size
+        return self.transport.all_reduce(b.detach().clone(), "max")
+
+    def _broadcast_from_rank0(self) -> None:
+        """Start every worker from rank 0's parameters and buffers (set-up, untracked)."""
+        with self.transport.untracked(), torch.no_grad():
+            self.flat.data.copy_(self.transport.broadcast(self.flat.data, 0))
+            for b in self.module.buffers():
+                b.copy_(self.transport.broadcast(b, 0))
+
+    # ---- checkpoints ---------------------------------------------------------
+    def state_dict(self, *args, **kwargs) -> dict:  # noqa: D401 - full checkpoint, not nn.Module's
+        """This rank's checkpoint: module (parameters and buffers), optimizer,
+        algorithm state, step counter and this process's RNG states (torch,
+        CUDA's current device, numpy, python). lowbit's own randomness is
+        derived from (seed, step, rank), so the step counter restores it.
+
+        Synchronous algorithms: call it between steps; a resumed run is
+        bit-identical to an uninterrupted one. Asynchronous algorithms
+        (``synchronous = False``): only after :meth:`close` (a consistent cut);
+        resuming then continues correctly, but the stop was a global barrier
+        that an uninterrupted run does not have, so it is not bit-identical."""
+        if args or kwargs:
+            raise TypeError("DecentralizedDataParallel.state_dict() takes no arguments; "
+                            "use .module.state_dict(...) for the module alone")
+        if not self.algorithm.synchronous and not self._closed:
+            raise RuntimeError(f"{self.algorithm.name} is asynchronous: its workers' models change while "
+                               "others gossip with them, so a checkpoint is consistent only after close() "
+                               "(every rank), which drains the exchanges")
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {
+            "format": _FORMAT,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "algorithm": self.algorithm.name,
+            "numel": len(self.flat),
+            "buffers": self.buffers_policy,
+            "step": self.step_count,
+            "module": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "algorithm_state": self.algorithm.state_dict(),
+            "rng": rng,
+        }
+
+    def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False) -> None:
+        """Restore what :meth:`state_dict` returned on the same rank of a run
+        with the same world size and algorithm; training then continues exactly
+        as if never interrupted."""
+        if assign:
+            raise ValueError("assign must be False: parameters stay views of the flat buffer")
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            raise ValueError("state is not a DecentralizedDataParallel checkpoint (missing or unknown 'format')")
+        for key, mine in (("world_size", self.world_size), ("rank", self.rank),
+                          ("algorithm", self.algorithm.name), ("numel", len(self.flat))):
+            if state[key] != mine:
+                raise ValueError(f"checkpoint {key}={state[key]!r} does not match this run's {key}={mine!r}")
+        self.module.load_state_dict(state["module"], strict=strict)  # copies in place: views survive
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.algorithm.load_state_dict(state["algorithm_state"])
+        self.step_count = int(state["step"])
+        self.transport.set_step(self.step_count)
+        rng = state.get("rng", {})
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        if "numpy" in rng:
+            np.random.set_state(rng["numpy"])
+        if "python" in rng:
+            random.setstate(rng["python"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        self.flat.check_aliasing()
+
+
+def _check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    ids = {id(p) for p in trainable}
+    seen: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) in seen:
+                raise ValueError("optimizer lists a parameter twice")
+            if id(p) not in ids:
+                raise ValueError("optimizer holds a parameter that is not a trainable parameter of module; "
+                                 "build the optimizer over module.parameters()")
+            seen.add(id(p))
+    if seen != ids:
+        raise ValueError(f"optimizer misses {len(ids - seen)} of the module's {len(ids)} trainable parameters; "
+                         "its parameters must be exactly the module's trainable parameters")
+
+
+def _build_algorithm(algorithm, transport: Transport, topology, options: dict) -> Algorithm:
+    if isinstance(algorithm, str):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm={algorithm!r} is unknown; choose one of: {', '.join(ALGORITHMS)}")
+        cls = ALGORITHMS[algorithm]
+    elif isinstance(algorithm, type) and issubclass(algorithm, Algorithm):
+        cls = algorithm
+    else:
+        raise ValueError(f"algorithm must be a registry name ({', '.join(ALGORITHMS)}), an Algorithm subclass "
+                         f"or instance, got {algorithm!r}")
+    if cls.family == "decentralized":
+        topo = topology if topology is not None else "ring"
+        if isinstance(topo, str):
+            topo = make_topology(topo, transport.world_size)
+        elif not isinstance(topo, Topology):
+            raise ValueError(f"topology must be a topology name or a lowbit.topology.Topology, got {topo!r}")
+        args = (transport, topo)
+    else:
+        if topology is not None:
+            raise ValueError(f"topology is for decentralized algorithms; {cls.name} is {cls.family or 'not'}")
+        args = (transport,)
+    try:
+        return cls(*args, **options)
+    except TypeError as e:
+        raise ValueError(f"algorithm {cls.name!r} does not take options {sorted(options)}: {e}") from e

@@ -1,0 +1,422 @@
+"""DDP communication hooks (lowbit.integrations.ddp_hooks) on real DDP models over gloo.
+
+One launch per world size (2 and 4 processes) runs every check inside the workers
+and returns numbers; the tests below assert on them. The reference gradient is
+computed in every worker without communication: the data of rank r at step t is
+drawn from a generator seeded by (r, t), so each worker can compute every rank's
+local gradient with a plain (non-DDP) copy of the model and average them.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lowbit.codecs import ModuloCodec, QSGDCodec, QSGDMaxNormCodec, RandKCodec
+from lowbit.comm import launch
+from lowbit.integrations.ddp_hooks import (HOOKS, LowbitHookState, hook_table, lowbit_hook, make_hook,
+                                           wire_method)
+
+ALL = list(HOOKS)
+K = 50  # random-k kept coordinates per bucket in these tests
+UNBIASED = ["qsgd_maxnorm", "qsgd_maxnorm_multiscale", "grandk_maxnorm", "grandk_maxnorm_multiscale",
+            "grandk_fp32", "qsgd", "terngrad", "dithered"]
+EF_HOOKS = ["sign", "powersgd"]
+TRAIN_HOOKS = ["fp32", "qsgd_maxnorm", "qsgd_maxnorm_multiscale", "sign", "powersgd", "dithered"]
+REPEATS = 12
+# fine settings whose error has a small deterministic bound per coordinate (see _check_tight)
+TIGHT = {"qsgd_maxnorm": {"bits": 16}, "qsgd_maxnorm_multiscale": {"scales": (12, 16)},
+         "grandk_maxnorm": {"k": 100000, "bits": 16}, "qsgd": {"levels": 1000}, "dithered": {"levels": 1000}}
+LR = 0.05
+# 2-bit multi-scale with the l2 norm over a 644-element bucket is noisier than the gradient
+# (Lemma 2: up to (1 + sqrt(n) / 3) W^2); the l-inf norm makes it a usable training codec
+TRAIN_OPTIONS = {"qsgd_maxnorm_multiscale": {"norm": "linf"}}
+FOUR = ["fp32", "fp16", "qsgd_maxnorm", "qsgd_maxnorm_multiscale", "grandk_maxnorm", "dithered", "sign",
+        "powersgd"]
+
+
+def _options(name: str) -> dict:
+    return {"k": K} if name.startswith("grandk") else {}
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _data(rank: int, step: int, batch: int = 8):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randn(batch, 16, generator=g)
+    teacher = torch.Generator().manual_seed(7)
+    a = torch.randn(16, 4, generator=teacher) / 4
+    return x, torch.tanh(x @ a) * 2
+
+
+def _loss(model, rank, step):
+    x, y = _data(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def _flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _ref_grads(world: int, step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The true averaged gradient (and each rank's) at the initial parameters."""
+    m = _net()
+    per = []
+    for r in range(world):
+        m.zero_grad()
+        _loss(m, r, step).backward()
+        per.append(_flat_grad(m).clone())
+    return torch.stack(per).mean(0), per
+
+
+def _multi_bucket_ddp() -> DDP:
+    # find_unused_parameters keeps the initial bucketing (no rebuild): two buckets,
+    # the same layout in a fresh DDP (so a restored checkpoint meets the same buckets)
+    return DDP(_net(), bucket_cap_mb=0.001, find_unused_parameters=True)
+
+
+def _gradient_checks(world: int, rank: int, names, repeats: int = REPEATS) -> dict:
+    ref, per = _ref_grads(world, 0)
+    out = {"ref": ref, "per": per}
+    # the unhooked DDP model as the baseline
+    m = _multi_bucket_ddp()
+    _loss(m, rank, 0).backward()
+    out["unhooked"] = _flat_grad(m).clone()
+    for name in names:
+        state, hook = make_hook(name, seed=3, **_options(name))
+        m = _multi_bucket_ddp()
+        m.register_comm_hook(state, hook)
+        grads = []
+        for _ in range(repeats if name != "fp32" else 2):
+            m.zero_grad()
+            _loss(m, rank, 0).backward()
+            grads.append(_flat_grad(m).clone())
+            if len(grads) == 1:
+                out[(name, "bytes")] = (dict(state.bucket_bytes), dict(state.bucket_numel), state.last_step_bytes)
+        out[(name, "grads")] = torch.stack(grads)
+        out[(name, "state")] = (state.step, state.bytes_sent, state.fp32_bytes_sent)
+    for name, opts in TIGHT.items():  # fine settings: one step, checked against a deterministic bound
+        state, hook = make_hook(name, seed=4, **opts)
+        m = _multi_bucket_ddp()
+        m.register_comm_hook(state, hook)
+        _loss(m, rank, 0).backward()
+        out[(name, "tight")] = _flat_grad(m).clone()
+    return out
+
+
+def _ef_identity(rank: int) -> dict:
+    """Error feedback per parameter across DDP's bucket rebuild: with bucket_cap_mb_list the
+    first iteration has two buckets and the later ones one. sum_t out_t + mean_r e_r = T ref."""
+    out = {}
+    for name in EF_HOOKS:
+        m = DDP(_net(), bucket_cap_mb_list=[0.001] * 3)
+        state, hook = make_hook(name, seed=5, model=m)
+        log = []
+
+        def logging_hook(st, bucket, log=log, hook=hook):
+            log.append((st.step, bucket.index(), bucket.buffer().numel()))
+            return hook(st, bucket)
+
+        m.register_comm_hook(state, logging_hook)
+        total = None
+        for _ in range(6):
+            m.zero_grad()
+            _loss(m, rank, 0).backward()
+            g = _flat_grad(m).clone().double()
+            total = g if total is None else total + g
+        names = [n for n, _ in m.module.named_parameters()]
+        mem = torch.cat([state.param_memory[n].reshape(-1) for n in names])
+        out[name] = (total, mem, log, state.memory_resets, state.powersgd_resets)
+        # the same with memory per bucket: the rebuild resets the changed bucket's memory
+        m = DDP(_net(), bucket_cap_mb_list=[0.001] * 3)
+        st2, hook2 = make_hook(name, seed=5)
+        m.register_comm_hook(st2, hook2)
+        for _ in range(3):
+            m.zero_grad()
+            _loss(m, rank, 0).backward()
+        out[(name, "bucket-keyed")] = (st2.memory_resets, bool(torch.isfinite(_flat_grad(m)).all()),
+                                       sorted(st2.bucket_memory))
+    return out
+
+
+def _train(rank: int, steps: int = 50) -> dict:
+    out = {}
+    for name in TRAIN_HOOKS:
+        m = _multi_bucket_ddp()
+        state, hook = make_hook(name, seed=11, **TRAIN_OPTIONS.get(name, {}))
+        m.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9)
+        losses = []
+        for t in range(steps):
+            opt.zero_grad()
+            loss = _loss(m, rank, 100 + t)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        out[name] = (losses, state.bytes_sent, state.fp32_bytes_sent)
+    return out
+
+
+def _checkpoint(rank: int) -> dict:
+    """Pickle the state mid-training; a fresh DDP model restored from the checkpoint with
+    the unpickled state continues exactly as the original run."""
+    out = {}
+    for name in ["sign", "powersgd", "grandk_maxnorm", "dithered"]:
+        m = _multi_bucket_ddp()
+        state, hook = make_hook(name, seed=2, process_group=dist.group.WORLD, **_options(name))
+        m.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+        def run(model, optim, steps, start):
+            for t in range(start, start + steps):
+                optim.zero_grad()
+                _loss(model, rank, 200 + t).backward()
+                optim.step()
+
+        run(m, opt, 3, 0)
+        blob = pickle.dumps(state)
+        ckpt = ({k: v.clone() for k, v in m.module.state_dict().items()}, pickle.dumps(opt.state_dict()))
+        run(m, opt, 3, 3)
+        original = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+        m2 = _multi_bucket_ddp()
+        m2.module.load_state_dict(ckpt[0])
+        opt2 = torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9)
+        opt2.load_state_dict(pickle.loads(ckpt[1]))
+        state2 = pickle.loads(blob)
+        m2.register_comm_hook(state2, lowbit_hook)
+        run(m2, opt2, 3, 3)
+        restored = torch.cat([p.detach().reshape(-1) for p in m2.parameters()])
+        out[name] = (float((original - restored).abs().max()), state2.process_group is None, state2.step,
+                     state.step, state2.bytes_sent == state.bytes_sent)
+    return out
+
+
+def _timed(out: dict, key: str, fn, *args):
+    t0 = time.perf_counter()
+    out[key] = fn(*args)
+    out.setdefault("seconds", {})[key] = time.perf_counter() - t0
+
+
+def _worker2(transport):
+    rank = dist.get_rank()
+    out: dict = {}
+    _timed(out, "grad", _gradient_checks, 2, rank, ALL)
+    _timed(out, "ef", _ef_identity, rank)
+    _timed(out, "train", _train, rank)
+    _timed(out, "ckpt", _checkpoint, rank)
+    return out
+
+
+def _worker4(transport):
+    rank = dist.get_rank()
+    return {"grad": _gradient_checks(4, rank, FOUR, repeats=8)}
+
+
+@pytest.fixture(scope="module")
+def two():
+    return launch(2, _worker2, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return launch(4, _worker4, timeout_s=300)
+
+
+def _ring(m: int, n: int) -> int:
+    return 2 * (n - 1) * m // n
+
+
+def _expected_bucket_bytes(name: str, n: int, world: int) -> int:
+    """Wire bytes of one bucket of n gradient elements, from the formats (independent of the hook code)."""
+    gather = (world - 1)
+    kk = min(K, n)
+    if name == "fp32":
+        return _ring(4 * n, world)
+    if name in ("fp16", "bf16"):
+        return _ring(2 * n, world)
+    if name == "qsgd_maxnorm":  # bits 4: codes -7..7, sums fit int8 up to 18 ranks
+        return _ring(4, world) + _ring(n, world)
+    if name == "qsgd_maxnorm_multiscale":  # (2, 6): norm, 1-bit index plane, int8 codes
+        return _ring(4, world) + _ring(math.ceil(n / 8), world) + _ring(n, world)
+    if name == "grandk_maxnorm":
+        return _ring(4, world) + _ring(kk, world)
+    if name == "grandk_maxnorm_multiscale":
+        return _ring(4, world) + _ring(math.ceil(kk / 8), world) + _ring(kk, world)
+    if name == "grandk_fp32":
+        return _ring(4 * kk, world)
+    if name == "qsgd":  # levels 4: 4-bit codes, header numel + norm
+        return gather * (8 + math.ceil(4 * n / 8))
+    if name in ("terngrad", "dithered"):  # 2-bit codes (dithered levels 1: 3 codes)
+        return gather * (8 + math.ceil(2 * n / 8))
+    if name == "sign":
+        return gather * (8 + math.ceil(n / 8))
+    if name == "powersgd":  # rank 1, per tensor; the buckets are [W2 (4x32), b2, b1] and [W1 (32x16)]
+        if n == 164:  # first: P of W2 (4) + b2 (4) + b1 (32); second: Q of W2 (32)
+            return _ring(4 * 40, world) + _ring(4 * 32, world)
+        assert n == 512  # first: P of W1 (32); second: Q of W1 (16)
+        return _ring(4 * 32, world) + _ring(4 * 16, world)
+    raise AssertionError(name)
+
+
+def _check_gradients(results, world, names):
+    r0 = results[0]["grad"]
+    ref, per = r0["ref"], r0["per"]
+    scale = torch.stack(per).abs().mean(0)  # mean_r |g_r|
+    # the unhooked DDP baseline matches the reference
+    for res in results:
+        assert torch.allclose(res["grad"]["unhooked"], ref, atol=1e-6)
+    for name in names:
+        g = [res["grad"][(name, "grads")] for res in results]
+        for other in g[1:]:  # every rank ends with the same averaged gradient
+            assert torch.equal(other, g[0]), name
+        g = g[0]
+        if name == "fp32":
+            assert (g - ref).abs().max() <= 1e-6
+        elif name in ("fp16", "bf16"):
+            u = 2.0**-11 if name == "fp16" else 2.0**-8
+            # x / world rounded once, then world - 1 rounded additions of partial sums
+            bound = 2 * world * u * scale + 1e-6
+            err = (g[0] - ref).abs()
+            assert bool((err <= bound).all()), (name, float((err - bound).max()))
+            assert float(err.max()) > 0  # it really went through 16 bits
+        elif name in UNBIASED:
+            e_single = ((g - ref) ** 2).sum(1).mean()  # E||g_hat - ref||^2, estimated
+            e_mean = ((g.mean(0) - ref) ** 2).sum()
+            assert e_single > 0
+            # an unbiased estimate: the error of the mean of T draws is ~ E||.||^2 / T
+            assert e_mean <= 3 * e_single / g.shape[0], (name, float(e_mean), float(e_single))
+            if name == "qsgd_maxnorm":
+                # deterministic bound: every coordinate of every rank is off by < W / s, W = max_r ||g_r||
+                w = max(float(p.norm()) for p in per)
+                assert float((g - ref).abs().max()) <= w / 7 + 1e-6
+        elif name in EF_HOOKS:
+            assert float(((g - ref) ** 2).sum(1).mean()) > 0
+
+
+def _check_tight(results):
+    r0 = results[0]["grad"]
+    ref, per = r0["ref"], r0["per"]
+    w2 = max(float(p.norm()) for p in per)  # >= every rank's l2 norm of any bucket
+    winf = max(float(p.abs().max()) for p in per)
+    bounds = {"qsgd_maxnorm": w2 / 32767, "qsgd_maxnorm_multiscale": w2 / 4095, "grandk_maxnorm": w2 / 32767,
+              "qsgd": w2 / 1000, "dithered": winf / 1000}  # subtractive dither: kappa / (2M) per coordinate
+    for name, bound in bounds.items():
+        err = (r0[(name, "tight")] - ref).abs().max()
+        assert 0 < float(err) <= bound + 1e-6, (name, float(err), bound)
+        for res in results[1:]:
+            assert torch.equal(res["grad"][(name, "tight")], r0[(name, "tight")])
+
+
+def _check_bytes(results, world, names):
+    for res in results:
+        for name in names:
+            bb, numel, step_bytes = res["grad"][(name, "bytes")]
+            assert sorted(numel.values()) == [164, 512]  # two buckets: [W2, b2, b1], [W1]
+            for b, n in numel.items():
+                assert bb[b] == _expected_bucket_bytes(name, n, world), (name, b, n)
+            assert step_bytes == sum(bb.values())
+            steps, sent, fp32 = res["grad"][(name, "state")]
+            assert fp32 == steps * _ring(4 * 676, world)
+            assert sent == steps * step_bytes
+
+
+def test_two_ranks_gradients(two):
+    _check_gradients(two, 2, ALL)
+    _check_tight(two)
+
+
+def test_two_ranks_bytes(two):
+    _check_bytes(two, 2, ALL)
+
+
+def test_four_ranks_gradients_and_bytes(four):
+    _check_gradients(four, 4, FOUR)
+    _check_tight(four)
+    _check_bytes(four, 4, FOUR)
+
+
+def test_error_feedback_survives_bucket_rebuild(two):
+    ref = two[0]["grad"]["ref"].double()
+    for name in EF_HOOKS:
+        total = two[0]["ef"][name][0]
+        mean_mem = sum(res["ef"][name][1] for res in two) / len(two)
+        # sum_t out_t = T ref - mean_r e_r  (exact bookkeeping of error feedback)
+        assert torch.allclose(total + mean_mem, 6 * ref, atol=1e-5), name
+        assert float(mean_mem.abs().max()) > 1e-4  # there is memory to account for
+        log, resets, q_resets = two[0]["ef"][name][2:]
+        first = sorted(n for s, _, n in log if s == 0)
+        later = sorted(n for s, _, n in log if s == 1)
+        assert first != later and later == [676]  # DDP really rebuilt its buckets
+        assert resets == 0  # per-parameter memory needs no reset
+        assert q_resets == (1 if name == "powersgd" else 0)  # PowerSGD's warm start is per bucket
+        b_resets, finite, keys = two[0]["ef"][(name, "bucket-keyed")]
+        assert b_resets == 1 and finite and 0 in keys
+
+
+def test_training_converges(two):
+    for name in TRAIN_HOOKS:
+        losses, sent, fp32 = two[0]["train"][name]
+        first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
+        assert last < 0.3 * first, (name, first, last)
+        if name not in ("fp32",):
+            assert sent < fp32
+
+
+def test_checkpoint_continues_identically(two):
+    for res in two:
+        for name, (diff, no_group, step2, step1, same_bytes) in res["ckpt"].items():
+            assert diff <= 1e-7, (name, diff)
+            assert no_group and step2 == step1 == 6 and same_bytes
+
+
+# --- without processes ---------------------------------------------------------------------
+
+
+def test_make_hook_and_table():
+    state, hook = make_hook("grandk_maxnorm", k=10, bits=3, seed=4)
+    assert hook is lowbit_hook and state.seed == 4 and state.error_feedback is False
+    assert isinstance(state.codec, RandKCodec) and state.codec.inner == QSGDMaxNormCodec(bits=3)
+    assert make_hook("sign")[0].error_feedback and make_hook("powersgd")[0].error_feedback
+    assert make_hook("sign", error_feedback=False)[0].error_feedback is False
+    methods = {name: method for name, method, _ in hook_table()}
+    assert methods["qsgd_maxnorm"] == methods["qsgd_maxnorm_multiscale"] == "allreduce-int"
+    assert methods["dithered"] == methods["sign"] == methods["qsgd"] == methods["terngrad"] == "allgather"
+    assert methods["grandk_maxnorm"] == "allreduce-randk" and methods["powersgd"] == "powersgd"
+    assert wire_method(RandKCodec(QSGDCodec(levels=2), k=3, send_indices=True)) == "allgather"
+    with pytest.raises(ValueError, match="inner"):
+        wire_method(RandKCodec(QSGDMaxNormCodec(), k=3, send_indices=True))
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="name"):
+        make_hook("nope")
+    with pytest.raises(ValueError, match="seed"):
+        make_hook("fp32", seed=-1)
+    with pytest.raises(ValueError, match="error_feedback"):
+        make_hook("fp32", error_feedback="yes")
+    with pytest.raises(ValueError, match="bad options"):
+        make_hook("sign", bits=3)
+    with pytest.raises(ValueError, match="codec"):
+        LowbitHookState(ModuloCodec(bits=2, theta=0.5))
+    with pytest.raises(ValueError, match="bits"):
+        make_hook("qsgd_maxnorm", bits=1)
+
+
+def test_state_pickles_without_group():
+    state, _ = make_hook("powersgd", rank=2, seed=9)
+    state.process_group = object()  # stands for a (non-picklable) process group
+    state.step = 5
+    state.bucket_memory[0] = (((3,),), torch.ones(3))
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.process_group is None and copy.step == 5 and copy.codec == state.codec
+    assert torch.equal(copy.bucket_memory[0][1], torch.ones(3))

@@ -1,0 +1,491 @@
+"""Moniqua complete (slack matrix, auto theta, verification, entropy coding) and
+D2 / Moniqua-D2, each against its equations in matrix form."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from lowbit.algorithms import D2, DPSGD, Moniqua, MoniquaD2
+from lowbit.algorithms.moniqua import GAMMA_1BIT, VERIFY_BLOCK, theorem2_theta, topology_diameter
+from lowbit.codecs import IdentityCodec, ModuloCodec
+from lowbit.codecs.rng import shared_generator
+from lowbit.comm import run_threads
+from lowbit.topology import make_topology, slack_matrix, spectral_rho
+from lowbit.train import TrainConfig, train
+
+N, D, STEPS, LR = 5, 7, 6, 0.1
+
+
+def _problem(seed=0, spread=0.01, d=D):
+    g = torch.Generator().manual_seed(seed)
+    X0 = torch.randn(N, d, generator=g, dtype=torch.float64) * spread
+    A = torch.rand(N, d, generator=g, dtype=torch.float64) + 0.5
+    b = torch.randn(N, d, generator=g, dtype=torch.float64)
+    return X0, A, b  # worker i: f_i(x) = sum A_i x^2 / 2 - b_i x, grad = A_i x - b_i
+
+
+def _lr(k):
+    return LR * (1 + 0.1 * k)  # varies, so that a_{k-1} G_{k-1} and a_k G_k differ
+
+
+def _run(make_algo, X0, A, b, steps=STEPS, lr=_lr):
+    """Each worker: g = grad f_i(x); before_update; x -= lr_k g; after_update."""
+
+    def worker(t):
+        x = X0[t.rank].clone()
+        algo = make_algo(t)
+        algo.setup(x)
+        traj = []
+        for k in range(steps):
+            t.set_step(k)
+            g = A[t.rank] * x - b[t.rank]
+            algo.before_update(k, x, g, lr(k))
+            x -= lr(k) * g
+            algo.after_update(k, x, g, lr(k))
+            traj.append(x.clone())
+        return torch.stack(traj), t.ledger, algo
+
+    res = run_threads(N, worker)
+    return torch.stack([r[0] for r in res], 1), [r[1] for r in res], [r[2] for r in res]
+
+
+def _grad(A, b, X):
+    return A * X - b
+
+
+def _modulo_mix(codec, X, W, neighbors, gamma, gen, wrong=None, dither=None):
+    """Algorithm 1 lines 3-6 with the slack matrix; ``wrong`` collects (i, j) whose
+    recovery differs from the sender's grid value (left out of the mix, as verification does).
+    ``dither``: a generator for a shared subtractive dither, uniform over one grid cell."""
+    step = codec.B_theta / codec.levels
+    if dither is not None:
+        v = (torch.rand(X.shape[1], generator=dither, dtype=torch.float64) - 0.5) * step
+        X_in = X + v
+        Y = _modulo_mix(codec, X_in, W, neighbors, gamma, gen, wrong)
+        return X + (Y - X_in)  # the mix of the dithered values, v subtracted from every decode
+    Q = [codec.encode(X[j], generator=gen()) for j in range(X.shape[0])]
+    Y = torch.empty_like(X)
+    for i in range(X.shape[0]):
+        own = codec.decode(Q[i], ref=X[i])
+        delta = torch.zeros_like(X[i])
+        for j in neighbors(i):
+            rec = codec.decode(Q[j], ref=X[i])
+            if wrong is not None:
+                true = codec.decode(Q[j], ref=X[j])  # the sender's own grid value
+                if not torch.equal(torch.round(rec / step), torch.round(true / step)):
+                    # Lemma 2: a wrong recovery needs |x_i - x_j| >= theta somewhere
+                    assert float((X[i] - X[j]).abs().max()) >= codec.theta
+                    wrong.append((i, j))
+                    continue
+            delta = delta + (rec - own) * W[j, i]
+        Y[i] = X[i] + gamma * delta
+    return Y
+
+
+# ---- 1. the slack matrix at 1 bit (Theorem 3) ------------------------------------------
+
+@pytest.mark.parametrize("rounding", [None, "nearest"], ids=["dithered", "nearest"])
+def test_one_bit_moniqua_with_slack_matrix_is_theorem_3(rounding):
+    """1 bit: nearest rounding (delta = 1/4); by default of a shared subtractive dither."""
+    X0, A, b = _problem()
+    topo = make_topology("ring", N)
+    W = topo.mixing_matrix()
+    gamma, theta = 0.3, 4.0
+    codec = ModuloCodec(bits=1, theta=theta, rounding="nearest")
+    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=1, theta=theta, gamma=gamma, rounding=rounding,
+                                                  seed=5), X0, A, b)
+    assert all(a.codec.rounding == "nearest" and a.gamma == gamma for a in algos)  # 1 bit defaults to nearest
+    assert all(a.dither == (rounding is None) for a in algos)
+    X = X0.clone()
+    wrong = []
+    for k in range(STEPS):
+        dither = shared_generator(5, k, 0) if rounding is None else None
+        Y = _modulo_mix(codec, X, W, topo.neighbors, gamma, lambda: None, wrong, dither=dither)
+        X = Y - _lr(k) * _grad(A, b, X)
+        torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
+    assert wrong == [] and sum(a.mismatches for a in algos) == 0
+    # x_{k+1/2} = X W~ exactly when nothing is quantized: W~ = gamma W + (1 - gamma) I
+    Wt = torch.tensor(slack_matrix(W, gamma))
+    torch.testing.assert_close(X0 + gamma * (torch.tensor(W).T @ X0 - X0), Wt.T @ X0, atol=1e-12, rtol=0)
+    # one bit per element plus a 16-bit hash per block and the control byte, to 2 neighbours
+    assert ledgers[0].bytes_sent == STEPS * 2 * (-(-D // 8) + _overhead(D))
+
+
+def test_one_bit_defaults():
+    topo = make_topology("ring", 3)
+
+    def worker(t):
+        a = Moniqua(t, topo, bits=1)
+        return a.codec.rounding, a.gamma, Moniqua(t, topo, bits=2).gamma
+
+    assert run_threads(3, worker) == [("nearest", GAMMA_1BIT, 1.0)] * 3
+
+
+# ---- 2. D2 and Moniqua-D2 ---------------------------------------------------------------
+
+def _d2_reference(X0, A, b, mix, steps=STEPS):
+    X_prev, step_prev, X = X0.clone(), torch.zeros_like(X0), X0.clone()  # X_{-1} = X_0, G_{-1} = 0
+    out = []
+    for k in range(steps):
+        step = _lr(k) * _grad(A, b, X)
+        half = 2 * X - X_prev - step + step_prev
+        X_prev, step_prev = X, step
+        X = mix(k, half)
+        out.append(X.clone())
+    return out
+
+
+def test_d2_is_its_matrix_form():
+    X0, A, b = _problem()
+    topo = make_topology("ring", N)
+    W = torch.tensor(topo.mixing_matrix())
+    traj, ledgers, algos = _run(lambda t: D2(t, topo), X0, A, b)
+    for k, X in enumerate(_d2_reference(X0, A, b, lambda k, H: W.T @ H)):
+        torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
+    assert all(a.extra_memory_bytes() == 2 * D * 8 for a in algos)  # X_{k-1} and a_{k-1} G_{k-1}
+    assert set(algos[0].state_dict()["tensors"]) == {"prev_x", "prev_step"}
+    assert ledgers[0].bytes_sent == STEPS * 2 * (4 + 4 * D)  # fp32 gossip
+
+
+def test_d2_removes_the_outer_variance_bias_of_dpsgd():
+    """Different local optima: with a constant step D-PSGD stalls O(lr) away from the
+    optimum of the average, D2 converges to it (Tang et al. 2018)."""
+    X0, A, b = _problem(seed=1)
+    topo = make_topology("ring", N)
+    x_star = b.sum(0) / A.sum(0)
+    errs = {}
+    for name, cls in (("dpsgd", DPSGD), ("d2", D2)):
+        traj, _, _ = _run(lambda t: cls(t, topo), X0, A, b, steps=300, lr=lambda k: 0.2)
+        errs[name] = float((traj[-1] - x_star).abs().max())
+    assert errs["d2"] < 1e-4 < 0.05 < errs["dpsgd"], errs
+
+
+def test_moniqua_d2_is_d2_with_modulo_gossip():
+    X0, A, b = _problem()
+    topo = make_topology("ring", N)
+    W = topo.mixing_matrix()
+    theta = 50.0  # D2's extrapolation moves the models further apart than D-PSGD's step
+    codec = ModuloCodec(bits=2, theta=theta)
+    traj, _, algos = _run(lambda t: MoniquaD2(t, topo, bits=2, theta=theta, seed=7), X0, A, b)
+    wrong = []
+
+    def mix(k, H):
+        return _modulo_mix(codec, H, W, topo.neighbors, 1.0, lambda: shared_generator(7, k, 0), wrong)
+
+    for k, X in enumerate(_d2_reference(X0, A, b, mix)):
+        torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
+    assert wrong == [] and sum(a.mismatches for a in algos) == 0
+    assert algos[0].extra_memory_bytes() == 2 * D * 8
+
+
+def test_d2_rejects_momentum_and_takes_weight_decay():
+    with pytest.raises(ValueError, match="momentum"):
+        TrainConfig(algorithm="d2", momentum=0.9)
+    with pytest.raises(ValueError, match="momentum"):
+        TrainConfig(algorithm="moniqua-d2", momentum=0.5)
+    TrainConfig(algorithm="moniqua-d2", momentum=0.0, weight_decay=1e-4)
+
+
+# ---- 3. theta = "auto" (Theorem 2) ---------------------------------------------------------
+
+@pytest.mark.parametrize("gamma", [1.0, 0.5])
+def test_auto_theta_is_theorem_2_from_tracked_norms(gamma):
+    X0, A, b = _problem()
+    topo = make_topology("ring", N)
+    W = topo.mixing_matrix()
+    warm = 3
+    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta="auto", theta_warmup=warm, gamma=gamma,
+                                                  seed=2), X0, A, b, lr=lambda k: LR)
+    fp32 = IdentityCodec()
+    X, g_inf, theta = X0.clone(), 0.0, None
+    for k in range(STEPS):
+        G = _grad(A, b, X)
+        if k < warm:  # exact fp32 gossip while tracking ||g||_inf
+            R = torch.stack([fp32.roundtrip(X[j]).double() for j in range(N)])
+            Y = X + gamma * torch.stack([sum((R[j] - R[i]) * W[j, i] for j in topo.neighbors(i))
+                                         for i in range(N)])
+            g_inf = max(g_inf, float(G.abs().max()))
+            if k == warm - 1:
+                theta = 2 * LR * g_inf * math.log(16 * N) / (1 - spectral_rho(slack_matrix(W, gamma)))
+        else:
+            codec = ModuloCodec(bits=2, theta=theta)
+            Y = _modulo_mix(codec, X, W, topo.neighbors, gamma, lambda: shared_generator(2, k, 0), [])
+        X = Y - LR * G
+        torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
+    assert theta == pytest.approx(theorem2_theta(LR, g_inf, spectral_rho(slack_matrix(W, gamma)), N), rel=1e-12)
+    for a in algos:  # every worker agreed on the same G_inf and theta
+        assert a.theta == algos[0].theta == pytest.approx(theta, rel=1e-9)
+    # the agreement is one counted all-reduce of one float64
+    ops = [r for recs in ledgers[0].records.values() for r in recs if r.op == "all_reduce"]
+    assert len(ops) == 1 and ops[0].nbytes == 8
+    # theta is checkpointed: a fresh instance restores it
+    state = algos[0].state_dict()
+
+    def restore(t):
+        a = Moniqua(t, topo, theta="auto", theta_warmup=warm)
+        a.load_state_dict(state)
+        return a.theta, a.warming_up
+
+    assert run_threads(N, restore)[0] == (algos[0].theta, False)
+
+
+# ---- 4. verification -----------------------------------------------------------------------
+
+def _overhead(d, block=VERIFY_BLOCK, asked=None):
+    """Verification bytes of one message: a 16-bit hash per block and the control byte,
+    plus ``asked`` (neighbour, block mask) repair requests and their count."""
+    nb = -(-d // block)
+    return 2 * nb + 1 + (2 + len(asked) * (2 + -(-nb // 8)) if asked else 0)
+
+
+def _verified_reference(X0, A, b, topo, theta0, steps, seed, grow_theta=False, block=VERIFY_BLOCK):
+    """Moniqua with verification, in matrix form, per block of ``block`` elements. A wrong
+    block of a recovery (its grid integers differ from the sender's) is left out of the mix;
+    the blocks of an edge with a wrong recovery at step k (asked by either end) are mixed
+    exactly (fp32 both ways) at step k + 1, the rest of the edge normally. With
+    ``grow_theta``, a worker none of whose neighbours' messages was right raises an alarm;
+    an alarm of epoch m (P = diameter + 1 steps) doubles theta on every worker at step
+    (m + 2) P. Returns the trajectory, the wrong (k, i, j, block), worker 0's bytes and
+    the final theta."""
+    W = topo.mixing_matrix()
+    P = topology_diameter(topo) + 1
+    fp32 = IdentityCodec()
+    d = X0.shape[1]
+    nb = -(-d // block)
+    spans = [slice(c * block, min((c + 1) * block, d)) for c in range(nb)]
+    X, theta, alarms, nack = X0.clone(), theta0, set(), {i: {} for i in range(N)}
+    out, wrong_all, bytes0 = [], [], 0
+    for k in range(steps):
+        theta = theta0 * 2 ** sum((m + 2) * P <= k for m in alarms)
+        codec = ModuloCodec(bits=2, theta=theta)
+        step = codec.B_theta / codec.levels
+        Q = [codec.encode(X[j], generator=shared_generator(seed, k, 0)) for j in range(N)]
+        own = [codec.decode(Q[i], ref=X[i]) for i in range(N)]
+        R = torch.stack([fp32.roundtrip(X[j]).double() for j in range(N)])
+        repair = {i: {j: nack[i].get(j, set()) | nack[j].get(i, set()) for j in topo.neighbors(i)} for i in range(N)}
+        new_nack = {i: {} for i in range(N)}
+        Y = torch.empty_like(X)
+        for i in range(N):
+            delta = torch.zeros_like(X[i])
+            for j in topo.neighbors(i):
+                rec = codec.decode(Q[j], ref=X[i])
+                for c, sl in enumerate(spans):
+                    ok = torch.equal(torch.round(rec[sl] / step), torch.round(own[j][sl] / step))
+                    if not ok:
+                        assert float((X[i, sl] - X[j, sl]).abs().max()) >= theta  # Lemma 2, in this block
+                        new_nack[i].setdefault(j, set()).add(c)
+                        wrong_all.append((k, i, j, c))
+                    if c in repair[i][j]:
+                        delta[sl] += (R[j, sl] - R[i, sl]) * W[j, i]
+                    elif ok:
+                        delta[sl] += (rec[sl] - own[i][sl]) * W[j, i]
+            Y[i] = X[i] + delta
+            if grow_theta and len(new_nack[i]) == len(topo.neighbors(i)):
+                alarms.add(k // P)
+        bytes0 += 2 * (Q[0].data.numel() + _overhead(d, block, nack[0]))
+        union = set().union(*repair[0].values())
+        if union:  # one fp32 message of the union of the repaired blocks (and its block mask) to each asked edge
+            nrep = sum(1 for blocks in repair[0].values() if blocks)
+            bytes0 += nrep * (-(-nb // 8) + 4 * sum(spans[c].stop - spans[c].start for c in union))
+        nack = new_nack
+        X = Y - LR * _grad(A, b, X)
+        out.append(X.clone())
+    return out, wrong_all, bytes0, theta
+
+
+def _spread(X):
+    return float((X[:, None, :] - X[None, :, :]).abs().max())
+
+
+def _patchy_problem(d=40, block=8):
+    """Models far apart in the first blocks only, close elsewhere: with a small theta
+    some blocks of a message are recovered wrong and the others right."""
+    X0, A, b = _problem(spread=1.0, d=d)
+    scale = torch.ones(d, dtype=torch.float64)
+    scale[2 * block:] = 0.001
+    return X0 * scale, A, b * scale  # local optima b_i / A_i close there too
+
+
+@pytest.mark.parametrize("grow_theta", [False, True], ids=["repair", "repair+grow"])
+def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_theta, monkeypatch):
+    import lowbit.algorithms.moniqua as moniqua_module
+
+    monkeypatch.setattr(moniqua_module, "_WARNED", False)  # it warns once per process
+    d, block = (D, 2) if grow_theta else (40, 8)
+    # models far apart in blocks 0 and 1 (everywhere for grow_theta) ...
+    X0, A, b = _problem(spread=1.0, d=d) if grow_theta else _patchy_problem(d, block)
+    topo = make_topology("ring", N)
+    theta0, steps = 0.01, 30  # ... and a far too small theta there
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, grow_theta=grow_theta,
+                                                      verify_block=block), X0, A, b, steps=steps, lr=lambda k: LR)
+    ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, steps, 4, grow_theta, block)
+    for k in range(steps):
+        torch.testing.assert_close(traj[k], ref[k], atol=1e-6, rtol=0)
+    assert len(injected) >= 30
+    # partial messages happen: some wrong blocks, the rest of the message right and used
+    per_msg = {}
+    for k, i, j, c in injected:
+        per_msg.setdefault((k, i, j), set()).add(c)
+    assert grow_theta or any(len(blocks) < d // block for blocks in per_msg.values())
+    for i in range(N):  # every wrong block detected by its receiver, and nothing else
+        assert algos[i].mismatches == sum(1 for _, r, _, _ in injected if r == i)
+        assert algos[i].mismatched_messages == sum(1 for (_, r, _) in per_msg if r == i)
+        assert algos[i].theta == theta  # all workers in lock step
+    assert (theta > theta0) == grow_theta
+    if grow_theta:  # theta has grown past the models' distance: no more mismatches
+        assert not [w for w in injected if w[0] >= steps - 5]
+    else:  # theta stays too small for the local optima's spread; the repaired blocks still pull together
+        assert _spread(traj[-1][:, :2 * block]) < 0.5 * _spread(X0[:, :2 * block])
+    assert any("wrong model" in str(w.message) for w in caught)
+    assert algos[0].extra_state()["mismatches"] == algos[0].mismatches
+    # every byte counted: codes, block hashes, control byte, repair requests and the fp32 block repairs
+    assert ledgers[0].bytes_sent == bytes0
+    assert {r.op for recs in ledgers[0].records.values() for r in recs} == {"neighbor"}
+
+
+@pytest.mark.filterwarnings("ignore:moniqua:RuntimeWarning")
+def test_repair_sends_only_the_failed_blocks():
+    """Same run with one block for the whole vector: every repair resends all of it."""
+    d = 40
+    X0, A, b = _patchy_problem(d, 8)
+    topo = make_topology("ring", N)
+    _, small, _ = _run(lambda t: Moniqua(t, topo, bits=2, theta=0.01, seed=4, verify_block=8), X0, A, b, steps=10,
+                       lr=lambda k: LR)
+    _, whole, _ = _run(lambda t: Moniqua(t, topo, bits=2, theta=0.01, seed=4, verify_block=d), X0, A, b, steps=10,
+                       lr=lambda k: LR)
+    codes = 10 * 2 * -(-d * 2 // 8)
+    assert small[0].bytes_sent - codes < 0.7 * (whole[0].bytes_sent - codes)
+
+
+@pytest.mark.filterwarnings("ignore:moniqua:RuntimeWarning")
+def test_pending_block_repairs_are_checkpointed():
+    d, block = 40, 8
+    X0, A, b = _patchy_problem(d, block)
+    topo = make_topology("ring", N)
+    _, _, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=0.01, seed=4, verify_block=block), X0, A, b,
+                       steps=3, lr=lambda k: LR)
+    states = [a.state_dict() for a in algos]
+    assert any(s["extra"]["nack"] for s in states)
+
+    def restore(t):
+        a = Moniqua(t, topo, bits=2, theta=0.01, verify_block=block)
+        a.load_state_dict(states[t.rank])
+        return a.extra_state()
+
+    assert [s["extra"] for s in states] == run_threads(N, restore)
+
+    def reblock(t):  # another block size: the blocks covering the same elements; a whole-vector list: all
+        a = Moniqua(t, topo, bits=2, theta=0.01, verify_block=16)
+        a.load_extra_state(dict(states[0]["extra"], nack=[[1, [1, 2]], [4, [4]]]))
+        b_ = Moniqua(t, topo, bits=2, theta=0.01, verify_block=16)
+        b_.load_extra_state(dict(states[0]["extra"], nack=[1], verify_block=None))
+        return a.extra_state()["nack"], b_._nack
+
+    assert run_threads(N, reblock)[0] == ([[1, [0, 1]], [4, [2]]], {1: None})
+
+
+def test_verification_has_no_false_alarms_with_a_correct_theta():
+    X0, A, b = _problem(spread=1.0, d=40)
+    topo = make_topology("ring", N)
+    theta0 = 20.0
+    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, verify_block=8), X0, A, b,
+                                steps=STEPS, lr=lambda k: LR)
+    ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, STEPS, 4, block=8)
+    assert injected == [] and theta == theta0
+    assert [a.mismatches for a in algos] == [0] * N
+    assert ledgers[0].bytes_sent == bytes0 == STEPS * 2 * (-(-40 * 2 // 8) + _overhead(40, 8))
+    for k in range(STEPS):
+        torch.testing.assert_close(traj[k], ref[k], atol=1e-6, rtol=0)
+
+
+def test_without_verification_no_word_is_sent():
+    X0, A, b = _problem()
+    topo = make_topology("ring", N)
+    _, ledgers, _ = _run(lambda t: Moniqua(t, topo, bits=2, theta=4.0, verify=False), X0, A, b)
+    assert ledgers[0].bytes_sent == STEPS * 2 * -(-D * 2 // 8)
+
+
+# ---- 5. entropy coding -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["zlib", "ans"])
+def test_entropy_coding_sends_fewer_bytes_and_the_same_values(method):
+    X0, A, b = _problem(d=2000)  # models close to each other and to 0: few codes are used
+    topo = make_topology("ring", N)
+    plain, lp, _ = _run(lambda t: Moniqua(t, topo, bits=4, theta=2.0, seed=1), X0, A, b, steps=3)
+    coded, lc, algos = _run(lambda t: Moniqua(t, topo, bits=4, theta=2.0, seed=1, entropy=method), X0, A, b,
+                            steps=3)
+    assert torch.equal(plain, coded)
+    assert sum(a.mismatches for a in algos) == 0
+    assert lc[0].bytes_sent < 0.8 * lp[0].bytes_sent, (lc[0].bytes_sent, lp[0].bytes_sent)
+
+
+# ---- 6. validation ------------------------------------------------------------------------------
+
+def test_bad_options_name_the_argument():
+    topo = make_topology("ring", 2)
+
+    def worker(t):
+        for kw, word in ((dict(gamma=0.0), "gamma"), (dict(gamma=1.5), "gamma"), (dict(theta="big"), "theta"),
+                         (dict(theta_warmup=0), "theta_warmup"), (dict(entropy="gzip"), "entropy"),
+                         (dict(verify="yes"), "verify"), (dict(verify_block=0), "verify_block"),
+                         (dict(verify_block=2.0), "verify_block"), (dict(bits=1, rounding="stochastic"), "delta")):
+            with pytest.raises(ValueError, match=word):
+                Moniqua(t, topo, **kw)
+        return True
+
+    assert all(run_threads(2, worker))
+    with pytest.raises(ValueError, match="entropy"):
+        TrainConfig(algorithm="moniqua", entropy="gzip")
+
+
+# ---- 7. both runtimes --------------------------------------------------------------------------
+
+def _three_algorithms(t):
+    """Module level (spawn pickles it): Moniqua 1-bit with the slack matrix and auto theta,
+    D2, Moniqua-D2 with entropy coding, one after the other on this rank."""
+    torch.set_num_threads(1)
+    topo = make_topology("ring", t.world_size)
+    X0, A, b = _problem(spread=0.1)
+    makers = {"moniqua": lambda: Moniqua(t, topo, bits=1, theta="auto", theta_warmup=2, gamma=0.3, seed=3),
+              "d2": lambda: D2(t, topo),
+              "moniqua-d2": lambda: MoniquaD2(t, topo, bits=2, theta=0.05, entropy="zlib", seed=3)}
+    out = {}
+    for name, make in makers.items():
+        x = X0[t.rank].clone()
+        algo = make()
+        algo.setup(x)
+        for k in range(STEPS):
+            t.set_step(k)
+            g = A[t.rank] * x - b[t.rank]
+            algo.before_update(k, x, g, _lr(k))
+            x -= _lr(k) * g
+            algo.after_update(k, x, g, _lr(k))
+        out[name] = (x, algo.extra_state() if isinstance(algo, Moniqua) else None)
+    return out, t.ledger.to_rows()
+
+
+def test_both_runtimes_agree_exactly():
+    from lowbit.comm import launch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # theta=0.05 is too small for moniqua-d2 here
+        threads = run_threads(3, _three_algorithms)
+    procs = launch(3, _three_algorithms, backend="gloo", timeout_s=120)
+    for (a, rows_a), (b, rows_b) in zip(threads, procs):
+        assert rows_a == rows_b
+        for name in a:
+            assert torch.equal(a[name][0], b[name][0]), name
+            assert a[name][1] == b[name][1], name
+    assert threads[0][0]["moniqua-d2"][1]["mismatches"] > 0  # the mismatch path ran on both
+
+
+def test_train_runs_the_new_algorithms_from_their_config():
+    for algorithm, extra in (("moniqua", dict(bits=1, theta="auto", theta_warmup=2)),
+                             ("d2", dict(momentum=0.0)),
+                             ("moniqua-d2", dict(momentum=0.0, bits=2, entropy="ans", theta=1.0))):
+        s = train(TrainConfig(algorithm=algorithm, workers=3, steps=4, eval_every=4, hidden=8, **extra)).summary
+        assert s["bytes_sent"] > 0 and math.isfinite(s["final_train_loss"])
