@@ -7,7 +7,7 @@ import torch
 
 from lowbit.algorithms import ChocoSGD, DCDPSGD, DeepSqueeze, ECDPSGD, LowPrecisionDecentralized
 from lowbit.algorithms.lowprec import shift_one_peer
-from lowbit.codecs import IdentityCodec, MinMaxCodec, UniformCodec
+from lowbit.codecs import IdentityCodec, MinMaxCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import launch, run_threads
 from lowbit.topology import make_topology
