@@ -72,10 +72,10 @@ def _print_summary(s: dict) -> None:
             ("consensus distance", s["final_consensus_distance"]),
             ("bytes sent (all workers)", s["bytes_sent"]),
             ("bytes per step", s["bytes_sent_per_step"]),
-            ("bits/element/message", s["bits_per_element_per_message"]),
             ("nominal bits/element", s["nominal_bits_per_element"]),
             ("wire bits/element/step", s["wire_bits_per_element"]),
             ("extra memory per worker (B)", s["extra_memory_bytes"]),
+            *((f"{k.replace('_', ' ')}", v) for k, v in s["algorithm_report"].items()),
             ("emulated seconds", s["emulated_seconds"]),
             ("wall seconds", s["wall_seconds"])]
     width = max(len(k) for k, _ in rows)

@@ -24,7 +24,8 @@ def test_theorem1_naive_floor_and_moniqua_below_it():
         tail = [m["grad_norm_sq"] for m in run.metrics[-4:]]
         assert min(tail) >= floor, (lr, schedule, tail, floor)
     run = train(_quad(algorithm="moniqua", bits=2, lr=0.1, theta=0.05))
-    assert run.summary["bits_per_element_per_message"] <= 2 + 32 / 16  # 2 bits + 4-byte header over 16 elements
+    # per worker and step, two messages of 2-bit codes (4 bytes), one 16-bit block hash and a control byte
+    assert run.summary["wire_bits_per_element"] == 2 * 8 * (4 + 2 + 1) / 16
     assert run.summary["final_grad_norm_sq"] <= floor / 10
     # Without shared randomness the rounding errors of workers do not cancel; with
     # theta_k following a decaying step size (Theorem 2) Moniqua still goes below the floor.
@@ -68,7 +69,7 @@ def test_cli_writes_metrics_and_summary(tmp_path, capsys):
     assert rows[-1]["bytes_sent"] > rows[1]["bytes_sent"] > rows[0]["bytes_sent"] == 0
     s = json.loads((out / "summary.json").read_text())
     for key in ("final_test_accuracy", "final_train_loss", "final_grad_norm_sq", "bytes_sent",
-                "bits_per_element_per_message", "extra_memory_bytes", "emulated_seconds", "wall_seconds",
+                "nominal_bits_per_element", "wire_bits_per_element", "extra_memory_bytes", "emulated_seconds", "wall_seconds",
                 "steps", "config"):
         assert key in s
     assert s["steps"] == 20 and s["config"]["bits"] == 2

@@ -79,6 +79,12 @@ class Algorithm(ABC):
         """Called once after the last step, before the final evaluation (an
         asynchronous algorithm drains its in-flight traffic here)."""
 
+    def report(self) -> dict[str, int | float]:
+        """Figures of this run worth reporting (e.g. Moniqua's final theta and its
+        mismatch counters). A run's summary sums the int entries over workers
+        (counters) and takes the float entries from rank 0 (settings all share)."""
+        return {}
+
     def nominal_bits_per_element(self) -> float:
         """Bits per element of the code before any framing (the paper's count)."""
         return 32.0

@@ -25,6 +25,9 @@ class QuantizedGossip(GossipAlgorithm):
         super().__init__(transport, topology, **kw)
         self.codec = codec
 
+    def nominal_bits_per_element(self):
+        return float(self.codec.bits)
+
     def before_update(self, k, x, g, lr):
         gen = shared_generator(self.seed, k, self.rank, device=x.device)
         wire = self.codec.encode(x, generator=gen).to_wire()

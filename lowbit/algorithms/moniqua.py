@@ -508,6 +508,10 @@ class Moniqua(GossipAlgorithm):
                 self._track(float((self._x_half - x).abs().max()) / lr)
             self._x_half = None
 
+    def report(self):
+        return {"theta": float(self.theta), "mismatched_blocks": int(self.mismatches),
+                "mismatched_messages": int(self.mismatched_messages), "theta_doublings": int(self.theta_doublings)}
+
     def extra_state(self) -> dict:
         return {"theta": self.theta, "lr0": self._lr0, "g_inf": self._g_inf, "tracked": self._tracked,
                 "mismatches": self.mismatches, "theta_doublings": self.theta_doublings,

@@ -36,6 +36,7 @@ class WorkerResult:
     compute_seconds: list[float]
     extra_memory_bytes: int
     nominal_bits_per_element: float
+    report: dict
     evals: list[dict] = field(default_factory=list)
 
 
@@ -118,4 +119,5 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
     flat.check_aliasing()
     return WorkerResult(rank=rank, params=flat.data.detach().clone(), ledger_rows=transport.ledger.to_rows(),
                         compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(),
-                        nominal_bits_per_element=float(algo.nominal_bits_per_element()), evals=evals)
+                        nominal_bits_per_element=float(algo.nominal_bits_per_element()), report=algo.report(),
+                        evals=evals)

@@ -65,14 +65,17 @@ def _clock(cfg: TrainConfig, results: list[WorkerResult], ledgers: list[Ledger])
     return list(results[i].compute_seconds), comm[i]
 
 
+def _combine_reports(results: list[WorkerResult]) -> dict:
+    """Algorithm.report() of all workers: int counters summed, float settings from rank 0."""
+    first = min(results, key=lambda r: r.rank).report
+    return {k: sum(r.report[k] for r in results) if isinstance(v, int) else v for k, v in first.items()}
+
+
 def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float) -> dict:
     n = cfg.workers
     ledgers = [Ledger.from_rows(r.rank, n, r.ledger_rows) for r in results]
     d = results[0].params.numel()
     compute, comm = (math.fsum(t) for t in _clock(cfg, results, ledgers))
-    records = [rec for led in ledgers for recs in led.records.values() for rec in recs]
-    bits_per_msg = (8.0 * sum(rec.nbytes * rec.peers for rec in records) / (d * sum(rec.peers for rec in records))
-                    if records else 0.0)
     bytes_sent = sum(led.bytes_sent for led in ledgers)
     # 8 * bytes a worker really sent per step / d, averaged over workers and steps (headers,
     # padding and wide sum dtypes included); the nominal bits are the algorithm's own count.
@@ -87,11 +90,11 @@ def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float
         "bytes_sent": bytes_sent,
         "bytes_sent_per_step": bytes_sent / cfg.steps,
         "messages_sent": sum(led.messages_sent for led in ledgers),
-        "bits_per_element_per_message": bits_per_msg,
         "nominal_bits_per_element": sum(r.nominal_bits_per_element for r in results) / n,  # NDQSG groups differ
         "wire_bits_per_element": wire_bits,
         "parameters": d,
         "extra_memory_bytes": max(r.extra_memory_bytes for r in results),
+        "algorithm_report": _combine_reports(results),
         "emulated_seconds": compute + comm,
         "emulated_compute_seconds": compute,
         "emulated_comm_seconds": comm,
