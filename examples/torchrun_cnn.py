@@ -68,7 +68,7 @@ def parse_args(argv=None):
                    help="BatchNorm statistics of the evaluated model: this rank's or the workers' average")
     p.add_argument("--steps", type=int, default=200, help="total steps (a resumed run continues up to it)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
-    p.add_argument("--lr", type=float, default=0.01, help="(Moniqua at 2 bits diverges at 0.05 with momentum 0.9)")
+    p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)

@@ -17,9 +17,20 @@ def quadratic_problem(n: int, d: int, seed: int = 0, scale: float = 0.01):
     return X0, A, b
 
 
-def run_quadratic(make_algo, X0, A, b, steps: int, lr: float, observe=None, finish: bool = False):
-    """Each worker i: x = X0[i]; per step g = A_i x - b_i; before_update; x -= lr g;
-    after_update; then ``observe(k, x, algo, transport)`` (default: a copy of x).
+def quadratic_step(algo, t, k: int, x, A, b, lr: float) -> None:
+    """Step k of the training loop's protocol on worker ``t.rank``: g = A_i x - b_i;
+    before_update; x -= lr g; after_update."""
+    t.set_step(k)
+    g = A[t.rank] * x - b[t.rank]
+    algo.before_update(k, x, g, lr)
+    x -= lr * g
+    algo.after_update(k, x, g, lr)
+
+
+def run_quadratic(make_algo, X0, A, b, steps: int, lr, observe=None, finish: bool = False):
+    """Each worker i: x = X0[i], then ``steps`` quadratic steps at step size ``lr`` (a
+    number, or a function of k), each followed by ``observe(k, x, algo, transport)``
+    (default: a copy of x).
     Returns, per worker, (observations, algo, transport, final x) - the final x
     read after ``finish()`` when ``finish`` is set (asynchronous algorithms keep
     answering neighbours until then)."""
@@ -31,11 +42,7 @@ def run_quadratic(make_algo, X0, A, b, steps: int, lr: float, observe=None, fini
         algo.setup(x)
         seen = []
         for k in range(steps):
-            t.set_step(k)
-            g = A[t.rank] * x - b[t.rank]
-            algo.before_update(k, x, g, lr)
-            x -= lr * g
-            algo.after_update(k, x, g, lr)
+            quadratic_step(algo, t, k, x, A, b, lr(k) if callable(lr) else lr)
             seen.append(observe(k, x, algo, t))
         if finish:
             algo.finish()

@@ -8,37 +8,19 @@ from lowbit.codecs import DitheredCodec, ModuloCodec, UniformCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
 from lowbit.topology import make_topology
+from quadratic import quadratic_problem, run_quadratic
 
 N, D, STEPS, LR = 5, 7, 6, 0.1
 
 
 def _problem(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    X0 = torch.randn(N, D, generator=g, dtype=torch.float64) * 0.01
-    A = torch.rand(N, D, generator=g, dtype=torch.float64) + 0.5
-    b = torch.randn(N, D, generator=g, dtype=torch.float64)
-    return X0, A, b  # worker i: f_i(x) = sum A_i x^2 / 2 - b_i x, grad = A_i x - b_i
+    return quadratic_problem(N, D, seed)
 
 
 def _run(make_algo, X0, A, b):
-    """Each worker: g = grad f_i(x); before_update; x -= lr g."""
-
-    def worker(t):
-        x = X0[t.rank].clone()
-        algo = make_algo(t)
-        algo.setup(x)
-        traj = []
-        for k in range(STEPS):
-            t.set_step(k)
-            g = A[t.rank] * x - b[t.rank]
-            algo.before_update(k, x, g, LR)
-            x -= LR * g
-            algo.after_update(k, x, g, LR)
-            traj.append(x.clone())
-        return torch.stack(traj), t.ledger.bytes_sent
-
-    res = run_threads(N, worker)
-    return torch.stack([r[0] for r in res], 1), [r[1] for r in res]  # (steps, N, D)
+    """The trajectories (steps, N, D) and each worker's bytes sent."""
+    res = run_quadratic(make_algo, X0, A, b, STEPS, LR)
+    return torch.stack([torch.stack(seen) for seen, *_ in res], 1), [t.ledger.bytes_sent for _, _, t, _ in res]
 
 
 def test_dpsgd_is_x_w_minus_lr_g():

@@ -12,7 +12,7 @@ from lowbit.codecs.rng import shared_generator
 from lowbit.comm import launch, run_threads
 from lowbit.topology import make_topology
 from lowbit.train import TrainConfig, train
-from quadratic import quadratic_problem, run_quadratic
+from quadratic import quadratic_problem, quadratic_step, run_quadratic
 
 N, D, STEPS, LR, SEED = 5, 7, 6, 0.1, 3
 CODECS = {"fp32": IdentityCodec(), "minmax4-stochastic": MinMaxCodec(bits=4, rounding="stochastic")}
@@ -291,11 +291,7 @@ def _all_algorithms(t, steps=4):
         algo = make()
         algo.setup(x)
         for k in range(steps):
-            t.set_step(k)
-            g = A[t.rank] * x - b[t.rank]
-            algo.before_update(k, x, g, LR)
-            x -= LR * g
-            algo.after_update(k, x, g, LR)
+            quadratic_step(algo, t, k, x, A, b, LR)
         out.append(x)
     return torch.stack(out), t.ledger.to_rows()
 

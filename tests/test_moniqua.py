@@ -14,16 +14,13 @@ from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
 from lowbit.topology import make_topology, slack_matrix, spectral_rho
 from lowbit.train import TrainConfig, train
+from quadratic import quadratic_problem, quadratic_step, run_quadratic
 
 N, D, STEPS, LR = 5, 7, 6, 0.1
 
 
 def _problem(seed=0, spread=0.01, d=D):
-    g = torch.Generator().manual_seed(seed)
-    X0 = torch.randn(N, d, generator=g, dtype=torch.float64) * spread
-    A = torch.rand(N, d, generator=g, dtype=torch.float64) + 0.5
-    b = torch.randn(N, d, generator=g, dtype=torch.float64)
-    return X0, A, b  # worker i: f_i(x) = sum A_i x^2 / 2 - b_i x, grad = A_i x - b_i
+    return quadratic_problem(N, d, seed, scale=spread)
 
 
 def _lr(k):
@@ -31,24 +28,10 @@ def _lr(k):
 
 
 def _run(make_algo, X0, A, b, steps=STEPS, lr=_lr):
-    """Each worker: g = grad f_i(x); before_update; x -= lr_k g; after_update."""
-
-    def worker(t):
-        x = X0[t.rank].clone()
-        algo = make_algo(t)
-        algo.setup(x)
-        traj = []
-        for k in range(steps):
-            t.set_step(k)
-            g = A[t.rank] * x - b[t.rank]
-            algo.before_update(k, x, g, lr(k))
-            x -= lr(k) * g
-            algo.after_update(k, x, g, lr(k))
-            traj.append(x.clone())
-        return torch.stack(traj), t.ledger, algo
-
-    res = run_threads(N, worker)
-    return torch.stack([r[0] for r in res], 1), [r[1] for r in res], [r[2] for r in res]
+    """The trajectories (steps, N, d), each worker's ledger and algorithm."""
+    res = run_quadratic(make_algo, X0, A, b, steps, lr)
+    return (torch.stack([torch.stack(seen) for seen, *_ in res], 1), [t.ledger for _, _, t, _ in res],
+            [algo for _, algo, _, _ in res])
 
 
 def _grad(A, b, X):
@@ -459,11 +442,7 @@ def _three_algorithms(t):
         algo = make()
         algo.setup(x)
         for k in range(STEPS):
-            t.set_step(k)
-            g = A[t.rank] * x - b[t.rank]
-            algo.before_update(k, x, g, _lr(k))
-            x -= _lr(k) * g
-            algo.after_update(k, x, g, _lr(k))
+            quadratic_step(algo, t, k, x, A, b, _lr(k))
         out[name] = (x, algo.extra_state() if isinstance(algo, Moniqua) else None)
     return out, t.ledger.to_rows()
 
