@@ -40,6 +40,49 @@ def _add_bench(sub) -> None:
     c.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
+def _add_plot(sub) -> None:
+    from .plot import X_AXES, Y_AXES
+
+    p = sub.add_parser("plot", help="overlay the curves of finished runs in one figure",
+                       description="Overlay runs written by lowbit train --out DIR (their metrics.jsonl; "
+                                   "legend from each summary.json).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    p.add_argument("--x", default="step", help=f"x axis: {', '.join(X_AXES)} (default step)")
+    p.add_argument("--y", default="loss", help=f"y axis: {', '.join(Y_AXES)} (default loss)")
+    p.add_argument("--out", required=True, help="image file to write (.png, .pdf, .svg)")
+    p.add_argument("--logy", action="store_true", help="log-scale y axis (useful for loss)")
+    p.add_argument("--title", default=None, help="figure title")
+    p.add_argument("--label", action="append", default=None, dest="labels",
+                   help="legend label of each run, in order (repeat once per run)")
+
+
+def _plot(args) -> int:
+    from .plot import plot_runs
+
+    path = plot_runs(args.runs, args.x, args.y, args.out, title=args.title, labels=args.labels, logy=args.logy)
+    print(f"wrote {path}")
+    return 0
+
+
+def _add_repro(sub) -> None:
+    from .repro import EXPERIMENTS
+
+    p = sub.add_parser("repro", help="reproduce one of the papers' experiments",
+                       description="Run one experiment; write DIR/results.json, DIR/table.md and PNG plots. "
+                                   "Experiments: " + "; ".join(f"{k}: {v[1]}" for k, v in EXPERIMENTS.items()))
+    p.add_argument("name", metavar="NAME", help=f"one of: {', '.join(EXPERIMENTS)}")
+    p.add_argument("--out", required=True, help="directory for results.json, table.md and the plots")
+    p.add_argument("--quick", action="store_true", help="a short version (fewer steps) for a smoke test")
+
+
+def _repro(args) -> int:
+    from .repro import run_experiment
+
+    run_experiment(args.name, args.out, quick=args.quick)
+    print(f"wrote {args.out}/results.json, {args.out}/table.md and plots")
+    return 0
+
+
 def _bench(args) -> int:
     import json
 
@@ -104,11 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     _add_train(sub)
     _add_bench(sub)
+    _add_plot(sub)
+    _add_repro(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
+        if args.command == "plot":
+            return _plot(args)
+        if args.command == "repro":
+            return _repro(args)
         return _train(args) if args.command == "train" else _bench(args)
     except ValueError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)

@@ -36,8 +36,10 @@ sent DONE (a finished rank keeps answering those still training).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -57,9 +59,17 @@ class TorchDistributedTransport(Transport):
     ``owns_group``: :meth:`close` destroys the process group (set by
     :func:`init_from_env` when it created the group itself).
     ``deterministic``: float sums are reduced in rank order (see module doc).
+    ``latency_s``: seconds added in user space before each op, once per
+    message round of the alpha-beta model (:mod:`lowbit.comm.netmodel`):
+    1 for a neighbour exchange (the neighbours' messages go in parallel),
+    2(n-1) for an all-reduce, n-1 for an all-gather, ceil(log2 n) for a
+    broadcast, 1 for a gather; for real links without ``netem``. Asynchronous
+    gossip is not delayed.
     """
 
-    def __init__(self, *, owns_group: bool = False, deterministic: bool = False):
+    def __init__(self, *, owns_group: bool = False, deterministic: bool = False, latency_s: float = 0.0):
+        if not (isinstance(latency_s, (int, float)) and 0 <= latency_s < math.inf):
+            raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "TorchDistributedTransport needs an initialised torch.distributed default process group; "
@@ -68,6 +78,7 @@ class TorchDistributedTransport(Transport):
         super().__init__(dist.get_rank(), dist.get_world_size())
         self.backend = str(dist.get_backend()).lower()
         self.deterministic = bool(deterministic)
+        self.latency_s = float(latency_s)
         self._owns_group = owns_group
         self._nccl = "nccl" in self.backend
         self._cpu_ok = "gloo" in self.backend or "mpi" in self.backend or not self._nccl
@@ -89,11 +100,16 @@ class TorchDistributedTransport(Transport):
         x = t.detach().to(self._device(t), copy=copy)
         return x if x.is_contiguous() else x.contiguous()
 
+    def _delay(self, rounds: int) -> None:
+        if self.latency_s > 0 and rounds > 0 and self.world_size > 1:
+            time.sleep(rounds * self.latency_s)
+
     # ---- the runtime --------------------------------------------------------
     def _neighbor_exchange(self, buf, neighbors):
         peers = list(neighbors)  # distinct: checked by Transport.neighbor_exchange
         if not peers:
             return {}
+        self._delay(1)
         dev = self._device(buf)
         send = self._staged(buf, copy=False)  # only read
         # 1) sizes: every buffer size is known before its bytes are posted.
@@ -116,8 +132,9 @@ class TorchDistributedTransport(Transport):
         return {j: recv[j].to(buf.device) for j in peers}
 
     def _all_reduce(self, t, op):
+        self._delay(2 * (self.world_size - 1))
         if self.deterministic and op == "sum" and t.is_floating_point() and self.world_size > 1:
-            parts = self._all_gather(t)
+            parts = self._all_gather_raw(t)
             acc = parts[0].clone()
             for p in parts[1:]:
                 acc += p
@@ -127,12 +144,17 @@ class TorchDistributedTransport(Transport):
         return x.to(t.device)
 
     def _all_gather(self, t):
+        self._delay(self.world_size - 1)
+        return self._all_gather_raw(t)
+
+    def _all_gather_raw(self, t):
         x = self._staged(t, copy=False)
         outs = [torch.empty_like(x) for _ in range(self.world_size)]
         dist.all_gather(outs, x)
         return [o.to(t.device) for o in outs]
 
     def _broadcast(self, t, src):
+        self._delay(math.ceil(math.log2(self.world_size)) if self.world_size > 1 else 0)
         if self.rank == src:
             x = self._staged(t, copy=True)
         else:
@@ -141,8 +163,9 @@ class TorchDistributedTransport(Transport):
         return x.to(t.device)
 
     def _gather(self, t, dst):
+        self._delay(1)
         if self._nccl:  # NCCL gather support varies by version: all-gather, keep dst's copy
-            parts = self._all_gather(t)
+            parts = self._all_gather_raw(t)
             return parts if self.rank == dst else None
         x = self._staged(t, copy=False)
         outs = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
@@ -235,7 +258,7 @@ def _env_int(name: str) -> int:
 
 
 def init_from_env(
-    backend: str | None = None, *, timeout_s: float | None = None, deterministic: bool = False
+    backend: str | None = None, *, timeout_s: float | None = None, deterministic: bool = False, latency_s: float = 0.0
 ) -> TorchDistributedTransport:
     """Join a ``torchrun``-style launch and return this rank's transport.
 
@@ -244,9 +267,10 @@ def init_from_env(
     number of visible GPUs). ``backend``: ``"nccl"`` if CUDA is available,
     else ``"gloo"``. If the default process group already exists it is reused
     (and not destroyed by :meth:`~TorchDistributedTransport.close`).
+    ``latency_s``: user-space latency per message (see the transport).
     """
     if dist.is_initialized():
-        return TorchDistributedTransport(owns_group=False, deterministic=deterministic)
+        return TorchDistributedTransport(owns_group=False, deterministic=deterministic, latency_s=latency_s)
     missing = [v for v in _ENV_REQUIRED if v not in os.environ]
     if missing:
         raise RuntimeError(
@@ -271,4 +295,4 @@ def init_from_env(
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
-    return TorchDistributedTransport(owns_group=True, deterministic=deterministic)
+    return TorchDistributedTransport(owns_group=True, deterministic=deterministic, latency_s=latency_s)

@@ -12,6 +12,7 @@ traceback. For several machines, start the script with ``torchrun`` and call
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -45,12 +46,13 @@ def _loopback_ifname() -> str | None:
     return None
 
 
-def _worker(rank: int, world_size: int, env: dict, backend: str, timeout_s: float, deterministic: bool, fn, args, conn) -> None:
+def _worker(rank: int, world_size: int, env: dict, backend: str, timeout_s: float, deterministic: bool, latency_s: float,
+            fn, args, conn) -> None:
     torch.set_num_threads(1)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
     try:
-        transport = init_from_env(backend, timeout_s=timeout_s, deterministic=deterministic)
+        transport = init_from_env(backend, timeout_s=timeout_s, deterministic=deterministic, latency_s=latency_s)
         result = fn(transport, *args)
         payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
     except BaseException:  # noqa: BLE001 - reported to the launcher
@@ -74,6 +76,8 @@ def launch(
     backend: str = "gloo",
     timeout_s: float = 600,
     deterministic: bool = False,
+    latency_s: float = 0.0,
+    network=None,
 ) -> list:
     """Run ``fn(transport, *args)`` on ``world_size`` local processes; results in rank order.
 
@@ -82,6 +86,11 @@ def launch(
     ``cuda:r``). ``timeout_s`` bounds the whole launch and every collective.
     ``deterministic``: float all-reduce sums in rank order, bit-identical to the
     in-process runtime (see :mod:`lowbit.comm.distributed`).
+    ``latency_s``: seconds of latency each rank adds per message (see
+    :class:`~lowbit.comm.distributed.TorchDistributedTransport`).
+    ``network``: an entered :class:`~lowbit.comm.shaping.ShapedNetwork` of
+    ``world_size`` ranks: rank r runs inside its namespace and the ranks talk
+    over its shaped links (the store is hosted in rank 0's namespace).
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
@@ -89,13 +98,23 @@ def launch(
         raise TypeError(f"fn must be a callable, got {fn!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if not latency_s >= 0:
+        raise ValueError(f"latency_s must be >= 0, got {latency_s!r}")
+    if network is not None and network.n != world_size:
+        raise ValueError(f"network has {network.n} ranks but world_size={world_size}")
     # The launcher hosts the rendezvous store, as torchrun's agent does: the OS
     # picks its port while it is bound, so no other program can take it first.
-    store = dist.TCPStore(
-        "127.0.0.1", 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
-    )
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
+    host = "127.0.0.1" if network is None else network.address(0)
+    with _in_namespace(network, 0):
+        store = dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+        )
+    env = {"MASTER_ADDR": host, "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if network is not None:  # each rank's only way out is its shaped link
+        from .shaping import IFNAME
+
+        env["GLOO_SOCKET_IFNAME"] = IFNAME
+    elif "GLOO_SOCKET_IFNAME" not in os.environ:
         lo = _loopback_ifname()
         if lo is not None:  # every rank is on this host: talk over loopback
             env["GLOO_SOCKET_IFNAME"] = lo
@@ -107,11 +126,12 @@ def launch(
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, env, backend, timeout_s, deterministic, fn, args, send_end),
+                args=(rank, world_size, env, backend, timeout_s, deterministic, latency_s, fn, args, send_end),
                 name=f"lowbit-rank-{rank}",
                 daemon=False,  # fn may start processes of its own (DataLoader workers)
             )
-            p.start()
+            with _in_namespace(network, rank):  # the child inherits this thread's namespace
+                p.start()
             send_end.close()
             procs.append(p)
             conns.append(recv_end)
@@ -130,6 +150,10 @@ def launch(
                 p.join()
         for c in conns:
             c.close()
+
+
+def _in_namespace(network, rank: int):
+    return contextlib.nullcontext() if network is None else network.enter(rank)
 
 
 def _collect(procs, conns, timeout_s: float) -> list:

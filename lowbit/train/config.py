@@ -9,6 +9,7 @@ are ignored by it; options it cannot take are rejected by its
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 
 from ..algorithms import ALGORITHMS
@@ -26,6 +27,10 @@ SERVERS = ("ps", "allgather")
 TASK_DEFAULTS = {
     "quadratic": dict(lr=0.1, momentum=0.0, weight_decay=0.0, theta=0.05, batch_size=1),
     "digits-mlp": dict(lr=0.1, momentum=0.9, weight_decay=1e-4, theta=0.05, batch_size=32),
+    **{t: dict(lr=0.05, momentum=0.9, weight_decay=1e-4, theta=0.05, batch_size=32)
+       for t in ("fashion-lenet", "fashion-fc300", "mnist-lenet", "mnist-fc300")},
+    **{t: dict(lr=0.1, momentum=0.9, weight_decay=5e-4, theta=0.05, batch_size=32)
+       for t in ("cifar10-resnet20", "cifar10-vgg")},
 }
 
 # How --codec NAME becomes a codec, from the run's options. An algorithm lists
@@ -42,6 +47,17 @@ CODEC_BUILDERS = {
 
 def _opt(default, help: str, **meta):
     return field(default=default, metadata={"help": help, **meta})
+
+
+def _check_tensorboard(logdir) -> None:
+    """--tensorboard DIR needs a directory name and the optional ``tensorboard`` package."""
+    if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
+        raise ValueError(f"tensorboard must be a directory path, got {logdir!r}")
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        raise ValueError(f"tensorboard={str(logdir)!r} needs the tensorboard package, which is not installed; "
+                         f"pip install tensorboard (or omit --tensorboard)") from None
 
 
 def _theta(v: str):
@@ -65,6 +81,10 @@ class TrainConfig:
     backend: str = _opt("thread", f"one of: {', '.join(BACKENDS)}")
     bandwidth: str = _opt("100Mbit", "network model bandwidth, e.g. 100Mbit")
     latency: str = _opt("1ms", "network model latency, e.g. 1ms")
+    shape_bandwidth: str | None = _opt(None, "torch backend, Linux, root: run the workers in network namespaces "
+                                       "whose links are really rate-limited (tc tbf), e.g. 100mbit")
+    shape_latency: str | None = _opt(None, "torch backend: latency really added per message (in user space), "
+                                     "e.g. 1ms")
     lr: float | None = _opt(None, "step size (task default if omitted)")
     lr_schedule: str = _opt("constant", f"one of: {', '.join(LR_SCHEDULES)}")
     momentum: float | None = _opt(None, "SGD momentum (task default if omitted)")
@@ -72,6 +92,8 @@ class TrainConfig:
     batch_size: int | None = _opt(None, "minibatch per worker (task default if omitted)")
     split: str = _opt("iid", f"how training data is split over workers: {', '.join(SPLITS)}")
     slow: str | None = _opt(None, "slow workers down, e.g. '0:3' (rank 0 computes 3x slower; RANK:FACTOR,...)")
+    tensorboard: str | None = _opt(None, "also write the metrics as TensorBoard scalars into this directory "
+                                   "(needs: pip install tensorboard)")
     # --- the decentralized family ---
     theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (Theorem 2 from "
                                      "tracked gradient norms)", type=_theta)
@@ -109,6 +131,8 @@ class TrainConfig:
     dim: int = _opt(16, "dimension of the quadratic task")
     noise: float = _opt(0.0, "gradient noise of the quadratic task")
     hidden: int = _opt(128, "hidden units of digits-mlp")
+    data_dir: str | None = _opt(None, "folder with the dataset files of an image task (default: a system copy "
+                                "such as /usr/share/datasets/fashion-mnist, else the lowbit.data.download cache)")
 
     def __post_init__(self) -> None:
         for k, v in TASK_DEFAULTS.get(self.task, {}).items():
@@ -160,6 +184,9 @@ class TrainConfig:
             raise ValueError(f"weight_decay and noise must be >= 0, got {self.weight_decay}, {self.noise}")
         self.slow_factors()
         NetworkModel.parse(self.bandwidth, self.latency)  # raises on bad units
+        if self.tensorboard is not None:
+            _check_tensorboard(self.tensorboard)
+        self.shaping()
         cls = ALGORITHMS[self.algorithm]
         if self.codec is not None and not cls.codecs:
             raise ValueError(f"codec={self.codec!r}: algorithm={self.algorithm!r} sends one fixed format; "
@@ -205,6 +232,28 @@ class TrainConfig:
         if self.lr_schedule == "cosine":
             return 0.5 * self.lr * (1 + math.cos(math.pi * k / self.steps))
         return self.lr
+
+    def shaping(self) -> tuple[float | None, float]:
+        """(--shape-bandwidth in bits/s or None, --shape-latency in seconds); ValueError where they cannot run."""
+        if self.shape_bandwidth is None and self.shape_latency is None:
+            return None, 0.0
+        if self.backend != "torch":
+            raise ValueError(f"shape_bandwidth/shape_latency need backend='torch' (real processes and sockets), "
+                             f"got backend={self.backend!r}; the thread backend only models the network "
+                             f"(--bandwidth/--latency)")
+        bw = None
+        if self.shape_bandwidth is not None:
+            from ..comm.netmodel import parse_bandwidth
+            from ..comm.shaping import check_shaping
+
+            bw = parse_bandwidth(self.shape_bandwidth)
+            check_shaping("shape_bandwidth")
+        lat = 0.0
+        if self.shape_latency is not None:
+            from ..comm.netmodel import parse_latency
+
+            lat = parse_latency(self.shape_latency)
+        return bw, lat
 
     def network(self) -> NetworkModel:
         return NetworkModel.parse(self.bandwidth, self.latency)

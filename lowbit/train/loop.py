@@ -15,7 +15,7 @@ from ..comm.base import Transport
 from ..integrations import FlatParams
 from ..topology import make_topology
 from .config import TrainConfig
-from .tasks import make_task
+from .tasks import TASKS
 
 _INIT_LOCK = threading.Lock()
 
@@ -67,9 +67,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
     rank, n = transport.rank, transport.world_size
     if n != cfg.workers:
         raise ValueError(f"the runtime has {n} workers but workers={cfg.workers}")
-    task_kw = {"quadratic": dict(dim=cfg.dim, delta=cfg.delta, noise=cfg.noise),
-               "digits-mlp": dict(hidden=cfg.hidden, split=cfg.split)}[cfg.task]
-    task = make_task(cfg.task, **task_kw)
+    task = TASKS[cfg.task].from_config(cfg)
     with _INIT_LOCK:  # thread workers share torch's global RNG
         torch.manual_seed(cfg.seed)  # A4: every worker starts from the same x_0
         model = task.make_model()

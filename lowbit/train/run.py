@@ -35,14 +35,23 @@ def _torch_worker(transport, cfg: TrainConfig, progress: bool) -> WorkerResult:
 def _torch_job(cfg: TrainConfig, progress: bool):
     from ..comm.launcher import is_torchrun, launch
 
+    bandwidth, latency = cfg.shaping()
     if not is_torchrun():
-        return launch(cfg.workers, _torch_worker, cfg, progress)
+        if bandwidth is None:
+            return launch(cfg.workers, _torch_worker, cfg, progress, latency_s=latency)
+        from ..comm.shaping import ShapedNetwork
+
+        with ShapedNetwork(cfg.workers, bandwidth) as net:  # deleted afterwards, also on failure
+            return launch(cfg.workers, _torch_worker, cfg, progress, latency_s=latency, network=net)
+    if bandwidth is not None:
+        raise ValueError("shape_bandwidth: under torchrun the workers run on hosts lowbit does not manage; "
+                         "shape their links yourself (tc), or launch without torchrun")
     # Under torchrun this process is one worker: run it, collect on rank 0.
     import torch.distributed as dist
 
     from ..comm.distributed import init_from_env
 
-    transport = init_from_env()
+    transport = init_from_env(latency_s=latency)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
     res = run_worker(transport, cfg, progress)
     gathered = [None] * transport.world_size if transport.rank == 0 else None
@@ -111,6 +120,29 @@ def metrics_rows(cfg: TrainConfig, results: list[WorkerResult]) -> list[dict]:
     return [{**ev, "emulated_seconds": math.fsum(per_step[: ev["step"]])} for ev in results[0].evals]
 
 
+def write_tensorboard(logdir: str | os.PathLike, run: Run) -> None:
+    """The run's metrics rows as TensorBoard scalars (``metrics/<column>`` at each evaluated
+    step), its summary's numbers as ``final/<key>``, and its config as text."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("tensorboard needs the tensorboard package, which is not installed; "
+                         "pip install tensorboard") from None
+    writer = SummaryWriter(log_dir=str(logdir))
+    try:
+        for row in run.metrics:
+            for key, v in row.items():
+                if key != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    writer.add_scalar(f"metrics/{key}", v, global_step=row["step"])
+        last = run.summary["steps"]
+        for key, v in run.summary.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and key != "steps":
+                writer.add_scalar(f"final/{key}", v, global_step=last)
+        writer.add_text("config", "```\n" + json.dumps(run.summary["config"], indent=2) + "\n```")
+    finally:
+        writer.close()
+
+
 @dataclass
 class Run:
     summary: dict
@@ -138,4 +170,6 @@ def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool
             for row in run.metrics:
                 f.write(json.dumps(row) + "\n")
         (out / "summary.json").write_text(json.dumps(run.summary, indent=2) + "\n")
+    if cfg.tensorboard is not None:
+        write_tensorboard(cfg.tensorboard, run)
     return run

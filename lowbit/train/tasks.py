@@ -4,11 +4,20 @@
   on every worker (dimension ``dim``), optional Gaussian gradient noise.
 - ``digits-mlp``: scikit-learn's 8x8 digits (ships with scikit-learn, no
   download), a fixed 80/20 train/test split, a one-hidden-layer MLP.
+- ``fashion-lenet``, ``fashion-fc300``, ``mnist-lenet``, ``mnist-fc300``:
+  Fashion-MNIST / MNIST IDX files (``--data-dir``, the Debian package, or the
+  cache of :func:`lowbit.data.download`) with LeNet-5 or FC-300-100; metrics
+  on a fixed 10,000-sample training subset and the full 10,000 test set.
+- ``cifar10-resnet20``, ``cifar10-vgg``: CIFAR-10 binary batches with
+  ResNet-20 or a small VGG; metrics on fixed 2,000-sample train and test
+  subsets (the full sets are slow on CPU).
+Each task class builds itself from a TrainConfig with ``from_config``.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -16,12 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models import LeNet5, ResNetCifar, SmallVGG, fc300_100
+
 SPLITS = ("iid", "label")
 
 
 class Task(ABC):
     name = "task"
     classification = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "Task":
+        """The task as a TrainConfig configures it."""
+        return cls()
 
     @abstractmethod
     def make_model(self) -> nn.Module:
@@ -58,6 +74,10 @@ class Quadratic(Task):
             raise ValueError(f"noise must be >= 0, got {noise}")
         self.dim, self.delta, self.noise = dim, delta, noise
         self.center = torch.full((dim,), delta / 2)
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(dim=cfg.dim, delta=cfg.delta, noise=cfg.noise)
 
     def make_model(self):
         m = nn.Module()
@@ -160,11 +180,143 @@ class DigitsMLP(Classification):
         super().__init__(*_digits(), split=split)
         self.hidden = hidden
 
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(hidden=cfg.hidden, split=cfg.split)
+
     def make_model(self):
         return nn.Sequential(nn.Linear(64, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 10))
 
 
-TASKS = {"quadratic": Quadratic, "digits-mlp": DigitsMLP}
+@functools.lru_cache(maxsize=4)
+def _image_data(dataset: str, folder: str):
+    """Normalised float tensors of ``dataset`` from ``folder``, cached so the
+    thread workers of one run share one copy. Images are scaled to [0, 1],
+    then standardised per channel with the training set's mean and std."""
+    from ..data import load_cifar10, load_mnist_like
+
+    Xtr, ytr, Xte, yte = (load_cifar10 if dataset == "cifar10" else load_mnist_like)(folder)
+    if Xtr.dim() == 3:  # [N, H, W] -> [N, 1, H, W]
+        Xtr, Xte = Xtr[:, None], Xte[:, None]
+    Xtr, Xte = Xtr.float().div_(255.0), Xte.float().div_(255.0)
+    mean = Xtr.mean((0, 2, 3), keepdim=True)
+    std = Xtr.std((0, 2, 3), keepdim=True).clamp_min(1e-6)
+    return Xtr.sub_(mean).div_(std), ytr, Xte.sub_(mean).div_(std), yte
+
+
+class _FrozenBatchStats:
+    """Evaluation of BatchNorm models: normalise with each chunk's batch
+    statistics (as in training) without touching the running averages. The
+    averaged model x-bar that the loop evaluates never ran forward passes, so
+    its running statistics would be meaningless."""
+
+    def __init__(self, model: nn.Module):
+        self.bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.model = model
+
+    def __enter__(self):
+        self.saved = [(m.training, m.momentum) for m in self.bns]
+        self.mode = self.model.training
+        self.model.eval()
+        for m in self.bns:
+            m.train()
+            m.momentum = 0.0  # running = 1 * running + 0 * batch: unchanged
+        return self
+
+    def __exit__(self, *exc):
+        self.model.train(self.mode)
+        for m, (training, momentum) in zip(self.bns, self.saved):
+            m.train(training)
+            m.momentum = momentum
+
+
+class ImageClassification(Classification):
+    """An image dataset read from disk plus a model. Metrics use fixed subsets
+    (the first ``eval_train`` training and ``eval_test`` test samples of a
+    fixed permutation) evaluated in chunks of ``eval_chunk``, so that
+    evaluation stays affordable on CPU."""
+
+    dataset = "mnist"
+    eval_train = 10000
+    eval_test = 10000
+    eval_chunk = 1000
+
+    def __init__(self, data_dir: str | None = None, split: str = "iid"):
+        from ..data import find_dataset_dir
+
+        folder = find_dataset_dir(self.dataset, data_dir)
+        super().__init__(*_image_data(self.dataset, os.path.abspath(folder)), split=split)
+        g = torch.Generator().manual_seed(54321)
+        self.eval_tr = torch.randperm(len(self.y_train), generator=g)[:self.eval_train]
+        self.eval_te = torch.randperm(len(self.y_test), generator=g)[:self.eval_test]
+
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(data_dir=cfg.data_dir, split=cfg.split)
+
+    def _chunks(self, idx):
+        return torch.split(idx, self.eval_chunk)
+
+    def evaluate(self, model):
+        loss_sum, correct = 0.0, 0
+        with torch.no_grad(), _FrozenBatchStats(model):
+            for c in self._chunks(self.eval_tr):
+                loss_sum += float(F.cross_entropy(model(self.X_train[c]), self.y_train[c], reduction="sum"))
+            for c in self._chunks(self.eval_te):
+                correct += int((model(self.X_test[c]).argmax(1) == self.y_test[c]).sum())
+        return {"train_loss": loss_sum / len(self.eval_tr), "test_accuracy": correct / len(self.eval_te)}
+
+    def full_grad_norm_sq(self, model):
+        params = [p for p in model.parameters() if p.requires_grad]
+        total = [torch.zeros_like(p) for p in params]
+        with _FrozenBatchStats(model):
+            for c in self._chunks(self.eval_tr):
+                loss = F.cross_entropy(model(self.X_train[c]), self.y_train[c], reduction="sum") / len(self.eval_tr)
+                for t, g in zip(total, torch.autograd.grad(loss, params)):
+                    t += g
+        return float(sum(t.pow(2).sum() for t in total))
+
+
+class FashionLeNet(ImageClassification):
+    name, dataset = "fashion-lenet", "fashion-mnist"
+
+    def make_model(self):
+        return LeNet5(in_channels=1, size=self.X_train.shape[-1])
+
+
+class FashionFC300(ImageClassification):
+    name, dataset = "fashion-fc300", "fashion-mnist"
+
+    def make_model(self):
+        return fc300_100(in_features=self.X_train[0].numel())
+
+
+class MnistLeNet(FashionLeNet):
+    name, dataset = "mnist-lenet", "mnist"
+
+
+class MnistFC300(FashionFC300):
+    name, dataset = "mnist-fc300", "mnist"
+
+
+class Cifar10ResNet20(ImageClassification):
+    name, dataset = "cifar10-resnet20", "cifar10"
+    eval_train = eval_test = 2000
+    eval_chunk = 500
+
+    def make_model(self):
+        return ResNetCifar(20)
+
+
+class Cifar10VGG(Cifar10ResNet20):
+    name = "cifar10-vgg"
+
+    def make_model(self):
+        return SmallVGG()
+
+
+TASKS = {"quadratic": Quadratic, "digits-mlp": DigitsMLP,
+         **{c.name: c for c in (FashionLeNet, FashionFC300, MnistFC300, MnistLeNet, Cifar10ResNet20, Cifar10VGG)}}
 
 
 def make_task(name: str, **kwargs) -> Task:

@@ -1,0 +1,118 @@
+"""Fetching datasets into a local cache, with checksums.
+
+``download(name)`` puts the files of ``name`` into ``CACHE_DIR/name`` (the
+``LOWBIT_DATA`` environment variable, else ``~/.cache/lowbit``), verifies each
+against its published digest and returns the folder. Nothing in the test
+suite calls it. ``find_dataset_dir(name, data_dir)`` says where a task reads
+the data from: ``data_dir`` if given, else a system copy (Debian's
+``dataset-fashion-mnist`` package installs /usr/share/datasets/fashion-mnist),
+else the cache; it raises FileNotFoundError with instructions otherwise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+
+_MNIST_NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+
+# name -> base URL, {file: (hash algorithm, hex digest)}, system copies, format.
+# Digests are those published for the upstream files (the Fashion-MNIST
+# project publishes MD5s; CIFAR-10 is pinned by the archive's MD5).
+DATASETS = {
+    "mnist": dict(url="https://ossci-datasets.s3.amazonaws.com/mnist/", format="idx", system=(), files=dict(zip(
+        _MNIST_NAMES, [("sha256", "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609"),
+                       ("sha256", "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c"),
+                       ("sha256", "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6"),
+                       ("sha256", "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6")]))),
+    "fashion-mnist": dict(url="http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/", format="idx",
+                          system=("/usr/share/datasets/fashion-mnist",), files=dict(zip(
+                              _MNIST_NAMES, [("md5", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
+                                             ("md5", "25c81989df183df01b3e8a0aad5dffbe"),
+                                             ("md5", "bef4ecab320f06d8554ea6380940ec79"),
+                                             ("md5", "bb300cfdad3c16e7a12a480ee83cd310")]))),
+    "kmnist": dict(url="http://codh.rois.ac.jp/kmnist/dataset/kmnist/", format="idx", system=(), files=dict(zip(
+        _MNIST_NAMES, [("sha256", "51467d22d8cc72929e2a028a0428f2086b092bb31cfb79c69cc0a90ce135fde4"),
+                       ("sha256", "e38f9ebcd0f3ebcdec7fc8eabdcdaef93bb0df8ea12bee65224341c8183d8e17"),
+                       ("sha256", "edd7a857845ad6bb1d0ba43fe7e794d164fe2dce499a1694695a792adfac43c5"),
+                       ("sha256", "20bb9a0ef54c7db3efc55a92eef5582c109615df22683c380526788f98e42a1c")]))),
+    "cifar10": dict(url="https://www.cs.toronto.edu/~kriz/", format="cifar", system=(), files={
+        "cifar-10-binary.tar.gz": ("md5", "c32a1d4ab5d03f1284b67883e8d87530")}),
+}
+
+CACHE_DIR = os.environ.get("LOWBIT_DATA", os.path.join(os.path.expanduser("~"), ".cache", "lowbit"))
+
+
+def _check_name(name: str) -> dict:
+    if name not in DATASETS:
+        raise ValueError(f"dataset={name!r} is unknown; choose one of: {', '.join(DATASETS)}")
+    return DATASETS[name]
+
+
+def file_digest(path: str, algorithm: str) -> str:
+    h = hashlib.new(algorithm)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _complete(folder: str, spec: dict) -> bool:
+    if spec["format"] == "cifar":
+        return os.path.isfile(os.path.join(folder, "cifar-10-batches-bin", "test_batch.bin")) or \
+            os.path.isfile(os.path.join(folder, "test_batch.bin"))
+    return all(os.path.isfile(os.path.join(folder, f)) or os.path.isfile(os.path.join(folder, f[:-3]))
+               for f in spec["files"])
+
+
+def download(name: str, cache_dir: str | None = None, timeout: float = 60.0) -> str:
+    """Download ``name`` into ``cache_dir/name`` (skipping files already there
+    and verified); returns the folder. Offline -> RuntimeError naming the URL;
+    a digest mismatch -> ValueError (the bad file is not kept)."""
+    spec = _check_name(name)
+    folder = os.path.join(cache_dir or CACHE_DIR, name)
+    os.makedirs(folder, exist_ok=True)
+    for fname, (algo, digest) in spec["files"].items():
+        dest = os.path.join(folder, fname)
+        if os.path.isfile(dest) and file_digest(dest, algo) == digest:
+            continue
+        url = spec["url"] + fname
+        fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as resp:
+                shutil.copyfileobj(resp, out)
+            got = file_digest(tmp, algo)
+            if got != digest:
+                raise ValueError(f"{url}: {algo} {got} does not match the published {digest}")
+            os.replace(tmp, dest)
+        except (urllib.error.URLError, OSError) as e:
+            raise RuntimeError(f"cannot download {url} ({e}); fetch it by hand into {folder} "
+                               f"or pass --data-dir") from e
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+        if fname.endswith(".tar.gz"):
+            with tarfile.open(dest, "r:gz") as tar:
+                tar.extractall(folder, filter="data")
+    return folder
+
+
+def find_dataset_dir(name: str, data_dir: str | None = None) -> str:
+    """The folder a task reads ``name`` from (see the module docstring)."""
+    spec = _check_name(name)
+    if data_dir is not None:
+        if not os.path.isdir(data_dir):
+            raise FileNotFoundError(f"data_dir={data_dir!r} is not a folder")
+        return data_dir
+    for folder in (*spec["system"], os.path.join(CACHE_DIR, name)):
+        if os.path.isdir(folder) and _complete(folder, spec):
+            return folder
+    raise FileNotFoundError(f"no local copy of {name}: pass --data-dir, or run "
+                            f"`python -c \"from lowbit.data import download; download('{name}')\"` "
+                            f"(fetches from {spec['url']} into {os.path.join(CACHE_DIR, name)})")

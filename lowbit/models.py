@@ -1,0 +1,115 @@
+"""Models in plain torch for the image tasks.
+
+- :func:`fc300_100`: 784-300-100-10 MLP with ReLU (266,610 parameters).
+- :class:`LeNet5`: conv5x5(6, pad 2) - maxpool - conv5x5(16) - maxpool - 120 - 84 - 10,
+  ReLU (61,706 parameters on 1x28x28 inputs).
+- :class:`ResNetCifar`: the CIFAR ResNet-(6n+2) of He et al. (three stages of
+  n basic blocks with 16/32/64 channels, BatchNorm, parameter-free
+  "option A" shortcuts: stride-2 subsampling plus zero channels).
+  ``resnet(20)`` has 269,722 parameters, ``resnet(110)`` 1,727,962.
+- :class:`SmallVGG`: 3x3 conv + BatchNorm + ReLU stacks with max pooling,
+  global average pooling and one linear layer.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def fc300_100(in_features: int = 784, classes: int = 10) -> nn.Module:
+    if in_features < 1 or classes < 2:
+        raise ValueError(f"in_features must be >= 1 and classes >= 2, got {in_features}, {classes}")
+    return nn.Sequential(nn.Flatten(), nn.Linear(in_features, 300), nn.ReLU(), nn.Linear(300, 100), nn.ReLU(),
+                         nn.Linear(100, classes))
+
+
+class LeNet5(nn.Module):
+    def __init__(self, in_channels: int = 1, classes: int = 10, size: int = 28):
+        super().__init__()
+        if size < 8:
+            raise ValueError(f"size must be >= 8, got {size}")
+        pad = 2 if size == 28 else 0  # 28x28 padded to the classic 32x32
+        self.conv1 = nn.Conv2d(in_channels, 6, 5, padding=pad)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        s = ((size + 2 * pad - 4) // 2 - 4) // 2
+        self.fc1, self.fc2, self.fc3 = nn.Linear(16 * s * s, 120), nn.Linear(120, 84), nn.Linear(84, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc3(F.relu(self.fc2(x)))
+
+
+class _Block(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.stride, self.extra = stride, cout - cin
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        short = x[:, :, ::self.stride, ::self.stride] if self.stride > 1 else x
+        if self.extra:
+            short = F.pad(short, (0, 0, 0, 0, self.extra // 2, self.extra - self.extra // 2))
+        return F.relu(out + short)
+
+
+class ResNetCifar(nn.Module):
+    def __init__(self, depth: int = 20, classes: int = 10, in_channels: int = 3):
+        super().__init__()
+        if depth < 8 or (depth - 2) % 6:
+            raise ValueError(f"depth must be 6n+2 with n >= 1 (8, 14, 20, 32, 44, 56, 110, ...), got {depth}")
+        n = (depth - 2) // 6
+        self.conv = nn.Conv2d(in_channels, 16, 3, 1, 1, bias=False)
+        self.bn = nn.BatchNorm2d(16)
+        blocks, cin = [], 16
+        for cout, stride in ((16, 1), (32, 2), (64, 2)):
+            for i in range(n):
+                blocks.append(_Block(cin, cout, stride if i == 0 else 1))
+                cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(64, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x):
+        x = self.blocks(F.relu(self.bn(self.conv(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+def resnet(depth: int = 20, classes: int = 10) -> ResNetCifar:
+    return ResNetCifar(depth, classes)
+
+
+class SmallVGG(nn.Module):
+    """Default layout (32, M, 64, M, 128, 128, M, 256, M): 4 pools take 32x32 to 2x2."""
+
+    def __init__(self, layout=(32, "M", 64, "M", 128, 128, "M", 256, "M"), classes: int = 10, in_channels: int = 3):
+        super().__init__()
+        layers, cin = [], in_channels
+        for v in layout:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2))
+            elif isinstance(v, int) and v >= 1:
+                layers += [nn.Conv2d(cin, v, 3, padding=1, bias=False), nn.BatchNorm2d(v), nn.ReLU()]
+                cin = v
+            else:
+                raise ValueError(f"layout entries must be positive channel counts or 'M', got {v!r}")
+        if cin == in_channels:
+            raise ValueError("layout must contain at least one convolution")
+        self.features = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x):
+        return self.fc(self.features(x).mean((2, 3)))

@@ -1,0 +1,34 @@
+"""``lowbit repro NAME --out DIR [--quick]``: the papers' experiments, one command each.
+
+Each experiment is one module of this package with a ``run(out, quick)``
+function that writes ``out/results.json`` (raw numbers), ``out/table.md``
+(a markdown table) and PNG plots, and returns the results dict. The registry
+below maps a name to its module; modules are imported only when run, so
+adding an experiment is one module plus one line here.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+# name -> (module in this package, one-line description)
+EXPERIMENTS: dict[str, tuple[str, str]] = {
+    "moniqua-theorem1": ("theorem1", "naive quantized gossip vs Moniqua on the quadratic, with Theorem 1's floor"),
+    "throughput-model": ("throughput", ("paper 004's performance model (Wen et al. 2017): 32 nodes x 4 GPUs, "
+                         "1 and 10 Gbps, ResNet-50 and VGG-16")),
+}
+
+
+def names() -> list[str]:
+    return list(EXPERIMENTS)
+
+
+def run_experiment(name: str, out: str | Path, quick: bool = False) -> dict:
+    """Run experiment ``name`` and write its files into ``out`` (created if missing)."""
+    if name not in EXPERIMENTS:
+        raise ValueError(f"experiment {name!r} is unknown; choose one of: {', '.join(EXPERIMENTS)}")
+    module = importlib.import_module(f"{__name__}.{EXPERIMENTS[name][0]}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    return module.run(out, quick=quick)

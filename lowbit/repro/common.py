@@ -1,0 +1,30 @@
+"""Writing an experiment's files: raw JSON and a markdown table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(out: Path, results: dict, title: str, tables: list[tuple[list[str], list[list]]],
+                  notes: str = "") -> None:
+    """``results.json`` and ``table.md`` (a title, the tables, then the notes)."""
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    parts = [f"# {title}\n"] + [markdown_table(h, r) for h, r in tables]
+    if notes:
+        parts.append(notes.rstrip() + "\n")
+    (out / "table.md").write_text("\n".join(parts))

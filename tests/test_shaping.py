@@ -1,0 +1,124 @@
+"""Real network shaping (namespaces + tc tbf, user-space latency) and a two-host run over a veth pair."""
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from lowbit.comm.shaping import ShapedNetwork, shaping_unavailable_reason
+from lowbit.train.config import TrainConfig
+from lowbit.train.run import train
+
+needs_root = pytest.mark.skipif(shaping_unavailable_reason() is not None,
+                                reason=f"real shaping unavailable: {shaping_unavailable_reason()}")
+
+
+def test_shaping_needs_the_torch_backend():
+    with pytest.raises(ValueError, match="shape_bandwidth/shape_latency need backend='torch'"):
+        TrainConfig(backend="thread", shape_latency="1ms")
+    with pytest.raises(ValueError, match="shape_bandwidth/shape_latency need backend='torch'"):
+        TrainConfig(backend="thread", shape_bandwidth="100mbit")
+
+
+def test_shaping_rejects_bad_units():
+    with pytest.raises(ValueError, match="bandwidth"):
+        TrainConfig(backend="torch", shape_bandwidth="fast")
+    with pytest.raises(ValueError, match="latency"):
+        TrainConfig(backend="torch", shape_latency="-1ms")
+
+
+def test_shaping_reports_why_it_cannot_run(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ValueError, match="shape_bandwidth: .*root"):
+        TrainConfig(backend="torch", shape_bandwidth="100mbit")
+    TrainConfig(backend="torch", shape_latency="1ms")  # user-space latency needs no privileges
+
+
+def _ns_list() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@needs_root
+def test_shaped_network_is_deleted_also_after_a_failure():
+    before = _ns_list()
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShapedNetwork(2, 1e8) as net:
+            assert set(net.namespaces) | {net.hub} <= _ns_list()
+            raise RuntimeError("boom")
+    assert _ns_list() == before
+
+
+def _shaped(steps: int, bw: str, lat: str) -> dict:
+    cfg = TrainConfig(backend="torch", algorithm="dpsgd", workers=2, hidden=2048, steps=steps, eval_every=steps,
+                      bandwidth=bw, latency=lat, shape_bandwidth=bw, shape_latency=lat)
+    return train(cfg).summary
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("LOWBIT_TIMING_TESTS") != "1",
+                    reason="wall-clock check: needs a quiet machine (set LOWBIT_TIMING_TESTS=1)")
+def test_shaped_wall_clock_matches_the_network_model():
+    """dpsgd fp32 on a wide digits-mlp over 20 Mbit/s links: communication dominates, and the
+    wall-clock of the extra steps is what the alpha-beta model predicts for their ledger (within
+    30%). Differencing two runs cancels process start-up and the evaluations."""
+    bw, lat = "20mbit", "5ms"
+    short, long = _shaped(3, bw, lat), _shaped(15, bw, lat)
+    measured = long["wall_seconds"] - short["wall_seconds"]
+    predicted = long["emulated_seconds"] - short["emulated_seconds"]
+    comm = long["emulated_comm_seconds"] - short["emulated_comm_seconds"]
+    assert comm > 0.8 * predicted  # communication-bound, so the check is about the network
+    assert measured == pytest.approx(predicted, rel=0.30), (measured, predicted)
+    assert long["bytes_sent"] == train(TrainConfig(algorithm="dpsgd", workers=2, hidden=2048, steps=15,
+                                                   eval_every=15)).summary["bytes_sent"]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@needs_root
+def test_two_hosts_joined_by_a_veth_pair_match_the_thread_run(tmp_path):
+    """Two network namespaces, each a host with its own address on a veth pair; torchrun in each."""
+    tag = uuid.uuid4().hex[:6]
+    hosts = [f"lowbit-{tag}-h0", f"lowbit-{tag}-h1"]
+    ifs = ["lbv0", "lbv1"]
+    addrs = ["10.232.0.1", "10.232.0.2"]
+    args = ["train", "--backend", "torch", "--workers", "2", "--steps", "10", "--eval-every", "5", "--no-progress"]
+    try:
+        for h in hosts:
+            _ip("netns", "add", h)
+        _ip("link", "add", ifs[0], "netns", hosts[0], "type", "veth", "peer", "name", ifs[1], "netns", hosts[1])
+        for h, i, a in zip(hosts, ifs, addrs):
+            _ip("-n", h, "addr", "add", f"{a}/24", "dev", i)
+            _ip("-n", h, "link", "set", i, "up")
+            _ip("-n", h, "link", "set", "lo", "up")
+        procs = []
+        for r, (h, i) in enumerate(zip(hosts, ifs)):
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": i}
+            cmd = ["ip", "netns", "exec", h, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc-per-node", "1", "--node-rank", str(r), "--master-addr", addrs[0],
+                   "--master-port", "29517", "-m", "lowbit", *args, "--out", str(tmp_path / f"h{r}")]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        outs = []
+        for p in procs:
+            try:
+                outs.append(p.communicate(timeout=120))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+    finally:
+        for h in hosts:
+            subprocess.run(["ip", "netns", "del", h], capture_output=True)
+    s = json.loads((tmp_path / "h0" / "summary.json").read_text())
+    assert s["config"]["workers"] == 2
+    ref = train(TrainConfig(workers=2, steps=10, eval_every=5)).summary
+    assert s["bytes_sent"] == ref["bytes_sent"]
+    assert s["final_train_loss"] == pytest.approx(ref["final_train_loss"], abs=1e-5)
