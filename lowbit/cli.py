@@ -99,15 +99,9 @@ def _bench(args) -> int:
     return 0
 
 
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 def _print_summary(s: dict) -> None:
+    from .repro.common import fmt
+
     rows = [("test accuracy (average model)", s["final_test_accuracy"]),
             ("test accuracy (local models)", s["final_local_test_accuracy"]),
             ("train loss", s["final_train_loss"]),
@@ -126,7 +120,7 @@ def _print_summary(s: dict) -> None:
     print(f"{c['algorithm']} on {c['task']}: {c['workers']} workers, {c['topology']}, {s['steps']} steps, "
           f"backend {c['backend']}")
     for k, v in rows:
-        print(f"  {k:<{width}}  {_fmt(v)}")
+        print(f"  {k:<{width}}  {fmt(v, 4)}")
 
 
 def _train(args) -> int:

@@ -6,11 +6,12 @@ import json
 from pathlib import Path
 
 
-def fmt(v) -> str:
+def fmt(v, digits: int = 3) -> str:
+    """A table cell: "-" for None, floats to ``digits`` significant digits."""
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.3g}"
+        return f"{v:.{digits}g}"
     return str(v)
 
 
