@@ -33,6 +33,8 @@ P and Q travel as float32.
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 import torch
 
 from ..codecs import PowerSGDCodec, QSGDCodec, SignCodec, TernGradCodec
@@ -62,12 +64,13 @@ class GatheredAlgorithm(CentralizedAlgorithm):
         return cls(transport, server=cfg.server, seed=cfg.seed)
 
     # what a subclass provides -------------------------------------------------------
+    @abstractmethod
     def encode(self, k: int, g: torch.Tensor) -> Payload:
-        raise NotImplementedError
+        """This worker's gradient at step k as a payload of the same size on every rank."""
 
+    @abstractmethod
     def decode(self, k: int, sender: int, wire: torch.Tensor) -> torch.Tensor:
         """The float64 gradient of ``sender`` from its wire buffer."""
-        raise NotImplementedError
 
     def average(self, k: int, wires: list[torch.Tensor]) -> torch.Tensor:
         """The float64 average of the decoded payloads (rank order)."""
