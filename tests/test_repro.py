@@ -98,3 +98,20 @@ def test_unknown_name_exits_2_naming_the_known_ones(tmp_path, capsys):
     for name in EXPERIMENTS:
         assert name in err
     assert not any(tmp_path.iterdir())
+
+
+def test_maxnorm_quick_writes_curves_and_both_bit_counts(tmp_path):
+    res = run_experiment("maxnorm", tmp_path, quick=True)
+    rows = {r["label"]: r for r in res["rows"]}
+    assert len(rows) == 10 and json.loads((tmp_path / "results.json").read_text())["rows"][0]["label"] == (
+        "AllReduce SGD (fp32)")
+    for b in (8, 4, 2):
+        assert rows[f"QSGD-MN {b} bits"]["nominal_bits_per_element"] == b
+    assert rows["QSGD-MN-TS (2, 6) bits"]["nominal_bits_per_element"] == 2
+    # integer codes travel in int8 at least; two scales need int16 codes and the scale-index round
+    assert rows["QSGD-MN 2 bits"]["wire_bits_per_element"] == rows["QSGD-MN 4 bits"]["wire_bits_per_element"]
+    assert rows["QSGD-MN-TS (2, 6) bits"]["wire_bits_per_element"] > rows["QSGD-MN 2 bits"]["wire_bits_per_element"]
+    assert rows["PowerSGD rank 1"]["wire_bits_per_element"] < rows["PowerSGD rank 2"]["wire_bits_per_element"]
+    assert all(len(r["train_loss"]) == len(r["steps"]) > 1 for r in rows.values())
+    assert "| QSGD-MN-TS (8, 12) bits |" in (tmp_path / "table.md").read_text()
+    assert {f.name for f in _pngs(tmp_path)} == {"train_loss.png", "test_accuracy.png"}

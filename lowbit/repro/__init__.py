@@ -15,6 +15,10 @@ from pathlib import Path
 # name -> (module in this package, one-line description)
 EXPERIMENTS: dict[str, tuple[str, str]] = {
     "moniqua-theorem1": ("theorem1", "naive quantized gossip vs Moniqua on the quadratic, with Theorem 1's floor"),
+    "maxnorm": ("maxnorm", ("paper 004: single-scale {8,4,2} and two-scale {(8,12),(6,10),(4,8),(2,6)} bits "
+                            "against AllReduce and PowerSGD ranks 1 and 2, on digits-mlp")),
+    "moniqua-figure1": ("figure1", ("training loss against emulated wall-clock under Figure 1's four networks, "
+                        "fp32 and 8-bit algorithms")),
     "throughput-model": ("throughput", ("paper 004's performance model (Wen et al. 2017): 32 nodes x 4 GPUs, "
                          "1 and 10 Gbps, ResNet-50 and VGG-16")),
 }
