@@ -60,7 +60,7 @@ def _torch_job(cfg: TrainConfig, progress: bool):
     return gathered
 
 
-def _clock(cfg: TrainConfig, results: list[WorkerResult], ledgers: list[Ledger]) -> tuple[list[float], list[float]]:
+def emulated_clock(cfg: TrainConfig, results: list[WorkerResult], ledgers: list[Ledger]) -> tuple[list[float], list[float]]:
     """Emulated (compute, communication) seconds of each step. Synchronous algorithms wait
     for the slowest worker at every step (its compute, and the step's slowest modelled
     communication); an asynchronous one does not, so its clock is the slowest worker's own."""
@@ -84,7 +84,7 @@ def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float
     n = cfg.workers
     ledgers = [Ledger.from_rows(r.rank, n, r.ledger_rows) for r in results]
     d = results[0].params.numel()
-    compute, comm = (math.fsum(t) for t in _clock(cfg, results, ledgers))
+    compute, comm = (math.fsum(t) for t in emulated_clock(cfg, results, ledgers))
     bytes_sent = sum(led.bytes_sent for led in ledgers)
     # 8 * bytes a worker really sent per step / d, averaged over workers and steps (headers,
     # padding and wide sum dtypes included); the nominal bits are the algorithm's own count.
@@ -116,7 +116,7 @@ def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float
 def metrics_rows(cfg: TrainConfig, results: list[WorkerResult]) -> list[dict]:
     """One row per evaluation, with the emulated clock at that step."""
     ledgers = [Ledger.from_rows(r.rank, cfg.workers, r.ledger_rows) for r in results]
-    per_step = [a + b for a, b in zip(*_clock(cfg, results, ledgers))]
+    per_step = [a + b for a, b in zip(*emulated_clock(cfg, results, ledgers))]
     return [{**ev, "emulated_seconds": math.fsum(per_step[: ev["step"]])} for ev in results[0].evals]
 
 
