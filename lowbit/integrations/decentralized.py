@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..algorithms import ALGORITHMS, Algorithm
+from ..algorithms import ALGORITHMS, Algorithm, check_algorithm
 from ..comm.base import Transport
 from ..topology import Topology, make_topology
 from .flat import FlatParams
@@ -312,9 +312,7 @@ def _check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer)
 
 def _build_algorithm(algorithm, transport: Transport, topology, options: dict) -> Algorithm:
     if isinstance(algorithm, str):
-        if algorithm not in ALGORITHMS:
-            raise ValueError(f"algorithm={algorithm!r} is unknown; choose one of: {', '.join(ALGORITHMS)}")
-        cls = ALGORITHMS[algorithm]
+        cls = check_algorithm(algorithm)
     elif isinstance(algorithm, type) and issubclass(algorithm, Algorithm):
         cls = algorithm
     else:

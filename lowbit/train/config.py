@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from ..algorithms import ALGORITHMS
+from ..algorithms.compressed import SERVERS
 from ..algorithms.moniqua import THETA_SCHEDULES, VERIFY_BLOCK
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
 from ..comm.netmodel import NetworkModel
@@ -21,7 +22,6 @@ from .tasks import SPLITS, TASKS
 
 BACKENDS = ("thread", "torch")
 LR_SCHEDULES = ("constant", "cosine")
-SERVERS = ("ps", "allgather")
 
 # Per-task defaults for options left as None.
 TASK_DEFAULTS = {
