@@ -181,3 +181,13 @@ def test_debian_fashion_mnist():
     Xtr, ytr, Xte, yte = load_mnist_like(FASHION)
     assert Xtr.shape == (60000, 28, 28) and Xte.shape == (10000, 28, 28)
     assert torch.equal(torch.bincount(ytr), torch.full((10,), 6000))
+
+
+def test_kmnist_and_resnet110_tasks(tmp_path):
+    folder = _write_mnist(str(tmp_path / "km"), n_train=50, n_test=20)
+    task = TASKS["kmnist-fc300"](data_dir=folder)
+    assert task.dataset == "kmnist" and sum(p.numel() for p in task.make_model().parameters()) == 266_610
+    assert TASKS["kmnist-lenet"].dataset == "kmnist"
+    _write_cifar(str(tmp_path / "c"), n=10)
+    n = sum(p.numel() for p in TASKS["cifar10-resnet110"](data_dir=str(tmp_path / "c")).make_model().parameters())
+    assert 1.70e6 < n < 1.75e6  # He et al.: ResNet-110 has 1.7M parameters

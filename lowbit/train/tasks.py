@@ -4,12 +4,12 @@
   on every worker (dimension ``dim``), optional Gaussian gradient noise.
 - ``digits-mlp``: scikit-learn's 8x8 digits (ships with scikit-learn, no
   download), a fixed 80/20 train/test split, a one-hidden-layer MLP.
-- ``fashion-lenet``, ``fashion-fc300``, ``mnist-lenet``, ``mnist-fc300``:
-  Fashion-MNIST / MNIST IDX files (``--data-dir``, the Debian package, or the
+- ``fashion-lenet``, ``fashion-fc300``, ``mnist-lenet``, ``mnist-fc300``,
+  ``kmnist-lenet``, ``kmnist-fc300``: Fashion-MNIST / MNIST / KMNIST IDX files (``--data-dir``, the Debian package, or the
   cache of :func:`lowbit.data.download`) with LeNet-5 or FC-300-100; metrics
   on a fixed 10,000-sample training subset and the full 10,000 test set.
-- ``cifar10-resnet20``, ``cifar10-vgg``: CIFAR-10 binary batches with
-  ResNet-20 or a small VGG; metrics on fixed 2,000-sample train and test
+- ``cifar10-resnet20``, ``cifar10-resnet110``, ``cifar10-vgg``: CIFAR-10
+  binary batches with ResNet-20, ResNet-110 or a small VGG; metrics on fixed 2,000-sample train and test
   subsets (the full sets are slow on CPU).
 Each task class builds itself from a TrainConfig with ``from_config``.
 """
@@ -299,6 +299,14 @@ class MnistFC300(FashionFC300):
     name, dataset = "mnist-fc300", "mnist"
 
 
+class KmnistLeNet(FashionLeNet):
+    name, dataset = "kmnist-lenet", "kmnist"
+
+
+class KmnistFC300(FashionFC300):
+    name, dataset = "kmnist-fc300", "kmnist"
+
+
 class Cifar10ResNet20(ImageClassification):
     name, dataset = "cifar10-resnet20", "cifar10"
     eval_train = eval_test = 2000
@@ -306,6 +314,13 @@ class Cifar10ResNet20(ImageClassification):
 
     def make_model(self):
         return ResNetCifar(20)
+
+
+class Cifar10ResNet110(Cifar10ResNet20):
+    name = "cifar10-resnet110"
+
+    def make_model(self):
+        return ResNetCifar(110)
 
 
 class Cifar10VGG(Cifar10ResNet20):
@@ -316,7 +331,8 @@ class Cifar10VGG(Cifar10ResNet20):
 
 
 TASKS = {"quadratic": Quadratic, "digits-mlp": DigitsMLP,
-         **{c.name: c for c in (FashionLeNet, FashionFC300, MnistFC300, MnistLeNet, Cifar10ResNet20, Cifar10VGG)}}
+         **{c.name: c for c in (FashionLeNet, FashionFC300, MnistFC300, MnistLeNet, KmnistLeNet, KmnistFC300,
+                                      Cifar10ResNet20, Cifar10ResNet110, Cifar10VGG)}}
 
 
 def make_task(name: str, **kwargs) -> Task:
