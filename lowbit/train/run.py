@@ -56,6 +56,7 @@ def _torch_job(cfg: TrainConfig, progress: bool):
     res = run_worker(transport, cfg, progress)
     gathered = [None] * transport.world_size if transport.rank == 0 else None
     dist.gather_object(res, gathered, dst=0)
+    dist.barrier()  # no rank tears its process group down while another still reads from it
     transport.close()
     return gathered
 
