@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,7 +64,12 @@ def _evaluate(k, task, model, flat, transport, eval_model, eval_flat) -> dict:
     return out
 
 
-def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -> WorkerResult:
+def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *, evaluate: bool = True,
+               instrument: Callable[[Algorithm], None] | None = None) -> WorkerResult:
+    """One worker's training run. ``evaluate=False`` skips every evaluation (its
+    collectives too: ``evals`` stays empty), for runs that only measure what is
+    sent; ``instrument`` is called with the algorithm once it is set up (e.g. to
+    observe its payloads)."""
     rank, n = transport.rank, transport.world_size
     if n != cfg.workers:
         raise ValueError(f"the runtime has {n} workers but workers={cfg.workers}")
@@ -75,6 +81,8 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
     flat, eval_flat = FlatParams(model), FlatParams(eval_model)
     algo = build_algorithm(cfg, transport)
     algo.setup(flat.data)
+    if instrument is not None:
+        instrument(algo)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     shard = task.shard(rank, n, cfg.seed)
     data_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 0, rank, stream=1))
@@ -89,7 +97,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
     evals: list[dict] = []
     for k in range(cfg.steps):
         # An asynchronous algorithm has no global barrier: evaluate (a collective) only at the ends.
-        if k % cfg.eval_every == 0 and (algo.synchronous or k == 0):
+        if evaluate and k % cfg.eval_every == 0 and (algo.synchronous or k == 0):
             evals.append(_evaluate(k, task, model, flat, transport, eval_model, eval_flat))
         transport.set_step(k)
         t0 = time.thread_time()
@@ -111,7 +119,8 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False) -
             bar.update(1)
     algo.finish()
     transport.set_step(cfg.steps)
-    evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
+    if evaluate:
+        evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
     if bar is not None:
         bar.close()
     flat.check_aliasing()

@@ -1,0 +1,141 @@
+"""``lowbit repro ndqsg-tables``: files, the ledger's Kbits against d x bits, entropy
+coding of real codes, and NDQSG's saving over DQSG at the Figure 6 setting."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from lowbit.cli import main
+from lowbit.codecs import DitheredCodec, TernGradCodec
+from lowbit.codecs.rng import shared_generator
+from lowbit.repro import EXPERIMENTS, ndqsg
+from lowbit.train.config import TrainConfig
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    torch.set_num_threads(1)
+    out = tmp_path_factory.mktemp("ndqsg")
+    assert main(["repro", "ndqsg-tables", "--out", str(out), "--quick"]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def _bits(res, label):
+    (row,) = [r for r in res["bits"] if r["label"] == label]
+    return row
+
+
+def test_registered():
+    assert EXPERIMENTS["ndqsg-tables"][0] == "ndqsg"
+
+
+def test_files_table_and_pngs(quick):
+    out, res = quick
+    assert res["experiment"] == "ndqsg-tables" and res["quick"] is True
+    table = (out / "table.md").read_text()
+    for label, _ in ndqsg.BITS_METHODS:
+        assert label in table
+    assert "digits-mlp h300" in table and "entropy-coded Kbits" in table and "Kbits to target" in table
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == sorted([f"accuracy_{w}workers.png" for w in (4, 8)] + [f"figure6_bits_{w}workers.png" for w in (4, 8)])
+    for p in out.glob("*.png"):
+        assert p.read_bytes()[:8] == PNG
+    assert {r["workers"] for r in res["accuracy"]} == {4, 8}
+    assert {r["label"] for r in res["accuracy"]} == {label for label, _ in ndqsg.ACC_METHODS}
+
+
+def test_ledger_kbits_are_d_times_bits_plus_header(quick):
+    _, res = quick
+    for r in res["bits"]:
+        d = r["d"]
+        assert d == 22510  # digits-mlp with 300 hidden units: 64*300 + 300 + 300*10 + 10
+        # what the ledger counted is exactly the payloads that the algorithm produced
+        assert r["ledger_matches_payloads"] is True
+        extra_bits = 1000 * (r["raw_kbits"] - r["nominal_kbits"])
+        if r["options"]["algorithm"] == "allreduce":
+            assert r["nominal_bits"] == 32 and extra_bits == pytest.approx(0, abs=1e-6)
+        else:
+            # a float32 scale and an int32 count per payload, plus the padding of the last byte
+            assert 0 < extra_bits <= 8 * 8 + 8, (r["label"], extra_bits)
+            assert r["header_bits"] == 64
+    assert _bits(res, "DQSG M=1")["nominal_bits"] == 2  # 3 levels packed in 2 bits
+    assert _bits(res, "DQSG M=2")["nominal_bits"] == 3  # 5 levels in 3 bits
+    assert _bits(res, "One-Bit (EF)")["nominal_bits"] == 1
+
+
+def test_entropy_coding_of_skewed_codes_saves(quick):
+    _, res = quick
+    for r in res["bits"]:
+        if r["options"]["algorithm"] == "allreduce":
+            assert r["coded_kbits"] is None
+            continue
+        # ANS reaches the empirical entropy within its model and a few words of state
+        assert r["entropy_kbits"] <= r["coded_kbits"] <= r["entropy_kbits"] * 1.05 + 1.5
+        # at most the raw size plus the coder's model/header overhead, for any code
+        assert r["coded_kbits"] <= r["raw_kbits"] + 0.2
+    # the max-scaled 3- and 5-level codes are mostly zeros: far below raw
+    for label in ("DQSG M=1", "DQSG M=2", "TernGrad", "QSGD s=1", "NDQSG (Fig. 6)"):
+        r = _bits(res, label)
+        assert r["coded_kbits"] < 0.5 * r["raw_kbits"], label
+    # sign bits are close to incompressible
+    ob = _bits(res, "One-Bit (EF)")
+    assert ob["coded_kbits"] > 0.9 * ob["raw_kbits"]
+
+
+def test_ndqsg_sends_fewer_bits_than_dqsg_at_figure6_setting(quick):
+    _, res = quick
+    dq, nd = _bits(res, "DQSG M=2"), _bits(res, "NDQSG (Fig. 6)")
+    assert nd["raw_kbits"] < dq["raw_kbits"]
+    assert nd["p2_raw_kbits"] < nd["p1_raw_kbits"] == pytest.approx(dq["raw_kbits"])
+    d = nd["d"]
+    assert 1000 * nd["p2_raw_kbits"] == pytest.approx(2 * d + 64, abs=8)  # 2-bit nested codes (k = 3), kappa + count
+    for w in (4, 8):
+        rows = {r["label"]: r for r in res["accuracy"] if r["workers"] == w}
+        assert rows["NDQSG (Fig. 6)"]["raw_kbits"] < rows["DQSG M=2"]["raw_kbits"]
+        for r in rows.values():
+            assert math.isfinite(r["final_train_loss"]) and r["final_train_loss"] < r["train_loss"][0]
+            assert r["final_test_accuracy"] > 0.8
+    for f in res["figure6"]:
+        if f["kbits_to_target"] is not None:
+            assert f["kbits_to_target"] == pytest.approx(f["steps_to_target"] * f["raw_kbits"])
+
+
+def test_entropy_coded_size_round_trips_and_counts_header():
+    g = torch.randn(5000, dtype=torch.float64) ** 3
+    for codec, bits in ((DitheredCodec(levels=2), 3), (TernGradCodec(), 2)):
+        wire = codec.encode(g, generator=shared_generator(1, 2, 3)).to_wire()
+        s = ndqsg.entropy_coded_size(wire, bits, g.numel())
+        assert s["raw_bits"] == 8 * wire.numel() and s["header_bits"] == 64
+        assert s["entropy_bits"] < s["coded_bits"] < s["raw_bits"]
+    # uniform random 8-bit codes: incompressible, coded size = raw + model and coder state only
+    rnd = torch.randint(0, 256, (4000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    s = ndqsg.entropy_coded_size(rnd, 8, 4000)
+    assert s["raw_bits"] < s["coded_bits"] < s["raw_bits"] + 8 * 600
+
+
+def test_bad_input_raises():
+    wire = torch.zeros(10, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="bits"):
+        ndqsg.entropy_coded_size(wire, 9, 10)
+    with pytest.raises(ValueError, match="n must"):
+        ndqsg.entropy_coded_size(wire, 2, 0)
+    with pytest.raises(ValueError, match="cannot hold"):
+        ndqsg.entropy_coded_size(wire, 8, 11)
+
+
+def test_probe_counts_what_training_counts():
+    """The bits probe is lowbit's loop without evaluation: its ledger equals train()'s."""
+    torch.set_num_threads(1)
+    from lowbit.train import train
+
+    opts = dict(ndqsg.FIG6_NDQSG)
+    cfg = TrainConfig(task="digits-mlp", workers=4, steps=3, eval_every=3, seed=0, **opts)
+    probe = ndqsg.probe_bits(cfg, opts, entropy_steps=1)
+    run = train(cfg)
+    rows = [w.ledger_rows for w in sorted(run.workers, key=lambda w: w.rank)]
+    assert ndqsg.ledger_kbits(opts, rows, cfg.steps) == {k: probe[k] for k in ("raw_kbits", "wire_kbits")}
+    assert run.summary["bytes_sent"] == sum(r[3] for rr in rows for r in rr)
