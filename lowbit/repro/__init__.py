@@ -20,6 +20,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "moniqua-figure1": ("figure1", ("training loss against emulated wall-clock under Figure 1's four networks, "
                         "fp32 and 8-bit algorithms")),
     "moniqua-figure2": ("figure2", "Moniqua on D2 (one label per worker) and async Moniqua vs AD-PSGD at 20 Mbps"),
+    "moniqua-table2": ("table2", "test accuracy (mean/std over seeds) at 1 and 2 bits and extra memory, fashion-lenet"),
     "ndqsg-tables": ("ndqsg", "paper 002: raw/entropy-coded Kbits (Tables 1-2, 32 workers), accuracy, Figure 6"),
     "throughput-model": ("throughput", ("paper 004's performance model (Wen et al. 2017): 32 nodes x 4 GPUs, "
                          "1 and 10 Gbps, ResNet-50 and VGG-16")),
