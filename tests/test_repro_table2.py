@@ -53,7 +53,7 @@ def test_every_configuration_present(quick):
         assert "not_runnable" not in r, (key, r.get("not_runnable"))  # all accept 1 bit today
         assert [p["seed"] for p in r["seeds"]] == seeds
         if r["bits"] is not None:
-            assert r["options"] == {"algorithm": key.split("-")[0], "bits": r["bits"]}
+            assert r["options"] == table2.budget_options(key.split("-")[0], r["bits"])
             for p in r["seeds"]:
                 if p["stopped"] is None:
                     assert p["nominal_bits_per_element"] == r["bits"]
@@ -120,7 +120,7 @@ def test_table_rows(quick):
     out, res = quick
     table = (out / "table.md").read_text()
     lines = [ln for ln in table.splitlines() if ln.startswith("| ")]
-    assert lines[0].startswith("| algorithm | test accuracy (mean ± std) |")
+    assert lines[0].startswith("| algorithm | options | test accuracy (mean ± std) |")
     body = {ln.split(" | ")[0][2:]: ln for ln in lines[1:]}
     assert len(body) == 12
     for r in res["rows"]:
@@ -129,7 +129,8 @@ def test_table_rows(quick):
         assert f"{100 * agg['accuracy_mean']:.2f} ± {100 * agg['accuracy_std']:.2f} %" in line
         k = agg["diverged_seeds"]
         assert (f"diverged {k}/{len(r['seeds'])}" in line) == (k > 0)
-    assert body["Moniqua 1 bit"].split(" | ")[4] == "0"
+    assert body["Moniqua 1 bit"].split(" | ")[5] == "0"
+    assert body["ChocoSGD 1 bit"].split(" | ")[1] == "codec=sign"
     assert "digits-mlp" in table and "diverge" in body["DCD-PSGD 2 bit"]  # the paper's column
 
 

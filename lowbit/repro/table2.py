@@ -14,13 +14,19 @@ CPU as ~100 training steps); 12 configurations x 3 seeds = 36 runs. --quick:
 seeds 0 and 1. The paper trains ResNet-20 / ResNet-110 on CIFAR-10 for full
 training runs; its numbers are kept in :data:`PAPER` and printed beside ours.
 
-How a bit budget is met: Moniqua with ``--bits b`` and its defaults (at 1 bit
-the slack matrix gamma W + (1 - gamma) I and the shared subtractive dither);
-the baselines with ``--bits b`` and their default codec (the min-max b-bit
-quantizer; nearest rounding for DCD, ChocoSGD and DeepSqueeze, stochastic for
-ECD, which needs an unbiased codec) and default consensus step sizes. A
-configuration the run config rejects would be reported with the reason
-instead of a number; today all of them run at 1 bit.
+How a bit budget is met (:func:`budget_options`): Moniqua with ``--bits b``
+and its defaults (at 1 bit the slack matrix gamma W + (1 - gamma) I and the
+shared subtractive dither). The baselines at 1 bit: the scaled sign codec
+(one bit per element and one fp32 scale, the 1-bit compressor of the CHOCO
+and DeepSqueeze papers) for DCD, ChocoSGD and DeepSqueeze; ECD needs an
+unbiased codec and takes the 1-bit min-max quantizer with stochastic
+rounding. At 2 bits: the min-max quantizer with stochastic rounding for all,
+and a consensus step of 0.1 for ChocoSGD and DeepSqueeze (at their default
+0.5 both left the float range within 100 steps of fashion-lenet: measured,
+seed 0). With the library defaults instead (min-max with nearest rounding at
+both budgets), DCD, ECD and ChocoSGD diverged at 1 and 2 bits and
+DeepSqueeze at 1 bit in all three seeds. A configuration the run config
+rejects would be reported with the reason instead of a number.
 
 Divergence: a seed's run diverged when its final training loss (of the
 averaged model) is not finite or is larger than the untrained model's (step
@@ -58,7 +64,22 @@ CONFIGS: list[tuple[str, str, dict, int | None]] = [
     ("allreduce", "AllReduce (fp32)", {"algorithm": "allreduce"}, None),
     ("dpsgd", "D-PSGD (fp32)", {"algorithm": "dpsgd"}, None),
 ]
-CONFIGS += [(f"{alg}-{b}bit", f"{name} {b} bit", {"algorithm": alg, "bits": b}, b)
+
+
+def budget_options(alg: str, bits: int) -> dict:
+    """How each algorithm meets a budget of ``bits`` per parameter (see the module docstring)."""
+    opts = {"algorithm": alg, "bits": bits}
+    if alg == "moniqua":
+        return opts
+    if bits == 1 and alg != "ecd":
+        return {**opts, "codec": "sign"}  # 1 bit and one scale: the compressor of the baselines' papers
+    opts["rounding"] = "stochastic"  # ECD needs an unbiased codec; all min-max runs use the same rounding
+    if bits == 2 and alg in ("choco", "deepsqueeze"):
+        opts["gamma"] = 0.1  # at their default 0.5 both left the float range in 100 steps at 2 bits
+    return opts
+
+
+CONFIGS += [(f"{alg}-{b}bit", f"{name} {b} bit", budget_options(alg, b), b)
             for b in (1, 2)
             for alg, name in (("dcd", "DCD-PSGD"), ("ecd", "ECD-PSGD"), ("choco", "ChocoSGD"),
                               ("deepsqueeze", "DeepSqueeze"), ("moniqua", "Moniqua"))]
@@ -227,7 +248,7 @@ def run(out: Path, quick: bool = False) -> dict:
     results = {"experiment": "moniqua-table2", "quick": quick, "settings": base, "parameters": d,
                "mb_bytes": MB, "wall_seconds": total, "rows": rows, "paper": PAPER}
 
-    headers = ["algorithm", "test accuracy (mean ± std)", "per seed", "diverged", "extra memory (MB/worker)",
+    headers = ["algorithm", "options", "test accuracy (mean ± std)", "per seed", "diverged", "extra memory (MB/worker)",
                "wire bits/element/step", "wrong blocks repaired", "paper ResNet-20", "paper ResNet-110"]
     table = []
     for r in rows:
@@ -236,7 +257,8 @@ def run(out: Path, quick: bool = False) -> dict:
         wire = [p["wire_bits_per_element"] for p in r["seeds"] if "wire_bits_per_element" in p]
         wrong = [p["algorithm_report"]["mismatched_blocks"] for p in r["seeds"]
                  if "mismatched_blocks" in p.get("algorithm_report", {})]
-        table.append([r["label"], _accuracy_cell(r), per_seed, _diverged_cell(r),
+        opts = " ".join(f"{k}={v}" for k, v in r["options"].items() if k not in ("algorithm", "bits")) or "-"
+        table.append([r["label"], opts, _accuracy_cell(r), per_seed, _diverged_cell(r),
                       fmt(r["aggregate"]["extra_memory_mb"], 4), fmt(statistics.fmean(wire)) if wire else "-",
                       sum(wrong) if wrong else "-",
                       _paper_cell("ResNet-20", r["key"]),
@@ -248,7 +270,9 @@ def run(out: Path, quick: bool = False) -> dict:
              f"seeds that produced one. Diverged: final training loss not finite or above the untrained "
              f"model's (step 0), or training stopped because the model left the float range ('stopped'). "
              f"Budgets: Moniqua with --bits b and its defaults (at 1 bit the slack matrix and shared dither); "
-             f"the baselines with --bits b and their default min-max codec (nearest rounding; ECD stochastic). "
+             f"the baselines at 1 bit with the scaled sign codec (ECD: 1-bit min-max, stochastic rounding), "
+             f"at 2 bits with min-max and stochastic rounding, ChocoSGD and DeepSqueeze with consensus "
+             f"step 0.1 there (the options column). "
              f"Extra memory: the run summary's extra_memory_bytes (state kept between steps beyond D-PSGD's "
              f"model and optimizer, per worker) / 10^6. Wire bits: 8 x bytes a worker really sent per step / d, "
              f"all its neighbours together (2 on a ring), with DCD/ECD's one fp32 copy of x_0 at step 0 and "
