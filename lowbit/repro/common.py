@@ -15,6 +15,11 @@ def fmt(v, digits: int = 3) -> str:
     return str(v)
 
 
+def curves(metrics: list[dict], *keys: str) -> dict:
+    """A run's evaluations as curves for results.json: ``steps`` and one list per metric key."""
+    return {"steps": [m["step"] for m in metrics], **{k: [m[k] for m in metrics] for k in keys}}
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]

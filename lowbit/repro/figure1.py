@@ -24,7 +24,7 @@ from ..comm.ledger import Ledger
 from ..train import train
 from ..train.config import TrainConfig
 from ..train.run import emulated_clock
-from .common import write_outputs
+from .common import curves, write_outputs
 
 # (label, bandwidth, latency), as in Figure 1's four panels
 NETWORKS = [
@@ -91,7 +91,7 @@ def run(out: Path, quick: bool = False) -> dict:
                           "wire_bits_per_element": s["wire_bits_per_element"],
                           "nominal_bits_per_element": s["nominal_bits_per_element"],
                           "algorithm_report": s["algorithm_report"],
-                          "steps": [m["step"] for m in evals], "train_loss": [m["train_loss"] for m in evals],
+                          **curves(evals, "train_loss"),
                           "networks": per_net})
     results = {"experiment": "moniqua-figure1", "quick": quick, "settings": {**base, "bits": BITS},
                    "networks": [{"label": n, "bandwidth": b, "latency": l} for n, b, l in NETWORKS],

@@ -49,7 +49,7 @@ from pathlib import Path
 from ..algorithms import ALGORITHMS
 from ..train import train
 from ..train.config import TrainConfig
-from .common import write_outputs
+from .common import curves, write_outputs
 from .figure1 import priced
 
 # ---- (a) D2 on one-label-per-worker data -----------------------------------
@@ -123,8 +123,7 @@ def _run_d2(base: dict) -> list[dict]:
                      "bytes_sent": s["bytes_sent"], "bytes_sent_per_step": s["bytes_sent_per_step"],
                      "wire_bits_per_element": s["wire_bits_per_element"],
                      "algorithm_report": s["algorithm_report"],
-                     "steps": [m["step"] for m in r.metrics], "train_loss": [m["train_loss"] for m in r.metrics],
-                     "test_accuracy": [m["test_accuracy"] for m in r.metrics]})
+                     **curves(r.metrics, "train_loss", "test_accuracy")})
     return rows
 
 
@@ -147,7 +146,7 @@ def _run_async(base: dict) -> list[dict]:
             p = priced(cfg, r.workers, cfg.bandwidth, cfg.latency)  # the run's own network: its own clock
             step_total = [a + b for a, b in zip(p["compute"], p["comm"])]
             row = {"label": label, "options": opts, "synchronous": True, **_summary_fields(r.summary),
-                   "steps": [m["step"] for m in r.metrics], "train_loss": [m["train_loss"] for m in r.metrics],
+                   **curves(r.metrics, "train_loss"),
                    "seconds": [math.fsum(step_total[: m["step"]]) for m in r.metrics]}
         else:
             # evaluated only at its ends: one run per curve point, each N steps per worker

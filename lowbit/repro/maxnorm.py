@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..train import train
 from ..train.config import TrainConfig
-from .common import write_outputs
+from .common import curves, write_outputs
 
 # (label, options)
 ROWS = [("AllReduce SGD (fp32)", {"algorithm": "allreduce"})]
@@ -36,8 +36,7 @@ def run(out: Path, quick: bool = False) -> dict:
                      "final_test_accuracy": s["final_test_accuracy"],
                      "nominal_bits_per_element": s["nominal_bits_per_element"],
                      "wire_bits_per_element": s["wire_bits_per_element"], "bytes_sent_per_step": s["bytes_sent_per_step"],
-                     "steps": [m["step"] for m in r.metrics], "train_loss": [m["train_loss"] for m in r.metrics],
-                     "test_accuracy": [m["test_accuracy"] for m in r.metrics]})
+                     **curves(r.metrics, "train_loss", "test_accuracy")})
     results = {"experiment": "maxnorm", "quick": quick, "settings": base, "rows": rows}
     write_outputs(
         out, results, "Paper 004: single- and two-scale max-norm quantizers against AllReduce and PowerSGD",

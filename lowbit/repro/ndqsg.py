@@ -66,7 +66,7 @@ from ..comm.inprocess import run_threads
 from ..train import train
 from ..train.config import TrainConfig
 from ..train.loop import run_worker
-from .common import fmt, write_outputs
+from .common import curves, fmt, write_outputs
 
 NAME = "ndqsg-tables"
 SYMBOL_WIDTHS = (1, 2, 4, 8)
@@ -255,8 +255,7 @@ def _accuracy_row(label: str, opts: dict, run, cfg: TrainConfig) -> dict:
             "final_test_accuracy": s["final_test_accuracy"], "final_train_loss": s["final_train_loss"],
             "best_test_accuracy": max(m["test_accuracy"] for m in run.metrics),
             "nominal_bits_per_element": s["nominal_bits_per_element"], **kb,
-            "steps": [m["step"] for m in run.metrics], "train_loss": [m["train_loss"] for m in run.metrics],
-            "test_accuracy": [m["test_accuracy"] for m in run.metrics]}
+            **curves(run.metrics, "train_loss", "test_accuracy")}
 
 
 def kbits_to_reach(row: dict, target: float) -> float | None:

@@ -55,7 +55,7 @@ from ..train import train
 from ..train.config import TrainConfig
 from ..train.loop import build_algorithm
 from ..train.tasks import TASKS
-from .common import fmt, write_outputs
+from .common import curves, fmt, write_outputs
 
 MB = 1_000_000  # bytes per MB in the extra-memory column
 
@@ -159,8 +159,7 @@ def run_seed(cfg: TrainConfig) -> dict:
             "extra_memory_bytes": s["extra_memory_bytes"], "parameters": s["parameters"],
             "nominal_bits_per_element": s["nominal_bits_per_element"],
             "wire_bits_per_element": s["wire_bits_per_element"], "algorithm_report": s["algorithm_report"],
-            "steps": [m["step"] for m in r.metrics], "test_accuracy": [m["test_accuracy"] for m in r.metrics],
-            "train_loss": [m["train_loss"] for m in r.metrics], "wall_seconds": s["wall_seconds"]}
+            **curves(r.metrics, "test_accuracy", "train_loss"), "wall_seconds": s["wall_seconds"]}
 
 
 def aggregate(per_seed: list[dict]) -> dict:
