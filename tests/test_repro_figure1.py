@@ -2,27 +2,21 @@
 under another network equals training under that network."""
 
 import dataclasses
-import json
 import math
 
 import pytest
 import torch
 
-from lowbit.cli import main
 from lowbit.repro import EXPERIMENTS
 from lowbit.repro import figure1
 from lowbit.train import train
 from lowbit.train.config import TrainConfig
-
-PNG = b"\x89PNG\r\n\x1a\n"
+from repro_quick import PNG, run_quick
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("figure1")
-    assert main(["repro", "moniqua-figure1", "--out", str(out), "--quick"]) == 0
-    return out, json.loads((out / "results.json").read_text())
+    return run_quick("moniqua-figure1", tmp_path_factory)
 
 
 def test_registered():

@@ -3,24 +3,17 @@ data, and what the 20 Mbps asynchronous comparison gives by construction (bytes 
 ratio, communication priced from them, curve clocks)."""
 
 import itertools
-import json
 import math
 
 import pytest
-import torch
 
-from lowbit.cli import main
 from lowbit.repro import EXPERIMENTS, figure2
-
-PNG = b"\x89PNG\r\n\x1a\n"
+from repro_quick import PNG, run_quick
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("figure2")
-    assert main(["repro", "moniqua-figure2", "--out", str(out), "--quick"]) == 0
-    return out, json.loads((out / "results.json").read_text())
+    return run_quick("moniqua-figure2", tmp_path_factory)
 
 
 def test_registered():

@@ -1,27 +1,21 @@
 """``lowbit repro ndqsg-tables``: files, the ledger's Kbits against d x bits, entropy
 coding of real codes, and NDQSG's saving over DQSG at the Figure 6 setting."""
 
-import json
 import math
 
 import pytest
 import torch
 
-from lowbit.cli import main
 from lowbit.codecs import DitheredCodec, TernGradCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.repro import EXPERIMENTS, ndqsg
 from lowbit.train.config import TrainConfig
-
-PNG = b"\x89PNG\r\n\x1a\n"
+from repro_quick import PNG, run_quick
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("ndqsg")
-    assert main(["repro", "ndqsg-tables", "--out", str(out), "--quick"]) == 0
-    return out, json.loads((out / "results.json").read_text())
+    return run_quick("ndqsg-tables", tmp_path_factory)
 
 
 def _bits(res, label):

@@ -2,28 +2,24 @@
 the per-seed numbers, divergence flags following their rule, extra memory exactly
 (degree + 1) d / degree d / d / 0 floats, seeds that really differ, the table's rows."""
 
-import json
 import math
 import statistics
 
 import pytest
 import torch
 
-from lowbit.cli import main
 from lowbit.repro import EXPERIMENTS, table2
 from lowbit.train import train
 from lowbit.train.config import TrainConfig
+from repro_quick import PNG, run_quick
 
-PNG = b"\x89PNG\r\n\x1a\n"
+
 QUANTIZED = ("dcd", "ecd", "choco", "deepsqueeze", "moniqua")
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    torch.set_num_threads(1)
-    out = tmp_path_factory.mktemp("table2")
-    assert main(["repro", "moniqua-table2", "--out", str(out), "--quick"]) == 0
-    return out, json.loads((out / "results.json").read_text())
+    return run_quick("moniqua-table2", tmp_path_factory)
 
 
 def _rows(res):

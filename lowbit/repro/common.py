@@ -20,6 +20,13 @@ def curves(metrics: list[dict], *keys: str) -> dict:
     return {"steps": [m["step"] for m in metrics], **{k: [m[k] for m in metrics] for k in keys}}
 
 
+def run_row(label: str, opts: dict, run, *summary_keys: str) -> dict:
+    """One trained configuration for results.json: its label and options, the named
+    fields of its summary, and its training-loss and test-accuracy curves."""
+    return {"label": label, "options": opts, **{k: run.summary[k] for k in summary_keys},
+            **curves(run.metrics, "train_loss", "test_accuracy")}
+
+
 def markdown_table(headers: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]

@@ -49,7 +49,7 @@ from pathlib import Path
 from ..algorithms import ALGORITHMS
 from ..train import train
 from ..train.config import TrainConfig
-from .common import curves, write_outputs
+from .common import curves, run_row, write_outputs
 from .figure1 import priced
 
 # ---- (a) D2 on one-label-per-worker data -----------------------------------
@@ -115,15 +115,9 @@ def _train(cfg: TrainConfig):
 def _run_d2(base: dict) -> list[dict]:
     rows = []
     for label, opts in D2_ALGORITHMS:
-        r = _train(TrainConfig(**base, **opts))
-        s = r.summary
-        rows.append({"label": label, "options": opts, "final_train_loss": s["final_train_loss"],
-                     "final_test_accuracy": s["final_test_accuracy"],
-                     "final_local_test_accuracy": s["final_local_test_accuracy"],
-                     "bytes_sent": s["bytes_sent"], "bytes_sent_per_step": s["bytes_sent_per_step"],
-                     "wire_bits_per_element": s["wire_bits_per_element"],
-                     "algorithm_report": s["algorithm_report"],
-                     **curves(r.metrics, "train_loss", "test_accuracy")})
+        rows.append(run_row(label, opts, _train(TrainConfig(**base, **opts)), "final_train_loss",
+                            "final_test_accuracy", "final_local_test_accuracy", "bytes_sent",
+                            "bytes_sent_per_step", "wire_bits_per_element", "algorithm_report"))
     return rows
 
 

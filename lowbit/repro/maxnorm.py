@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..train import train
 from ..train.config import TrainConfig
-from .common import curves, write_outputs
+from .common import run_row, write_outputs
 
 # (label, options)
 ROWS = [("AllReduce SGD (fp32)", {"algorithm": "allreduce"})]
@@ -30,13 +30,9 @@ def run(out: Path, quick: bool = False) -> dict:
             "lr_schedule": "cosine", "seed": 0}
     rows = []
     for label, opts in ROWS:
-        r = train(TrainConfig(**base, **opts))
-        s = r.summary
-        rows.append({"label": label, "options": opts, "final_train_loss": s["final_train_loss"],
-                     "final_test_accuracy": s["final_test_accuracy"],
-                     "nominal_bits_per_element": s["nominal_bits_per_element"],
-                     "wire_bits_per_element": s["wire_bits_per_element"], "bytes_sent_per_step": s["bytes_sent_per_step"],
-                     **curves(r.metrics, "train_loss", "test_accuracy")})
+        rows.append(run_row(label, opts, train(TrainConfig(**base, **opts)), "final_train_loss",
+                            "final_test_accuracy", "nominal_bits_per_element", "wire_bits_per_element",
+                            "bytes_sent_per_step"))
     results = {"experiment": "maxnorm", "quick": quick, "settings": base, "rows": rows}
     write_outputs(
         out, results, "Paper 004: single- and two-scale max-norm quantizers against AllReduce and PowerSGD",
