@@ -115,8 +115,7 @@ class ShapedNetwork:
             _run("ip", "-n", ns, "addr", "add", f"{self.address(r)}/24", "dev", IFNAME)
             _run("ip", "-n", ns, "link", "set", IFNAME, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            # A link is a steady pipe in the model: no slow-start restart after an idle
-            # step (per-namespace sysctl), and no tail drops before the bucket drains.
+            # A link is a steady pipe in the model: no slow-start restart after an idle step.
             _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0")
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", IFNAME, "root", "tbf",
                  "rate", rate, "burst", TBF_BURST, "latency", "200ms")

@@ -5,12 +5,13 @@
 - ``digits-mlp``: scikit-learn's 8x8 digits (ships with scikit-learn, no
   download), a fixed 80/20 train/test split, a one-hidden-layer MLP.
 - ``fashion-lenet``, ``fashion-fc300``, ``mnist-lenet``, ``mnist-fc300``,
-  ``kmnist-lenet``, ``kmnist-fc300``: Fashion-MNIST / MNIST / KMNIST IDX files (``--data-dir``, the Debian package, or the
-  cache of :func:`lowbit.data.download`) with LeNet-5 or FC-300-100; metrics
-  on a fixed 10,000-sample training subset and the full 10,000 test set.
+  ``kmnist-lenet``, ``kmnist-fc300``: Fashion-MNIST / MNIST / KMNIST IDX
+  files (``--data-dir``, the Debian package, or the cache of
+  :func:`lowbit.data.download`) with LeNet-5 or FC-300-100; metrics on a
+  fixed 10,000-sample training subset and the full 10,000 test set.
 - ``cifar10-resnet20``, ``cifar10-resnet110``, ``cifar10-vgg``: CIFAR-10
-  binary batches with ResNet-20, ResNet-110 or a small VGG; metrics on fixed 2,000-sample train and test
-  subsets (the full sets are slow on CPU).
+  binary batches with ResNet-20, ResNet-110 or a small VGG; metrics on fixed
+  2,000-sample train and test subsets (the full sets are slow on CPU).
 Each task class builds itself from a TrainConfig with ``from_config``.
 """
 
