@@ -54,27 +54,27 @@ def test_shaped_network_is_deleted_also_after_a_failure():
     assert _ns_list() == before
 
 
-def _shaped(steps: int, bw: str, lat: str) -> dict:
-    cfg = TrainConfig(backend="torch", algorithm="dqsg", server="ps", workers=2, hidden=2048, steps=steps,
-                      eval_every=steps, bandwidth=bw, latency=lat, shape_bandwidth=bw, shape_latency=lat)
+def _shaped(steps: int, bw: str, lat: str, **opts) -> dict:
+    cfg = TrainConfig(backend="torch", workers=2, hidden=2048, steps=steps, eval_every=steps, bandwidth=bw,
+                      latency=lat, shape_bandwidth=bw, shape_latency=lat, **opts)
     return train(cfg).summary
 
 
 @needs_root
 @pytest.mark.slow
-def test_shaped_wall_clock_matches_the_network_model():
-    """DQSG with a parameter server on a wide digits-mlp over 5 Mbit/s links: each step the
-    worker's codes go up (58 KB) and the server's fp32 average comes down (614 KB, about 1 s on
-    the link) against milliseconds of compute, so the wall-clock of the extra steps is what the
-    alpha-beta model predicts for their ledger (within 30%). Differencing two runs cancels
-    process start-up and the evaluations. Other load on the machine can only add wall-clock:
-    up to three pairs are timed and the closest one counts. (A simultaneous two-way exchange,
-    as D-PSGD's, is not what this checks: gloo over a shaped link sometimes serializes its two
-    directions, see docs/RESULTS.md.)"""
+@pytest.mark.parametrize("opts", [{"algorithm": "dqsg", "server": "ps"}, {"algorithm": "dpsgd"}],
+                         ids=["one-way", "two-way"])
+def test_shaped_wall_clock_matches_the_network_model(opts):
+    """A wide digits-mlp (d = 153,610) over 5 Mbit/s links: each step moves 614 KB of fp32
+    one way (DQSG with a server: codes up, the average down) or both ways at once (D-PSGD on
+    two workers), about 1 s on the link, against milliseconds of compute; so the wall-clock
+    of the extra steps is what the alpha-beta model predicts for their ledger (within 30%).
+    Differencing two runs cancels process start-up and the evaluations. Other load on the
+    machine can only add wall-clock: up to three pairs are timed and the closest one counts."""
     bw, lat = "5mbit", "5ms"
     tries = []
     for _ in range(3):
-        short, long = _shaped(2, bw, lat), _shaped(8, bw, lat)
+        short, long = _shaped(2, bw, lat, **opts), _shaped(8, bw, lat, **opts)
         predicted = long["emulated_seconds"] - short["emulated_seconds"]
         comm = long["emulated_comm_seconds"] - short["emulated_comm_seconds"]
         assert comm > 0.9 * predicted  # communication-bound, so the check is about the network
@@ -83,8 +83,8 @@ def test_shaped_wall_clock_matches_the_network_model():
             break
     measured, predicted = min(tries, key=lambda t: abs(t[0] / t[1] - 1))
     assert measured == pytest.approx(predicted, rel=0.30), tries
-    assert long["bytes_sent"] == train(TrainConfig(algorithm="dqsg", server="ps", workers=2, hidden=2048, steps=8,
-                                                   eval_every=8)).summary["bytes_sent"]
+    assert long["bytes_sent"] == train(TrainConfig(workers=2, hidden=2048, steps=8, eval_every=8,
+                                                   **opts)).summary["bytes_sent"]
 
 
 def _ip(*args: str) -> None:

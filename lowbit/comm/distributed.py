@@ -115,20 +115,12 @@ class TorchDistributedTransport(Transport):
         # 1) sizes: every buffer size is known before its bytes are posted.
         my_size = torch.tensor([send.numel()], dtype=torch.int64, device=dev)
         sizes = {j: torch.zeros(1, dtype=torch.int64, device=dev) for j in peers}
-        ops = []
-        for j in peers:
-            ops.append(dist.P2POp(dist.isend, my_size, j, tag=1))
-            ops.append(dist.P2POp(dist.irecv, sizes[j], j, tag=1))
-        _run_p2p(ops)
+        _run_p2p([dist.P2POp(dist.irecv, sizes[j], j, tag=1) for j in peers]
+                 + [dist.P2POp(dist.isend, my_size, j, tag=1) for j in peers])
         # 2) payloads; an empty buffer is not put on the wire (both sides know).
         recv = {j: torch.empty(int(sizes[j].item()), dtype=torch.uint8, device=dev) for j in peers}
-        ops = []
-        for j in peers:
-            if send.numel() > 0:
-                ops.append(dist.P2POp(dist.isend, send, j, tag=2))
-            if recv[j].numel() > 0:
-                ops.append(dist.P2POp(dist.irecv, recv[j], j, tag=2))
-        _run_p2p(ops)
+        _run_p2p([dist.P2POp(dist.irecv, recv[j], j, tag=2) for j in peers if recv[j].numel() > 0]
+                 + [dist.P2POp(dist.isend, send, j, tag=2) for j in peers if send.numel() > 0])
         return {j: recv[j].to(buf.device) for j in peers}
 
     def _all_reduce(self, t, op):
@@ -244,6 +236,11 @@ class TorchDistributedTransport(Transport):
 
 
 def _run_p2p(ops) -> None:
+    """Start ``ops`` in order and wait for all. Callers list every receive before any
+    send. With the sends first, gloo let two simultaneous transfers between a pair go
+    one after the other in every other exchange (measured over a shaped 5 Mbit/s link:
+    614 KB exchanges took 1.02 s and 2.24 s alternately; with the receives posted
+    first, 1.02 s each, as the network model says)."""
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
