@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+
+from ..train import train
 
 
 def fmt(v, digits: int = 3) -> str:
@@ -13,6 +16,14 @@ def fmt(v, digits: int = 3) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}g}"
     return str(v)
+
+
+def train_quietly(cfg):
+    """``lowbit.train.train(cfg)`` without the RuntimeWarnings of Moniqua's repaired blocks:
+    an experiment reports those counts from each run's ``algorithm_report`` instead."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return train(cfg)
 
 
 def curves(metrics: list[dict], *keys: str) -> dict:

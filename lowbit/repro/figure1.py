@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from pathlib import Path
 
 from ..comm.ledger import Ledger
-from ..train import train
 from ..train.config import TrainConfig
 from ..train.run import emulated_clock
-from .common import curves, write_outputs
+from .common import curves, train_quietly, write_outputs
 
 # (label, bandwidth, latency), as in Figure 1's four panels
 NETWORKS = [
@@ -73,9 +71,7 @@ def run(out: Path, quick: bool = False) -> dict:
     algos = []
     for label, opts in ALGORITHMS:
         cfg = TrainConfig(**base, **opts, bits=BITS, bandwidth=NETWORKS[0][1], latency=NETWORKS[0][2])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # e.g. Moniqua's counted repairs; reported below
-            r = train(cfg)
+        r = train_quietly(cfg)
         s = r.summary
         evals = r.metrics
         per_net = {}

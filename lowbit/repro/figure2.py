@@ -43,13 +43,11 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from pathlib import Path
 
 from ..algorithms import ALGORITHMS
-from ..train import train
 from ..train.config import TrainConfig
-from .common import curves, run_row, write_outputs
+from .common import curves, run_row, train_quietly, write_outputs
 from .figure1 import priced
 
 # ---- (a) D2 on one-label-per-worker data -----------------------------------
@@ -106,16 +104,10 @@ def seconds_to_loss(seconds: list[float], losses: list[float], target: float) ->
     return None
 
 
-def _train(cfg: TrainConfig):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # Moniqua's counted repairs; reported in the results
-        return train(cfg)
-
-
 def _run_d2(base: dict) -> list[dict]:
     rows = []
     for label, opts in D2_ALGORITHMS:
-        rows.append(run_row(label, opts, _train(TrainConfig(**base, **opts)), "final_train_loss",
+        rows.append(run_row(label, opts, train_quietly(TrainConfig(**base, **opts)), "final_train_loss",
                             "final_test_accuracy", "final_local_test_accuracy", "bytes_sent",
                             "bytes_sent_per_step", "wire_bits_per_element", "algorithm_report"))
     return rows
@@ -136,7 +128,7 @@ def _run_async(base: dict) -> list[dict]:
     for label, opts in ASYNC_ALGORITHMS:
         cfg = TrainConfig(**base, **opts)
         if ALGORITHMS[cfg.algorithm].synchronous:
-            r = _train(cfg)
+            r = train_quietly(cfg)
             p = priced(cfg, r.workers, cfg.bandwidth, cfg.latency)  # the run's own network: its own clock
             step_total = [a + b for a, b in zip(p["compute"], p["comm"])]
             row = {"label": label, "options": opts, "synchronous": True, **_summary_fields(r.summary),
@@ -147,7 +139,7 @@ def _run_async(base: dict) -> list[dict]:
             ends = list(range(every, steps, every)) + [steps]
             points = []
             for n in ends:
-                points.append(_train(TrainConfig(**{**base, "steps": n, "eval_every": n}, **opts)))
+                points.append(train_quietly(TrainConfig(**{**base, "steps": n, "eval_every": n}, **opts)))
             last = points[-1]
             row = {"label": label, "options": opts, "synchronous": False, **_summary_fields(last.summary),
                    "steps": [0] + ends,

@@ -43,7 +43,6 @@ import math
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -51,11 +50,10 @@ import torch
 from ..comm.inprocess import run_threads
 from ..data import find_dataset_dir
 from ..integrations import FlatParams
-from ..train import train
 from ..train.config import TrainConfig
 from ..train.loop import build_algorithm
 from ..train.tasks import TASKS
-from .common import curves, fmt, write_outputs
+from .common import curves, fmt, train_quietly, write_outputs
 
 MB = 1_000_000  # bytes per MB in the extra-memory column
 
@@ -143,9 +141,7 @@ def run_seed(cfg: TrainConfig) -> dict:
     """One training run, as a per-seed record of results.json."""
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # Moniqua's counted repairs; in algorithm_report
-            r = train(cfg)
+        r = train_quietly(cfg)
     except ValueError as e:
         if not _stopped_by_blowup(e):
             raise

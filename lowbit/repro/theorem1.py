@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..topology import make_topology, smallest_nonzero_weight
-from ..train import train
 from ..train.config import TrainConfig
-from .common import write_outputs
+from .common import train_quietly, write_outputs
 
 BASE = {"task": "quadratic", "workers": 8, "topology": "ring", "weights": "uniform", "dim": 16, "delta": 0.1, "bits": 2}
 
@@ -37,17 +36,13 @@ def floor(workers: int, topology: str, weights: str, delta: float) -> tuple[floa
 
 
 def run(out: Path, quick: bool = False) -> dict:
-    import warnings
 
     steps, eval_every = (80, 20) if quick else (400, 25)
     phi, bound = floor(BASE["workers"], BASE["topology"], BASE["weights"], BASE["delta"])
     rows = []
     for label, opts in ROWS:
         cfg = TrainConfig(**BASE, **opts, steps=steps, eval_every=eval_every, seed=0)
-        with warnings.catch_warnings():
-            # Moniqua's first steps without shared randomness are repaired (and counted); not news here.
-            warnings.simplefilter("ignore", RuntimeWarning)
-            run_ = train(cfg)
+        run_ = train_quietly(cfg)  # Moniqua's first steps without shared randomness are repaired
         s = run_.summary
         rows.append({"label": label, "options": opts, "final_grad_norm_sq": s["final_grad_norm_sq"],
                          "below_floor": s["final_grad_norm_sq"] < bound,
