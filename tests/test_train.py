@@ -1,6 +1,7 @@
 """End to end: the paper's claims on the quadratic and on digits, both runtimes, the CLI."""
 
 import json
+import threading
 
 import pytest
 import torch
@@ -168,8 +169,39 @@ def test_label_split_gives_each_worker_its_classes(workers):
         assert len(shards[0].y) + len(shards[10].y) == int((task.y_train == 0).sum())
 
 
-def test_slow_worker_is_charged_its_factor():
-    fast = train(TrainConfig(algorithm="dpsgd", workers=2, steps=20, eval_every=10)).workers
-    slow = train(TrainConfig(algorithm="dpsgd", workers=2, steps=20, eval_every=10, slow="1:3")).workers
-    torch.testing.assert_close(fast[1].params, slow[1].params, atol=0, rtol=0)  # same training, slower clock
-    assert sum(slow[1].compute_seconds) > 1.5 * sum(fast[1].compute_seconds)
+class _TickClock:
+    """Stands in for the ``time`` module of the training loop: each thread's CPU clock
+    advances one tick per reading, and sleeps are recorded, not slept."""
+
+    TICK = 1e-3
+
+    def __init__(self):
+        self._local = threading.local()
+        self.sleeps: list[tuple[str, float]] = []
+
+    def thread_time(self):
+        self._local.ticks = getattr(self._local, "ticks", 0) + 1
+        return self._local.ticks * self.TICK
+
+    def sleep(self, seconds):
+        self.sleeps.append((threading.current_thread().name, seconds))
+
+
+def test_slow_worker_is_charged_its_factor(monkeypatch):
+    """``--slow 1:3``: rank 1 sleeps twice its measured gradient time after each gradient
+    and is charged for it; rank 0 is untouched and the training is the same. A clock that
+    ticks once per reading makes the gradient time one tick, so the charges are exact."""
+    import lowbit.train.loop as loop
+
+    runs = {}
+    for slow in (None, "1:3"):
+        clock = _TickClock()
+        monkeypatch.setattr(loop, "time", clock)
+        runs[slow] = train(TrainConfig(algorithm="dpsgd", workers=2, steps=20, eval_every=10, slow=slow)).workers, clock
+    (fast, fast_clock), (slowed, slow_clock) = runs[None], runs["1:3"]
+    torch.testing.assert_close(fast[1].params, slowed[1].params, atol=0, rtol=0)  # same training, slower clock
+    tick = _TickClock.TICK
+    assert fast_clock.sleeps == []
+    assert [s for _, s in slow_clock.sleeps] == pytest.approx([2 * tick] * 20)
+    assert fast[0].compute_seconds == slowed[0].compute_seconds == pytest.approx([2 * tick] * 20)
+    assert slowed[1].compute_seconds == pytest.approx([4 * tick] * 20)  # two ticks read, two slept
