@@ -191,3 +191,10 @@ def test_kmnist_and_resnet110_tasks(tmp_path):
     _write_cifar(str(tmp_path / "c"), n=10)
     n = sum(p.numel() for p in TASKS["cifar10-resnet110"](data_dir=str(tmp_path / "c")).make_model().parameters())
     assert 1.70e6 < n < 1.75e6  # He et al.: ResNet-110 has 1.7M parameters
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_task_has_training_defaults(name):
+    """``lowbit train --task NAME`` needs no other option: lr, momentum, weight decay and batch are defaulted."""
+    cfg = TrainConfig(task=name)
+    assert cfg.lr > 0 and 0 <= cfg.momentum < 1 and cfg.weight_decay >= 0 and cfg.batch_size >= 1

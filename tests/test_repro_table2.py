@@ -26,15 +26,29 @@ def _rows(res):
     return {r["key"]: r for r in res["rows"]}
 
 
-def test_registered_and_full_scale():
+@pytest.mark.parametrize("gpu,task", [(False, "fashion-lenet"), (True, "cifar10-resnet20")])
+def test_registered_and_full_scale(monkeypatch, gpu, task):
+    """Full mode trains LeNet-5 on Fashion-MNIST, or the paper's ResNet-20 on CIFAR-10
+    where a GPU and the data are present."""
     assert EXPERIMENTS["moniqua-table2"][0] == "table2"
+    monkeypatch.setattr(table2, "_cifar_on_gpu", lambda: gpu)
     full = table2.settings(quick=False)
-    assert (full["task"], full["workers"], full["topology"]) == ("fashion-lenet", 8, "ring")
+    assert (full["task"], full["workers"], full["topology"]) == (task, 8, "ring")
     assert len(full["seeds"]) == 3 and len(set(full["seeds"])) == 3
     assert len(table2.CONFIGS) == 12  # 5 algorithms x {1, 2} bits + 2 fp32 references
     common = {k: v for k, v in full.items() if k != "seeds"}
     for _, _, opts, _ in table2.CONFIGS:  # every full-mode run config is valid (1 bit included)
-        TrainConfig(**common, **opts, seed=full["seeds"][-1])
+        TrainConfig(**common, **opts, seed=full["seeds"][-1], device="cpu")
+
+
+def test_cifar_needs_a_gpu_and_the_data(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not table2._cifar_on_gpu()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(table2, "find_dataset_dir", lambda name: (_ for _ in ()).throw(FileNotFoundError(name)))
+    assert not table2._cifar_on_gpu()
+    monkeypatch.setattr(table2, "find_dataset_dir", lambda name: str(tmp_path))
+    assert table2._cifar_on_gpu()
 
 
 def test_every_configuration_present(quick):

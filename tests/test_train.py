@@ -205,3 +205,28 @@ def test_slow_worker_is_charged_its_factor(monkeypatch):
     assert [s for _, s in slow_clock.sleeps] == pytest.approx([2 * tick] * 20)
     assert fast[0].compute_seconds == slowed[0].compute_seconds == pytest.approx([2 * tick] * 20)
     assert slowed[1].compute_seconds == pytest.approx([4 * tick] * 20)  # two ticks read, two slept
+
+
+# ---- where workers compute ----------------------------------------------------------------
+@pytest.mark.parametrize("device,match", [("gpu", "unknown"), ("cuda:x", "unknown"), ("cuda", "no CUDA"),
+                                          ("cuda:0", "no CUDA")])
+def test_bad_or_unavailable_device_is_a_clear_error(device, match):
+    if torch.cuda.is_available() and match == "no CUDA":
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ValueError, match=f"device={device!r}.*{match}"):
+        TrainConfig(device=device)
+
+
+def test_auto_device_is_cuda_only_when_present(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert TrainConfig().worker_device(3) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    cfg = TrainConfig(device="auto")
+    assert cfg.worker_device(5) == torch.device("cuda", 1)  # local rank 5 on 4 GPUs
+    assert cfg.worker_device(None) == torch.device("cuda", 2)  # thread workers: the current GPU
+    assert TrainConfig(device="cuda:3").worker_device(0) == torch.device("cuda", 3)
+    assert TrainConfig(device="cpu").worker_device(0) == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"GPU index must be in \[0, 3\]"):
+        TrainConfig(device="cuda:4")

@@ -12,6 +12,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
+import torch
+
 from ..algorithms import ALGORITHMS
 from ..algorithms.compressed import SERVERS
 from ..algorithms.moniqua import THETA_SCHEDULES, VERIFY_BLOCK
@@ -28,9 +30,9 @@ TASK_DEFAULTS = {
     "quadratic": dict(lr=0.1, momentum=0.0, weight_decay=0.0, theta=0.05, batch_size=1),
     "digits-mlp": dict(lr=0.1, momentum=0.9, weight_decay=1e-4, theta=0.05, batch_size=32),
     **{t: dict(lr=0.05, momentum=0.9, weight_decay=1e-4, theta=0.05, batch_size=32)
-       for t in ("fashion-lenet", "fashion-fc300", "mnist-lenet", "mnist-fc300")},
+       for t in ("fashion-lenet", "fashion-fc300", "mnist-lenet", "mnist-fc300", "kmnist-lenet", "kmnist-fc300")},
     **{t: dict(lr=0.1, momentum=0.9, weight_decay=5e-4, theta=0.05, batch_size=32)
-       for t in ("cifar10-resnet20", "cifar10-vgg")},
+       for t in ("cifar10-resnet20", "cifar10-resnet110", "cifar10-vgg")},
 }
 
 # How --codec NAME becomes a codec, from the run's options. An algorithm lists
@@ -79,6 +81,7 @@ class TrainConfig:
     steps: int = _opt(300, "training steps")
     seed: int = _opt(0, "run seed (model init, data, shared randomness)")
     backend: str = _opt("thread", f"one of: {', '.join(BACKENDS)}")
+    device: str = _opt("auto", "where workers compute: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
     bandwidth: str = _opt("100Mbit", "network model bandwidth, e.g. 100Mbit")
     latency: str = _opt("1ms", "network model latency, e.g. 1ms")
     shape_bandwidth: str | None = _opt(None, "torch backend, Linux, root: run the workers in network namespaces "
@@ -183,6 +186,7 @@ class TrainConfig:
         if self.weight_decay < 0 or self.noise < 0:
             raise ValueError(f"weight_decay and noise must be >= 0, got {self.weight_decay}, {self.noise}")
         self.slow_factors()
+        self.worker_device(0)  # raises on a bad or unavailable device
         NetworkModel.parse(self.bandwidth, self.latency)  # raises on bad units
         if self.tensorboard is not None:
             _check_tensorboard(self.tensorboard)
@@ -202,6 +206,28 @@ class TrainConfig:
             raise ValueError(f"codec={name!r} is not available for algorithm={self.algorithm!r}; "
                              f"choose one of: {', '.join(allowed)}")
         return CODEC_BUILDERS[name](self)
+
+    def worker_device(self, local_rank: int | None) -> torch.device:
+        """The device a worker computes on. ``auto`` is CUDA when torch sees a GPU, else the
+        CPU. ``cuda`` (and ``auto`` on a GPU) puts the worker of local rank r on GPU r modulo
+        the visible GPUs; ``local_rank=None`` (the thread runtime, whose workers share one
+        process) puts every worker on the current GPU. ``cuda:N`` puts every worker on GPU N."""
+        name = str(self.device)
+        if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+            return torch.device("cpu")
+        if name != "auto" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
+            raise ValueError(f"device={name!r} is unknown; choose one of: auto, cpu, cuda, cuda:N")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={name!r}: torch sees no CUDA device here (torch.cuda.is_available() is "
+                             f"False); use device=cpu or auto")
+        count = torch.cuda.device_count()
+        if name.startswith("cuda:"):
+            index = int(name[5:])
+            if index >= count:
+                raise ValueError(f"device={name!r}: GPU index must be in [0, {count - 1}] ({count} visible)")
+            return torch.device("cuda", index)
+        index = torch.cuda.current_device() if local_rank is None else local_rank % count
+        return torch.device("cuda", index)
 
     def slow_factors(self) -> dict[int, float]:
         """``--slow 0:3,2:1.5`` as {rank: factor}."""

@@ -3,6 +3,7 @@ worker of either runtime, against a :class:`~lowbit.comm.Transport`."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -64,6 +65,31 @@ def _evaluate(k, task, model, flat, transport, eval_model, eval_flat) -> dict:
     return out
 
 
+def _compute_clock(device: torch.device) -> Callable[[], float]:
+    """The clock of a worker's compute seconds: its thread's CPU time on the CPU (other
+    workers' threads do not count); on a GPU, whose kernels run asynchronously, the wall
+    clock read after the device has finished its queued work."""
+    if device.type != "cuda":
+        return time.thread_time
+
+    def now() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return now
+
+
+def worker_device(cfg: TrainConfig, transport: Transport) -> torch.device:
+    """Where this worker computes (:meth:`TrainConfig.worker_device`). A worker process
+    of a torch.distributed run uses its local rank (``LOCAL_RANK`` under torchrun, else
+    its rank); the thread runtime's workers share the process's current device."""
+    from ..comm.distributed import TorchDistributedTransport
+
+    if not isinstance(transport, TorchDistributedTransport):
+        return cfg.worker_device(None)
+    return cfg.worker_device(int(os.environ.get("LOCAL_RANK", transport.rank)))
+
+
 def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *, evaluate: bool = True,
                instrument: Callable[[Algorithm], None] | None = None) -> WorkerResult:
     """One worker's training run. ``evaluate=False`` skips every evaluation (its
@@ -73,11 +99,12 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
     rank, n = transport.rank, transport.world_size
     if n != cfg.workers:
         raise ValueError(f"the runtime has {n} workers but workers={cfg.workers}")
-    task = TASKS[cfg.task].from_config(cfg)
+    device = worker_device(cfg, transport)
+    task = TASKS[cfg.task].from_config(cfg).to(device)
     with _INIT_LOCK:  # thread workers share torch's global RNG
-        torch.manual_seed(cfg.seed)  # A4: every worker starts from the same x_0
-        model = task.make_model()
-        eval_model = task.make_model()
+        torch.manual_seed(cfg.seed)  # A4: every worker starts from the same x_0 (drawn on the CPU)
+        model = task.make_model().to(device)
+        eval_model = task.make_model().to(device)
     flat, eval_flat = FlatParams(model), FlatParams(eval_model)
     algo = build_algorithm(cfg, transport)
     algo.setup(flat.data)
@@ -93,6 +120,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
 
         bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{n}", unit="step", leave=False, mininterval=0.5)
     slow = cfg.slow_factors().get(rank, 1.0)
+    now = _compute_clock(device)
     compute: list[float] = []
     evals: list[dict] = []
     for k in range(cfg.steps):
@@ -100,7 +128,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
         if evaluate and k % cfg.eval_every == 0 and (algo.synchronous or k == 0):
             evals.append(_evaluate(k, task, model, flat, transport, eval_model, eval_flat))
         transport.set_step(k)
-        t0 = time.thread_time()
+        t0 = now()
         lr = cfg.lr_at(k)
         for group in opt.param_groups:
             group["lr"] = lr
@@ -108,13 +136,13 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
         loss = task.loss(model, task.sample(shard, cfg.batch_size, data_gen))
         loss.backward()
         # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
-        extra = (slow - 1.0) * (time.thread_time() - t0)
+        extra = (slow - 1.0) * (now() - t0)
         if extra > 0:
             time.sleep(extra)
         algo.before_update(k, flat.data, flat.grad, lr)
         opt.step()
         algo.after_update(k, flat.data, flat.grad, lr)
-        compute.append(time.thread_time() - t0 + extra)
+        compute.append(now() - t0 + extra)
         if bar is not None:
             bar.update(1)
     algo.finish()
@@ -124,7 +152,7 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
     if bar is not None:
         bar.close()
     flat.check_aliasing()
-    return WorkerResult(rank=rank, params=flat.data.detach().clone(), ledger_rows=transport.ledger.to_rows(),
+    return WorkerResult(rank=rank, params=flat.data.detach().cpu().clone(), ledger_rows=transport.ledger.to_rows(),
                         compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(),
                         nominal_bits_per_element=float(algo.nominal_bits_per_element()), report=algo.report(),
                         evals=evals)

@@ -32,8 +32,20 @@ SPLITS = ("iid", "label")
 
 
 class Task(ABC):
+    """Data stay on the CPU (one copy for all thread workers); minibatches and evaluation
+    chunks move to ``device``, where the model is (:meth:`to`)."""
+
     name = "task"
     classification = False
+    device = torch.device("cpu")
+
+    def to(self, device: torch.device | str) -> "Task":
+        """Compute on ``device`` from now on (the caller moves the model there)."""
+        self.device = torch.device(device)
+        return self
+
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
 
     @classmethod
     def from_config(cls, cfg) -> "Task":
@@ -85,8 +97,13 @@ class Quadratic(Task):
         m.x = nn.Parameter(torch.zeros(self.dim))  # A4: x_0 = 0
         return m
 
-    def sample(self, shard, batch_size, gen):
-        return torch.randn(self.dim, generator=gen) * self.noise if self.noise > 0 else None
+    def to(self, device):
+        super().to(device)
+        self.center = self.center.to(self.device)
+        return self
+
+    def sample(self, shard, batch_size, gen):  # drawn on the CPU: the same noise on every device
+        return self._dev(torch.randn(self.dim, generator=gen) * self.noise) if self.noise > 0 else None
 
     def loss(self, model, batch):
         f = 0.5 * (model.x - self.center).pow(2).sum()
@@ -156,7 +173,7 @@ class Classification(Task):
 
     def sample(self, shard, batch_size, gen):
         idx = torch.randint(len(shard.y), (batch_size,), generator=gen)
-        return shard.X[idx], shard.y[idx]
+        return self._dev(shard.X[idx]), self._dev(shard.y[idx])
 
     def loss(self, model, batch):
         X, y = batch
@@ -164,13 +181,13 @@ class Classification(Task):
 
     def evaluate(self, model):
         with torch.no_grad():
-            train_loss = float(F.cross_entropy(model(self.X_train), self.y_train))
-            acc = float((model(self.X_test).argmax(1) == self.y_test).float().mean())
+            train_loss = float(F.cross_entropy(model(self._dev(self.X_train)), self._dev(self.y_train)))
+            acc = float((model(self._dev(self.X_test)).argmax(1) == self._dev(self.y_test)).float().mean())
         return {"train_loss": train_loss, "test_accuracy": acc}
 
     def full_grad_norm_sq(self, model):
         params = [p for p in model.parameters() if p.requires_grad]
-        grads = torch.autograd.grad(F.cross_entropy(model(self.X_train), self.y_train), params)
+        grads = torch.autograd.grad(F.cross_entropy(model(self._dev(self.X_train)), self._dev(self.y_train)), params)
         return float(sum(g.pow(2).sum() for g in grads))
 
 
@@ -255,24 +272,26 @@ class ImageClassification(Classification):
     def from_config(cls, cfg):
         return cls(data_dir=cfg.data_dir, split=cfg.split)
 
-    def _chunks(self, idx):
-        return torch.split(idx, self.eval_chunk)
+    def _chunks(self, X, y, idx):
+        """(inputs, labels) of ``idx`` in chunks of ``eval_chunk``, on the task's device."""
+        for c in torch.split(idx, self.eval_chunk):
+            yield self._dev(X[c]), self._dev(y[c])
 
     def evaluate(self, model):
         loss_sum, correct = 0.0, 0
         with torch.no_grad(), _FrozenBatchStats(model):
-            for c in self._chunks(self.eval_tr):
-                loss_sum += float(F.cross_entropy(model(self.X_train[c]), self.y_train[c], reduction="sum"))
-            for c in self._chunks(self.eval_te):
-                correct += int((model(self.X_test[c]).argmax(1) == self.y_test[c]).sum())
+            for X, y in self._chunks(self.X_train, self.y_train, self.eval_tr):
+                loss_sum += float(F.cross_entropy(model(X), y, reduction="sum"))
+            for X, y in self._chunks(self.X_test, self.y_test, self.eval_te):
+                correct += int((model(X).argmax(1) == y).sum())
         return {"train_loss": loss_sum / len(self.eval_tr), "test_accuracy": correct / len(self.eval_te)}
 
     def full_grad_norm_sq(self, model):
         params = [p for p in model.parameters() if p.requires_grad]
         total = [torch.zeros_like(p) for p in params]
         with _FrozenBatchStats(model):
-            for c in self._chunks(self.eval_tr):
-                loss = F.cross_entropy(model(self.X_train[c]), self.y_train[c], reduction="sum") / len(self.eval_tr)
+            for X, y in self._chunks(self.X_train, self.y_train, self.eval_tr):
+                loss = F.cross_entropy(model(X), y, reduction="sum") / len(self.eval_tr)
                 for t, g in zip(total, torch.autograd.grad(loss, params)):
                     t += g
         return float(sum(t.pow(2).sum() for t in total))
