@@ -96,8 +96,11 @@ def evaluate(model, data):
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
+    # CUDA when present: torchrun's LOCAL_RANK picks this rank's GPU (the transport then uses NCCL)
+    device = (torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+              if torch.cuda.is_available() else torch.device("cpu"))
     torch.manual_seed(args.seed)  # the same x_0 on every rank (the wrapper also broadcasts rank 0's)
-    model = DigitsCNN()
+    model = DigitsCNN().to(device)  # before wrapping: the wrapper flattens the parameters where they are
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     options = {k: v for k, v in (("bits", args.bits), ("theta", args.theta)) if v is not None}
     ddp = DecentralizedDataParallel(model, opt, args.algorithm, topology=args.topology, buffers=args.buffers,
@@ -106,7 +109,7 @@ def main(argv=None) -> None:
     if args.resume:
         ddp.load_state_dict(torch.load(os.path.join(args.resume, f"rank{rank}.pt"), weights_only=False))
 
-    train, test = load_digits_split(args.seed)
+    train, test = ((x.to(device), y.to(device)) for x, y in load_digits_split(args.seed))
     shard_x, shard_y = train[0][rank::n], train[1][rank::n]  # iid shards
 
     def report(k: int) -> None:
@@ -127,7 +130,7 @@ def main(argv=None) -> None:
                 report(k)
             # the batch depends on (seed, rank, step) only, so a resumed run sees the same data
             gen = torch.Generator().manual_seed(derive_seed(args.seed, k, rank, stream=1))
-            idx = torch.randint(len(shard_y), (args.batch_size,), generator=gen)
+            idx = torch.randint(len(shard_y), (args.batch_size,), generator=gen).to(device)
             ddp.zero_grad()
             F.cross_entropy(ddp(shard_x[idx]), shard_y[idx]).backward()
             ddp.step()
@@ -135,7 +138,7 @@ def main(argv=None) -> None:
         # a fingerprint of each rank's parameters (resumed and uninterrupted runs print the same)
         digest = int(hashlib.sha256(ddp.flat.data.detach().cpu().numpy().tobytes()).hexdigest()[:15], 16)
         with ddp.transport.untracked():
-            digests = ddp.transport.gather(torch.tensor([digest], dtype=torch.int64), 0)
+            digests = ddp.transport.gather(torch.tensor([digest], dtype=torch.int64, device=device), 0)
         if rank == 0:
             print(f"done in {time.perf_counter() - t0:.1f} s; parameters sha256[:15] per rank: "
                   + " ".join(f"{int(d):015x}" for d in digests), flush=True)
