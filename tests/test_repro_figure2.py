@@ -70,19 +70,34 @@ def test_moniqua_on_d2_beats_dpsgd_and_moniqua_on_label_split(quick):
 def test_async_bytes_and_communication_by_construction(quick):
     _, res = quick
     a = {r["options"]["algorithm"]: r for r in res["async"]}
-    bits = res["settings"]["async"]["bits"]
+    s = res["settings"]["async"]
+    bits, steps = s["bits"], s["steps"]
     # the same seeded partners and schedule: the same messages, each at bits/32 of fp32 (plus a header)
     assert a["moniqua-async"]["messages_sent"] == a["adpsgd"]["messages_sent"]
     ratio = a["moniqua-async"]["bytes_sent"] / a["adpsgd"]["bytes_sent"]
     assert bits / 32 <= ratio < bits / 32 * 1.01
     assert a["moniqua-async"]["nominal_bits_per_element"] == bits
-    # communication seconds follow from the bytes: fewer bytes, same messages -> less time
-    assert a["moniqua-async"]["comm_seconds"] < 0.5 * a["adpsgd"]["comm_seconds"]
-    # and the figure's point, on the modelled (deterministic) part of the clock: async Moniqua
-    # spends less time on the network than both; the measured compute is left out of the
-    # assertion because this machine's load changes it (the full run's table has both)
+    # the modelled network time, from the bytes by hand: 20 Mbit/s, 0.15 ms; D-PSGD one message
+    # time per step (its two ring messages on parallel links), an asynchronous worker one round
+    # trip per step (its request, then the reply on the link back), every message of one size
+    bw, lat = 20e6, 0.15e-3
+    for name, legs in (("dpsgd", 1), ("adpsgd", 2), ("moniqua-async", 2)):
+        m = a[name]["bytes_sent"] / a[name]["messages_sent"]
+        assert a[name]["network_seconds"] == pytest.approx(steps * legs * (lat + 8 * m / bw), rel=1e-9), name
+    # on the clock: synchronous D-PSGD adds its communication to compute, an asynchronous worker
+    # hides the part of its round trip that its compute covers (never more)
+    d = a["dpsgd"]
+    assert d["comm_seconds"] == pytest.approx(d["network_seconds"])
+    for name in ("adpsgd", "moniqua-async"):
+        r = a[name]
+        assert 0 <= r["comm_seconds"] <= r["network_seconds"] * (1 + 1e-12)
+        assert r["emulated_seconds"] >= r["network_seconds"] * (1 - 1e-12)
+        assert r["emulated_seconds"] == pytest.approx(r["compute_seconds"] + r["comm_seconds"])
+    # the deterministic part: async Moniqua spends less time on the network than both (the
+    # measured compute is left out: this machine's load changes it; the full run's table has both)
+    assert a["moniqua-async"]["network_seconds"] < 0.5 * a["adpsgd"]["network_seconds"]
     for other in ("dpsgd", "adpsgd"):
-        assert a["moniqua-async"]["comm_seconds"] < a[other]["comm_seconds"]
+        assert a["moniqua-async"]["network_seconds"] < a[other]["network_seconds"]
 
 
 def test_async_curves_are_runs_of_increasing_length(quick):

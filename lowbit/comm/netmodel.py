@@ -1,14 +1,38 @@
 """Alpha-beta network model: ledger records -> emulated communication seconds.
 
-A message of m bytes over one link costs ``latency + m / bandwidth``.
-Collectives use the textbook ring formulas (Thakur, Rabenseifner & Gropp 2005):
+Every directed link between two ranks has the same bandwidth B (bits/s) and
+latency a (s); links are full duplex and independent of each other. A message
+of m bytes over one link costs ``message_seconds(m) = a + 8 m / B``. Messages
+of one op that go to distinct peers travel on distinct links in parallel;
+messages on the same link go one after another. Collectives use the textbook
+ring formulas (Thakur, Rabenseifner & Gropp 2005):
 
+- neighbour exchange: one message per neighbour, each on its own link, all in
+  parallel: one message time (``CommRecord.peers`` links);
 - ring all-reduce of m bytes on n ranks: each rank sends 2(n-1)/n * m bytes in
-  2(n-1) messages; time 2(n-1) * latency + 2(n-1)/n * m / bandwidth;
-- ring all-gather of m bytes per rank: (n-1) messages of m bytes;
-- neighbour exchange: one message per neighbour, the links in parallel;
+  2(n-1) messages; time 2(n-1) * a + 2(n-1)/n * 8 m / B;
+- ring all-gather of m bytes per rank: (n-1) messages of m bytes, one after
+  another;
 - broadcast: binomial tree, ceil(log2 n) rounds of one message;
 - gather to one rank: the root's link receives (n-1) m bytes.
+
+Synchronous step (:meth:`NetworkModel.step_seconds`): the ops a rank issues in
+one step are blocking calls, each starting when the one before returned, so
+their times add up.
+
+Asynchronous pairwise gossip (AD-PSGD, :meth:`NetworkModel.gossip_step_seconds`):
+the active worker i sends its request to one neighbour j (link i->j) and waits
+for j's reply (link j->i), which j's responder sends once the request has
+arrived (lowbit's protocol, :mod:`lowbit.comm.distributed`): a round trip,
+``message_seconds(request) + message_seconds(reply)``. The ledger holds the
+request on i's ledger and the reply on j's (each a one-peer "neighbor"
+record, at its sender's step); the record says neither the peer nor whether
+it is a request or a reply. Every message is priced exactly once, as one leg
+of the round trip of the exchange it belongs to; replies a worker sends as
+the passive side do not delay that worker (a responder thread sends them).
+Contention between exchanges (a reply and a request on the same link at the
+same time, two requests queued at one responder) is not modelled: which
+messages meet on a link depends on timing the ledger does not record.
 """
 
 from __future__ import annotations
@@ -90,12 +114,19 @@ class NetworkModel:
     def _t(self, nbytes: float) -> float:
         return nbytes * 8.0 / self.bandwidth
 
+    def message_seconds(self, nbytes: float) -> float:
+        """One message of ``nbytes`` over one link: latency + 8 * nbytes / bandwidth."""
+        if not (isinstance(nbytes, (int, float)) and 0 <= nbytes < math.inf):
+            raise ValueError(f"nbytes must be a finite number >= 0, got {nbytes!r}")
+        return self.latency + self._t(nbytes)
+
     def op_seconds(self, rec: CommRecord, n: int) -> float:
+        """Seconds of one op as ``rec`` records it, on ``n`` ranks (see the module doc)."""
         if n <= 1:
             return 0.0
         a, m = self.latency, rec.nbytes
-        if rec.op == "neighbor":
-            return a + self._t(m) if rec.peers else 0.0
+        if rec.op == "neighbor":  # one message per peer, each on its own link, in parallel
+            return self.message_seconds(m) if rec.peers else 0.0
         if rec.op == "all_reduce":
             return 2 * (n - 1) * a + self._t(2 * (n - 1) / n * m)
         if rec.op == "all_gather":
@@ -107,5 +138,32 @@ class NetworkModel:
         raise ValueError(f"unknown op {rec.op!r}")
 
     def step_seconds(self, records, n: int) -> float:
-        """Ops of one step run one after another."""
-        return sum(self.op_seconds(r, n) for r in records)
+        """A synchronous step: its ops run one after another (each a blocking call)."""
+        return math.fsum(self.op_seconds(r, n) for r in records)
+
+    def exchange_seconds(self, request_nbytes: float, reply_nbytes: float, n: int) -> float:
+        """One pairwise gossip exchange as its active side waits for it: the request
+        on one link, then the reply on the link back (a round trip)."""
+        if n <= 1:
+            return 0.0
+        return self.message_seconds(request_nbytes) + self.message_seconds(reply_nbytes)
+
+    def gossip_step_seconds(self, records, n: int) -> float:
+        """An asynchronous step's communication: the round trip of the worker's own
+        exchange. ``records``: the step's ledger records, the worker's request and the
+        replies it sent as the passive side, all one-peer "neighbor" messages. They
+        must have one size m (lowbit's pairwise exchanges send one payload of one
+        size each way, so the reply the worker waits for has size m too); the step
+        costs ``exchange_seconds(m, m)``, 0 when it sent nothing (no neighbour)."""
+        records = list(records)
+        for r in records:
+            if r.op != "neighbor" or r.peers != 1:
+                raise ValueError(f"an asynchronous step holds only one-peer gossip messages, got {r!r}")
+        sizes = {r.nbytes for r in records}
+        if len(sizes) > 1:
+            raise ValueError(f"the gossip messages of one step must have one size (the ledger does not tell "
+                             f"the request from the replies), got sizes {sorted(sizes)}")
+        if not sizes:
+            return 0.0
+        m = sizes.pop()
+        return self.exchange_seconds(m, m, n)

@@ -61,18 +61,88 @@ def _torch_job(cfg: TrainConfig, progress: bool):
     return gathered
 
 
-def emulated_clock(cfg: TrainConfig, results: list[WorkerResult], ledgers: list[Ledger]) -> tuple[list[float], list[float]]:
-    """Emulated (compute, communication) seconds of each step. Synchronous algorithms wait
-    for the slowest worker at every step (its compute, and the step's slowest modelled
-    communication); an asynchronous one does not, so its clock is the slowest worker's own."""
+@dataclass(frozen=True)
+class StepClock:
+    """The emulated clock of a run, per step (see :func:`step_clock`).
+
+    ``compute``: compute seconds; ``comm``: the network model's communication
+    seconds; ``seconds``: what the step took on the emulated clock;
+    ``rank``: the worker whose clock it is (asynchronous runs), None for a
+    synchronous run (the slowest worker of each step)."""
+
+    compute: list[float]
+    comm: list[float]
+    seconds: list[float]
+    rank: int | None
+
+
+def overlaps_compute(algorithm: str) -> bool:
+    """Whether a step of ``algorithm`` may communicate while it computes its gradient.
+
+    True for the asynchronous algorithms (AD-PSGD and moniqua-async, the only
+    ones lowbit has): the gradient of step k is taken at the model as read at
+    the start of the step, before the step's own exchange averages it in
+    (:mod:`lowbit.algorithms.adpsgd`), and the request carries the model, not
+    the gradient; the optimizer step needs both. So the exchange can run on a
+    communication thread while the gradient is computed, as Lian et al. (2018)
+    run it. The synchronous algorithms are priced as lowbit runs them: the
+    exchange after the gradient (their codecs and compensations use it, and
+    no overlap is claimed for the others either)."""
+    return not ALGORITHMS[algorithm].synchronous
+
+
+def step_clock(cfg: TrainConfig, results: list[WorkerResult], ledgers: list[Ledger]) -> StepClock:
+    """The emulated clock of a finished run (the model, stated exactly):
+
+    - compute c_ik: worker i's measured compute seconds of step k (thread CPU
+      time of the gradient, the algorithm's encoding/decoding and the optimizer
+      step, plus the ``--slow`` extra);
+    - communication g_ik: the network model (``cfg.network()``,
+      :mod:`lowbit.comm.netmodel`) applied to the records worker i's ledger holds
+      at step k: synchronous algorithms ``step_seconds`` (the step's ops one
+      after another, a neighbour exchange one message time on parallel links);
+      asynchronous ones ``gossip_step_seconds`` (the round trip of the worker's
+      own request and the reply it waits for; the replies it sends are priced
+      in their requesters' round trips);
+    - synchronous run: every step waits for the slowest worker, first in
+      compute, then in communication (no overlap):
+      ``seconds_k = max_i c_ik + max_i g_ik``;
+    - asynchronous run: no barrier; a worker's step overlaps its gradient with
+      its exchange (:func:`overlaps_compute`), ``s_ik = max(c_ik, g_ik)``; every
+      worker runs ``cfg.steps`` steps, so the run ends with the worker of the
+      largest ``sum_k s_ik`` and the clock is that worker's own.
+    The gossip messages of an asynchronous run must all have one size (so the
+    reply a request waits for, recorded on the partner's ledger, has the
+    request's size); otherwise ValueError."""
     n, net = cfg.workers, cfg.network()
     steps = range(cfg.steps)
-    comm = [[net.step_seconds(led.records.get(k, ()), n) for k in steps] for led in ledgers]
-    if ALGORITHMS[cfg.algorithm].synchronous:
-        return ([max(r.compute_seconds[k] for r in results) for k in steps],
-                [max(c[k] for c in comm) for k in steps])
-    i = max(range(len(results)), key=lambda i: math.fsum(results[i].compute_seconds) + math.fsum(comm[i]))
-    return list(results[i].compute_seconds), comm[i]
+    if not overlaps_compute(cfg.algorithm):
+        comm = [[net.step_seconds(led.records.get(k, ()), n) for k in steps] for led in ledgers]
+        compute = [max(r.compute_seconds[k] for r in results) for k in steps]
+        slowest = [max(c[k] for c in comm) for k in steps]
+        return StepClock(compute, slowest, [a + b for a, b in zip(compute, slowest)], None)
+    sizes = {r.nbytes for led in ledgers for recs in led.records.values() for r in recs}
+    if len(sizes) > 1:
+        raise ValueError(f"the gossip messages of an asynchronous run must all have one size (the clock "
+                         f"prices a reply at its request's size), got sizes {sorted(sizes)}")
+    comm = [[net.gossip_step_seconds(led.records.get(k, ()), n) for k in steps] for led in ledgers]
+    by_rank = {led.rank: c for led, c in zip(ledgers, comm)}
+    per_worker = [(r.rank, list(r.compute_seconds), by_rank[r.rank]) for r in results]
+    totals = [[max(c, g) for c, g in zip(cs, gs)] for _, cs, gs in per_worker]
+    i = max(range(len(per_worker)), key=lambda i: (math.fsum(totals[i]), -per_worker[i][0]))
+    rank, compute, g = per_worker[i]
+    return StepClock(compute, g, totals[i], rank)
+
+
+def emulated_clock(cfg: TrainConfig, results: list[WorkerResult], ledgers: list[Ledger]) -> tuple[list[float], list[float]]:
+    """Emulated (compute, communication) seconds of each step, by :func:`step_clock`;
+    the communication is the part not hidden behind compute (``seconds - compute``,
+    all of it for a synchronous run), so that compute + communication is the step's
+    time on the clock."""
+    clock = step_clock(cfg, results, ledgers)
+    if clock.rank is None:  # synchronous: nothing overlaps
+        return clock.compute, clock.comm
+    return clock.compute, [s - c for s, c in zip(clock.seconds, clock.compute)]
 
 
 def _combine_reports(results: list[WorkerResult]) -> dict:
