@@ -254,7 +254,7 @@ class MoniquaAsync(ADPSGD):
 
     def _encode(self, x, gen_step, gen_rank):
         # One rounding stream per exchange: (seed, active step, active rank), on both sides.
-        gen = shared_generator(self.seed, gen_step, gen_rank, STREAM_ROUNDING, device=x.device)
+        gen = shared_generator(self.seed, gen_step, gen_rank, STREAM_ROUNDING)
         ref = x.detach().clone()
         payload = self.codec.encode(ref, generator=gen)                                # line 3
         return payload.to_wire(), self.codec.decode(payload, ref=ref), ref           # line 4: xh_self

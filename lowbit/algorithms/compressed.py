@@ -87,7 +87,7 @@ class GatheredAlgorithm(CentralizedAlgorithm):
         if self.server == "allgather":
             return self.average(k, t.all_gather(wire)).to(g.dtype)
         wires = t.gather(wire, dst=0)
-        out = self.average(k, wires) if self.rank == 0 else torch.empty(g.shape)
+        out = self.average(k, wires) if self.rank == 0 else torch.empty(g.shape, device=g.device)
         return t.broadcast(out.to(device=g.device, dtype=torch.float32), src=0).to(g.dtype)  # the server sends fp32
 
     def before_update(self, k, x, g, lr):
@@ -101,7 +101,7 @@ class _CodecGathered(GatheredAlgorithm):
     codec: Codec
 
     def encode(self, k, g):
-        return self.codec.encode(g, generator=shared_generator(self.seed, k, self.rank, device=g.device))
+        return self.codec.encode(g, generator=shared_generator(self.seed, k, self.rank))
 
     def decode(self, k, sender, wire):
         return self.codec.decode(self.codec.payload_from_wire(wire), dtype=torch.float64)

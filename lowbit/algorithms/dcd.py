@@ -57,7 +57,7 @@ def exchange_compressed(algo, codec: Codec, k: int, v: torch.Tensor, neighbors) 
     """Send C(v) to ``neighbors`` and receive theirs. Returns (C(v) as decoded by
     any receiver, {j: C(v_j)}), all in v's dtype. Worker p's randomness at step
     k is ``shared_generator(algo.seed, k, p)``."""
-    gen = shared_generator(algo.seed, k, algo.rank, device=v.device)
+    gen = shared_generator(algo.seed, k, algo.rank)
     own_gen = clone_generator(gen) if codec.dither_on_decode else None
     wire = codec.encode(v, generator=gen).to_wire()
     received = algo.transport.neighbor_exchange(wire, neighbors)
@@ -65,7 +65,7 @@ def exchange_compressed(algo, codec: Codec, k: int, v: torch.Tensor, neighbors) 
     own = codec.decode(codec.payload_from_wire(wire), generator=own_gen).to(v.dtype)
     out = {}
     for j in neighbors:
-        gen_j = shared_generator(algo.seed, k, j, device=v.device) if codec.dither_on_decode else None
+        gen_j = shared_generator(algo.seed, k, j) if codec.dither_on_decode else None
         out[j] = codec.decode(codec.payload_from_wire(received[j]), generator=gen_j).to(v.dtype)
     return own, out
 

@@ -29,13 +29,13 @@ class QuantizedGossip(GossipAlgorithm):
         return float(self.codec.bits)
 
     def before_update(self, k, x, g, lr):
-        gen = shared_generator(self.seed, k, self.rank, device=x.device)
+        gen = shared_generator(self.seed, k, self.rank)
         wire = self.codec.encode(x, generator=gen).to_wire()
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         mixed = x * self.w_self
         for j in self.neighbors:
             # a dithered codec's receiver regenerates sender j's dither from the shared seed
-            gen_j = shared_generator(self.seed, k, j, device=x.device) if self.codec.dither_on_decode else None
+            gen_j = shared_generator(self.seed, k, j) if self.codec.dither_on_decode else None
             xj = self.codec.decode(self.codec.payload_from_wire(received[j]), generator=gen_j)
             mixed.add_(xj.to(x.dtype), alpha=self.w[j])
         x.copy_(mixed)

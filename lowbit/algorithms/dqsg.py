@@ -84,10 +84,10 @@ class DQSG(GatheredAlgorithm):
         return float(self.codec.bits)
 
     def encode(self, k, g):
-        return self.codec.encode(g, generator=shared_generator(self.seed, k, self.rank, device=g.device))
+        return self.codec.encode(g, generator=shared_generator(self.seed, k, self.rank))
 
     def decode(self, k, sender, wire):
-        gen = shared_generator(self.seed, k, sender, device=wire.device)  # the server regenerates u_p
+        gen = shared_generator(self.seed, k, sender)  # the server regenerates u_p
         return self.codec.decode(self.codec.payload_from_wire(wire), generator=gen, dtype=torch.float64)
 
 
@@ -153,7 +153,7 @@ class NDQSG(DQSG):
         x64 = g.detach().to(torch.float64)
         kappa = float(_float32_up(x64.abs().amax().reshape(1))[0]) if x64.numel() else 0.0
         v = x64 / kappa if kappa > 0 else torch.zeros_like(x64)
-        inner = self.nested.encode(v, generator=shared_generator(self.seed, k, self.rank, device=g.device))
+        inner = self.nested.encode(v, generator=shared_generator(self.seed, k, self.rank))
         return Payload(header=torch.cat([pack_header(self._KAPPA, kappa, device=g.device), inner.header]),
                        data=inner.data)
 
@@ -162,7 +162,7 @@ class NDQSG(DQSG):
         if kappa == 0:
             return torch.zeros_like(g_bar)
         inner = self.nested.payload_from_wire(wire[4:])
-        gen = shared_generator(self.seed, k, sender, device=wire.device)
+        gen = shared_generator(self.seed, k, sender)
         return self.nested.decode(inner, ref=g_bar / kappa, generator=gen) * kappa
 
     def average(self, k, wires):
@@ -186,7 +186,7 @@ class NDQSG(DQSG):
             out = self.average(k, [got[j] for j in range(n)])
         else:
             t.neighbor_exchange(wire, [0])
-            out = torch.empty(g.shape)
+            out = torch.empty(g.shape, device=g.device)
         return t.broadcast(out.to(device=g.device, dtype=torch.float32), src=0).to(g.dtype)  # fp32 average
 
 

@@ -138,7 +138,7 @@ class MaxNormSGD(CentralizedAlgorithm):
         for op in codec.scale_reduce_ops:  # line 5 (MAX of the norm), line 7 (MIN of the scale index)
             agreed.append(t.all_reduce(codec.shared_scale(g, tuple(agreed)), op))
         scale = agreed[0] if len(agreed) == 1 else tuple(agreed)
-        zeta = codec.encode_int(g, scale, shared_generator(self.seed, k, self.rank, device=g.device))  # line 8
+        zeta = codec.encode_int(g, scale, shared_generator(self.seed, k, self.rank))  # line 8
         total = t.all_reduce(zeta.to(self.dtype), "sum")  # line 9, in the overflow-safe dtype
         g.copy_(codec.decode_sum(total, scale, self.world_size, numel=self.d, dtype=g.dtype))  # line 10
 

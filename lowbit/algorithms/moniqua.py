@@ -406,7 +406,7 @@ class Moniqua(GossipAlgorithm):
         # Shared randomness ("More efficient Moniqua", section 6): every worker draws the
         # same rounding offsets u at step k, so nearby models round alike.
         sender = 0 if self.shared_randomness else self.rank + 1
-        gen = shared_generator(self.seed, k, sender, device=x.device)
+        gen = shared_generator(self.seed, k, sender)
         y = x.detach().to(torch.float64)  # decode in float64 so the grid integers are exact
         step = codec.B_theta / codec.levels
         d = x.numel()

@@ -485,7 +485,7 @@ def _powersgd(state, codec: PowerSGDCodec, x, world, group, bidx, sig, bucket):
         pos += n * r
     dense_avg = first[pos:].to(torch.float64)
     q_own = [(M.T @ ph).to(torch.float32) for M, ph in zip(Ms, p_hats)]
-    second = torch.cat([q.reshape(-1) for q in q_own]) if q_own else torch.empty(0, dtype=torch.float32)
+    second = torch.cat([q.reshape(-1) for q in q_own]) if q_own else x.new_empty(0, dtype=torch.float32)
 
     def assemble(qs_used, dense_part) -> torch.Tensor:
         out = torch.empty(x.numel(), dtype=torch.float64, device=x.device)
