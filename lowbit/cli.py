@@ -36,7 +36,7 @@ def _add_bench(sub) -> None:
     c = what.add_parser("codecs", help="encode/decode throughput of every codec against memcpy")
     c.add_argument("--size", type=int, default=1_000_000, help="elements of the fp32 input")
     c.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is shown)")
-    c.add_argument("--device", default="cpu", help="cpu or cuda")
+    c.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
     c.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 

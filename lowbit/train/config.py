@@ -70,6 +70,30 @@ def _theta(v: str):
         return v
 
 
+def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
+    """``auto`` is CUDA when torch sees a GPU, else the CPU. ``cuda`` (and ``auto`` on a
+    GPU) puts the worker of local rank r on GPU r modulo the visible GPUs;
+    ``local_rank=None`` (the thread runtime, whose workers share one process) means the
+    current GPU. ``cuda:N`` is GPU N. Anything else, or CUDA where there is none, is a
+    ValueError naming ``device``."""
+    name = str(name)
+    if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if name != "auto" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise ValueError(f"device={name!r} is unknown; choose one of: auto, cpu, cuda, cuda:N")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device={name!r}: torch sees no CUDA device here (torch.cuda.is_available() is "
+                         f"False); use device=cpu or auto")
+    count = torch.cuda.device_count()
+    if name.startswith("cuda:"):
+        index = int(name[5:])
+        if index >= count:
+            raise ValueError(f"device={name!r}: GPU index must be in [0, {count - 1}] ({count} visible)")
+        return torch.device("cuda", index)
+    index = torch.cuda.current_device() if local_rank is None else local_rank % count
+    return torch.device("cuda", index)
+
+
 @dataclass
 class TrainConfig:
     task: str = _opt("digits-mlp", f"one of: {', '.join(TASKS)}")
@@ -208,26 +232,8 @@ class TrainConfig:
         return CODEC_BUILDERS[name](self)
 
     def worker_device(self, local_rank: int | None) -> torch.device:
-        """The device a worker computes on. ``auto`` is CUDA when torch sees a GPU, else the
-        CPU. ``cuda`` (and ``auto`` on a GPU) puts the worker of local rank r on GPU r modulo
-        the visible GPUs; ``local_rank=None`` (the thread runtime, whose workers share one
-        process) puts every worker on the current GPU. ``cuda:N`` puts every worker on GPU N."""
-        name = str(self.device)
-        if name == "cpu" or (name == "auto" and not torch.cuda.is_available()):
-            return torch.device("cpu")
-        if name != "auto" and name != "cuda" and not (name.startswith("cuda:") and name[5:].isdigit()):
-            raise ValueError(f"device={name!r} is unknown; choose one of: auto, cpu, cuda, cuda:N")
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={name!r}: torch sees no CUDA device here (torch.cuda.is_available() is "
-                             f"False); use device=cpu or auto")
-        count = torch.cuda.device_count()
-        if name.startswith("cuda:"):
-            index = int(name[5:])
-            if index >= count:
-                raise ValueError(f"device={name!r}: GPU index must be in [0, {count - 1}] ({count} visible)")
-            return torch.device("cuda", index)
-        index = torch.cuda.current_device() if local_rank is None else local_rank % count
-        return torch.device("cuda", index)
+        """The device a worker computes on: :func:`resolve_device` of ``device``."""
+        return resolve_device(self.device, local_rank)
 
     def slow_factors(self) -> dict[int, float]:
         """``--slow 0:3,2:1.5`` as {rank: factor}."""
