@@ -147,18 +147,17 @@ def _run_async(base: dict) -> list[dict]:
             p = priced(cfg, r.workers, cfg.bandwidth, cfg.latency)  # the run's own network: its own clock
             step_total = [a + b for a, b in zip(p["compute"], p["comm"])]
             row = {"label": label, "options": opts, "synchronous": True, **_summary_fields(r.summary),
-                   "network_seconds": _network_seconds(cfg, r.workers), **curves(r.metrics, "train_loss"),
+                   "network_seconds": p["comm_seconds"],  # synchronous: nothing overlaps, all of it is exposed
+                   **curves(r.metrics, "train_loss"),
                    "seconds": [math.fsum(step_total[: m["step"]]) for m in r.metrics]}
         else:
             # evaluated only at its ends: one run per curve point, each N steps per worker
             ends = list(range(every, steps, every)) + [steps]
-            points = []
-            for n in ends:
-                points.append(train_quietly(TrainConfig(**{**base, "steps": n, "eval_every": n}, **opts)))
+            cfgs = [TrainConfig(**{**base, "steps": n, "eval_every": n}, **opts) for n in ends]
+            points = [train_quietly(c) for c in cfgs]
             last = points[-1]
-            last_cfg = TrainConfig(**{**base, "steps": steps, "eval_every": steps}, **opts)
             row = {"label": label, "options": opts, "synchronous": False, **_summary_fields(last.summary),
-                   "network_seconds": _network_seconds(last_cfg, last.workers),
+                   "network_seconds": _network_seconds(cfgs[-1], last.workers),
                    "steps": [0] + ends,
                    "train_loss": [last.metrics[0]["train_loss"]] + [p.summary["final_train_loss"] for p in points],
                    "seconds": [0.0] + [p.summary["emulated_seconds"] for p in points]}
