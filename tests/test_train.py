@@ -9,6 +9,7 @@ import torch
 from lowbit.cli import main
 from lowbit.topology import make_topology, smallest_nonzero_weight
 from lowbit.train import TrainConfig, train
+from lowbit.train.config import resolve_device
 
 
 def _quad(**kw):
@@ -219,14 +220,14 @@ def test_bad_or_unavailable_device_is_a_clear_error(device, match):
 
 def test_auto_device_is_cuda_only_when_present(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert TrainConfig().worker_device(3) == torch.device("cpu")
+    assert resolve_device(TrainConfig().device, 3) == torch.device("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     cfg = TrainConfig(device="auto")
-    assert cfg.worker_device(5) == torch.device("cuda", 1)  # local rank 5 on 4 GPUs
-    assert cfg.worker_device(None) == torch.device("cuda", 2)  # thread workers: the current GPU
-    assert TrainConfig(device="cuda:3").worker_device(0) == torch.device("cuda", 3)
-    assert TrainConfig(device="cpu").worker_device(0) == torch.device("cpu")
+    assert resolve_device(cfg.device, 5) == torch.device("cuda", 1)  # local rank 5 on 4 GPUs
+    assert resolve_device(cfg.device, None) == torch.device("cuda", 2)  # thread workers: the current GPU
+    assert resolve_device(TrainConfig(device="cuda:3").device, 0) == torch.device("cuda", 3)
+    assert resolve_device(TrainConfig(device="cpu").device, 0) == torch.device("cpu")
     with pytest.raises(ValueError, match=r"GPU index must be in \[0, 3\]"):
         TrainConfig(device="cuda:4")

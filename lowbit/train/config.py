@@ -210,7 +210,7 @@ class TrainConfig:
         if self.weight_decay < 0 or self.noise < 0:
             raise ValueError(f"weight_decay and noise must be >= 0, got {self.weight_decay}, {self.noise}")
         self.slow_factors()
-        self.worker_device(0)  # raises on a bad or unavailable device
+        resolve_device(self.device)  # raises on a bad or unavailable device
         NetworkModel.parse(self.bandwidth, self.latency)  # raises on bad units
         if self.tensorboard is not None:
             _check_tensorboard(self.tensorboard)
@@ -230,10 +230,6 @@ class TrainConfig:
             raise ValueError(f"codec={name!r} is not available for algorithm={self.algorithm!r}; "
                              f"choose one of: {', '.join(allowed)}")
         return CODEC_BUILDERS[name](self)
-
-    def worker_device(self, local_rank: int | None) -> torch.device:
-        """The device a worker computes on: :func:`resolve_device` of ``device``."""
-        return resolve_device(self.device, local_rank)
 
     def slow_factors(self) -> dict[int, float]:
         """``--slow 0:3,2:1.5`` as {rank: factor}."""

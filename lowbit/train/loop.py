@@ -16,7 +16,7 @@ from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..integrations import FlatParams
 from ..topology import make_topology
-from .config import TrainConfig
+from .config import TrainConfig, resolve_device
 from .tasks import TASKS
 
 _INIT_LOCK = threading.Lock()
@@ -80,14 +80,14 @@ def _compute_clock(device: torch.device) -> Callable[[], float]:
 
 
 def worker_device(cfg: TrainConfig, transport: Transport) -> torch.device:
-    """Where this worker computes (:meth:`TrainConfig.worker_device`). A worker process
+    """Where this worker computes (:func:`~lowbit.train.config.resolve_device` of ``cfg.device``). A worker process
     of a torch.distributed run uses its local rank (``LOCAL_RANK`` under torchrun, else
     its rank); the thread runtime's workers share the process's current device."""
     from ..comm.distributed import TorchDistributedTransport
 
     if not isinstance(transport, TorchDistributedTransport):
-        return cfg.worker_device(None)
-    return cfg.worker_device(int(os.environ.get("LOCAL_RANK", transport.rank)))
+        return resolve_device(cfg.device, None)
+    return resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", transport.rank)))
 
 
 def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *, evaluate: bool = True,
