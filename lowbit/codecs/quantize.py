@@ -14,6 +14,7 @@ import numbers
 import torch
 
 from .base import check_flat
+from .rng import counter_uniforms, draw_key
 
 __all__ = [
     "ROUNDINGS",
@@ -46,10 +47,11 @@ def round_to_int(v: torch.Tensor, rounding: str, generator: torch.Generator | No
     """Round ``v`` element-wise to integers (returned as a floating tensor).
 
     The result has ``v``'s dtype when it is float32/float64 (half types are
-    computed and returned in float32), and ``v``'s device. The uniforms of
-    stochastic rounding come from ``torch.rand`` with ``generator`` (the global
-    generator if None), drawn on the generator's device and moved to ``v``'s,
-    so a CPU generator gives the same draws whatever device ``v`` is on.
+    computed and returned in float32), and ``v``'s device. Stochastic rounding
+    draws one key from ``generator`` (the global generator if None) and uses the
+    counter uniforms of :func:`~lowbit.codecs.rng.counter_uniforms` for the
+    elements in flat order, as the fast kernels do, so every device and code
+    path sees the same draws.
     """
     check_rounding(rounding)
     if not isinstance(v, torch.Tensor) or not v.is_floating_point():
@@ -57,8 +59,7 @@ def round_to_int(v: torch.Tensor, rounding: str, generator: torch.Generator | No
     v = v.to(work_dtype(v.dtype))
     if rounding == "nearest":
         return torch.round(v)
-    gen_device = generator.device if generator is not None else v.device
-    u = torch.rand(v.shape, generator=generator, dtype=v.dtype, device=gen_device).to(v.device)
+    u = counter_uniforms(draw_key(generator), v.numel(), v.device, v.dtype).view(v.shape)
     lo = torch.floor(v)
     return lo + (u < (v - lo)).to(v.dtype)
 

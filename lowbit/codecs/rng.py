@@ -34,3 +34,71 @@ def clone_generator(generator: torch.Generator) -> torch.Generator:
     g = torch.Generator(device=generator.device)
     g.set_state(generator.get_state())
     return g
+
+
+# --- counter-based uniforms: the fast paths' randomness ---------------------------------
+#
+# A codec draws ONE 63-bit key from the generator it is given (one call of
+# ``torch.randint`` on the generator's device, so a CPU generator never
+# synchronises with a GPU). Element ``i`` of that draw then gets the uniform
+#
+#     h = mix32(mix32(i XOR k0) + k1)  (mod 2^32),     u_i = (h >> 8) * 2^-24  in [0, 1 - 2^-24],
+#
+# with ``k0``/``k1`` the low/high 32 bits of the key and ``mix32`` the
+# "lowbias32" integer hash (xor-shift / multiply, full avalanche). The same
+# integers come out of the numba kernels (CPU), the Triton kernels (CUDA) and
+# :func:`counter_uniforms` (plain torch, the reference): the draws of a message
+# are the same on every device, thread count and code path, cost no transfer,
+# and a receiver that clones the sender's generator regenerates them exactly.
+# A uniform has 24 bits, so it is exact in float32 and float64; stochastic
+# rounding with it is unbiased up to 2^-24 of a grid step.
+
+MIX_C1 = 0x7FEB352D
+MIX_C2 = 0x846CA68B
+_M32 = 0xFFFFFFFF
+UNIFORM_SCALE = 2.0 ** -24
+
+
+def draw_key(generator: torch.Generator | None) -> int:
+    """One 63-bit key from ``generator`` (torch's global CPU generator if None): the
+    seed of every counter-based uniform one encode draws."""
+    if generator is None:
+        return int(torch.randint(0, 2**63 - 1, (1,)))
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    return int(torch.randint(0, 2**63 - 1, (1,), generator=generator, device=generator.device))
+
+
+def split_key(key: int) -> tuple[int, int]:
+    """``(k0, k1)``: the low and high 32 bits of a key."""
+    return key & _M32, (key >> 32) & _M32
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2^32`` for int64 ``h`` in [0, 2^32), without int64 overflow."""
+    lo = (h * (c & 0xFFFF)) & _M32
+    hi = ((h * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = _mul32(h, MIX_C1)
+    h = h ^ (h >> 15)
+    h = _mul32(h, MIX_C2)
+    return h ^ (h >> 16)
+
+
+def counter_hash(key: int, n: int, device: torch.device | str = "cpu", start: int = 0) -> torch.Tensor:
+    """The 32-bit hashes of elements ``start..start+n-1`` under ``key`` (int64 tensor):
+    the plain reference of what the kernels compute."""
+    k0, k1 = split_key(key)
+    i = torch.arange(start, start + n, dtype=torch.int64, device=device)
+    return _mix32((_mix32(i ^ k0) + k1) & _M32)
+
+
+def counter_uniforms(key: int, n: int, device: torch.device | str = "cpu",
+                     dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``u_0..u_{n-1}`` in [0, 1) for ``key``, as the fast kernels draw them (exact in
+    float32 and float64)."""
+    return (counter_hash(key, n, device) >> 8).to(dtype) * UNIFORM_SCALE

@@ -1,0 +1,96 @@
+"""Fast paths of the codecs: numba kernels on the CPU, Triton kernels on CUDA.
+
+Every codec has two implementations with one wire format:
+
+- the fast path (the default): fused per-element loops that read the input
+  once, draw their uniforms from the counter hash of :mod:`lowbit.codecs.rng`,
+  keep codes as ``uint8`` and pack them with shifts, and never synchronise a
+  GPU with the host except where a codec says so. On the CPU the kernels are
+  numba-compiled loops that run in float64 registers whatever the input dtype
+  (the input is read once in its own dtype; no float64 copy is made), which is
+  why they give the reference's bytes exactly. On CUDA they are Triton kernels
+  computing in float32 for float32/half inputs (float64 for float64).
+- the reference: the plain, float64, whole-tensor torch code that the tests
+  compare the fast path against, drawing the same counter-hash uniforms.
+
+:func:`fast_backend` picks the path for a tensor. ``LOWBIT_CODEC_PATH=reference``
+(or the :func:`codec_path` context manager) forces the reference everywhere;
+tensors that are neither plain CPU nor plain CUDA tensors (subclasses, other
+devices) take the reference; CUDA without Triton takes the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+
+import torch
+
+__all__ = ["fast_backend", "kernels_for", "codec_path", "PATHS", "cpu_kernels", "gpu_kernels"]
+
+PATHS = ("fast", "reference")
+_local = threading.local()
+
+
+def _current_path() -> str:
+    path = getattr(_local, "path", None)
+    if path is None:
+        path = os.environ.get("LOWBIT_CODEC_PATH", "fast")
+        if path not in PATHS:
+            raise ValueError(f"LOWBIT_CODEC_PATH must be one of {PATHS}, got {path!r}")
+    return path
+
+
+@contextlib.contextmanager
+def codec_path(path: str):
+    """Run the codecs of this thread on ``path`` ("fast" or "reference") inside the block."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    old = getattr(_local, "path", None)
+    _local.path = path
+    try:
+        yield
+    finally:
+        _local.path = old
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_kernels():
+    """The numba kernel module, or None when numba cannot be imported."""
+    try:
+        from . import cpu
+    except ImportError:  # pragma: no cover - numba is a dependency
+        return None
+    return cpu
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_kernels():
+    """The Triton kernel module, or None when Triton cannot be imported."""
+    try:
+        from . import gpu
+    except ImportError:
+        return None
+    return gpu
+
+
+def fast_backend(x: torch.Tensor) -> str | None:
+    """``"numba"``, ``"triton"`` or None (the reference) for a tensor ``x``."""
+    if _current_path() == "reference" or type(x) is not torch.Tensor:
+        return None
+    if x.device.type == "cpu":
+        return "numba" if cpu_kernels() is not None else None
+    if x.device.type == "cuda":
+        return "triton" if gpu_kernels() is not None else None
+    return None
+
+
+def kernels_for(x: torch.Tensor):
+    """The kernel module (:mod:`.cpu` or :mod:`.gpu`) of ``x``'s fast path, or None for the
+    reference."""
+    backend = fast_backend(x)
+    if backend is None:
+        return None
+    return cpu_kernels() if backend == "numba" else gpu_kernels()

@@ -1,0 +1,180 @@
+"""Triton kernels of the codecs' fast path on CUDA (optional: needs ``triton``).
+
+The same torch-level API as :mod:`.cpu` (same names, same results up to
+float32 rounding). Floating arithmetic is in the input's precision (float32
+for float32 and half inputs, float64 for float64); the uniforms are the same
+24-bit counter hash as everywhere, in uint32 arithmetic. Outputs are allocated
+on the input's device; no kernel reads a value back to the host. Under
+``TRITON_INTERPRET=1`` the kernels run on CPU tensors, which is how CI tests
+them on a machine without a GPU.
+
+Codes of at most 8 bits are packed in groups of 8 codes, which fill exactly
+``b`` bytes, so one kernel serves every width 1..8.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..rng import MIX_C1, MIX_C2, split_key
+
+BLOCK = 1024
+GROUPS = 256
+
+
+def _grid(n: int, block: int):
+    return (max(1, triton.cdiv(n, block)),)
+
+
+@triton.jit
+def _mix32(h):
+    h = h ^ (h >> 16)
+    h = h * MIX_C1
+    h = h ^ (h >> 15)
+    h = h * MIX_C2
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def uniform(offs, k0, k1):
+    """The counter uniforms (float32, exact) of element indices ``offs``."""
+    i = offs.to(tl.uint32)
+    h = _mix32(_mix32(i ^ k0.to(tl.uint32)) + k1.to(tl.uint32))
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def rint(v):
+    """Round half to even (as ``torch.round``)."""
+    r = tl.floor(v + 0.5)
+    tie = (r - v) == 0.5
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(tie & odd, r - 1.0, r)
+
+
+@triton.jit
+def _pack_kernel(codes_ptr, out_ptr, n, nbytes, B: tl.constexpr, G: tl.constexpr):
+    g = tl.program_id(0) * G + tl.arange(0, G)
+    acc = tl.zeros([G], dtype=tl.uint64)
+    for k in tl.static_range(8):
+        idx = g * 8 + k
+        c = tl.load(codes_ptr + idx, mask=idx < n, other=0).to(tl.uint64)
+        acc = acc | (c << (k * B))
+    for j in tl.static_range(B):
+        o = g * B + j
+        tl.store(out_ptr + o, ((acc >> (8 * j)) & 0xFF).to(tl.uint8), mask=o < nbytes)
+
+
+@triton.jit
+def _unpack_kernel(data_ptr, out_ptr, n, nbytes, B: tl.constexpr, G: tl.constexpr):
+    g = tl.program_id(0) * G + tl.arange(0, G)
+    acc = tl.zeros([G], dtype=tl.uint64)
+    for j in tl.static_range(B):
+        o = g * B + j
+        d = tl.load(data_ptr + o, mask=o < nbytes, other=0).to(tl.uint64)
+        acc = acc | (d << (8 * j))
+    for k in tl.static_range(8):
+        idx = g * 8 + k
+        tl.store(out_ptr + idx, ((acc >> (k * B)) & ((1 << B) - 1)).to(tl.uint8), mask=idx < n)
+
+
+def pack(codes: torch.Tensor, b: int) -> torch.Tensor:
+    """Pack uint8 codes (each < 2^b, b in 1..8, trusted) into ``ceil(n b / 8)`` bytes."""
+    if b > 8:
+        from ..packing import pack_wide
+        return pack_wide(codes.to(torch.int64), b)
+    n = codes.numel()
+    nbytes = (n * b + 7) // 8
+    out = torch.empty(nbytes, dtype=torch.uint8, device=codes.device)
+    if n:
+        _pack_kernel[_grid(triton.cdiv(n, 8), GROUPS)](codes, out, n, nbytes, B=b, G=GROUPS)
+    return out
+
+
+def unpack(data: torch.Tensor, b: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The ``n`` codes of ``b`` bits in ``data``, as ``dtype``."""
+    if b > 8:
+        from ..packing import unpack_wide
+        return unpack_wide(data, b, n).to(dtype)
+    out = torch.empty(n, dtype=torch.uint8, device=data.device)
+    if n:
+        _unpack_kernel[_grid(triton.cdiv(n, 8), GROUPS)](data, out, n, data.numel(), B=b, G=GROUPS)
+    return out if dtype == torch.uint8 else out.to(dtype)
+
+
+def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(min, max, max |x|, sum x^2, all finite)`` as device tensors (no host read)."""
+    finite = torch.isfinite(x)
+    xf = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    lo, hi = torch.aminmax(xf)
+    return lo, hi, torch.maximum(lo.abs(), hi.abs()), (xf.float() * xf.float()).sum(), finite.all()
+
+
+@triton.jit
+def _modulo_encode_kernel(x_ptr, codes_ptr, bad_ptr, n, inv_B, k0, k1, LEVELS: tl.constexpr,
+                          STOCHASTIC: tl.constexpr, BLOCK_: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if x.dtype != tl.float64:
+        x = x.to(tl.float32)
+    t = x * inv_B + 0.5
+    r = t - tl.floor(t) - 0.5
+    v = r * LEVELS
+    if STOCHASTIC:
+        lo = tl.floor(v)
+        c = lo + (uniform(offs, k0, k1) < (v - lo)).to(v.dtype)
+    else:
+        c = rint(v)
+    ci = c.to(tl.int32)
+    ci = ci - LEVELS * tl.where(ci >= LEVELS, 1, 0) + LEVELS * tl.where(ci < 0, 1, 0)
+    tl.store(codes_ptr + offs, ci.to(tl.uint8), mask=mask)
+    nonfinite = tl.sum(tl.where(mask & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0), axis=0)
+    tl.atomic_max(bad_ptr, nonfinite)
+
+
+@triton.jit
+def _modulo_decode_kernel(codes_ptr, y_ptr, out_ptr, n, B, step, LEVELS: tl.constexpr, BLOCK_: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < n
+    y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+    yf = y if y.dtype == tl.float64 else y.to(tl.float32)
+    q = tl.load(codes_ptr + offs, mask=mask, other=0).to(yf.dtype) * step
+    t = (q - yf) / B + 0.5
+    r = (t - tl.floor(t) - 0.5) * B
+    tl.store(out_ptr + offs, (r + yf).to(y.dtype), mask=mask)
+
+
+def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=x.device)
+
+
+def raise_if_flagged(flag: torch.Tensor, codec: str) -> None:
+    """The fast path's one deliberate host read on CUDA: a non-finite input found by a
+    kernel becomes a clear error (reading one int32 waits for the encode kernel)."""
+    if int(flag.item()):
+        raise ValueError(f"x must be finite for the {codec} codec")
+
+
+def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int) -> torch.Tensor:
+    x = x.detach().contiguous()
+    n = x.numel()
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    flag = nonfinite_flag(x)
+    k0, k1 = split_key(key)
+    if n:
+        _modulo_encode_kernel[_grid(n, BLOCK)](x, codes, flag, n, 1.0 / B, k0, k1, LEVELS=levels,
+                                               STOCHASTIC=bool(stochastic), BLOCK_=BLOCK)
+    raise_if_flagged(flag, "modulo")
+    return codes
+
+
+def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor) -> torch.Tensor:
+    y = ref.detach().contiguous()
+    n = codes.numel()
+    out = torch.empty(n, dtype=y.dtype, device=y.device)
+    if n:
+        _modulo_decode_kernel[_grid(n, BLOCK)](codes, y, out, n, B, B / levels, LEVELS=levels, BLOCK_=BLOCK)
+    return out
