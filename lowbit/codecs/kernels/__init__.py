@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import threading
 
@@ -57,23 +58,27 @@ def codec_path(path: str):
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_kernels():
-    """The numba kernel module, or None when numba cannot be imported."""
+def _module(backend: str, family: str):
+    """The kernel module of a codec family for a backend: ``cpu``/``gpu`` for the core
+    (packing, statistics, modulo), ``cpu_<family>``/``gpu_<family>`` for the others.
+    None when its compiler (numba or Triton) cannot be imported."""
+    name = ("cpu" if backend == "numba" else "gpu") + ("" if family == "core" else f"_{family}")
     try:
-        from . import cpu
-    except ImportError:  # pragma: no cover - numba is a dependency
-        return None
-    return cpu
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as e:
+        if e.name in ("numba", "triton") or (e.name or "").startswith(("numba.", "triton.")):
+            return None
+        raise
 
 
-@functools.lru_cache(maxsize=None)
-def gpu_kernels():
-    """The Triton kernel module, or None when Triton cannot be imported."""
-    try:
-        from . import gpu
-    except ImportError:
-        return None
-    return gpu
+def cpu_kernels(family: str = "core"):
+    """The numba kernel module of ``family``, or None when numba cannot be imported."""
+    return _module("numba", family)
+
+
+def gpu_kernels(family: str = "core"):
+    """The Triton kernel module of ``family``, or None when Triton cannot be imported."""
+    return _module("triton", family)
 
 
 def fast_backend(x: torch.Tensor) -> str | None:
@@ -87,10 +92,8 @@ def fast_backend(x: torch.Tensor) -> str | None:
     return None
 
 
-def kernels_for(x: torch.Tensor):
-    """The kernel module (:mod:`.cpu` or :mod:`.gpu`) of ``x``'s fast path, or None for the
-    reference."""
+def kernels_for(x: torch.Tensor, family: str = "core"):
+    """The kernel module of ``family`` for ``x``'s fast path (numba on the CPU, Triton on
+    CUDA), or None: take the reference."""
     backend = fast_backend(x)
-    if backend is None:
-        return None
-    return cpu_kernels() if backend == "numba" else gpu_kernels()
+    return None if backend is None else _module(backend, family)

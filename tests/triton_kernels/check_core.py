@@ -1,0 +1,54 @@
+"""Triton kernels of the core (packing, Moniqua's modulo codec) against the numba
+kernels and the float64 reference; run by tests/test_triton_interpret.py with
+TRITON_INTERPRET=1 on CPU tensors."""
+
+import os
+
+import pytest
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
+
+from lowbit.codecs import ModuloCodec, shared_generator  # noqa: E402
+from lowbit.codecs.kernels import cpu, gpu  # noqa: E402
+
+
+@pytest.mark.parametrize("b", range(1, 9))
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 1001])
+def test_pack_matches_cpu_and_roundtrips(b, n):
+    c = torch.randint(0, 2 ** b, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n * 10 + b))
+    packed = gpu.pack(c, b)
+    assert torch.equal(packed, cpu.pack(c, b))
+    assert torch.equal(gpu.unpack(packed, b, n), c)
+
+
+@pytest.mark.parametrize("bits,rounding", [(1, "nearest"), (2, "stochastic"), (3, "stochastic"), (8, "nearest")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_modulo_codes_match_the_reference(bits, rounding, dtype):
+    codec = ModuloCodec(bits=bits, theta=0.1, rounding=rounding)
+    x = torch.randn(4099, dtype=dtype, generator=torch.Generator().manual_seed(bits))
+    codes = gpu.modulo_encode(x, codec.B_theta, codec.levels, rounding == "stochastic", 12345)
+    ref = cpu.modulo_encode(x, codec.B_theta, codec.levels, rounding == "stochastic", 12345)
+    # float32 arithmetic may move an element across a grid boundary: rare, and by one code
+    differ = codes != ref
+    assert differ.float().mean() <= (1e-3 if dtype == torch.float32 else 0.0)
+    off = (codes.long() - ref.long()).remainder(codec.levels)[differ]
+    assert bool(((off == 1) | (off == codec.levels - 1)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_modulo_decode_within_lemma2_slack(dtype):
+    codec = ModuloCodec(bits=2, theta=0.1)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5000, dtype=dtype, generator=g)
+    y = x + (torch.rand(5000, dtype=dtype, generator=g) * 2 - 1) * 0.0999
+    codes = gpu.modulo_encode(x, codec.B_theta, codec.levels, True, 7)
+    x_hat = gpu.modulo_decode(codes, codec.B_theta, codec.levels, y)
+    eps = torch.finfo(dtype).eps
+    slack = codec.B_theta * eps * (x.abs().max() / codec.B_theta + 2) * codec.levels + eps * (y.abs().max() + codec.B_theta)
+    assert float((x_hat - x).abs().max()) <= codec.error_bound + float(slack)
+
+
+def test_nonfinite_input_is_a_clear_error():
+    with pytest.raises(ValueError, match="finite for the modulo codec"):
+        gpu.modulo_encode(torch.tensor([1.0, float("nan"), 2.0]), 0.3, 4, True, 1)
