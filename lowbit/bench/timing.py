@@ -1,0 +1,102 @@
+"""How every lowbit benchmark measures: one place.
+
+* A timing is ``torch.utils.benchmark.Timer(...).blocked_autorange()``: the
+  statement runs in blocks of ``number`` calls (``number`` chosen so one block
+  outlasts the timer's resolution), blocks repeat until ``min_run_time``
+  seconds have passed, and the time per call is the median over blocks. The
+  first block-size estimate doubles as a warm-up. On CUDA the timer
+  synchronizes the device before reading the clock, so a call's queued kernels
+  are inside its time.
+* Threads: the Timer runs with ``num_threads`` torch threads (lowbit's
+  benchmarks pass 1, and :func:`pinned_threads` pins the whole benchmark).
+* Comparisons are made round by round: in each round the things compared are
+  timed one right after the other (interleaved), a ratio is taken inside the
+  round, and the reported figure is the median of the per-round ratios. A slow
+  spell on a shared machine then moves both sides of a ratio together, and one
+  bad round moves a median little.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import timeit
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+__all__ = ["clock_for", "measure", "pinned_threads", "median_ratio", "spread", "check_positive_int",
+           "check_positive_float"]
+
+
+def check_positive_int(value, name: str, lo: int = 1) -> int:
+    """``value`` as an int ``>= lo``; otherwise a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def check_positive_float(value, name: str) -> float:
+    """``value`` as a finite float ``> 0``; otherwise a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) < float("inf")):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def clock_for(device: torch.device) -> Callable[[], float]:
+    """The Timer's clock on ``device``: on CUDA, that device is synchronized first (so
+    queued kernels are timed, also on ``cuda:N`` other than the current device)."""
+    if device.type == "cuda":
+        def clock() -> float:
+            torch.cuda.synchronize(device)
+            return timeit.default_timer()
+
+        return clock
+    return timeit.default_timer
+
+
+def measure(fn: Callable[[], object], device: torch.device, min_run_time: float, threads: int = 1) -> float:
+    """Median seconds per call of ``fn()`` by ``Timer.blocked_autorange`` (see the module doc)."""
+    from torch.utils.benchmark import Timer
+
+    timer = Timer(stmt="fn()", globals={"fn": fn}, timer=clock_for(device), num_threads=threads)
+    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+
+
+@contextlib.contextmanager
+def pinned_threads(n: int = 1) -> Iterator[int]:
+    """``torch.set_num_threads(n)`` for the block, restored afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(old)
+
+
+def _ratios(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> list[float]:
+    if not rounds:
+        raise ValueError("rounds must hold at least one round of timings")
+    keys = (num,) if isinstance(num, str) else tuple(num)
+    out = []
+    for i, r in enumerate(rounds):
+        for k in (*keys, den):
+            if k not in r:
+                raise ValueError(f"round {i} has no timing {k!r} (has {sorted(r)})")
+            if not (isinstance(r[k], (int, float)) and r[k] > 0 and r[k] < float("inf")):
+                raise ValueError(f"round {i}: timing {k!r} must be a finite number of seconds > 0, got {r[k]!r}")
+        out.append(sum(r[k] for k in keys) / r[den])
+    return out
+
+
+def median_ratio(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> float:
+    """The median over rounds of ``sum(round[k] for k in num) / round[den]``: each ratio is
+    taken inside one round (timings measured side by side), then the median is taken."""
+    return statistics.median(_ratios(rounds, num, den))
+
+
+def spread(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> tuple[float, float]:
+    """(smallest, largest) per-round ratio, to show how far the rounds agree."""
+    r = _ratios(rounds, num, den)
+    return min(r), max(r)
+
