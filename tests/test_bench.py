@@ -11,7 +11,7 @@ import torch
 from lowbit.bench import (bench_codecs, bench_references, codec_row, default_cases, median_ratio, pair_row,
                           reference_pairs, select, spread)
 from lowbit.bench import references as refs
-from lowbit.bench.step import (BASELINES, StepCase, _step_end_times, bench_step, default_step_cases, select_steps,
+from lowbit.bench.step import (BASELINES, StepCase, bench_step, default_step_cases, select_steps, step_end_times,
                                step_seconds)
 from lowbit.cli import main
 from lowbit.codecs import ModuloCodec, shared_generator
@@ -219,7 +219,7 @@ def test_step_seconds_from_given_end_times():
 
 def test_every_worker_stamps_every_step():
     cfg = TrainConfig(task="quadratic", algorithm="dpsgd", workers=3, steps=5, device="cpu", eval_every=6)
-    ends = _step_end_times(cfg)
+    ends = step_end_times(cfg)
     assert len(ends) == 3 and all(len(t) == 5 and t == sorted(t) for t in ends)
 
 

@@ -131,13 +131,29 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     return shared_generator(seed, 0, 0, device=device)
 
 
-def _codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device):
+def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device):
     """(encode, decode, payload): the two timed calls, each with a fresh shared generator
     (as one message's sender and receiver derive it), and a payload to decode."""
     payload = codec.encode(x, generator=_generator(seed, device))
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
     return (lambda: codec.encode(x, generator=_generator(seed, device)),
             lambda: codec.decode(payload, generator=_generator(seed, device), **kw), payload)
+
+
+def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, ref: torch.Tensor, seed: int,
+                    device: torch.device):
+    """(lowbit, reference): the two timed encode + decode calls of a pair."""
+    kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
+    rkw = {"ref": ref} if reference.needs_ref else {}
+
+    def lowbit():
+        return codec.decode(codec.encode(x, generator=_generator(seed, device)),
+                            generator=_generator(seed, device), **kw)
+
+    def reference_rt():
+        return reference.decode(reference.encode(x, generator=_generator(seed, device)), **rkw)
+
+    return lowbit, reference_rt
 
 
 def _setup(size, rounds, min_run_time, device, seed):
@@ -194,7 +210,7 @@ def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] 
         prepared = []
         for case in cases:
             codec = case.make()
-            enc, dec, payload = _codec_calls(codec, x, ref, seed, dev)
+            enc, dec, payload = codec_calls(codec, x, ref, seed, dev)
             prepared.append((case, enc, dec, payload.nbytes))
         timings: dict[str, list[dict]] = {case.label: [] for case in cases}
         for _ in range(rounds):
@@ -221,18 +237,8 @@ def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu"
         prepared = []
         for pair in pairs:
             codec, reference = pair.make(), pair.make_reference()
-            enc, dec, payload = _codec_calls(codec, x, ref, seed, dev)
-            kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
-
-            def lowbit(codec=codec, kw=kw):
-                return codec.decode(codec.encode(x, generator=_generator(seed, dev)),
-                                    generator=_generator(seed, dev), **kw)
-
-            rkw = {"ref": ref} if reference.needs_ref else {}
-
-            def reference_rt(reference=reference, rkw=rkw):
-                return reference.decode(reference.encode(x, generator=_generator(seed, dev)), **rkw)
-
+            lowbit, reference_rt = roundtrip_calls(codec, reference, x, ref, seed, dev)
+            payload = codec.encode(x, generator=_generator(seed, dev))
             wire = reference.encode(x, generator=_generator(seed, dev))
             prepared.append((pair, reference.name, lowbit, reference_rt, payload.nbytes, refs.wire_nbytes(wire)))
         timings: dict[str, list[dict]] = {p.label: [] for p in pairs}

@@ -65,7 +65,16 @@ def select_steps(cases: list[StepCase], algorithms: str | list[str] | None) -> l
     return [c for c in cases if algo(c) in BASELINES or c.label in names or algo(c) in names]
 
 
-def _step_end_times(cfg) -> list[list[float]]:
+def step_config(case: StepCase, task: str, workers: int, steps: int, device: str = "cpu", seed: int = 0):
+    """The :class:`TrainConfig` of one timed run of ``case``: thread backend, and
+    ``eval_every`` past the last step (the loop also runs with ``evaluate=False``)."""
+    from ..train.config import TrainConfig
+
+    return TrainConfig(**{"task": task, "workers": workers, "steps": steps, "device": device, "seed": seed,
+                          "eval_every": steps + 1, "backend": "thread", **case.options})
+
+
+def step_end_times(cfg) -> list[list[float]]:
     """Run ``cfg`` on thread workers; each worker's wall clock at the end of each step."""
     from ..comm.inprocess import run_threads
     from ..train.loop import run_worker
@@ -108,7 +117,7 @@ def bench_step(task: str = "digits-mlp", workers: int = 8, steps: int = 40, warm
                cases: list[StepCase] | None = None, seed: int = 0) -> dict:
     """Per-step wall seconds of each case, ``rounds`` interleaved rounds; each case's
     ratios to D-PSGD and AllReduce are medians of per-round ratios."""
-    from ..train.config import TrainConfig, resolve_device
+    from ..train.config import resolve_device
 
     check_positive_int(workers, "workers")
     check_positive_int(steps, "steps", 2)
@@ -122,14 +131,11 @@ def bench_step(task: str = "digits-mlp", workers: int = 8, steps: int = 40, warm
     missing = [b for b in BASELINES if b not in labels]
     if missing:
         raise ValueError(f"the step bench compares against {', '.join(BASELINES)}; cases lack {', '.join(missing)}")
-    # eval_every > steps: the loop is also told evaluate=False; this keeps the config honest about it
-    configs = {c.label: TrainConfig(**{"task": task, "workers": workers, "steps": steps, "device": device,
-                                       "seed": seed, "eval_every": steps + 1, "backend": "thread", **c.options})
-               for c in cases}
+    configs = {c.label: step_config(c, task, workers, steps, device, seed) for c in cases}
     timings: list[dict] = []
     with pinned_threads(1) as threads:  # as lowbit train's thread runtime: workers share the cores
         for _ in range(rounds):
-            timings.append({label: step_seconds(_step_end_times(cfg), warmup) for label, cfg in configs.items()})
+            timings.append({label: step_seconds(step_end_times(cfg), warmup) for label, cfg in configs.items()})
     rows = []
     for c in cases:
         per = [{"case": r[c.label], **{b: r[b] for b in BASELINES}} for r in timings]
