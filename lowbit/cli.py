@@ -43,6 +43,8 @@ def _add_bench(sub) -> None:
     c.add_argument("--min-run-time", type=float, default=0.05,
                    help="seconds per timing (torch.utils.benchmark blocked_autorange)")
     c.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    c.add_argument("--clock", default="auto", help="auto (CPU: the thread's CPU time; CUDA: wall time after "
+                   "synchronizing), cpu or wall")
     c.add_argument("--codecs", default=None, help="comma-separated codec families or labels (default: all)")
     c.add_argument("--against", default="memcpy", help="memcpy (default) or references")
     c.add_argument("--json", default=None, help="also write the report to this JSON file")
@@ -114,7 +116,7 @@ def _bench(args) -> int:
             raise ValueError(f"against={args.against!r} is unknown; choose one of: {', '.join(AGAINST)}")
         run = bench_codecs if args.against == "memcpy" else bench_references
         report = run(size=args.size, rounds=args.rounds, device=args.device, codecs=args.codecs,
-                     min_run_time=args.min_run_time)
+                     min_run_time=args.min_run_time, clock=args.clock)
         print(format_report(report))
     elif args.bench_what == "step":
         report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,

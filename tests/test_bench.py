@@ -95,6 +95,21 @@ def test_codec_bench_reports_every_selected_case_with_real_sizes():
 def test_codec_bench_every_default_case_runs():
     report = bench_codecs(size=2048, rounds=1, min_run_time=FAST)
     assert [r["codec"] for r in report["rows"]] == [c.label for c in default_cases()]
+    assert report["clock"] == "cpu"  # auto on the CPU: the thread's CPU time
+
+
+def test_clocks():
+    from lowbit.bench.timing import clock_for, resolve_clock
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert (resolve_clock("auto", cpu), resolve_clock("auto", cuda), resolve_clock("wall", cpu)) == ("cpu", "wall", "wall")
+    with pytest.raises(ValueError, match="clock='cpu' times the calling thread's CPU work; on CUDA use"):
+        resolve_clock("cpu", cuda)
+    import time
+
+    assert clock_for(cpu) is time.thread_time
+    report = bench_codecs(size=1024, rounds=1, codecs="fp32", min_run_time=FAST, clock="wall")
+    assert report["clock"] == "wall"
 
 
 def test_select_by_family_or_label_and_rejects_unknown():
@@ -258,6 +273,7 @@ def test_step_bench_needs_its_baselines():
     (["codecs", "--rounds", "0"], "rounds must be an integer >= 1, got 0"),
     (["codecs", "--min-run-time", "0"], "min_run_time must be a finite number > 0, got 0.0"),
     (["codecs", "--device", "tpu"], "device='tpu' is unknown"),
+    (["codecs", "--clock", "tsc"], "clock='tsc' is unknown; choose one of: auto, cpu, wall"),
     (["codecs", "--against", "grace"], "against='grace' is unknown; choose one of: memcpy, references"),
     (["codecs", "--codecs", "zip"], "codecs: unknown 'zip'"),
     (["codecs", "--against", "references", "--codecs", "minmax"], "codecs: unknown 'minmax'"),

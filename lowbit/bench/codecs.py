@@ -1,7 +1,9 @@
 """``lowbit bench codecs``: every codec against memcpy, and against the reference codecs.
 
 Method (:mod:`lowbit.bench.timing`): one torch thread; each timing is a
-``torch.utils.benchmark`` ``blocked_autorange`` median. memcpy is
+``torch.utils.benchmark`` ``blocked_autorange`` median, on the CPU of the
+thread's CPU time by default (``clock="wall"`` for wall time), on CUDA of
+the wall time after synchronizing the device. memcpy is
 ``dst.copy_(src)`` with ``dst`` a preallocated fp32 tensor of ``src``'s size.
 Round by round, each codec's memcpy, encode and decode are timed one after the
 other, and the reported ratios (encode / memcpy, decode / memcpy,
@@ -23,11 +25,13 @@ import torch
 
 from ..codecs import Codec, CodecKind, shared_generator
 from . import references as refs
-from .timing import check_positive_float, check_positive_int, measure, median_ratio, pinned_threads, spread
+from .timing import (check_positive_float, check_positive_int, measure, median_ratio, pinned_threads, resolve_clock,
+                     spread)
 
 MEMCPY_DEFINITION = ("memcpy = dst.copy_(src), dst a preallocated fp32 tensor of src's size; "
                      "GB/s = 4 * size bytes of fp32 input / seconds")
 AGAINST = ("memcpy", "references")
+CLOCK_NAMES = {"cpu": "the thread's CPU time", "wall": "wall time (CUDA: after synchronizing the device)"}
 
 
 @dataclass(frozen=True)
@@ -156,16 +160,17 @@ def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, re
     return lowbit, reference_rt
 
 
-def _setup(size, rounds, min_run_time, device, seed):
+def _setup(size, rounds, min_run_time, device, seed, clock):
     from ..train.config import resolve_device
 
     device = resolve_device(device)
+    clock = resolve_clock(clock, device)
     check_positive_int(size, "size")
     check_positive_int(rounds, "rounds")
     check_positive_float(min_run_time, "min_run_time")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
-    return device
+    return device, clock
 
 
 def codec_row(label: str, rounds: list[dict], size: int, nbytes: int) -> dict:
@@ -197,11 +202,11 @@ def pair_row(label: str, reference: str, rounds: list[dict], size: int, lowbit_n
 
 def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] | None = None,
                  device: str = "cpu", seed: int = 0, codecs: str | list[str] | None = None,
-                 min_run_time: float = 0.05) -> dict:
+                 min_run_time: float = 0.05, clock: str = "auto") -> dict:
     """Each codec's encode and decode on ``size`` fp32 elements on ``device`` (``cpu``,
     ``cuda``, ``cuda:N`` or ``auto``) against memcpy, ``rounds`` interleaved rounds
     (module doc). Returns the report: settings plus one row per codec."""
-    dev = _setup(size, rounds, min_run_time, device, seed)
+    dev, clock = _setup(size, rounds, min_run_time, device, seed, clock)
     cases = select(cases if cases is not None else default_cases(), codecs)
     with pinned_threads(1) as threads:
         x, ref = bench_data(size, dev, seed)
@@ -215,20 +220,20 @@ def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] 
         timings: dict[str, list[dict]] = {case.label: [] for case in cases}
         for _ in range(rounds):
             for case, enc, dec, _nb in prepared:
-                timings[case.label].append({"memcpy": measure(memcpy, dev, min_run_time, threads),
-                                            "encode": measure(enc, dev, min_run_time, threads),
-                                            "decode": measure(dec, dev, min_run_time, threads)})
+                timings[case.label].append({"memcpy": measure(memcpy, dev, min_run_time, threads, clock),
+                                            "encode": measure(enc, dev, min_run_time, threads, clock),
+                                            "decode": measure(dec, dev, min_run_time, threads, clock)})
     rows = [codec_row(case.label, timings[case.label], size, nb) for case, _e, _d, nb in prepared]
     return {"benchmark": "codecs", "against": "memcpy", "device": str(dev), "threads": threads, "size": size,
-            "rounds": rounds, "min_run_time": min_run_time, "memcpy": MEMCPY_DEFINITION, "rows": rows}
+            "rounds": rounds, "min_run_time": min_run_time, "clock": clock, "memcpy": MEMCPY_DEFINITION, "rows": rows}
 
 
 def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu", seed: int = 0,
                      codecs: str | list[str] | None = None, min_run_time: float = 0.05,
-                     pairs: list[ReferencePair] | None = None) -> dict:
+                     pairs: list[ReferencePair] | None = None, clock: str = "auto") -> dict:
     """Encode + decode of each lowbit codec against its reference (:func:`reference_pairs`),
     side by side in ``rounds`` interleaved rounds, with a memcpy in each round."""
-    dev = _setup(size, rounds, min_run_time, device, seed)
+    dev, clock = _setup(size, rounds, min_run_time, device, seed, clock)
     pairs = select(pairs if pairs is not None else reference_pairs(), codecs)
     with pinned_threads(1) as threads:
         x, ref = bench_data(size, dev, seed)
@@ -244,12 +249,12 @@ def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu"
         timings: dict[str, list[dict]] = {p.label: [] for p in pairs}
         for _ in range(rounds):
             for pair, _name, lowbit, reference_rt, _lb, _rb in prepared:
-                timings[pair.label].append({"memcpy": measure(memcpy, dev, min_run_time, threads),
-                                            "lowbit": measure(lowbit, dev, min_run_time, threads),
-                                            "reference": measure(reference_rt, dev, min_run_time, threads)})
+                timings[pair.label].append({"memcpy": measure(memcpy, dev, min_run_time, threads, clock),
+                                            "lowbit": measure(lowbit, dev, min_run_time, threads, clock),
+                                            "reference": measure(reference_rt, dev, min_run_time, threads, clock)})
     rows = [pair_row(p.label, name, timings[p.label], size, lb, rb) for p, name, _l, _r, lb, rb in prepared]
     return {"benchmark": "codecs", "against": "references", "device": str(dev), "threads": threads, "size": size,
-            "rounds": rounds, "min_run_time": min_run_time, "memcpy": MEMCPY_DEFINITION, "rows": rows}
+            "rounds": rounds, "min_run_time": min_run_time, "clock": clock, "memcpy": MEMCPY_DEFINITION, "rows": rows}
 
 
 def format_report(report: dict) -> str:
@@ -257,7 +262,7 @@ def format_report(report: dict) -> str:
     head = (f"{report['size']} fp32 elements on {report['device']}, {report['threads']} torch thread "
             f"(torch.set_num_threads({report['threads']})), {report['rounds']} interleaved rounds, "
             f"medians of per-round ratios (torch.utils.benchmark blocked_autorange, min_run_time "
-            f"{report['min_run_time']} s)\n{report['memcpy']}")
+            f"{report['min_run_time']} s, clock: {CLOCK_NAMES[report['clock']]})\n{report['memcpy']}")
     if report["against"] == "references":
         lines = ["lowbit against reference codecs: encode + decode, lowbit / reference (< 1: lowbit faster)", head,
                  f"{'codec':<20} {'reference':<27} {'lowbit/ref':>10} {'range':>13} {'lowbit/memcpy':>13} "

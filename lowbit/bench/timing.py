@@ -7,6 +7,14 @@
   first block-size estimate doubles as a warm-up. On CUDA the timer
   synchronizes the device before reading the clock, so a call's queued kernels
   are inside its time.
+* Clock: on the CPU by default the thread's CPU time (``time.thread_time``; the
+  statement runs in the calling thread, and with one torch thread all its work
+  is there), so the time a shared machine's scheduler takes the core away is
+  not counted; ``clock="wall"`` uses ``timeit.default_timer`` instead. On a
+  machine with the cores to itself the two agree; on a loaded one the wall
+  clock inflates long calls far more than short ones (a ratio to memcpy moves
+  by 3x), the CPU clock does not. On CUDA the clock is the wall clock read after
+  synchronizing the device.
 * Threads: the Timer runs with ``num_threads`` torch threads (lowbit's
   benchmarks pass 1, and :func:`pinned_threads` pins the whole benchmark).
 * Comparisons are made round by round: in each round the things compared are
@@ -20,12 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 import timeit
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["clock_for", "measure", "pinned_threads", "median_ratio", "spread", "check_positive_int",
+__all__ = ["CLOCKS", "resolve_clock", "clock_for", "measure", "pinned_threads", "median_ratio", "spread", "check_positive_int",
            "check_positive_float"]
 
 
@@ -43,23 +52,41 @@ def check_positive_float(value, name: str) -> float:
     return float(value)
 
 
-def clock_for(device: torch.device) -> Callable[[], float]:
-    """The Timer's clock on ``device``: on CUDA, that device is synchronized first (so
-    queued kernels are timed, also on ``cuda:N`` other than the current device)."""
+CLOCKS = ("auto", "cpu", "wall")
+
+
+def resolve_clock(clock: str, device: torch.device) -> str:
+    """``auto`` is ``cpu`` (thread CPU time) on the CPU and ``wall`` on CUDA; ``cpu`` on
+    CUDA is a ValueError (kernels run on the GPU, not in the thread)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r} is unknown; choose one of: {', '.join(CLOCKS)}")
+    if clock == "auto":
+        return "wall" if device.type == "cuda" else "cpu"
+    if clock == "cpu" and device.type == "cuda":
+        raise ValueError("clock='cpu' times the calling thread's CPU work; on CUDA use clock='wall' (or auto)")
+    return clock
+
+
+def clock_for(device: torch.device, clock: str = "auto") -> Callable[[], float]:
+    """The Timer's clock (module doc): thread CPU time, or the wall clock; on CUDA the
+    device is synchronized first (so queued kernels are timed, also on a ``cuda:N``
+    other than the current device)."""
+    clock = resolve_clock(clock, device)
     if device.type == "cuda":
-        def clock() -> float:
+        def synced() -> float:
             torch.cuda.synchronize(device)
             return timeit.default_timer()
 
-        return clock
-    return timeit.default_timer
+        return synced
+    return time.thread_time if clock == "cpu" else timeit.default_timer
 
 
-def measure(fn: Callable[[], object], device: torch.device, min_run_time: float, threads: int = 1) -> float:
+def measure(fn: Callable[[], object], device: torch.device, min_run_time: float, threads: int = 1,
+            clock: str = "auto") -> float:
     """Median seconds per call of ``fn()`` by ``Timer.blocked_autorange`` (see the module doc)."""
     from torch.utils.benchmark import Timer
 
-    timer = Timer(stmt="fn()", globals={"fn": fn}, timer=clock_for(device), num_threads=threads)
+    timer = Timer(stmt="fn()", globals={"fn": fn}, timer=clock_for(device, clock), num_threads=threads)
     return float(timer.blocked_autorange(min_run_time=min_run_time).median)
 
 
