@@ -12,8 +12,8 @@
   is there), so the time a shared machine's scheduler takes the core away is
   not counted; ``clock="wall"`` uses ``timeit.default_timer`` instead. On a
   machine with the cores to itself the two agree; on a loaded one the wall
-  clock inflates long calls far more than short ones (a ratio to memcpy moves
-  by 3x), the CPU clock does not. On CUDA the clock is the wall clock read after
+  clock inflates long calls (preempted more often) far more than short ones,
+  the CPU clock does not. On CUDA the clock is the wall clock read after
   synchronizing the device.
 * Threads: the Timer runs with ``num_threads`` torch threads (lowbit's
   benchmarks pass 1, and :func:`pinned_threads` pins the whole benchmark).
