@@ -34,8 +34,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["CLOCKS", "resolve_clock", "clock_for", "measure", "pinned_threads", "median_ratio", "spread", "check_positive_int",
-           "check_positive_float"]
+__all__ = ["CLOCKS", "check_positive_float", "check_positive_int", "clock_for", "measure", "median_ratio",
+           "pinned_threads", "resolve_clock", "spread"]
 
 
 def check_positive_int(value, name: str, lo: int = 1) -> int:
