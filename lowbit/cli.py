@@ -55,7 +55,7 @@ def _add_bench(sub) -> None:
     s.add_argument("--workers", type=int, default=8, help="thread workers")
     s.add_argument("--steps", type=int, default=40, help="steps per run")
     s.add_argument("--warmup", type=int, default=10, help="first steps of each run left out of the timing")
-    s.add_argument("--rounds", type=int, default=3, help="interleaved rounds (ratios are medians over rounds)")
+    s.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
     s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
     s.add_argument("--algorithms", default=None,
                    help="comma-separated algorithms (default: all; dpsgd and allreduce always run)")

@@ -11,8 +11,8 @@ import torch
 from lowbit.bench import (bench_codecs, bench_references, codec_row, default_cases, median_ratio, pair_row,
                           reference_pairs, select, spread)
 from lowbit.bench import references as refs
-from lowbit.bench.step import (BASELINES, StepCase, bench_step, default_step_cases, select_steps, step_end_times,
-                               step_seconds)
+from lowbit.bench.step import (BASELINES, StepCase, bench_step, default_step_cases, select_steps, step_config,
+                               step_end_times, step_seconds)
 from lowbit.cli import main
 from lowbit.codecs import ModuloCodec, shared_generator
 from lowbit.train import TrainConfig
@@ -258,6 +258,16 @@ def test_step_bench_structure_on_a_small_run():
     per = [{"case": c, "dpsgd": d} for c, d in zip(m["rounds"], rows["dpsgd"]["rounds"])]
     assert m["x_dpsgd"] == pytest.approx(median_ratio(per, "case", "dpsgd"))
     assert m["step_ms"] > 0
+
+
+def test_every_default_step_case_is_a_valid_run():
+    cases = default_step_cases()
+    assert {"dpsgd", "allreduce", "moniqua 2-bit", "moniqua 1-bit", "choco", "dcd", "deepsqueeze", "qsgd",
+            "powersgd", "maxnorm"} <= {c.label for c in cases}
+    for c in cases:
+        cfg = step_config(c, "digits-mlp", 8, 40)  # validated as lowbit train validates it
+        assert (cfg.backend, cfg.workers, cfg.eval_every) == ("thread", 8, 41)
+        assert all(getattr(cfg, k) == v for k, v in c.options.items())
 
 
 def test_step_bench_needs_its_baselines():

@@ -112,7 +112,7 @@ def step_seconds(end_times: list[list[float]], warmup: int) -> float:
     return (T[-1] - T[warmup - 1]) / (steps - warmup)
 
 
-def bench_step(task: str = "digits-mlp", workers: int = 8, steps: int = 40, warmup: int = 10, rounds: int = 3,
+def bench_step(task: str = "digits-mlp", workers: int = 8, steps: int = 40, warmup: int = 10, rounds: int = 5,
                device: str = "cpu", algorithms: str | list[str] | None = None,
                cases: list[StepCase] | None = None, seed: int = 0) -> dict:
     """Per-step wall seconds of each case, ``rounds`` interleaved rounds; each case's
