@@ -6,9 +6,11 @@ Each measurement is a short training run with lowbit's own loop
 thread workers, one torch thread, no evaluation). Every worker records the wall
 clock (``time.perf_counter``) when each of its steps ends (after the
 algorithm's ``after_update``); step ``k`` of the run ends when its last worker
-ends it, ``T_k = max_i t_ik``. The per-step time is
-``(T_{steps-1} - T_{warmup-1}) / (steps - warmup)``: the first ``warmup`` steps
-(lazy initialization, threads starting at different times) are left out.
+ends it, ``T_k = max_i t_ik``, and takes ``T_k - T_{k-1}``. The per-step time
+is the median of these over steps ``warmup..steps-1``: the first ``warmup``
+steps (lazy initialization, threads starting at different times) are left out,
+and, as with the Timer's median over blocks, a step during which a loaded
+machine took the cores away moves the median little.
 
 Rounds interleave the algorithms: in each round every algorithm runs once, in
 the same order; the ratios to D-PSGD and to AllReduce are taken within a round
@@ -99,8 +101,8 @@ def step_end_times(cfg) -> list[list[float]]:
     return [stamps[r] for r in sorted(stamps)]
 
 
-def step_seconds(end_times: list[list[float]], warmup: int) -> float:
-    """``(T_last - T_{warmup-1}) / (steps - warmup)`` with ``T_k`` the latest worker's end
+def step_intervals(end_times: list[list[float]], warmup: int) -> list[float]:
+    """``T_k - T_{k-1}`` for ``k = warmup..steps-1``, with ``T_k`` the latest worker's end
     of step ``k`` (module doc). ``warmup >= 1``: the first interval starts at the end of
     step ``warmup - 1``."""
     if not end_times or any(len(t) != len(end_times[0]) for t in end_times):
@@ -109,7 +111,12 @@ def step_seconds(end_times: list[list[float]], warmup: int) -> float:
     if not 1 <= warmup < steps:
         raise ValueError(f"warmup must be in [1, steps - 1] = [1, {steps - 1}], got {warmup}")
     T = [max(t[k] for t in end_times) for k in range(steps)]
-    return (T[-1] - T[warmup - 1]) / (steps - warmup)
+    return [T[k] - T[k - 1] for k in range(warmup, steps)]
+
+
+def step_seconds(end_times: list[list[float]], warmup: int) -> float:
+    """The per-step time: the median of :func:`step_intervals`."""
+    return statistics.median(step_intervals(end_times, warmup))
 
 
 def bench_step(task: str = "digits-mlp", workers: int = 8, steps: int = 40, warmup: int = 10, rounds: int = 5,
@@ -132,15 +139,19 @@ def bench_step(task: str = "digits-mlp", workers: int = 8, steps: int = 40, warm
     if missing:
         raise ValueError(f"the step bench compares against {', '.join(BASELINES)}; cases lack {', '.join(missing)}")
     configs = {c.label: step_config(c, task, workers, steps, device, seed) for c in cases}
-    timings: list[dict] = []
+    timings: list[dict] = []  # per round: each case's median step seconds
+    means: list[dict] = []  # per round: each case's mean step seconds (stalls included)
     with pinned_threads(1) as threads:  # as lowbit train's thread runtime: workers share the cores
         for _ in range(rounds):
-            timings.append({label: step_seconds(step_end_times(cfg), warmup) for label, cfg in configs.items()})
+            intervals = {label: step_intervals(step_end_times(cfg), warmup) for label, cfg in configs.items()}
+            timings.append({label: statistics.median(v) for label, v in intervals.items()})
+            means.append({label: statistics.fmean(v) for label, v in intervals.items()})
     rows = []
     for c in cases:
         per = [{"case": r[c.label], **{b: r[b] for b in BASELINES}} for r in timings]
         rows.append({"algorithm": c.label, "options": c.options,
                      "step_ms": 1e3 * statistics.median(r[c.label] for r in timings),
+                     "mean_step_ms": 1e3 * statistics.median(r[c.label] for r in means),
                      **{f"x_{b}": median_ratio(per, "case", b) for b in BASELINES},
                      **{f"x_{b}_range": spread(per, "case", b) for b in BASELINES},
                      "rounds": [r[c.label] for r in timings]})
@@ -152,10 +163,12 @@ def format_step_report(report: dict) -> str:
     lines = [f"per-step wall time, {report['task']}, {report['workers']} thread workers on {report['device']}, "
              f"{report['threads']} torch thread, steps {report['warmup']}..{report['steps'] - 1} of each run "
              f"(first {report['warmup']} left out), {report['rounds']} interleaved rounds, "
-             f"medians of per-round ratios",
-             f"{'algorithm':<16} {'step ms':>9} {'x dpsgd':>8} {'range':>11} {'x allreduce':>11} {'range':>11}"]
+             f"medians of per-round ratios; step ms: median step of a run (mean ms: its mean, stalls included), "
+             f"median over rounds",
+             f"{'algorithm':<16} {'step ms':>9} {'mean ms':>9} {'x dpsgd':>8} {'range':>11} {'x allreduce':>11} "
+             f"{'range':>11}"]
     for r in report["rows"]:
         (a, b), (c, d) = r["x_dpsgd_range"], r["x_allreduce_range"]
-        lines.append(f"{r['algorithm']:<16} {r['step_ms']:>9.2f} {r['x_dpsgd']:>8.2f} {f'{a:.2f}-{b:.2f}':>11} "
-                     f"{r['x_allreduce']:>11.2f} {f'{c:.2f}-{d:.2f}':>11}")
+        lines.append(f"{r['algorithm']:<16} {r['step_ms']:>9.2f} {r['mean_step_ms']:>9.2f} {r['x_dpsgd']:>8.2f} "
+                     f"{f'{a:.2f}-{b:.2f}':>11} {r['x_allreduce']:>11.2f} {f'{c:.2f}-{d:.2f}':>11}")
     return "\n".join(lines)
