@@ -130,9 +130,9 @@ def bench_data(size: int, device: torch.device, seed: int = 0) -> tuple[torch.Te
     return x, ref
 
 
-def _generator(seed: int, device: torch.device) -> torch.Generator:
+def _generator(seed: int) -> torch.Generator:
     """The generator lowbit's algorithms hand a codec for one message: ``shared_generator``
-    as they call it (``device`` is unused: where the draws happen is the codec's affair)."""
+    as they call it (where the draws happen is the codec's affair)."""
     return shared_generator(seed, 0, 0)
 
 
@@ -144,10 +144,10 @@ def _reference_generator(seed: int, device: torch.device) -> torch.Generator:
 def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device):
     """(encode, decode, payload): the two timed calls, each with a fresh shared generator
     (as one message's sender and receiver derive it), and a payload to decode."""
-    payload = codec.encode(x, generator=_generator(seed, device))
+    payload = codec.encode(x, generator=_generator(seed))
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
-    return (lambda: codec.encode(x, generator=_generator(seed, device)),
-            lambda: codec.decode(payload, generator=_generator(seed, device), **kw), payload)
+    return (lambda: codec.encode(x, generator=_generator(seed)),
+            lambda: codec.decode(payload, generator=_generator(seed), **kw), payload)
 
 
 def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, ref: torch.Tensor, seed: int,
@@ -157,8 +157,8 @@ def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, re
     rkw = {"ref": ref} if reference.needs_ref else {}
 
     def lowbit():
-        return codec.decode(codec.encode(x, generator=_generator(seed, device)),
-                            generator=_generator(seed, device), **kw)
+        return codec.decode(codec.encode(x, generator=_generator(seed)),
+                            generator=_generator(seed), **kw)
 
     def reference_rt():
         return reference.decode(reference.encode(x, generator=_reference_generator(seed, device)), **rkw)
@@ -249,7 +249,7 @@ def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu"
         for pair in pairs:
             codec, reference = pair.make(), pair.make_reference()
             lowbit, reference_rt = roundtrip_calls(codec, reference, x, ref, seed, dev)
-            payload = codec.encode(x, generator=_generator(seed, dev))
+            payload = codec.encode(x, generator=_generator(seed))
             wire = reference.encode(x, generator=_reference_generator(seed, dev))
             prepared.append((pair, reference.name, lowbit, reference_rt, payload.nbytes, refs.wire_nbytes(wire)))
         timings: dict[str, list[dict]] = {p.label: [] for p in pairs}
