@@ -4,8 +4,8 @@ D-PSGD and AllReduce, in one run.
 Each measurement is a short training run with lowbit's own loop
 (:func:`lowbit.train.loop.run_worker` on :func:`lowbit.comm.inprocess.run_threads`
 thread workers, one torch thread, no evaluation). Every worker records the wall
-clock (``time.perf_counter``) when each of its steps ends (after the
-algorithm's ``after_update``); step ``k`` of the run ends when its last worker
+clock (``time.perf_counter``; on CUDA after synchronizing the device) when
+each of its steps ends (after the algorithm's ``after_update``); step ``k`` of the run ends when its last worker
 ends it, ``T_k = max_i t_ik``, and takes ``T_k - T_{k-1}``. The per-step time
 is the median of these over steps ``warmup..steps-1``: the first ``warmup``
 steps (lazy initialization, threads starting at different times) are left out,
@@ -77,10 +77,16 @@ def step_config(case: StepCase, task: str, workers: int, steps: int, device: str
 
 
 def step_end_times(cfg) -> list[list[float]]:
-    """Run ``cfg`` on thread workers; each worker's wall clock at the end of each step."""
+    """Run ``cfg`` on thread workers; each worker's wall clock at the end of each step
+    (on CUDA read after synchronizing the device, so the step's kernels are inside)."""
+    import torch
+
     from ..comm.inprocess import run_threads
+    from ..train.config import resolve_device
     from ..train.loop import run_worker
 
+    device = resolve_device(cfg.device)  # the thread runtime's workers share it
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     stamps: dict[int, list[float]] = {}
     lock = threading.Lock()
 
@@ -92,6 +98,7 @@ def step_end_times(cfg) -> list[list[float]]:
 
         def after_update(*args, **kwargs):
             out = after(*args, **kwargs)
+            sync()
             mine.append(time.perf_counter())
             return out
 
