@@ -22,7 +22,7 @@ from lowbit.comm import launch, run_threads
 from lowbit.topology import make_topology
 
 STEPS, LR, MOMENTUM, WD = 10, 0.1, 0.9, 1e-3
-SEEDS = range(5)
+SEEDS = [*range(5), *(pytest.param(s, marks=pytest.mark.slow) for s in range(5, 10))]  # 10 with -m slow
 
 
 class Net(nn.Module):
