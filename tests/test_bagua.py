@@ -248,8 +248,9 @@ def test_buckets_have_their_own_min_and_max():
 
 
 def test_ledger_is_baguas_wire_layout_and_nothing_at_setup():
-    d = sum(p.numel() for p in Net().parameters())  # 770 -> align32 = 800
-    per_msg = 32 + 800
+    d = sum(p.numel() for p in Net().parameters())
+    per_msg = 32 + 800  # Bagua's block + align32(770) code bytes
+    assert d == 770
     for n, peers in ((2, 1), (3, 2), (5, 2)):
         _, _, rows = run_lowbit(n, 0, hierarchical=False)
         for r in range(n):
