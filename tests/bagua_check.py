@@ -36,7 +36,8 @@ def run_with_codec(n, seed, codec):
 
 
 def main():
-    print("| n | Bagua's codec: seeds passing | max abs deviation | lowbit's minmax: seeds passing | max abs deviation |")
+    print("| n | Bagua's codec: seeds passing | max abs deviation "
+          "| lowbit's minmax: seeds passing | max abs deviation |")
     print("|---|---|---|---|---|")
     for n in range(2, 9):
         ok_b = ok_m = 0

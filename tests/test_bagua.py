@@ -307,7 +307,8 @@ def test_bad_options_name_the_argument():
         return True
 
     assert all(run_threads(4, worker))
-    for kw, word in ((dict(hierarchical=1), "hierarchical"), (dict(communication_interval=0), "communication_interval")):
+    for kw, word in ((dict(hierarchical=1), "hierarchical"),
+                     (dict(communication_interval=0), "communication_interval")):
         with pytest.raises(ValueError, match=word):
             LowPrecisionDecentralizedAlgorithm(**kw)
 

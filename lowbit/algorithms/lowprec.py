@@ -79,7 +79,6 @@ PEER_SELECTIONS = ("all", "shift_one")
 BAGUA_BUCKET_BYTES = 10 * 1024 ** 2  # Bagua's default bucket size
 THIRD = float(np.float32(1.0 / 3.0))  # Bagua's factors, as the float32 its kernel receives
 MINUS_FIVE_THIRDS = float(np.float32(-5.0 / 3.0))
-_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 def shift_one_peer(rank: int, n: int, step: int) -> int:
@@ -187,7 +186,8 @@ class LowPrecisionDecentralized(Algorithm):
             raise ValueError(f"peer_selection must be one of {PEER_SELECTIONS}, got {peer_selection!r}")
         check_rounding(rounding)
         if codec is None:
-            codec = BaguaMinMaxCodec() if (bits, rounding) == (8, "nearest") else MinMaxCodec(bits=bits, rounding=rounding)
+            bagua = (bits, rounding) == (8, "nearest")
+            codec = BaguaMinMaxCodec() if bagua else MinMaxCodec(bits=bits, rounding=rounding)
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a lowbit Codec, got {type(codec).__name__}")
         if not isinstance(codec, (BaguaMinMaxCodec, MinMaxCodec, IdentityCodec)):
@@ -277,13 +277,15 @@ class LowPrecisionDecentralized(Algorithm):
             return self._shift.after_update(k, x, g, lr)
         if k % self.communication_interval:
             return
-        gen = shared_generator(self.seed, k, self.rank) if getattr(self.codec, "rounding", None) == "stochastic" else None
+        stochastic = getattr(self.codec, "rounding", None) == "stochastic"
+        gen = shared_generator(self.seed, k, self.rank) if stochastic else None
+        empty = torch.empty(0, dtype=torch.uint8, device=x.device)
         for s, e in self.buckets:
             xb = x[s:e]
             if self.node_size == 1:
                 self._ring_step(xb, s, e, gen)
             elif self.is_leader:
-                parts = self.transport.neighbor_exchange(_EMPTY.to(x.device), self.members)  # reduce (average)
+                parts = self.transport.neighbor_exchange(empty, self.members)  # reduce (average)
                 t = xb.detach().clone()
                 for j in self.members:
                     t.add_(parts[j].view(x.dtype).to(x.device))
@@ -292,7 +294,7 @@ class LowPrecisionDecentralized(Algorithm):
                 self.transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), self.members)  # broadcast
             else:
                 self.transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), (self.leader,))
-                got = self.transport.neighbor_exchange(_EMPTY.to(x.device), (self.leader,))[self.leader]
+                got = self.transport.neighbor_exchange(empty, (self.leader,))[self.leader]
                 xb.copy_(got.view(x.dtype).to(x.device))
 
     def _decode(self, wire: torch.Tensor, numel: int, dtype) -> torch.Tensor:

@@ -79,7 +79,7 @@ class BaguaMinMaxCodec(Codec):
         check_flat(x)
         n = check_numel(x)
         dev = x.device
-        count = torch.tensor([n], dtype=torch.int32).view(torch.uint8).to(dev)
+        count = torch.full((1,), n, dtype=torch.int32, device=dev).view(torch.uint8)  # a fill, not a host copy
         if n == 0:
             header = torch.cat([torch.zeros(8, dtype=torch.uint8, device=dev), count,
                                 torch.zeros(20, dtype=torch.uint8, device=dev)])
