@@ -322,6 +322,8 @@ def test_train_cli_options():
         TrainConfig(algorithm="lowprec-decentralized", rounding="stochastic")
     with pytest.raises(ValueError, match="ring"):
         TrainConfig(algorithm="lowprec-decentralized", topology="complete", workers=4)
+    with pytest.raises(ValueError, match="weights"):
+        TrainConfig(algorithm="lowprec-decentralized", weights="metropolis")
     run = train(TrainConfig(algorithm="lowprec-decentralized", workers=4, node_size=2, communication_interval=2,
                             steps=6, eval_every=3))
     assert run.summary["bytes_sent"] > 0

@@ -168,6 +168,8 @@ class LowPrecisionDecentralized(Algorithm):
             raise ValueError(f"node_size must be an int >= 1 dividing workers={cfg.workers}, got {L!r}")
         if cfg.topology != "ring":
             raise ValueError(f"topology={cfg.topology!r}: Bagua's low precision decentralized SGD gossips on a ring")
+        if cfg.weights != "uniform":
+            raise ValueError(f"weights={cfg.weights!r}: Bagua's ring weights are uniform (1/3)")
 
     @classmethod
     def from_config(cls, cfg, transport, topology):
