@@ -18,8 +18,10 @@ from torch import nn
 
 from lowbit.algorithms import LowPrecisionDecentralized
 from lowbit.bagua import LowPrecisionDecentralizedAlgorithm, with_bagua
+from lowbit.codecs import IdentityCodec
 from lowbit.comm import launch, run_threads
 from lowbit.topology import make_topology
+from quadratic import quadratic_problem, run_quadratic
 
 STEPS, LR, MOMENTUM, WD = 10, 0.1, 0.9, 1e-3
 SEEDS = [*range(5), *(pytest.param(s, marks=pytest.mark.slow) for s in range(5, 10))]  # 10 with -m slow
@@ -193,14 +195,23 @@ def test_bagua_check_after_10_steps(n, seed):
 
 
 def test_two_nodes_weigh_the_peer_twice():
-    """n = 2: the one peer is the left and the right neighbour: weights 1/3 self, 2/3 peer."""
-    seed = 0
-    traj, _, _ = run_lowbit(2, seed, hierarchical=False)
-    ref = reference(2, seed)
-    assert torch.isclose(traj, ref, rtol=0, atol=1e-5).all()
-    # not the symmetric 1/2-1/2 average: a plain reference with those weights ends elsewhere
-    naive = traj[0].mean(0)
-    assert not torch.isclose(traj[0, 0], naive, rtol=0, atol=1e-5).all()
+    """n = 2: the one peer is the left and the right neighbour: with a lossless codec the
+    step is x <- W x - lr g with W = [[1/3, 2/3], [2/3, 1/3]], not the 1/2-1/2 average."""
+    X0, A, b = quadratic_problem(2, 6, seed=5)
+    X0 = X0[:1].repeat(2, 1)  # Bagua: one initial model
+    res = run_quadratic(lambda t: LowPrecisionDecentralized(t, make_topology("ring", 2), codec=IdentityCodec(),
+                                                            hierarchical=False), X0, A, b, 5, 0.1)
+    traj = torch.stack([torch.stack(seen) for seen, *_ in res], 1)
+    W3 = torch.tensor([[1 / 3, 2 / 3], [2 / 3, 1 / 3]], dtype=torch.float64)
+    W2 = torch.full((2, 2), 0.5, dtype=torch.float64)
+    X = Y = X0.clone()
+    for k in range(5):
+        X = W3 @ X - 0.1 * (A * X - b)
+        Y = W2 @ Y - 0.1 * (A * Y - b)
+        torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
+    assert float((X - Y).abs().max()) > 1e-3
+    _, _, rows = run_lowbit(2, 0, hierarchical=False)
+    assert [(r[0], r[5]) for r in rows[0][:2]] == [(0, 1), (0, 1)]  # two messages to the one peer
 
 
 @pytest.mark.parametrize("seed", range(3))
