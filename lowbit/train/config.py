@@ -18,6 +18,7 @@ from ..algorithms import ALGORITHMS
 from ..algorithms.compressed import SERVERS
 from ..algorithms.moniqua import THETA_SCHEDULES, VERIFY_BLOCK
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
+from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..comm.netmodel import NetworkModel
 from ..topology import TOPOLOGIES, WEIGHTINGS, make_topology
 from .tasks import SPLITS, TASKS
@@ -44,6 +45,7 @@ CODEC_BUILDERS = {
     "minmax": lambda c: MinMaxCodec(bits=c.bits, rounding=c.rounding or "nearest"),
     "sign": lambda c: SignCodec(),
     "terngrad": lambda c: TernGradCodec(),
+    "bagua_minmax": lambda c: BaguaMinMaxCodec(),
 }
 
 
@@ -135,6 +137,13 @@ class TrainConfig:
     codec: str | None = _opt(None, "codec of a quantized baseline (see the algorithm's list)")
     rounding: str | None = _opt(None, f"one of: {', '.join(ROUNDINGS)} (algorithm default if omitted)")
     peer_selection: str = _opt("all", "lowprec-decentralized: Bagua's peer selection, all or shift_one")
+    hierarchical: bool = _opt(True, "lowprec-decentralized: Bagua's hierarchical mode (average inside a node, "
+                                    "gossip between node leaders, broadcast back)")
+    communication_interval: int = _opt(1, "lowprec-decentralized: communicate every this many steps (Bagua's)")
+    node_size: int | None = _opt(None, "lowprec-decentralized: workers per node (default: LOCAL_WORLD_SIZE on the "
+                                       "torch backend, 1 on the thread backend)")
+    bucket_bytes: int = _opt(10 * 1024 ** 2, "lowprec-decentralized: bytes per bucket, each quantized with its own "
+                                             "min and max (Bagua's default 10 MiB)")
     shared_randomness: bool = _opt(True, "Moniqua: all workers use the same stochastic-rounding offsets each step")
     # --- the centralized family ---
     server: str = _opt("allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}")
