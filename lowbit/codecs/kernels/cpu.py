@@ -170,7 +170,7 @@ def _stats(x):
     sq = 0.0
     bad = 0
     for i in range(x.shape[0]):
-        v = float(x[i])
+        v = np.float64(x[i])
         if not math.isfinite(v):
             bad = 1
             continue
@@ -194,13 +194,13 @@ def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes):
     bad = False
     if stochastic:
         for i in range(x.shape[0]):
-            xv = float(x[i])
+            xv = np.float64(x[i])
             bad |= nonfinite(xv)
             c = round_stochastic(centered_mod(xv * inv_B, 1.0, 1.0) * L, k0, k1, i)
             codes[i] = np.uint8(np.int64(c) & mask)
     else:
         for i in range(x.shape[0]):
-            xv = float(x[i])
+            xv = np.float64(x[i])
             bad |= nonfinite(xv)
             c = rint(centered_mod(xv * inv_B, 1.0, 1.0) * L)
             codes[i] = np.uint8(np.int64(c) & mask)
@@ -213,7 +213,7 @@ def _modulo_decode(codes, B, levels, y, out):
     step = B / float(levels)
     inv_B = 1.0 / B
     for i in range(codes.shape[0]):
-        yv = float(y[i])
+        yv = np.float64(y[i])
         out[i] = centered_mod(float(codes[i]) * step - yv, B, inv_B) + yv
 
 
@@ -299,7 +299,7 @@ def _modulo_decode_hash(codes, B, levels, y, block, out, hashes):
     for b in range(nb):
         acc = np.uint64(0)
         for i in range(b * block, min(n, (b + 1) * block)):
-            yv = float(y[i])
+            yv = np.float64(y[i])
             z = float(codes[i]) * step - yv
             k = math.floor(z * inv_B + 0.5)
             r = z - B * k
