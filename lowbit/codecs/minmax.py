@@ -13,8 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
-from .packing import pack_bits, unpack_bits
+from .kernels import kernels_for
+from .packing import _check_data, pack_bits, unpack_bits
 from .quantize import check_int_range, check_numel, check_rounding, round_to_int
+from .rng import draw_key
 
 __all__ = ["MinMaxCodec"]
 
@@ -56,28 +58,65 @@ class MinMaxCodec(Codec):
     def _scale(self, lo: float, hi: float) -> float:
         return self.levels / (hi - lo) if hi > lo else 0.0
 
+    def _header_range(self, lo: float, hi: float, finite: bool) -> tuple[float, float]:
+        """The float32 values of ``lo``/``hi`` that the receiver will see; ValueError when x
+        is not finite or its range does not fit float32."""
+        if not (finite and math.isfinite(lo) and math.isfinite(hi)):
+            raise ValueError(f"x must be finite for the min-max codec, got range [{lo}, {hi}]"
+                             + ("" if finite else " over its finite elements, and NaN or inf elsewhere"))
+        try:
+            return struct.unpack("<ff", struct.pack("<ff", lo, hi))
+        except OverflowError:
+            raise ValueError(f"the range of x [{lo}, {hi}] does not fit the float32 header") from None
+
+    def _empty(self, x: torch.Tensor) -> Payload:
+        return Payload(header=pack_header(self.header_format, 0, 0.0, 0.0, device=x.device),
+                       data=torch.empty(0, dtype=torch.uint8, device=x.device))
+
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         check_flat(x)
         n = check_numel(x)
+        K = kernels_for(x, "plain")
+        if K is None:
+            return self.encode_reference(x, generator=generator)
         if n == 0:
-            return Payload(header=pack_header(self.header_format, 0, 0.0, 0.0, device=x.device),
-                           data=torch.empty(0, dtype=torch.uint8, device=x.device))
+            return self._empty(x)
+        lo, hi = self._header_range(*K.minmax_range(x))
+        stochastic = self.rounding == "stochastic"
+        data = K.minmax_encode(x, lo, self._scale(lo, hi), self.bits, stochastic,
+                               draw_key(generator) if stochastic else 0)
+        return Payload(header=pack_header(self.header_format, n, lo, hi, device=x.device), data=data)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, lo, hi = unpack_header(self.header_format, payload.header)
+        K = kernels_for(payload.data, "plain")
+        if K is None:
+            return self.decode_reference(payload, dtype=dtype)
+        _check_data(payload.data, self.bits, n)
+        dtype = torch.float32 if dtype is None else dtype
+        scale = self._scale(lo, hi)
+        if scale == 0:
+            return torch.full((n,), lo, dtype=dtype, device=payload.data.device)
+        return K.minmax_decode(payload.data, self.bits, n, lo, scale, dtype)
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
+        check_flat(x)
+        n = check_numel(x)
+        if n == 0:
+            return self._empty(x)
         x64 = x.detach().to(torch.float64)
         lo, hi = torch.aminmax(x.detach())
-        lo, hi = float(lo), float(hi)
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            raise ValueError(f"x must be finite for the min-max codec, got range [{lo}, {hi}]")
-        try:  # the float32 values the receiver will see
-            lo, hi = struct.unpack("<ff", struct.pack("<ff", lo, hi))
-        except OverflowError:
-            raise ValueError(f"the range of x [{lo}, {hi}] does not fit the float32 header") from None
+        lo, hi = self._header_range(float(lo), float(hi), True)
         header = pack_header(self.header_format, n, lo, hi, device=x.device)
         scale = self._scale(lo, hi)
         codes = round_to_int((x64 - lo) * scale, self.rounding, generator).clamp_(0, self.levels)
         return Payload(header=header, data=pack_bits(codes.to(torch.int64), self.bits))
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float64 whole-tensor reference of :meth:`decode`."""
         n, lo, hi = unpack_header(self.header_format, payload.header)
         codes = unpack_bits(payload.data, self.bits, n).to(torch.float64)
         scale = self._scale(lo, hi)

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
-from .packing import pack_bits, unpack_bits
-from .quantize import finite_float64
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .kernels import kernels_for
+from .packing import _check_data, pack_bits, unpack_bits
+from .quantize import check_numel, finite_float64
 
 __all__ = ["SignCodec", "SIGN_SCALES"]
 
@@ -60,25 +61,67 @@ class SignCodec(Codec):
     def bits(self) -> float:
         return 1.0
 
-    def _scale_of(self, x64: torch.Tensor) -> float:
-        if x64.numel() == 0:
+    def _scale_of(self, x: torch.Tensor) -> float:
+        """The scale sent in the header, by one torch reduction in ``x``'s precision (float32
+        for float32 and half inputs, float64 for float64), shared by both paths so that they
+        send the same bytes; float64 when the float32 norm overflows. NaN or inf when ``x``
+        is not finite, so the scale doubles as the finiteness check."""
+        n = x.numel()
+        if n == 0:
             return 0.0
-        if self.scale == "mean_abs":
-            return float(x64.abs().mean())
-        return float(torch.linalg.vector_norm(x64)) / math.sqrt(x64.numel())
+        x = x.detach()
+        if x.dtype not in (torch.float32, torch.float64):
+            x = x.float()
+        order = 1 if self.scale == "mean_abs" else 2
+        norm = float(torch.linalg.vector_norm(x, order))
+        if math.isinf(norm):
+            norm = float(torch.linalg.vector_norm(x, order, dtype=torch.float64))
+        return norm / n if order == 1 else norm / math.sqrt(n)
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        n, x64 = finite_float64(x, "sign")
-        data = pack_bits((x64 >= 0).to(torch.int64), 1)
+    def _header(self, n: int, x: torch.Tensor) -> torch.Tensor:
+        """The header, with the scale of :meth:`_scale_of`; ValueError when ``x`` is not
+        finite or the scale does not fit float32."""
         if self.scale == "none":
-            return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)
-        c = self._scale_of(x64)
+            return pack_header(self.header_format, n, device=x.device)
+        c = self._scale_of(x)
+        if math.isnan(c) or (math.isinf(c) and not bool(torch.isfinite(x).all())):
+            raise ValueError("x must be finite for the sign codec")
         if c > float(torch.finfo(torch.float32).max):
             raise ValueError(f"the {self.scale} scale {c:.6g} does not fit the float32 header")
-        return Payload(header=pack_header(self.header_format, n, c, device=x.device), data=data)
+        return pack_header(self.header_format, n, c, device=x.device)
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        check_flat(x)
+        n = check_numel(x)
+        K = kernels_for(x, "plain")
+        if K is None:
+            return self.encode_reference(x, generator=generator)
+        header = self._header(n, x)
+        data, finite = K.sign_encode(x)
+        if not finite:
+            raise ValueError("x must be finite for the sign codec")
+        return Payload(header=header, data=data)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        fields = unpack_header(self.header_format, payload.header)
+        K = kernels_for(payload.data, "plain")
+        if K is None:
+            return self.decode_reference(payload, dtype=dtype)
+        n = fields[0]
+        _check_data(payload.data, 1, n)
+        c = 1.0 if self.scale == "none" else fields[1]
+        return K.sign_decode(payload.data, n, c, torch.float32 if dtype is None else dtype)
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
+        n, x64 = finite_float64(x, "sign")
+        data = pack_bits((x64 >= 0).to(torch.int64), 1)
+        return Payload(header=self._header(n, x), data=data)
+
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float64 whole-tensor reference of :meth:`decode`."""
         fields = unpack_header(self.header_format, payload.header)
         n = fields[0]
         c = 1.0 if self.scale == "none" else fields[1]
