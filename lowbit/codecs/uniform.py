@@ -75,8 +75,9 @@ class UniformCodec(Codec):
                        data=torch.empty(0, dtype=torch.uint8, device=x.device))
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        """Two passes over ``x``: the codes' range (which fixes the width), then the codes,
-        recomputed from the same counter uniforms rather than stored."""
+        """The codes' range is bounded by ``x``'s (one statistics pass), the codes are written
+        against that bound in the narrowest unsigned dtype (one pass), then re-based on the
+        codes' own smallest value and packed (see ``uniform_codes`` in the kernel modules)."""
         check_flat(x)
         n = check_numel(x)
         K = kernels_for(x, "plain")
@@ -86,11 +87,11 @@ class UniformCodec(Codec):
             return self._empty(x)
         stochastic = self.rounding == "stochastic"
         key = draw_key(generator) if stochastic else 0
-        lo, hi, finite = K.uniform_range(x, self.step, stochastic, key)
+        codes, base, lo, hi, finite = K.uniform_codes(x, self.step, stochastic, key)
         if not finite:
             raise ValueError(f"x must be finite for the uniform codec (step={self.step}): it holds NaN or inf")
         offset, b = self._offset_and_width(lo, hi)
-        data = K.uniform_encode(x, self.step, stochastic, key, offset, b)
+        data = K.uniform_pack(codes, offset - base, b)
         return Payload(header=pack_header(self.header_format, n, offset, b, device=x.device), data=data)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
