@@ -61,46 +61,37 @@ class SignCodec(Codec):
     def bits(self) -> float:
         return 1.0
 
-    def _scale_of(self, x: torch.Tensor) -> float:
-        """The scale sent in the header, by one torch reduction in ``x``'s precision (float32
-        for float32 and half inputs, float64 for float64), shared by both paths so that they
-        send the same bytes; float64 when the float32 norm overflows. NaN or inf when ``x``
-        is not finite, so the scale doubles as the finiteness check."""
-        n = x.numel()
+    @property
+    def order(self) -> int:
+        """The norm the scale is built on: 1 (``mean_abs``), 2 (``rms``), 0 (``none``)."""
+        return {"mean_abs": 1, "rms": 2, "none": 0}[self.scale]
+
+    def _scale(self, total: float, n: int) -> float:
+        """The scale from ``total``, the sum of ``|x_i|`` or ``x_i^2`` (see :attr:`order`)."""
         if n == 0:
             return 0.0
-        x = x.detach()
-        if x.dtype not in (torch.float32, torch.float64):
-            x = x.float()
-        order = 1 if self.scale == "mean_abs" else 2
-        norm = float(torch.linalg.vector_norm(x, order))
-        if math.isinf(norm):
-            norm = float(torch.linalg.vector_norm(x, order, dtype=torch.float64))
-        return norm / n if order == 1 else norm / math.sqrt(n)
+        return total / n if self.order == 1 else math.sqrt(total) / math.sqrt(n)
 
-    def _header(self, n: int, x: torch.Tensor) -> torch.Tensor:
-        """The header, with the scale of :meth:`_scale_of`; ValueError when ``x`` is not
-        finite or the scale does not fit float32."""
+    def _payload(self, n: int, total: float, data: torch.Tensor, device) -> Payload:
         if self.scale == "none":
-            return pack_header(self.header_format, n, device=x.device)
-        c = self._scale_of(x)
-        if math.isnan(c) or (math.isinf(c) and not bool(torch.isfinite(x).all())):
-            raise ValueError("x must be finite for the sign codec")
+            return Payload(header=pack_header(self.header_format, n, device=device), data=data)
+        c = self._scale(total, n)
         if c > float(torch.finfo(torch.float32).max):
             raise ValueError(f"the {self.scale} scale {c:.6g} does not fit the float32 header")
-        return pack_header(self.header_format, n, c, device=x.device)
+        return Payload(header=pack_header(self.header_format, n, c, device=device), data=data)
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """One pass: the sign bits, the finiteness flag and the scale's float64 sum (in index
+        order, as the reference's ``cumsum``: the same bytes)."""
         check_flat(x)
         n = check_numel(x)
         K = kernels_for(x, "plain")
         if K is None:
             return self.encode_reference(x, generator=generator)
-        header = self._header(n, x)
-        data, finite = K.sign_encode(x)
+        data, total, finite = K.sign_encode(x, self.order)
         if not finite:
             raise ValueError("x must be finite for the sign codec")
-        return Payload(header=header, data=data)
+        return self._payload(n, total, data, x.device)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -114,10 +105,14 @@ class SignCodec(Codec):
         return K.sign_decode(payload.data, n, c, torch.float32 if dtype is None else dtype)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
+        """The float64 whole-tensor reference of :meth:`encode` (the same bytes): the scale's
+        sum is a float64 ``cumsum``, which adds in index order."""
         n, x64 = finite_float64(x, "sign")
         data = pack_bits((x64 >= 0).to(torch.int64), 1)
-        return Payload(header=self._header(n, x), data=data)
+        total = 0.0
+        if n and self.order:
+            total = float((x64.abs() if self.order == 1 else x64 * x64).cumsum(0)[-1])
+        return self._payload(n, total, data, x.device)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -102,12 +102,12 @@ def _minmax_encode(x, lo, scale, levels, stochastic, k0, k1, codes):
     top = float(levels)
     if stochastic:
         for i in range(x.shape[0]):
-            c = round_stochastic((float(x[i]) - lo) * scale, k0, k1, i)
+            c = round_stochastic((np.float64(x[i]) - lo) * scale, k0, k1, i)
             c = 0.0 if c < 0.0 else (top if c > top else c)
             codes[i] = np.uint8(c)
     else:
         for i in range(x.shape[0]):
-            c = rint((float(x[i]) - lo) * scale)
+            c = rint((np.float64(x[i]) - lo) * scale)
             c = 0.0 if c < 0.0 else (top if c > top else c)
             codes[i] = np.uint8(c)
 
@@ -116,7 +116,7 @@ def _minmax_encode(x, lo, scale, levels, stochastic, k0, k1, codes):
 def _minmax_decode(codes, scale, lo, out):
     """``codes / scale + lo`` (``scale > 0``)."""
     for i in range(codes.shape[0]):
-        out[i] = float(codes[i]) / scale + lo
+        out[i] = np.float64(codes[i]) / scale + lo
 
 
 def minmax_range(x: torch.Tensor) -> tuple[float, float, bool]:
@@ -152,14 +152,14 @@ def _uniform_range(x, step, stochastic, k0, k1):
     bad = False
     if stochastic:
         for i in range(x.shape[0]):
-            xv = float(x[i])
+            xv = np.float64(x[i])
             bad |= nonfinite(xv)
             c = round_stochastic(xv / step, k0, k1, i)
             lo = c if c < lo else lo
             hi = c if c > hi else hi
     else:
         for i in range(x.shape[0]):
-            xv = float(x[i])
+            xv = np.float64(x[i])
             bad |= nonfinite(xv)
             c = rint(xv / step)
             lo = c if c < lo else lo
@@ -172,17 +172,17 @@ def _uniform_encode(x, step, stochastic, k0, k1, offset, codes):
     """``round(x / step) - offset`` into ``codes`` (uint8 or uint32, wide enough)."""
     if stochastic:
         for i in range(x.shape[0]):
-            codes[i] = np.int64(round_stochastic(float(x[i]) / step, k0, k1, i) - offset)
+            codes[i] = np.int64(round_stochastic(np.float64(x[i]) / step, k0, k1, i) - offset)
     else:
         for i in range(x.shape[0]):
-            codes[i] = np.int64(rint(float(x[i]) / step) - offset)
+            codes[i] = np.int64(rint(np.float64(x[i]) / step) - offset)
 
 
 @_jit
 def _uniform_decode(codes, offset, step, out):
     """``(codes + offset) * step`` (the sum is an exact integer in float64)."""
     for i in range(codes.shape[0]):
-        out[i] = (float(codes[i]) + offset) * step
+        out[i] = (np.float64(codes[i]) + offset) * step
 
 
 @_jit
@@ -262,26 +262,40 @@ def uniform_decode(data: torch.Tensor, b: int, n: int, offset: int, step: float,
 # --- sign (1-bit SGD, signSGD) --------------------------------------------------------------
 
 @_jit
-def _sign_encode(x, out):
-    """Bit ``x_i >= 0`` packed 8 per byte into ``out``; returns the non-finite flag."""
+def _sign_encode(x, order, out):
+    """Bit ``x_i >= 0`` packed 8 per byte into ``out``; returns ``(total, non-finite)`` with
+    ``total`` the float64 sum of ``|x_i|`` (order 1) or ``x_i^2`` (order 2) in index order
+    (0 for order 0), the order in which the reference's ``cumsum`` adds."""
     n = x.shape[0]
     full = n // 8
     bad = False
-    for j in range(full):
-        acc = 0
-        for k in range(8):
-            v = float(x[8 * j + k])
-            bad |= nonfinite(v)
-            acc |= (1 if v >= 0.0 else 0) << k
-        out[j] = np.uint8(acc)
+    total = 0.0
+    if order == 0:
+        for j in range(full):
+            acc = 0
+            for k in range(8):
+                v = np.float64(x[8 * j + k])
+                bad |= nonfinite(v)
+                acc |= (1 if v >= 0.0 else 0) << k
+            out[j] = np.uint8(acc)
+    else:
+        for j in range(full):
+            acc = 0
+            for k in range(8):
+                v = np.float64(x[8 * j + k])
+                bad |= nonfinite(v)
+                acc |= (1 if v >= 0.0 else 0) << k
+                total += abs(v) if order == 1 else v * v
+            out[j] = np.uint8(acc)
     if full * 8 < n:
         acc = 0
         for k in range(n - full * 8):
-            v = float(x[8 * full + k])
+            v = np.float64(x[8 * full + k])
             bad |= nonfinite(v)
             acc |= (1 if v >= 0.0 else 0) << k
+            total += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
         out[full] = np.uint8(acc)
-    return bad
+    return total, bad
 
 
 @_jit
@@ -297,12 +311,13 @@ def _sign_decode(data, c, out):
         out[i] = c if (data[full] >> (i - full * 8)) & 1 else -c
 
 
-def sign_encode(x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``(packed sign bits, finite)``."""
+def sign_encode(x: torch.Tensor, order: int) -> tuple[torch.Tensor, float, bool]:
+    """``(packed sign bits, total, finite)``: ``total`` is the float64 sum of ``|x_i|``
+    (``order`` 1) or ``x_i^2`` (2) in index order, 0.0 for ``order`` 0."""
     xv = as_numba(x.detach())
     out = torch.empty((xv.shape[0] + 7) // 8, dtype=torch.uint8)
-    bad = _sign_encode(xv, out.numpy())
-    return out, not bad
+    total, bad = _sign_encode(xv, order, out.numpy())
+    return out, total, not bad
 
 
 def sign_decode(data: torch.Tensor, n: int, c: float, dtype: torch.dtype) -> torch.Tensor:
@@ -333,13 +348,13 @@ def _terngrad_encode(x, scale, k0, k1, out):
         acc = 0
         for k in range(4):
             i = 4 * j + k
-            acc |= _tern_code(float(x[i]), scale, k0, k1, i) << (2 * k)
+            acc |= _tern_code(np.float64(x[i]), scale, k0, k1, i) << (2 * k)
         out[j] = np.uint8(acc)
     if full * 4 < n:
         acc = 0
         for k in range(n - full * 4):
             i = 4 * full + k
-            acc |= _tern_code(float(x[i]), scale, k0, k1, i) << (2 * k)
+            acc |= _tern_code(np.float64(x[i]), scale, k0, k1, i) << (2 * k)
         out[full] = np.uint8(acc)
 
 
