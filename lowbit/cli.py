@@ -31,13 +31,35 @@ def _add_train(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks", description="Benchmarks measured side by side in one process.")
+    p = sub.add_parser("bench", help="benchmarks", description="Benchmarks measured side by side in one process, "
+                       "one torch thread, interleaved rounds, medians of per-round ratios.")
     what = p.add_subparsers(dest="bench_what")
-    c = what.add_parser("codecs", help="encode/decode throughput of every codec against memcpy")
+    c = what.add_parser("codecs", help="encode/decode time of every codec against memcpy, or against reference codecs",
+                        description="Each codec's encode and decode against memcpy (dst.copy_(src) into a "
+                                    "preallocated buffer of the same size), or with --against references its "
+                                    "encode + decode against plain-torch reference codecs.")
     c.add_argument("--size", type=int, default=1_000_000, help="elements of the fp32 input")
-    c.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is shown)")
+    c.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
+    c.add_argument("--min-run-time", type=float, default=0.05,
+                   help="seconds per timing (torch.utils.benchmark blocked_autorange)")
     c.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
-    c.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    c.add_argument("--clock", default="auto", help="auto (CPU: the thread's CPU time; CUDA: wall time after "
+                   "synchronizing), cpu or wall")
+    c.add_argument("--codecs", default=None, help="comma-separated codec families or labels (default: all)")
+    c.add_argument("--against", default="memcpy", help="memcpy (default) or references")
+    c.add_argument("--json", default=None, help="also write the report to this JSON file")
+    s = what.add_parser("step", help="per-step wall time of each algorithm against D-PSGD and AllReduce",
+                        description="Short training runs on thread workers, interleaved rounds; each algorithm's "
+                                    "step time as medians of per-round ratios to D-PSGD and AllReduce.")
+    s.add_argument("--task", default="digits-mlp", help="training task (default digits-mlp)")
+    s.add_argument("--workers", type=int, default=8, help="thread workers")
+    s.add_argument("--steps", type=int, default=40, help="steps per run")
+    s.add_argument("--warmup", type=int, default=10, help="first steps of each run left out of the timing")
+    s.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    s.add_argument("--algorithms", default=None,
+                   help="comma-separated algorithms (default: all; dpsgd and allreduce always run)")
+    s.add_argument("--json", default=None, help="also write the report to this JSON file")
 
 
 def _add_plot(sub) -> None:
@@ -86,16 +108,26 @@ def _repro(args) -> int:
 def _bench(args) -> int:
     import json
 
-    from .bench import bench_codecs, format_rows
+    from .bench import AGAINST, bench_codecs, bench_references, format_report
+    from .bench.step import bench_step, format_step_report
 
-    if args.bench_what != "codecs":
-        print("lowbit: error: choose what to benchmark: lowbit bench codecs", file=sys.stderr)
+    if args.bench_what == "codecs":
+        if args.against not in AGAINST:
+            raise ValueError(f"against={args.against!r} is unknown; choose one of: {', '.join(AGAINST)}")
+        run = bench_codecs if args.against == "memcpy" else bench_references
+        report = run(size=args.size, rounds=args.rounds, device=args.device, codecs=args.codecs,
+                     min_run_time=args.min_run_time, clock=args.clock)
+        print(format_report(report))
+    elif args.bench_what == "step":
+        report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,
+                            rounds=args.rounds, device=args.device, algorithms=args.algorithms)
+        print(format_step_report(report))
+    else:
+        print("lowbit: error: choose what to benchmark: lowbit bench codecs | lowbit bench step", file=sys.stderr)
         return 2
-    rows = bench_codecs(size=args.size, repeats=args.repeats, device=args.device)
-    print(format_rows(rows, args.size))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
 
 
