@@ -1,4 +1,8 @@
-"""fp32 on the wire: the lossless baseline (D-PSGD, AllReduce SGD)."""
+"""fp32 on the wire: the lossless baseline (D-PSGD, AllReduce SGD).
+
+``encode`` is one copy (a cast for other dtypes), ``decode`` one copy or one cast
+to the requested dtype, reading the payload in place when its bytes are aligned.
+"""
 
 from __future__ import annotations
 

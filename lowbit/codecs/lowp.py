@@ -4,6 +4,12 @@
 normal down to ``2^-14``, subnormal down to ``2^-24``. ``bf16`` (bfloat16):
 8 significant bits, float32's exponent range. Casting rounds to nearest
 (ties to even), a deterministic and hence biased rounding.
+
+``encode`` is one cast and one scan of the 16-bit result's exponent bits (an inf
+or NaN there is a non-finite input or an overflow, told apart only on that error
+path); ``decode`` is one cast of the payload, read in place when its bytes are
+aligned. ``encode_reference``/``decode_reference`` (a finiteness scan, the cast,
+an overflow scan, copies) give the same bytes and values on every device.
 """
 
 from __future__ import annotations

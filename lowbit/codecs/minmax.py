@@ -2,7 +2,18 @@
 
 The input's range ``[min, max]`` is split into ``2^b - 1`` equal intervals and
 each element is sent as the index of a grid point (``b = 8`` in Bagua, with
-deterministic rounding)."""
+deterministic rounding).
+
+Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`: one
+statistics pass for the header's min and max and the finiteness check, one
+quantize pass to uint8 codes, packing), ``encode_reference``/``decode_reference``
+are the float64 whole-tensor code; on the CPU the two give the same bytes and
+decodes. On CUDA (:mod:`.kernels.gpu_plain`) the arithmetic is float32 for
+float32/half inputs: ``(x - min) * scale`` then carries at most ``3 eps32 levels``
+of a code and the decode ``code / scale + min`` ``2 eps32 (max - min) + eps32
+max(|min|, |max|)`` (``eps32 = 2^-24``), so the error bounds below hold with the
+slack ``6 eps32 (max - min) + 2 eps32 max(|min|, |max|)`` added.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,14 @@ Reduce Communication in Distributed Deep Learning", NeurIPS 2017), eq. (2):
 so ``E[tern(g)] = g``. The paper's layer-wise scaling corresponds to one
 codec call per layer; its gradient clipping (Section 3.3) changes the
 gradient, not the wire format, and belongs to the training algorithm.
+
+Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`: one
+statistics pass for ``max |g|`` and the finiteness check, then one pass that draws
+and packs the codes 4 per byte; the decode unpacks, scales and checks for the code
+3 in one pass), ``encode_reference``/``decode_reference`` are the float64 code; on
+the CPU the two give the same bytes and decodes. On CUDA the ratio ``|g_i| / s_t``
+is float32 (relative error <= 2^-22), so ``E[tern(g)]_i`` is ``g_i`` up to
+``2^-22 s_t``; codes stay ternary and ``s_t`` is exact.
 """
 
 from __future__ import annotations

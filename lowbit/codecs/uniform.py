@@ -3,6 +3,16 @@
 This is the quantizer ``Q_delta`` of Theorem 1 of the Moniqua paper (points
 ``{delta n}``, unbiased with stochastic rounding): quantizing models directly
 with it is the "naive quantized gossip" that Theorem 1 shows cannot converge.
+
+Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`),
+``encode_reference``/``decode_reference`` are the float64 whole-tensor code; on the
+CPU the two give the same bytes and decodes. On CUDA (:mod:`.kernels.gpu_plain`)
+the arithmetic is float32 for float32/half inputs: ``x / step`` carries at most
+``2^-22 |x| / step`` of a code (a code then differs from the CPU's by one, rarely)
+and the decode ``(code + offset) * step`` rounds once more, so ``error_bound``
+holds with the slack ``2^-21 (|x| + step)`` added; the CUDA encode reads back to
+the host twice (``x``'s range with the finiteness flag, then the codes' range,
+which fixes the width).
 """
 
 from __future__ import annotations
