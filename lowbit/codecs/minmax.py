@@ -72,9 +72,10 @@ class MinMaxCodec(Codec):
     def _header_range(self, lo: float, hi: float, finite: bool) -> tuple[float, float]:
         """The float32 values of ``lo``/``hi`` that the receiver will see; ValueError when x
         is not finite or its range does not fit float32."""
-        if not (finite and math.isfinite(lo) and math.isfinite(hi)):
-            raise ValueError(f"x must be finite for the min-max codec, got range [{lo}, {hi}]"
-                             + ("" if finite else " over its finite elements, and NaN or inf elsewhere"))
+        if not finite:
+            raise ValueError("x must be finite for the min-max codec, got NaN or inf")
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            raise ValueError(f"x must be finite for the min-max codec, got range [{lo}, {hi}]")
         try:
             return struct.unpack("<ff", struct.pack("<ff", lo, hi))
         except OverflowError:
