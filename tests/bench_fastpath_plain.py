@@ -54,10 +54,10 @@ def main(argv=None) -> int:
     for label, codec in cases():
         payload = codec.encode(x, generator=shared_generator(0, 0, 0))
         fns = {
-            "enc": lambda: codec.encode(x, generator=shared_generator(0, 0, 0)),
-            "dec": lambda: codec.decode(payload),
-            "renc": lambda: codec.encode_reference(x, generator=shared_generator(0, 0, 0)),
-            "rdec": lambda: codec.decode_reference(payload),
+            "enc": lambda c=codec: c.encode(x, generator=shared_generator(0, 0, 0)),
+            "dec": lambda c=codec, p=payload: c.decode(p),
+            "renc": lambda c=codec: c.encode_reference(x, generator=shared_generator(0, 0, 0)),
+            "rdec": lambda c=codec, p=payload: c.decode_reference(p),
         }
         with codec_path("fast"):
             for f in fns.values():  # warm-up (numba compiles, or loads its cache)

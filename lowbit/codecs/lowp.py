@@ -100,7 +100,8 @@ class HalfCodec(Codec):
     def _check(self, payload: Payload) -> int:
         (n,) = unpack_header(self.header_format, payload.header)
         if payload.data.numel() != 2 * n:
-            raise ValueError(f"{self.dtype} payload of {n} elements needs {2 * n} data bytes, got {payload.data.numel()}")
+            raise ValueError(f"{self.dtype} payload of {n} elements needs {2 * n} data bytes, "
+                             f"got {payload.data.numel()}")
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
@@ -127,6 +128,6 @@ class HalfCodec(Codec):
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The plain reference of :meth:`decode`."""
-        n = self._check(payload)
+        self._check(payload)
         x = payload.data.clone().view(self.torch_dtype)
         return x.to(torch.float32 if dtype is None else dtype)
