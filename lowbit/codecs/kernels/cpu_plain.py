@@ -23,7 +23,8 @@ import torch
 from .cpu import _jit, _stats, as_numba, keys, nonfinite, np_view, pack, rint, round_stochastic, stats, unpack
 
 __all__ = ["pack_codes", "unpack_codes", "minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
-           "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode", "terngrad_decode", "half_overflow"]
+           "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
+           "terngrad_decode", "half_overflow"]
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
