@@ -37,12 +37,13 @@ def _torch_job(cfg: TrainConfig, progress: bool):
 
     bandwidth, latency = cfg.shaping()
     if not is_torchrun():
+        limits = dict(latency_s=latency, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout)
         if bandwidth is None:
-            return launch(cfg.workers, _torch_worker, cfg, progress, latency_s=latency)
+            return launch(cfg.workers, _torch_worker, cfg, progress, **limits)
         from ..comm.shaping import ShapedNetwork
 
         with ShapedNetwork(cfg.workers, bandwidth) as net:  # deleted afterwards, also on failure
-            return launch(cfg.workers, _torch_worker, cfg, progress, latency_s=latency, network=net)
+            return launch(cfg.workers, _torch_worker, cfg, progress, network=net, **limits)
     if bandwidth is not None:
         raise ValueError("shape_bandwidth: under torchrun the workers run on hosts lowbit does not manage; "
                          "shape their links yourself (tc), or launch without torchrun")
