@@ -127,6 +127,12 @@ class TrainConfig:
     timeout: float | None = _opt(None, "torch backend: a limit in seconds on the whole run (default: none)")
     stall_timeout: float = _opt(300.0, "torch backend: end the run when a worker neither starts a step nor "
                                 "communicates for this many seconds (a stopped or hung worker)")
+    checkpoint_every: int = _opt(0, "save every worker's state every K steps (0: never), atomically and "
+                                 "checksummed, into --checkpoint-dir (default OUT/checkpoints)")
+    checkpoint_dir: str | None = _opt(None, "folder of the --checkpoint-every checkpoints (rank{r}.pt)")
+    resume: str | None = _opt(None, "continue from the newest step every worker has a good checkpoint of in this "
+                              "folder; with --checkpoint-every, an empty folder starts afresh (for torchrun "
+                              "--max-restarts: the same command resumes after a restart)")
     # --- the decentralized family ---
     theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (Theorem 2 from "
                                      "tracked gradient norms)", type=_theta)
@@ -222,6 +228,16 @@ class TrainConfig:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an integer >= 0 (0: never), got {self.checkpoint_every!r}")
+        if self.checkpoint_every and self.checkpoint_dir is None and self.resume is not None:
+            self.checkpoint_dir = self.resume  # resume where the checkpoints are written (restarts)
+        if self.checkpoint_every and not ALGORITHMS[self.algorithm].synchronous:
+            raise ValueError(f"checkpoint_every: algorithm={self.algorithm!r} is asynchronous (its workers are never "
+                             f"at one step together), so it has no consistent mid-run checkpoint")
+        if self.resume is not None and not self.checkpoint_every and not os.path.isdir(str(self.resume)):
+            raise ValueError(f"resume={self.resume!r} is not a folder of checkpoints")
         self.slow_factors()
         resolve_device(self.device)  # raises on a bad or unavailable device
         NetworkModel.parse(self.bandwidth, self.latency)  # raises on bad units

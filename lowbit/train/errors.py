@@ -86,14 +86,18 @@ def classify(e: BaseException) -> tuple[str, str]:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return "memory", (f"out of memory ({first}); lower --batch-size or --workers, or use a smaller "
                           f"--task/--hidden")
-    from .checkpoint import CheckpointError
+    from ..data.errors import DataError
+    from ..integrations.checkpoint import CheckpointError
 
     if isinstance(e, CheckpointError):
-        return "checkpoint", str(e)
+        return "checkpoint", f"{e} (--resume)"
+    if isinstance(e, DataError):
+        return "data", f"{e} (check --data-dir)"
     if isinstance(e, (KeyboardInterrupt,)):
         return "interrupted", "interrupted; the workers were ended"
     if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)):
-        return "io", str(e)
+        msg = str(e)
+        return "io", msg if "--" in msg else f"{msg} (check --data-dir / --out)"
     if isinstance(e, ValueError):
         return "usage", str(e)
     if isinstance(e, OSError):
