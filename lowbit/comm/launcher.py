@@ -12,7 +12,8 @@ Liveness, not a deadline: a launch has no whole-run time limit unless
 ``timeout_s`` sets one. Each worker beats a heartbeat (its last step and the
 time) into shared memory whenever it starts a step (``transport.set_step``)
 or communicates; a worker whose heartbeat is older than ``stall_timeout_s``
-(stopped, deadlocked, or waiting on one that is) ends the launch with a
+(stopped, deadlocked, or waiting on one that is; before its first step, the
+longer of that and :data:`STARTUP_GRACE_S`) ends the launch with a
 :class:`WorkerStalled` error naming the rank(s), their last step and whether
 the OS reports the process stopped. A worker that dies is reported at once
 (:class:`WorkerDied`). SIGTERM to the launching process ends the workers as
@@ -48,6 +49,9 @@ from .distributed import init_from_env
 MAX_LOCAL_WORKERS = 256
 DEFAULT_STALL_TIMEOUT_S = 300.0
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# Before its first step a worker imports torch, joins the rendezvous and loads its data: it
+# gets at least this long (or the stall timeout, if longer) before it counts as stalled.
+STARTUP_GRACE_S = 120.0
 
 
 class WorkerDied(RuntimeError):
@@ -222,6 +226,8 @@ def launch(
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(OSError):  # a stopped worker acts on SIGTERM once continued
+                    os.kill(p.pid, signal.SIGCONT)
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -303,7 +309,9 @@ def _collect(procs, conns, timeout_s: float | None, stall_timeout_s: float | Non
         if left <= 0:
             raise TimeoutError(f"launch: rank(s) {sorted(pending.values())} did not finish within timeout_s={timeout_s}")
         if stall_timeout_s is not None:
-            stale = [r for r in pending.values() if now - beats[2 * r + 1] > stall_timeout_s]
+            stale = [r for r in pending.values()
+                     if now - beats[2 * r + 1] > (stall_timeout_s if beats[2 * r] >= 0
+                                                  else max(stall_timeout_s, STARTUP_GRACE_S))]
             if stale:
                 raise _stall_error(procs, beats, stale, stall_timeout_s)
         sentinels = {procs[r].sentinel: r for r in pending.values()}
