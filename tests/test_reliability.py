@@ -350,3 +350,23 @@ def test_an_interrupted_extraction_is_redone(tmp_path, monkeypatch):
 def test_sum_dtype_message_names_the_bits_given(capsys):
     code, err = _cli(capsys, "--algorithm", "maxnorm", "--sum-dtype", "int8", "--bits", "8", "--steps", "1")
     assert code == 2 and "bits=8" in err and "bits=9" not in err
+
+
+def test_out_of_memory_is_one_line(monkeypatch, capsys):
+    import lowbit.train.run as run_mod
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(run_mod, "_thread_job", oom)
+    code, err = _cli(capsys, "--steps", "1", "--workers", "2")
+    assert code == 6 and "out of memory" in err and "--batch-size" in err and err.count("\n") == 1
+
+
+def test_divergence_on_the_torch_backend_is_the_same_error(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, err = _cli(capsys, "--backend", "torch", "--algorithm", "dpsgd", "--lr", "1e8", "--steps", "30",
+                     "--workers", "2", "--hidden", "8", "--eval-every", "1", "--out", str(out))
+    assert code == 3 and err.startswith("lowbit: error: diverged at step") and err.count("\n") == 1, err
+    assert json.loads((out / "summary.json").read_text())["status"] == "diverged"
+    assert (out / "metrics.jsonl").read_text().count("\n") >= 1
