@@ -90,3 +90,44 @@ def test_worker_killed_at_random_step_resumes_to_the_uninterrupted_model(tmp_pat
     assert m, f"no resume after the kill at step >= {kill_after}:\n{out[-3000:]}"
     assert int(m.group(1)) >= kill_after
     assert _digests(out) == expected
+
+
+def _train_cmd(out, *extra, restarts=0):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--max-restarts", str(restarts), "-m", "lowbit", "train", "--backend", "torch", "--workers", "2",
+            "--steps", str(STEPS), "--hidden", "16", "--eval-every", "100", "--out", str(out), "--no-progress", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the worker through /proc")
+def test_lowbit_train_resumes_by_itself_after_a_worker_is_killed(tmp_path):
+    import json
+
+    whole = subprocess.run(_train_cmd(tmp_path / "whole"), capture_output=True, text=True, env=_env(), timeout=300,
+                           cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    kill_after = random.Random().randrange(20, 200, 20)
+    ck = tmp_path / "ck"
+    proc = subprocess.Popen(_train_cmd(tmp_path / "killed", "--checkpoint-every", "20", "--resume", str(ck),
+                                       restarts=1),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        victim = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (ck / "rank1.pt").exists() and _saved_step(ck / "rank1.pt") >= kill_after:
+                victim = _rank_pid(proc.pid, 1)
+                if victim is not None:
+                    os.kill(victim, signal.SIGKILL)
+                    break
+            time.sleep(0.02)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert victim is not None, f"never killed a worker (run too fast?):\n{out[-3000:]}"
+    assert proc.returncode == 0, out[-3000:]
+    a = json.loads((tmp_path / "whole" / "summary.json").read_text())
+    b = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    for key in ("final_train_loss", "final_test_accuracy", "final_consensus_distance", "bytes_sent", "messages_sent"):
+        assert a[key] == b[key], key

@@ -324,7 +324,17 @@ def init_from_env(
             raise ValueError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA device(s) are visible")
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A torchrun restart reuses the agent's store, where the previous attempt's ranks left
+        # their gloo addresses: a restarted rank could read a dead peer's address and fail to
+        # connect. Each attempt gets its own key space.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size, is_master=False,
+                              timeout=kwargs.get("timeout", datetime.timedelta(minutes=30)))
+        store = dist.PrefixStore(f"lowbit/attempt_{restart}/", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
     return TorchDistributedTransport(owns_group=True, deterministic=deterministic, latency_s=latency_s)
 
 
