@@ -163,3 +163,31 @@ def restore_ledger(ledger, state: dict) -> None:
     ledger.records.clear()
     for s, op, nb, sent, msgs, peers in state["rows"].tolist():
         ledger.records[s].append(CommRecord(ops[op], nb, sent, msgs, peers))
+
+
+def newest_common_step(table: list[list[int]], where: str) -> int | None:
+    """The newest step that every rank has a good checkpoint of. ``table[r]``: the steps of
+    rank r's candidate files (-1: missing or corrupt). None when no rank has any checkpoint;
+    a :class:`CheckpointError` when some do but no step is common to all."""
+    if all(s < 0 for row in table for s in row):
+        return None
+    common = set.intersection(*({s for s in row if s >= 0} for row in table))
+    if not common:
+        raise CheckpointError(f"cannot resume from {where}: no step has a good checkpoint on every rank "
+                              f"(steps per rank, current and previous file: {table}); every rank must "
+                              f"resume from the same step")
+    return max(common)
+
+
+def candidates(path: str | os.PathLike) -> list[tuple[int, dict | None]]:
+    """(step, state) of ``path`` and of the previous checkpoint ``path.prev``; (-1, None)
+    for a file that is missing, corrupt or has no step."""
+    path = os.fspath(path)
+    out: list[tuple[int, dict | None]] = []
+    for p in (path, path + ".prev"):
+        try:
+            state = load_checkpoint(p)
+            out.append((int(state["step"]), state))
+        except (CheckpointError, KeyError, TypeError, ValueError):
+            out.append((-1, None))
+    return out

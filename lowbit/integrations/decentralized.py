@@ -54,8 +54,8 @@ from torch import nn
 from ..algorithms import ALGORITHMS, Algorithm, check_algorithm
 from ..comm.base import Transport
 from ..topology import Topology, make_topology
-from .checkpoint import (CheckpointError, ledger_state, load_checkpoint, restore_ledger, rng_state, save_checkpoint,
-                         set_rng_state)
+from .checkpoint import (CheckpointError, candidates, ledger_state, load_checkpoint, newest_common_step, restore_ledger, rng_state,
+                         save_checkpoint, set_rng_state)
 from .flat import FlatParams
 
 BUFFER_POLICIES = ("local", "average")
@@ -320,17 +320,13 @@ class DecentralizedDataParallel(nn.Module):
         :class:`~lowbit.integrations.checkpoint.CheckpointError` when checkpoints exist but no
         step is common to all ranks. Made for restarts (``torchrun --max-restarts``)."""
         path = os.fspath(path)
-        found = [_checkpoint_step(p) for p in (path, path + ".prev")]
+        found = candidates(path)
         mine = torch.tensor([s for s, _ in found], dtype=torch.int64)
         with self.transport.untracked():
             table = [t.tolist() for t in self.transport.all_gather(mine.to(self.flat.data.device))]
-        if all(s < 0 for row in table for s in row):
+        step = newest_common_step(table, path)
+        if step is None:
             return None
-        common = set.intersection(*({s for s in row if s >= 0} for row in table))
-        if not common:
-            raise CheckpointError(f"cannot resume from {path}: no step has a good checkpoint on every rank "
-                                  f"(steps per rank, current and previous: {table})")
-        step = max(common)
         state = next(st for s, st in found if s == step)
         self.load_state_dict(state)
         return step
@@ -353,15 +349,6 @@ class DecentralizedDataParallel(nn.Module):
         if error is not None:
             raise CheckpointError(f"rank {self.rank}: cannot resume from {os.fspath(path)}: {error}") from error
         check_resume_steps(steps, os.fspath(path))
-
-
-def _checkpoint_step(path: str) -> tuple[int, dict | None]:
-    """(step, state) of a checkpoint file that verifies, else (-1, None)."""
-    try:
-        state = load_checkpoint(path)
-        return int(state["step"]), state
-    except (CheckpointError, KeyError, TypeError, ValueError):
-        return -1, None
 
 
 def _bound_messages(transport: Transport, numel: int) -> None:

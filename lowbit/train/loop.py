@@ -17,8 +17,8 @@ from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..integrations import FlatParams
 from ..topology import make_topology
-from ..integrations.checkpoint import (CheckpointError, ledger_state, load_checkpoint, newest_common_step,
-                                       restore_ledger, save_checkpoint)
+from ..integrations.checkpoint import (CheckpointError, candidates, ledger_state, newest_common_step, restore_ledger,
+                                       save_checkpoint)
 from .config import TrainConfig, resolve_device
 from .errors import Diverged, strict_json
 from .tasks import TASKS
@@ -110,14 +110,7 @@ def _comparable(cfg_dict: dict) -> dict:
 def _resume(cfg: TrainConfig, folder: str, transport: Transport, d: int) -> dict | None:
     """This rank's state of the newest step that every rank has a good checkpoint of in
     ``folder`` (current or previous file), checked against this run; collective."""
-    rank = transport.rank
-    found = []
-    for path in (checkpoint_path(folder, rank), checkpoint_path(folder, rank) + ".prev"):
-        try:
-            state = load_checkpoint(path)
-            found.append((int(state["step"]), state))
-        except (CheckpointError, KeyError, TypeError, ValueError):
-            found.append((-1, None))
+    found = candidates(checkpoint_path(folder, transport.rank))
     with transport.untracked():
         table = [t.tolist() for t in transport.all_gather(torch.tensor([s for s, _ in found], dtype=torch.int64))]
     step = newest_common_step(table, folder)
