@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 
-
 from lowbit.algorithms import ALGORITHMS
 from lowbit.cli import main
 
