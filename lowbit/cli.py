@@ -26,7 +26,9 @@ def _add_train(sub) -> None:
             base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
             kw["type"] = f.metadata.get("type", base[0] if len(base) == 1 else str)
         p.add_argument(flag, **kw)
-    p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json")
+    p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json (checked before "
+                                                "training; a previous run there needs --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
@@ -160,7 +162,7 @@ def _train(args) -> int:
 
     opts = {k: v for k, v in vars(args).items() if k in TrainConfig.option_names()}
     cfg = TrainConfig(**opts)
-    run = train(cfg, out=args.out, progress=not args.no_progress)
+    run = train(cfg, out=args.out, progress=not args.no_progress, overwrite=args.overwrite)
     if run is not None:
         _print_summary(run.summary)
         if args.out:
@@ -185,9 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "repro":
             return _repro(args)
         return _train(args) if args.command == "train" else _bench(args)
-    except ValueError as e:
-        print(f"lowbit: error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - expected failures: one line and an exit code
+        from .train.errors import EXIT_CODES, classify
+
+        kind, message = classify(e)
+        if kind is None:
+            raise  # a bug: show its traceback
+        first = message.splitlines()[0] if message else type(e).__name__
+        print(f"lowbit: error: {first}", file=sys.stderr)
+        return EXIT_CODES[kind]
 
 
 if __name__ == "__main__":

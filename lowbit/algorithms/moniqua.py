@@ -153,6 +153,7 @@ import torch
 from ..codecs import IdentityCodec, ModuloCodec
 from ..codecs.base import Payload, pack_header
 from ..codecs.entropy import ENTROPY_METHODS, entropy_code, entropy_decode
+from ..codecs.packing import packed_nbytes
 from ..codecs.rng import shared_generator
 from ..topology import Topology, slack_matrix, spectral_rho
 from .base import GossipAlgorithm
@@ -169,10 +170,38 @@ _FP32 = IdentityCodec()
 _WARNED = False
 
 
+# The largest grid integer verification hashes: float64 holds every integer up to 2^53
+# exactly (and int64 up to 2^63 - 1). Beyond it the decoded values are no longer exact grid
+# points and, past 2^63, the conversion to int64 saturates so that every block hashes alike:
+# verification would pass whatever was recovered.
+GRID_LIMIT = 2 ** 53
+
+
+def grid_integers(x_hat: torch.Tensor, step: float) -> torch.Tensor:
+    """The un-modded grid integers ``round(x_hat / step)`` that verification hashes; a
+    ValueError when they leave float64's exact integers (|m| > 2^53) or are not finite:
+    theta is then too small for models of this magnitude and the hashes could not tell a
+    wrong recovery from a right one."""
+    m = torch.round(x_hat / step)
+    if m.numel():
+        big = float(m.abs().max())
+        if not big <= GRID_LIMIT:
+            raise ValueError(f"moniqua verification: the grid integers reach {big:.3g}, beyond 2^53 = {GRID_LIMIT:.3g} "
+                             f"(the grid step B_theta / 2^bits = {step:.3g} is too fine for models of magnitude "
+                             f"{float(x_hat.abs().max()):.3g}); their hashes could not detect a wrong recovery. "
+                             f"Raise theta at least {big / GRID_LIMIT:.3g}-fold (with a margin: models move), "
+                             f"or run with --no-verify")
+    return m
+
+
 def block_hashes(grid: torch.Tensor, block: int) -> list[int]:
     """16-bit hash (CRC-32 of the little-endian int64 values, masked) of each block of
-    ``block`` consecutive elements of a flat tensor of integer grid codes."""
-    raw = grid.detach().reshape(-1).to(torch.int64).cpu().numpy().astype("<i8").tobytes()
+    ``block`` consecutive elements of a flat tensor of integer grid codes (float grids must
+    be exact integers of magnitude <= 2^53: see :func:`grid_integers`)."""
+    g = grid.detach().reshape(-1)
+    if g.is_floating_point() and g.numel() and not float(g.abs().max()) <= GRID_LIMIT:
+        raise ValueError("block_hashes: grid integers beyond 2^53 (or not finite) cannot be hashed exactly")
+    raw = g.to(torch.int64).cpu().numpy().astype("<i8").tobytes()
     step = 8 * block
     return [zlib.crc32(raw[o:o + step]) & _HASH_MASK for o in range(0, len(raw), step)]
 
@@ -386,11 +415,52 @@ class Moniqua(GossipAlgorithm):
         blob = entropy_code(payload.data, self.entropy, **kw)
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(payload.data.device)
 
-    def _unpack(self, body: torch.Tensor, n: int, device) -> Payload:
+    def _unpack(self, body: torch.Tensor, n: int, device, sender: int) -> Payload:
+        """The codes of ``sender``'s message (of exactly the size n elements need; ValueError otherwise)."""
+        need = packed_nbytes(n, self.codec.bits)
         if self.entropy is not None:
-            raw = entropy_decode(body, self.entropy)
+            try:
+                raw = entropy_decode(body, self.entropy, max_length=need)
+            except ValueError as e:
+                raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: {e}") from None
             body = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        if body.numel() != need:
+            raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: "
+                             f"{body.numel()} bytes of codes, {n} elements at {self.codec.bits} bits need {need}")
         return Payload(header=pack_header(self.codec.header_format, n), data=body.to(device))
+
+    def _parse_trailer(self, buf: torch.Tensor, nb: int, sender: int):
+        """Split a verified message from ``sender`` into (codes, block hashes, control byte, requests
+        {rank: blocks}); a ValueError naming the sender for any malformed frame."""
+        def bad(why: str) -> ValueError:
+            return ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: {why}")
+
+        tail = nb * 2 + 1
+        if buf.numel() < tail:
+            raise bad(f"{buf.numel()} bytes, shorter than its {tail}-byte verification trailer")
+        raw = buf[-tail:].cpu().numpy().tobytes()
+        *hashes, ctrl = struct.unpack(f"<{nb}HB", raw)
+        buf = buf[:-tail]
+        if ctrl & ~7:
+            raise bad(f"control byte {ctrl:#04x} has unknown bits set")
+        requests: dict[int, set[int]] = {}
+        if ctrl & 4:
+            if buf.numel() < 2:
+                raise bad("the repair-request flag is set but the request count is missing")
+            (count,) = struct.unpack("<H", buf[-2:].cpu().numpy().tobytes())
+            entry = 2 + -(-nb // 8)
+            if count < 1 or count > len(self.neighbors) or buf.numel() < 2 + entry * count:
+                raise bad(f"{count} repair request(s) do not fit (1..{len(self.neighbors)} entries of {entry} bytes "
+                          f"in {buf.numel() - 2} bytes)")
+            req = buf[-2 - entry * count:-2].cpu().numpy().tobytes()
+            buf = buf[:-2 - entry * count]
+            for e in range(count):
+                (r,) = struct.unpack("<H", req[e * entry:e * entry + 2])
+                blocks = _unpack_mask(req[e * entry + 2:(e + 1) * entry], nb)
+                if nb % 8 and req[(e + 1) * entry - 1] >> (nb % 8):
+                    raise bad(f"a repair request names blocks beyond the {nb} blocks")
+                requests.setdefault(r, set()).update(blocks)
+        return buf, hashes, ctrl, requests
 
     def _blocks(self, d: int) -> int:
         return -(-d // self.verify_block)
@@ -429,7 +499,7 @@ class Moniqua(GossipAlgorithm):
                 ctrl |= 4
                 trailer = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
                 trailer += struct.pack("<H", len(asked_of))
-            hashes = block_hashes(torch.round(x_hat_i64 / step), self.verify_block)
+            hashes = block_hashes(grid_integers(x_hat_i64, step), self.verify_block)
             trailer += struct.pack(f"<{nb}HB", *hashes, ctrl)
             wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
         received = self.transport.neighbor_exchange(wire, self.neighbors)
@@ -439,27 +509,17 @@ class Moniqua(GossipAlgorithm):
         nack: dict[int, set[int]] = {}
         recovered: dict[int, torch.Tensor] = {}
         good: dict[int, torch.Tensor | None] = {}  # element mask of the blocks verified right (None: all)
-        tail = nb * 2 + 1
         for j in self.neighbors:
             buf = received[j]
             if self.verify:
-                raw = buf[-tail:].cpu().numpy().tobytes()
-                *sent_hashes, ctrl = struct.unpack(f"<{nb}HB", raw)
-                buf = buf[:-tail]
+                buf, sent_hashes, ctrl, requests = self._parse_trailer(buf, nb, j)
                 self._receive_alarm_bits(k, ctrl & 3)
-                if ctrl & 4:
-                    (count,) = struct.unpack("<H", buf[-2:].cpu().numpy().tobytes())
-                    entry = 2 + mask_nbytes
-                    req = buf[-2 - entry * count:-2].cpu().numpy().tobytes()
-                    buf = buf[:-2 - entry * count]
-                    for e in range(count):
-                        (r,) = struct.unpack("<H", req[e * entry:e * entry + 2])
-                        if r == self.rank:
-                            repair.setdefault(j, set()).update(_unpack_mask(req[e * entry + 2:(e + 1) * entry], nb))
-            x_hat_j64 = codec.decode(self._unpack(buf, d, x.device), ref=y)         # line 5
+                if self.rank in requests:
+                    repair.setdefault(j, set()).update(requests[self.rank])
+            x_hat_j64 = codec.decode(self._unpack(buf, d, x.device, j), ref=y)         # line 5
             good[j] = None
             if self.verify:
-                mine = block_hashes(torch.round(x_hat_j64 / step), self.verify_block)
+                mine = block_hashes(grid_integers(x_hat_j64, step), self.verify_block)
                 bad = [b for b in range(nb) if mine[b] != sent_hashes[b]]
                 if bad:  # never use a wrong block: leave it out of this step's mix
                     self._mismatch(k, j, len(bad), nb)
@@ -476,10 +536,17 @@ class Moniqua(GossipAlgorithm):
             msg = torch.cat([torch.frombuffer(bytearray(_pack_mask(union, nb)), dtype=torch.uint8), body])
             got = self.transport.neighbor_exchange(msg.to(x.device), sorted(repair))
             for j, blocks in repair.items():
+                if got[j].numel() < mask_nbytes:
+                    raise ValueError(f"moniqua: worker {self.rank} got a malformed repair message from worker {j}: "
+                                     f"{got[j].numel()} bytes, shorter than its {mask_nbytes}-byte block mask")
                 theirs = _unpack_mask(got[j][:mask_nbytes].cpu().numpy().tobytes(), nb)
+                their_mask = self._block_mask(theirs, d, x.device)
+                if got[j].numel() != mask_nbytes + 4 * int(their_mask.sum()):
+                    raise ValueError(f"moniqua: worker {self.rank} got a malformed repair message from worker {j}: "
+                                     f"{got[j].numel() - mask_nbytes} bytes of values for "
+                                     f"{int(their_mask.sum())} fp32 elements")
                 vals = torch.zeros(d, dtype=torch.float32, device=x.device)
-                vals[self._block_mask(theirs, d, x.device)] = got[j][mask_nbytes:].cpu().clone().view(
-                    torch.float32).to(x.device)
+                vals[their_mask] = got[j][mask_nbytes:].cpu().clone().view(torch.float32).to(x.device)
                 m = self._block_mask(blocks, d, x.device)
                 exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
         delta = torch.zeros_like(x)
