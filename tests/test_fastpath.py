@@ -109,5 +109,5 @@ def test_decode_hashed_refuses_inexact_grid_integers(path):
     x = torch.full((10,), 1e6, dtype=torch.float64)
     with codec_path(path):
         p = codec.encode(x, generator=torch.Generator().manual_seed(0))
-        with pytest.raises(OverflowError, match="larger theta"):
+        with pytest.raises(OverflowError, match="Raise theta"):
             codec.decode_hashed(p, ref=x, block=4)

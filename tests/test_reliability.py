@@ -231,17 +231,23 @@ def test_lowbit_train_resume_is_bit_identical(tmp_path):
 
 
 # ---- Moniqua's verification ---------------------------------------------------------------
-def test_grid_integers_boundary():
-    from lowbit.algorithms.moniqua import GRID_LIMIT, grid_integers
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_grid_integers_boundary(path):
+    """Verification hashes grid integers up to 2^53 (exact in float64) and refuses beyond."""
+    from lowbit.codecs import ModuloCodec
+    from lowbit.codecs.kernels import codec_path
 
-    step = 0.5
-    ok = torch.tensor([GRID_LIMIT * step, -GRID_LIMIT * step], dtype=torch.float64)
-    assert float(grid_integers(ok, step).abs().max()) == GRID_LIMIT
-    over = torch.tensor([(GRID_LIMIT + 2) * step], dtype=torch.float64)
-    with pytest.raises(ValueError, match="beyond 2\\^53"):
-        grid_integers(over, step)
-    with pytest.raises(ValueError):
-        grid_integers(torch.tensor([float("nan")], dtype=torch.float64), step)
+    codec = ModuloCodec(bits=2, theta=0.375, rounding="nearest")  # B_theta = 1: grid integers 4 k
+    with codec_path(path):
+        for k, ok in ((2 ** 51, True), (-(2 ** 51), True), (2 ** 51 + 1, False)):
+            x = torch.tensor([float(k)], dtype=torch.float64)
+            p = codec.encode(x)
+            if ok:
+                x_hat, _ = codec.decode_hashed(p, ref=x, block=1)
+                assert torch.equal(x_hat, x)
+            else:
+                with pytest.raises(OverflowError, match="beyond 2\\^53"):
+                    codec.decode_hashed(p, ref=x, block=1)
 
 
 def test_a_theta_whose_grid_overflows_is_an_error_not_a_silent_bypass():

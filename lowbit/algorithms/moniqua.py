@@ -145,7 +145,6 @@ import dataclasses
 import math
 import struct
 import warnings
-import zlib
 from collections import deque
 
 import torch
@@ -162,48 +161,10 @@ THETA_SCHEDULES = ("constant", "lr")
 # gamma of the slack matrix at 1 bit when none is given: measured on digits-mlp,
 # 8 workers, ring, 300 steps (see the module docstring).
 GAMMA_1BIT = 0.1
-HASH_BITS = 16  # per block
-_HASH_MASK = (1 << HASH_BITS) - 1
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
 VERIFY_BLOCK = 64
 _FP32 = IdentityCodec()
 _WARNED = False
-
-
-# The largest grid integer verification hashes: float64 holds every integer up to 2^53
-# exactly (and int64 up to 2^63 - 1). Beyond it the decoded values are no longer exact grid
-# points and, past 2^63, the conversion to int64 saturates so that every block hashes alike:
-# verification would pass whatever was recovered.
-GRID_LIMIT = 2 ** 53
-
-
-def grid_integers(x_hat: torch.Tensor, step: float) -> torch.Tensor:
-    """The un-modded grid integers ``round(x_hat / step)`` that verification hashes; a
-    ValueError when they leave float64's exact integers (|m| > 2^53) or are not finite:
-    theta is then too small for models of this magnitude and the hashes could not tell a
-    wrong recovery from a right one."""
-    m = torch.round(x_hat / step)
-    if m.numel():
-        big = float(m.abs().max())
-        if not big <= GRID_LIMIT:
-            raise ValueError(f"moniqua verification: the grid integers reach {big:.3g}, beyond 2^53 = {GRID_LIMIT:.3g} "
-                             f"(the grid step B_theta / 2^bits = {step:.3g} is too fine for models of magnitude "
-                             f"{float(x_hat.abs().max()):.3g}); their hashes could not detect a wrong recovery. "
-                             f"Raise theta at least {big / GRID_LIMIT:.3g}-fold (with a margin: models move), "
-                             f"or run with --no-verify")
-    return m
-
-
-def block_hashes(grid: torch.Tensor, block: int) -> list[int]:
-    """16-bit hash (CRC-32 of the little-endian int64 values, masked) of each block of
-    ``block`` consecutive elements of a flat tensor of integer grid codes (float grids must
-    be exact integers of magnitude <= 2^53: see :func:`grid_integers`)."""
-    g = grid.detach().reshape(-1)
-    if g.is_floating_point() and g.numel() and not float(g.abs().max()) <= GRID_LIMIT:
-        raise ValueError("block_hashes: grid integers beyond 2^53 (or not finite) cannot be hashed exactly")
-    raw = g.to(torch.int64).cpu().numpy().astype("<i8").tobytes()
-    step = 8 * block
-    return [zlib.crc32(raw[o:o + step]) & _HASH_MASK for o in range(0, len(raw), step)]
 
 
 def _pack_mask(blocks, nb: int) -> bytes:
@@ -471,6 +432,16 @@ class Moniqua(GossipAlgorithm):
         per_block[sorted(b for b in blocks if b < per_block.numel())] = True
         return per_block.repeat_interleave(self.verify_block)[:d].to(device)
 
+    def _decode(self, codec: ModuloCodec, payload: Payload, y: torch.Tensor):
+        """Eq. (5) against ``y``, and (when verifying) the hash of each block's grid
+        integers; a grid too fine for the models' magnitude is a clear error."""
+        if not self.verify:
+            return codec.decode(payload, ref=y), None
+        try:
+            return codec.decode_hashed(payload, ref=y, block=self.verify_block)
+        except OverflowError as e:
+            raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
+
     def _modulo_gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
         codec = dataclasses.replace(self.codec, theta=self.theta_at(lr))
         # Shared randomness ("More efficient Moniqua", section 6): every worker draws the
@@ -487,7 +458,7 @@ class Moniqua(GossipAlgorithm):
             v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=y.device) - 0.5) * step
             y = y + v
         payload = codec.encode(y, generator=gen)                                   # line 3
-        x_hat_i64 = codec.decode(payload, ref=y)                                   # line 4
+        x_hat_i64, hashes = self._decode(codec, payload, y)                        # line 4
         wire = self._pack(payload)
         # my requests, sent in this message (None: every block, from a whole-vector checkpoint)
         asked_of = {j: set(range(nb)) if b is None else {c for c in b if c < nb} for j, b in self._nack.items()}
@@ -499,8 +470,7 @@ class Moniqua(GossipAlgorithm):
                 ctrl |= 4
                 trailer = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
                 trailer += struct.pack("<H", len(asked_of))
-            hashes = block_hashes(grid_integers(x_hat_i64, step), self.verify_block)
-            trailer += struct.pack(f"<{nb}HB", *hashes, ctrl)
+            trailer += struct.pack(f"<{nb}HB", *hashes.tolist(), ctrl)
             wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         x_hat_i = (x_hat_i64 if v is None else x_hat_i64 - v).to(x.dtype)
@@ -516,11 +486,10 @@ class Moniqua(GossipAlgorithm):
                 self._receive_alarm_bits(k, ctrl & 3)
                 if self.rank in requests:
                     repair.setdefault(j, set()).update(requests[self.rank])
-            x_hat_j64 = codec.decode(self._unpack(buf, d, x.device, j), ref=y)         # line 5
+            x_hat_j64, mine = self._decode(codec, self._unpack(buf, d, x.device, j), y)  # line 5
             good[j] = None
             if self.verify:
-                mine = block_hashes(grid_integers(x_hat_j64, step), self.verify_block)
-                bad = [b for b in range(nb) if mine[b] != sent_hashes[b]]
+                bad = (mine != torch.tensor(sent_hashes, dtype=mine.dtype)).nonzero().flatten().tolist()
                 if bad:  # never use a wrong block: leave it out of this step's mix
                     self._mismatch(k, j, len(bad), nb)
                     nack[j] = set(bad)

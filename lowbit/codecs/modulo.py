@@ -38,11 +38,11 @@ from .quantize import (check_int_range, check_numel, check_positive, check_round
                        round_to_int)
 from .rng import draw_key, mix32
 
-__all__ = ["ModuloCodec", "centered_mod", "grid_hashes"]
+__all__ = ["ModuloCodec", "centered_mod", "grid_hashes", "GRID_LIMIT"]
 
 _M32 = 0xFFFFFFFF
 HASH_SALT = 0x9E3779B9
-LATTICE_LIMIT = 2.0 ** 52  # |k| beyond this: the grid integers are not exact in float64
+GRID_LIMIT = 2.0 ** 53  # |grid integer| beyond this: not exact in float64, verification could not tell
 
 
 def centered_mod(z: torch.Tensor, a: float) -> torch.Tensor:
@@ -63,6 +63,13 @@ def grid_hashes(m: torch.Tensor, block: int) -> torch.Tensor:
     nb = -(-m.numel() // block)
     sums = torch.nn.functional.pad(e, (0, nb * block - m.numel())).view(nb, block).sum(1) & _M32
     return (mix32(sums) & 0xFFFF).to(torch.int32)
+
+
+def grid_overflow_message(reach: float, B: float, levels: int) -> str:
+    return (f"the grid integers reach {reach:.3g}, beyond 2^53 = {GRID_LIMIT:.3g}: the grid step "
+            f"B_theta / 2^bits = {B / levels:.3g} is too fine for models this far from the origin, and "
+            f"their hashes could not detect a wrong recovery. Raise theta at least {reach / GRID_LIMIT:.3g}-fold "
+            "(with a margin: models move)")
 
 
 @dataclass(frozen=True)
@@ -146,8 +153,9 @@ class ModuloCodec(Codec):
         decoded point's grid integers ``m`` (``x_hat = m B_theta / 2^bits`` up to rounding;
         ``m = code - 2^bits k`` for the lattice index ``k`` eq. (5) picks): two ends that
         decoded a block alike have the same hash. The hashes come back as an int32 CPU
-        tensor. OverflowError when ``|k|`` exceeds 2^52 (the grid integers are then not
-        exact, and equal hashes would prove nothing)."""
+        tensor. OverflowError when ``2^bits |k|`` exceeds 2^53 (the grid integers, and the
+        decoded values as grid points, are then not exact in float64, and equal hashes
+        would prove nothing)."""
         (n,) = unpack_header(self.header_format, payload.header)
         check_ref(ref, n, "ModuloCodec: the receiver's own model y with |x - y| < theta")
         K = kernels_for(ref)
@@ -169,11 +177,8 @@ class ModuloCodec(Codec):
         up, down = r >= B / 2, r < -B / 2
         r = torch.where(up, r - B, torch.where(down, r + B, r))
         k = k + up.to(k.dtype) - down.to(k.dtype)
-        if n and float(k.abs().max()) > LATTICE_LIMIT:
-            raise OverflowError(
-                f"the models are more than 2^52 lattice periods B_theta={B:.3g} from the origin: the grid "
-                f"integers (step B_theta/{self.levels}) are not exact, so blocks cannot be verified; "
-                "use a larger theta")
+        if n and float(k.abs().max()) * self.levels > GRID_LIMIT:
+            raise OverflowError(grid_overflow_message(float(k.abs().max()) * self.levels, self.B_theta, self.levels))
         x_hat = (r + ref.detach().to(torch.float64)).to(ref.dtype)
         return x_hat, grid_hashes(codes - self.levels * k.to(torch.int64), block).cpu()
 

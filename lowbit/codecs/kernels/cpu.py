@@ -287,13 +287,13 @@ def grid_element_hash(m, i):
 def _modulo_decode_hash(codes, B, levels, y, block, out, hashes):
     """:func:`_modulo_decode` that also returns, per block of ``block`` elements, the
     16-bit hash of the grid integers ``m = code - levels k`` of the decoded values
-    (``x_hat = m B / levels`` up to rounding). Returns 1 when a lattice index ``k`` is
-    beyond 2^52 (the grid integers would not be exact), else 0."""
+    (``x_hat = m B / levels`` up to rounding). Returns the largest ``levels |k|`` met
+    (the caller refuses it beyond 2^53: the grid integers would not be exact)."""
     step = B / float(levels)
     inv_B = 1.0 / B
     h = B * 0.5
     L = np.int64(levels)
-    too_far = False
+    reach = 0.0
     n = codes.shape[0]
     nb = hashes.shape[0]
     for b in range(nb):
@@ -307,12 +307,12 @@ def _modulo_decode_hash(codes, B, levels, y, block, out, hashes):
             down = r < -h
             r = r - B if up else (r + B if down else r)
             k = k + 1.0 if up else (k - 1.0 if down else k)
-            too_far |= abs(k) > 4503599627370496.0
+            reach = max(reach, abs(k))
             out[i] = r + yv
             m = np.int64(codes[i]) - L * np.int64(k)
             acc = (acc + grid_element_hash(m, i)) & M32
         hashes[b] = np.uint16(mix32(acc) & np.uint64(0xFFFF))
-    return too_far
+    return reach * float(levels)
 
 
 def modulo_decode_hash(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor,
@@ -322,10 +322,12 @@ def modulo_decode_hash(codes: torch.Tensor, B: float, levels: int, ref: torch.Te
     out = torch.empty(n, dtype=y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
     hashes = torch.empty((n + block - 1) // block, dtype=torch.int32)
     h16 = np.empty(hashes.numel(), dtype=np.uint16)
-    if _modulo_decode_hash(np_view(codes), float(B), levels, as_numba(y), block, out.numpy(), h16):
-        raise OverflowError(f"the models are more than 2^52 lattice periods B_theta={B:.3g} from the origin: the grid "
-                            f"integers (step B_theta/{levels}) are not exact, so blocks cannot be verified; "
-                            "use a larger theta")
+    reach = _modulo_decode_hash(np_view(codes), float(B), levels, as_numba(y), block, out.numpy(), h16)
+    if reach > GRID_LIMIT:
+        raise OverflowError(grid_overflow_message(reach, B, levels))
     hashes.numpy()[:] = h16
     return out.to(y.dtype), hashes
 
+
+
+from ..modulo import GRID_LIMIT, grid_overflow_message  # noqa: E402  (modulo imports this package lazily)
