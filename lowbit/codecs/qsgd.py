@@ -22,12 +22,15 @@ uniforms, :mod:`lowbit.codecs.rng`) of ``min(|x_i| f_j, s)`` with ``f_j =
 s / norm_j`` computed once per bucket; the decode is ``(code - s) (norm_j / s)``.
 The CPU fast path (numba, :mod:`.kernels.cpu_dither`) performs the same float64
 operations element by element: the same bytes and decodes exactly. The CUDA
-fast path (Triton) computes in float32 for float32/half input: the norm is a
-float32 tree reduction (relative error at most ``~eps32 log2(n)``, then rounded
-up), a level may differ from the reference's by one on a tiny fraction of
-elements, and the code stays unbiased up to ``eps32`` relative: ``E[Q(v)] = v``
-within ``2 eps32 |v| + 2^-24 norm / s`` per element. Float32 sums of squares
-overflow above ``|x| ~ 1.8e19``: there the CUDA path raises the norm error.
+fast path (Triton) computes in float32 for float32/half input (float64 for
+float64): the sums of squares are accumulated in float64 (block partial sums
+added atomically, so in no fixed order: the norm may differ from the
+reference's in its last float64 bits, which changes the float32 norm only
+when the exact one lies within ~1e-16 relative of a float32 boundary), a level
+may differ from the reference's by one on a tiny fraction of elements (the
+float32 rounding of ``|x_i| f_j``), and the code stays unbiased up to that
+rounding: ``|E[Q(v_i)] - v_i| <= 2 eps32 |v_i|`` (``eps32 = 2^-24``) plus the
+uniforms' ``2^-24`` of a step.
 """
 
 from __future__ import annotations
