@@ -63,9 +63,10 @@ def _dithered_absmax(x, base, extra, parts, out):
     """``out[j] = max |x_i|`` over part ``j``; returns the non-finite flag."""
     bad = False
     for j in range(parts):
+        xs = x[_part_start(j, base, extra):_part_start(j + 1, base, extra)]
         m = 0.0
-        for i in range(_part_start(j, base, extra), _part_start(j + 1, base, extra)):
-            v = abs(np.float64(x[i]))
+        for i in range(xs.shape[0]):
+            v = abs(np.float64(xs[i]))
             bad |= nonfinite(v)
             m = v if v > m else m
         out[j] = m
@@ -79,10 +80,13 @@ def _dithered_encode(x, factor, base, extra, M, k0, k1, codes):
     Mf = float(M)
     for j in range(factor.shape[0]):
         s = factor[j]
-        for i in range(_part_start(j, base, extra), _part_start(j + 1, base, extra)):
-            q = np.floor(np.float64(x[i]) * s + uniform(k0, k1, i))
+        lo = _part_start(j, base, extra)
+        xs = x[lo:_part_start(j + 1, base, extra)]
+        cs = codes[lo:lo + xs.shape[0]]
+        for i in range(xs.shape[0]):
+            q = np.floor(np.float64(xs[i]) * s + uniform(k0, k1, lo + i))
             q = -Mf if q < -Mf else (Mf if q > Mf else q)
-            codes[i] = np.int64(q + Mf)
+            cs[i] = np.int64(q + Mf)
 
 
 @_jit
@@ -92,13 +96,14 @@ def _dithered_decode(codes, step, base, extra, M, subtractive, k0, k1, out):
     for j in range(step.shape[0]):
         st = step[j]
         lo = _part_start(j, base, extra)
-        hi = _part_start(j + 1, base, extra)
+        cs = codes[lo:_part_start(j + 1, base, extra)]
+        os = out[lo:lo + cs.shape[0]]
         if subtractive:
-            for i in range(lo, hi):
-                out[i] = st * ((np.float64(codes[i]) - Mf) - (uniform(k0, k1, i) - 0.5))
+            for i in range(cs.shape[0]):
+                os[i] = st * ((np.float64(cs[i]) - Mf) - (uniform(k0, k1, lo + i) - 0.5))
         else:
-            for i in range(lo, hi):
-                out[i] = st * (np.float64(codes[i]) - Mf)
+            for i in range(cs.shape[0]):
+                os[i] = st * (np.float64(cs[i]) - Mf)
 
 
 # --- NDQSG ------------------------------------------------------------------------------------
@@ -141,9 +146,10 @@ def _qsgd_sumsq(x, bucket, out):
     n = x.shape[0]
     bad = False
     for j in range(out.shape[0]):
+        xs = x[j * bucket:min(n, (j + 1) * bucket)]
         sq = 0.0
-        for i in range(j * bucket, min(n, (j + 1) * bucket)):
-            v = np.float64(x[i])
+        for i in range(xs.shape[0]):
+            v = np.float64(xs[i])
             bad |= nonfinite(v)
             sq += v * v
         out[j] = sq
@@ -158,13 +164,16 @@ def _qsgd_encode(x, factor, bucket, s, k0, k1, codes):
     sf = float(s)
     for j in range(factor.shape[0]):
         inv = factor[j]
-        for i in range(j * bucket, min(n, (j + 1) * bucket)):
-            xv = np.float64(x[i])
+        start = j * bucket
+        xs = x[start:min(n, start + bucket)]
+        cs = codes[start:start + xs.shape[0]]
+        for i in range(xs.shape[0]):
+            xv = np.float64(xs[i])
             v = abs(xv) * inv
             v = sf if v > sf else v
             lo = np.floor(v)
-            xi = lo + (1.0 if uniform(k0, k1, i) < v - lo else 0.0)
-            codes[i] = np.int64((-xi if xv < 0.0 else xi) + sf)
+            xi = lo + (1.0 if uniform(k0, k1, start + i) < v - lo else 0.0)
+            cs[i] = np.int64((-xi if xv < 0.0 else xi) + sf)
 
 
 @_jit
@@ -174,8 +183,11 @@ def _qsgd_decode(codes, step, bucket, s, out):
     sf = float(s)
     for j in range(step.shape[0]):
         st = step[j]
-        for i in range(j * bucket, min(n, (j + 1) * bucket)):
-            out[i] = (np.float64(codes[i]) - sf) * st
+        start = j * bucket
+        cs = codes[start:min(n, start + bucket)]
+        os = out[start:start + cs.shape[0]]
+        for i in range(cs.shape[0]):
+            os[i] = (np.float64(cs[i]) - sf) * st
 
 
 # --- torch-level API (the same names and signatures as gpu_dither) ----------------------------
