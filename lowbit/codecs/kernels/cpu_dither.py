@@ -35,6 +35,9 @@ __all__ = ["code_dtype", "host_values", "ratio", "pack", "unpack", "dithered_sca
            "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
 
 
+MAX_INDEX = 2.0**52  # the fine index of NDQSG is exact below this in float64
+
+
 def code_dtype(b: int) -> torch.dtype:
     """The narrowest unsigned dtype for codes of ``b`` bits (1..32)."""
     return torch.uint8 if b <= 8 else (torch.uint16 if b <= 16 else torch.uint32)
@@ -59,16 +62,21 @@ def _part_start(j, base, extra):
 
 
 @_jit
-def _dithered_absmax(x, base, extra, parts, out):
-    """``out[j] = max |x_i|`` over part ``j``; returns the non-finite flag."""
+def _dithered_absmax(bits, base, extra, parts, inf_bits, out):
+    """``out[j]`` = the bit pattern of ``max |x_i|`` over part ``j``, from ``bits`` (the
+    input's IEEE bit patterns as signed integers of its width): with the sign bit cleared
+    the patterns of non-negative floats order as the floats, so the maximum is an integer
+    reduction (it vectorizes; a float one does not). Returns the non-finite flag (a
+    pattern ``>= inf_bits``: inf or NaN)."""
+    mask = inf_bits | (inf_bits - 1)  # all bits but the sign
     bad = False
     for j in range(parts):
-        xs = x[_part_start(j, base, extra):_part_start(j + 1, base, extra)]
-        m = 0.0
-        for i in range(xs.shape[0]):
-            v = abs(np.float64(xs[i]))
-            bad |= nonfinite(v)
-            m = v if v > m else m
+        bs = bits[_part_start(j, base, extra):_part_start(j + 1, base, extra)]
+        m = bs[0] & 0
+        for i in range(bs.shape[0]):
+            a = bs[i] & mask
+            m = a if a > m else m
+        bad |= m >= inf_bits
         out[j] = m
     return bad
 
@@ -109,23 +117,37 @@ def _dithered_decode(codes, step, base, extra, M, subtractive, k0, k1, out):
 # --- NDQSG ------------------------------------------------------------------------------------
 
 @_jit
-def _nested_encode(x, alpha, delta1, inv_delta1, k, inv_k, k0, k1, codes):
-    """``m = floor((alpha x + u) / Delta1 + 1/2)`` (times ``1/Delta1``), ``c = m mod k``,
-    ``u = (r_i - 1/2) Delta1``; returns (non-finite flag, max |m|)."""
+def _fine_index(xv, i, alpha, delta1, inv_delta1, k0, k1):
+    """Eq. (6)'s fine index ``m = floor((alpha x + u) / Delta1 + 1/2)``, ``u = (r_i - 1/2) Delta1``."""
+    t = alpha * xv + (uniform(k0, k1, i) - 0.5) * delta1
+    return np.floor(t * inv_delta1 + 0.5)
+
+
+@_jit
+def _nested_encode(x, alpha, delta1, inv_delta1, k, inv_k, limit, k0, k1, codes):
+    """``c = m mod k`` (:func:`_fine_index`); returns (non-finite flag, some ``|m| >= limit``).
+    No float reduction in the loop (it would not vectorize)."""
     bad = False
-    worst = 0.0
+    over = False
     kf = float(k)
     for i in range(x.shape[0]):
         xv = np.float64(x[i])
         bad |= nonfinite(xv)
-        t = alpha * xv + (uniform(k0, k1, i) - 0.5) * delta1
-        m = np.floor(t * inv_delta1 + 0.5)
-        a = abs(m)
-        worst = a if a > worst else worst
+        m = _fine_index(xv, i, alpha, delta1, inv_delta1, k0, k1)
+        over |= not abs(m) < limit
         c = m - np.floor(m * inv_k) * kf
         c = c + kf if c < 0.0 else (c - kf if c >= kf else c)
         codes[i] = np.int64(c)
-    return bad, worst
+    return bad, over
+
+
+@_jit
+def _nested_worst(x, alpha, delta1, inv_delta1, k0, k1):
+    """``max |m|`` over the elements (for the error message only)."""
+    worst = 0.0
+    for i in range(x.shape[0]):
+        worst = max(worst, abs(_fine_index(np.float64(x[i]), i, alpha, delta1, inv_delta1, k0, k1)))
+    return worst
 
 
 @_jit
@@ -192,12 +214,19 @@ def _qsgd_decode(codes, step, bucket, s, out):
 
 # --- torch-level API (the same names and signatures as gpu_dither) ----------------------------
 
+_INT_OF = {torch.float32: (torch.int32, 0x7F800000), torch.float64: (torch.int64, 0x7FF0000000000000)}
+
+
 def dithered_scales(x: torch.Tensor, parts: int) -> tuple[torch.Tensor, bool]:
     """``(max |x_j| per part as float64, all finite)`` for ``parts`` contiguous parts."""
     n = x.numel()
-    out = torch.empty(parts, dtype=torch.float64)
-    bad = _dithered_absmax(as_numba(x), n // parts, n % parts, parts, out.numpy())
-    return out, not bad
+    x = x.detach().contiguous()
+    if x.dtype not in _INT_OF:
+        x = x.float()
+    itype, inf_bits = _INT_OF[x.dtype]
+    out = torch.empty(parts, dtype=itype)
+    bad = _dithered_absmax(x.view(itype).numpy(), n // parts, n % parts, parts, inf_bits, out.numpy())
+    return out.view(x.dtype).to(torch.float64), not bad
 
 
 def dithered_encode(x: torch.Tensor, factor: torch.Tensor, levels: int, bits: int, key: int) -> torch.Tensor:
@@ -220,10 +249,13 @@ def dithered_decode(codes: torch.Tensor, step: torch.Tensor, levels: int, subtra
 
 
 def nested_encode(x: torch.Tensor, alpha: float, delta1: float, k: int, bits: int, key: int):
-    """``(codes, all finite, max |fine index|)`` of NDQSG's eq. (6)."""
+    """``(codes, all finite, max |fine index|)`` of NDQSG's eq. (6); the maximum is computed
+    (a second pass) only when it reaches ``2^52``, else 0 is returned for it."""
     codes = torch.empty(x.numel(), dtype=code_dtype(bits))
     k0, k1 = keys(key)
-    bad, worst = _nested_encode(as_numba(x), alpha, delta1, 1.0 / delta1, k, 1.0 / k, k0, k1, codes.numpy())
+    xs = as_numba(x)
+    bad, over = _nested_encode(xs, alpha, delta1, 1.0 / delta1, k, 1.0 / k, MAX_INDEX, k0, k1, codes.numpy())
+    worst = _nested_worst(xs, alpha, delta1, 1.0 / delta1, k0, k1) if over and not bad else 0.0
     return codes, not bad, worst
 
 
