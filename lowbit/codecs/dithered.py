@@ -313,7 +313,7 @@ class DitheredCodec(Codec):
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        n, k1 = unpack_header(self.header_format, payload.header)
+        n, _ = unpack_header(self.header_format, payload.header)
         out_dtype = torch.float32 if dtype is None else dtype
         dev = payload.data.device
         self._need_generator(generator, "decode")

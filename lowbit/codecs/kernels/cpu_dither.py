@@ -24,7 +24,6 @@ re-exported from the core.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
