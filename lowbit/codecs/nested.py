@@ -92,7 +92,6 @@ __all__ = [
 
 _MAX_K = 2**32
 _MAX_INDEX = 2.0**52  # |round(t / Delta1)| beyond this is no longer an exact integer in float64
-_MAX_INDEX32 = 2.0**24  # the same in float32 (the CUDA fast path on float32/half input)
 
 
 def _check_alpha(alpha) -> float:
@@ -410,7 +409,7 @@ class NestedDitheredCodec(Codec):
         codes, finite, worst = K.nested_encode(x, self.alpha, self.delta1, self.k, self.bits, draw_key(generator))
         if not finite:
             raise ValueError("x must be finite for the nested dithered codec")
-        self._check_index(worst, _MAX_INDEX if x.dtype == torch.float64 or x.device.type == "cpu" else _MAX_INDEX32)
+        self._check_index(worst, K.index_limit(x.dtype))
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=K.pack(codes, self.bits))
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

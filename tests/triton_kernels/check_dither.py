@@ -126,3 +126,76 @@ def test_nonfinite_flags():
 
 def test_host_values_reads_scalars():
     assert gpu_dither.host_values(torch.tensor(True), 3.0, torch.tensor([2.5])) == (True, 3.0, 2.5)
+
+
+# --- the codecs' CUDA glue (headers and scales on the device, one status read), driven
+# through the Triton kernels on CPU tensors by routing the codecs' kernel lookup to them --
+
+
+@pytest.fixture
+def triton_route(monkeypatch):
+    import lowbit.codecs.dithered as dithered
+    import lowbit.codecs.nested as nested
+    import lowbit.codecs.qsgd as qsgd
+    for mod in (dithered, nested, qsgd):
+        monkeypatch.setattr(mod, "kernels_for", lambda x, family="core": gpu_dither)
+
+
+def _codes_of(payload_data, skip, bits, n):
+    from lowbit.codecs.packing import unpack_wide
+    return unpack_wide(payload_data[skip:], bits, n)
+
+
+@pytest.mark.parametrize("codec", [DitheredCodec(levels=2), DitheredCodec(levels=3, subtractive=False, partitions=3),
+                                   DitheredCodec(levels=200, partitions=2)])
+def test_dithered_codec_on_the_triton_path(triton_route, codec):
+    from lowbit.codecs import shared_generator
+    n = 1001
+    x = _x(n, 3, torch.float32)
+    fast = codec.encode(x, generator=shared_generator(1, 2, 3))
+    ref = codec.encode_reference(x, generator=shared_generator(1, 2, 3))
+    assert torch.equal(fast.header, ref.header) and fast.data.numel() == ref.data.numel()
+    skip = 4 * (min(codec.partitions, n) - 1)
+    assert torch.equal(fast.data[:skip], ref.data[:skip])  # the other parts' scales
+    _close_codes(_codes_of(fast.data, skip, codec.bits, n), _codes_of(ref.data, skip, codec.bits, n), x.dtype)
+    xt = codec.decode(fast, generator=shared_generator(1, 2, 3))
+    assert torch.allclose(xt, codec.decode_reference(fast, generator=shared_generator(1, 2, 3)), rtol=1e-6, atol=1e-7)
+    bad = x.clone()
+    bad[5] = float("nan")
+    with pytest.raises(ValueError, match="finite .*dithered codec"):
+        codec.encode(bad, generator=shared_generator(1, 2, 3))
+
+
+@pytest.mark.parametrize("codec", [QSGDCodec(levels=2), QSGDCodec(levels=7, bucket=300)])
+def test_qsgd_codec_on_the_triton_path(triton_route, codec):
+    from lowbit.codecs import shared_generator
+    n = 1001
+    x = _x(n, 4, torch.float32)
+    fast = codec.encode(x, generator=shared_generator(0, 1, 0))
+    ref = codec.encode_reference(x, generator=shared_generator(0, 1, 0))
+    assert torch.equal(fast.header, ref.header) and fast.data.numel() == ref.data.numel()
+    skip = 0 if codec.bucket is None else 4 * -(-n // codec.bucket)
+    assert torch.equal(fast.data[:skip], ref.data[:skip])  # the norms (float64 sums, rounded up to float32)
+    _close_codes(_codes_of(fast.data, skip, codec.code_bits, n), _codes_of(ref.data, skip, codec.code_bits, n),
+                 x.dtype)
+    assert torch.allclose(codec.decode(fast), codec.decode_reference(fast), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="finite for the QSGD codec"):
+        codec.encode(torch.tensor([1.0, float("inf")]))
+
+
+def test_nested_codec_on_the_triton_path(triton_route):
+    from lowbit.codecs import shared_generator
+    codec = NestedDitheredCodec(delta1=0.05, k=4)
+    n = 1001
+    x = _x(n, 5, torch.float32)
+    y = x + 0.5 * codec.safe_radius * _x(n, 6, torch.float32).clamp(-1, 1)
+    fast = codec.encode(x, generator=shared_generator(0, 0, 1))
+    ref = codec.encode_reference(x, generator=shared_generator(0, 0, 1))
+    assert torch.equal(fast.header, ref.header)
+    _close_codes(_codes_of(fast.data, 0, codec.bits, n), _codes_of(ref.data, 0, codec.bits, n), x.dtype, codec.k)
+    xh = codec.decode(fast, ref=y, generator=shared_generator(0, 0, 1))
+    eps = torch.finfo(torch.float32).eps / 2
+    slack = 4 * eps * (x.abs() + y.abs() + codec.delta2)
+    assert bool(((xh - x).abs() <= codec.delta1 / 2 + slack).all())
+    with pytest.raises(ValueError, match="delta1=1.0 is too small .*float32 on CUDA"):
+        NestedDitheredCodec(delta1=1.0, k=4).encode(torch.tensor([0.0, 1e8]), generator=shared_generator(0, 0, 1))

@@ -27,14 +27,17 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..nested import _MAX_INDEX as MAX_INDEX  # NDQSG's fine index is exact below it in float64
 from ..qsgd import exact_ratio as ratio
 from .cpu import _jit, as_numba, keys, nonfinite, pack, uniform, unpack
 
-__all__ = ["code_dtype", "host_values", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode", "dithered_decode", "nested_encode", "nested_decode",
+__all__ = ["code_dtype", "host_values", "index_limit", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode", "dithered_decode", "nested_encode", "nested_decode",
            "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
 
 
-MAX_INDEX = 2.0**52  # the fine index of NDQSG is exact below this in float64
+def index_limit(dtype: torch.dtype) -> float:
+    """NDQSG's fine index is exact below this (float64 registers for every input dtype)."""
+    return MAX_INDEX
 
 
 def code_dtype(b: int) -> torch.dtype:

@@ -22,7 +22,7 @@ import triton.language as tl
 from ..rng import split_key
 from .gpu import BLOCK, _grid, pack, uniform, unpack
 
-__all__ = ["code_dtype", "host_values", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode",
+__all__ = ["code_dtype", "host_values", "index_limit", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode",
            "dithered_decode", "nested_encode", "nested_decode", "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
 
 
@@ -49,6 +49,12 @@ def ratio(num: float, den: torch.Tensor) -> torch.Tensor:
     pos = d > 0
     return torch.where(pos, torch.full_like(d, float(num)) / torch.where(pos, d, torch.ones_like(d)),
                        torch.zeros_like(d))
+
+
+def index_limit(dtype: torch.dtype) -> float:
+    """NDQSG's fine index is exact below this: ``2^52`` in float64, ``2^24`` in float32
+    (the arithmetic of float32 and half inputs)."""
+    return 2.0**52 if dtype == torch.float64 else 2.0**24
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -193,7 +199,7 @@ def nested_encode(x: torch.Tensor, alpha: float, delta1: float, k: int, bits: in
     status = torch.zeros(2, dtype=torch.int32, device=x.device)
     worst = torch.zeros(1, dtype=torch.float32, device=x.device)
     k0, k1 = split_key(key)
-    limit = 2.0**52 if x.dtype == torch.float64 else 2.0**24
+    limit = index_limit(x.dtype)
     if n:
         _nested_encode_kernel[_grid(n, BLOCK)](x, codes, status, worst, n, alpha, delta1, 1.0 / delta1, k, k0, k1,
                                                LIMIT=limit, POW2=(k & (k - 1)) == 0, BLOCK_=BLOCK)
