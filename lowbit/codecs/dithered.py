@@ -274,7 +274,8 @@ class DitheredCodec(Codec):
             raise _scale_error(float(amax.max()) if finite else None)
         codes = K.dithered_encode(x, K.ratio(self.levels, k32), self.levels, self.bits, draw_key(generator))
         header, rest = float32_header(n, k32)
-        return Payload(header=header, data=torch.cat([rest, K.pack(codes, self.bits)]))
+        packed = K.pack(codes, self.bits)
+        return Payload(header=header, data=torch.cat([rest, packed]) if rest.numel() else packed)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
