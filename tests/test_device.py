@@ -6,13 +6,15 @@ for bit, with the same (CPU) generators."""
 import pytest
 import torch
 
-from fakecuda import fake_cuda, is_fake_cuda
+from fakecuda import fake_cuda, is_fake_cuda, no_real_cuda
 from lowbit.codecs import (CODECS, DitheredCodec, EntropyCodedCodec, HalfCodec, IdentityCodec, MinMaxCodec,
                            ModuloCodec, MultiScaleMaxNormCodec, NestedDitheredCodec, PowerSGDCodec, QSGDCodec,
                            QSGDMaxNormCodec, RandKCodec, SignCodec, TernGradCodec, UniformCodec, agree_scale,
                            global_index_seed, is_summable)
 from lowbit.codecs.base import CodecKind
 from lowbit.codecs.rng import shared_generator
+
+pytestmark = no_real_cuda  # where a real GPU is present, tests/test_gpu.py checks the same on it
 
 N = 37  # not a multiple of 8: packing tails are exercised
 
@@ -120,6 +122,8 @@ def _algo_cases():
             opts["k"] = 0.5
         for codec in cls.codecs or (None,):
             cases.append(pytest.param(name, {**opts, "codec": codec}, id=f"{name}-{codec}" if codec else name))
+    # Moniqua at 1 bit: nearest rounding after a shared dither drawn from a CPU generator
+    cases.append(pytest.param("moniqua", {**opts, "bits": 1}, id="moniqua-1bit-dither"))
     return cases
 
 
