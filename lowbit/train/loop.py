@@ -14,6 +14,7 @@ import torch
 from ..algorithms import ALGORITHMS, Algorithm
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
+from ..comm.inprocess import blocking
 from ..integrations import FlatParams
 from ..topology import make_topology
 from .config import TrainConfig, resolve_device
@@ -138,7 +139,8 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
         # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
         extra = (slow - 1.0) * (now() - t0)
         if extra > 0:
-            time.sleep(extra)
+            with blocking():  # a thread worker lets another compute meanwhile
+                time.sleep(extra)
         algo.before_update(k, flat.data, flat.grad, lr)
         opt.step()
         algo.after_update(k, flat.data, flat.grad, lr)
