@@ -8,10 +8,10 @@ aborts the others instead of leaving them waiting.
 CPU cores this process may use, at most the number of workers); a worker gives
 its slot up while it waits for its peers (an exchange, a collective, a gossip
 turn, or :func:`blocking`) and takes one again when the wait is over. The
-workers of one process share one interpreter lock: eight of them running on
-two cores mostly hand the lock and the cores to each other (a Moniqua step on
-digits-mlp spent half of its CPU time in the kernel doing that), while as many
-runners as cores keep every core busy without the hand-offs. Results do not
+workers of one process share one interpreter lock: eight of them runnable on
+two cores spend much of their time handing the lock and the cores to each
+other (system time in futex waits and context switches), while as many
+runners as cores keep every core busy with fewer hand-offs. Results do not
 depend on which worker runs when, so the slots change the time a run takes,
 never what it computes.
 
@@ -162,10 +162,12 @@ def _waiting(world: ThreadWorld | None, rank: int):
         yield  # not one of this world's running workers (a transport used outside run_threads)
         return
     world.run_slots.give()
+    _current.holding = False
     try:
         yield
     finally:
         world.run_slots.take(rank)
+        _current.holding = True
 
 
 @contextlib.contextmanager
@@ -358,7 +360,7 @@ def run_threads(world_size: int, fn: Callable[[Transport], T], *, max_running: i
         except BaseException as e:  # noqa: BLE001 - aborted before it started
             errors[rank] = e
             return
-        _current.world, _current.rank = world, rank
+        _current.world, _current.rank, _current.holding = world, rank, True
         try:
             results[rank] = fn(world.transport(rank))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
@@ -366,7 +368,8 @@ def run_threads(world_size: int, fn: Callable[[Transport], T], *, max_running: i
             world.abort()
         finally:
             _current.world = None
-            world.run_slots.give()
+            if _current.holding:  # not when taking it back failed (an abort)
+                world.run_slots.give()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"lowbit-worker-{r}", daemon=True) for r in range(world_size)]
     for th in threads:
