@@ -17,6 +17,10 @@ input, as real CUDA would demand. Inside the context
   give plain CPU tensors (a copy, as on real CUDA);
 * ``.numpy()`` (and so ``np.asarray``) of a fake-cuda tensor raises, as on
   real CUDA; ``.item()``, ``float()``, ``.tolist()`` work (a host sync there);
+* a CPU ``generator=`` drawing onto the device (``torch.rand(n, generator=g,
+  device="cuda")``, ``x.uniform_(generator=g)``, ``torch.randperm(n, generator=g,
+  device="cuda")``) raises ``Expected a 'cuda' device type for generator``, as
+  on real CUDA: draw on the generator's device and move the result;
 * ``torch.cuda.is_available()`` is True and ``device_count()`` is 1.
 
 Not feasible: autograd. torch's autograd records the device stream of every
@@ -41,12 +45,20 @@ import contextlib
 import copy
 import threading
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FakeCudaTensor", "fake_cuda", "is_fake_cuda"]
+__all__ = ["FakeCudaTensor", "REAL_CUDA", "fake_cuda", "is_fake_cuda", "no_real_cuda"]
+
+# Whether this torch sees a real GPU (read at import, before any fake_cuda()). The fake device
+# stands in for a GPU on CPU-only machines; where a real one exists, fake_cuda() refuses (it would
+# patch torch.cuda under code that really uses CUDA) and tests/test_gpu.py checks the real device.
+REAL_CUDA = torch.cuda.is_available()
+no_real_cuda = pytest.mark.skipif(REAL_CUDA, reason="a real GPU is present: the fake cuda device is for CPU-only "
+                                                    "torch; tests/test_gpu.py runs these checks on the GPU")
 
 CUDA = torch.device("cuda", 0)
 aten = torch.ops.aten
@@ -57,8 +69,17 @@ _COPIES = {aten.copy_.default, aten._to_copy.default}
 _INDEXING = {aten.index.Tensor, aten.index_put_.default, aten.index_put.default, aten._index_put_impl_.default}
 
 
+def _check_generator(kwargs) -> None:
+    """Raise as real CUDA does when a CPU generator draws onto the (fake) cuda device."""
+    gen = kwargs.get("generator")
+    if isinstance(gen, torch.Generator) and gen.device.type != "cuda":
+        raise RuntimeError(f"Expected a 'cuda' device type for generator but found '{gen.device.type}' (fake_cuda)")
+
+
 def _check_devices(func, args, kwargs) -> None:
-    """Raise as real CUDA does when a CPU tensor of dim > 0 meets a cuda one."""
+    """Raise as real CUDA does when a CPU tensor of dim > 0 meets a cuda one, or a
+    CPU generator draws into a cuda tensor."""
+    _check_generator(kwargs)
     if func in _COPIES:
         return
     allowed = {id(t) for t in pytree.tree_leaves(args[1])} if func in _INDEXING else set()
@@ -251,6 +272,8 @@ class _FunctionMode(TorchFunctionMode):
         if func is _SETITEM and isinstance(args[0], FakeCudaTensor):
             return _setitem(*args)
         kwargs, was_cuda = _cpu_device_kwargs(kwargs)
+        if was_cuda:
+            _check_generator(kwargs)
         out = func(*args, **kwargs)
         if was_cuda:
             out = pytree.tree_map(lambda o: _to_fake(o) if type(o) is torch.Tensor else o, out)
@@ -354,6 +377,8 @@ class _DispatchMode(TorchDispatchMode):
         if any(isinstance(t, FakeCudaTensor) for t in pytree.arg_tree_leaves(*args, **kwargs)):
             return func(*args, **kwargs)  # FakeCudaTensor.__torch_dispatch__ handles it
         kwargs, was_cuda = _cpu_device_kwargs(kwargs)
+        if was_cuda:
+            _check_generator(kwargs)
         out = func(*args, **kwargs)
         return pytree.tree_map(_wrap, out) if was_cuda else out
 
@@ -371,7 +396,10 @@ _ACTIVE = [0]
 
 @contextlib.contextmanager
 def fake_cuda():
-    """Pretend ``cuda:0`` exists (see the module docstring). Not re-entrant."""
+    """Pretend ``cuda:0`` exists (see the module docstring). Not re-entrant. Refused
+    where torch sees a real GPU (:data:`REAL_CUDA`)."""
+    if REAL_CUDA:
+        raise RuntimeError("fake_cuda() is for CPU-only torch; this torch sees a real GPU (use it: tests/test_gpu.py)")
     with _LOCK:
         if _ACTIVE[0]:
             raise RuntimeError("fake_cuda() is already active")

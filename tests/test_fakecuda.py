@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from fakecuda import FakeCudaTensor, fake_cuda, is_fake_cuda
+from fakecuda import FakeCudaTensor, fake_cuda, is_fake_cuda, no_real_cuda
+
+pytestmark = no_real_cuda
 
 
 def test_mixing_a_cuda_and_a_cpu_tensor_raises():
@@ -58,6 +60,23 @@ def test_factories_and_moves_give_fake_cuda_tensors():
         assert x.tolist() == [0.0, 5.0, 5.0] and float(x.sum()) == 10.0 and int(x[1]) == 5
         with pytest.raises(RuntimeError):
             torch.Generator(device="cuda")  # not faked: lowbit's generators stay on the CPU
+
+
+def test_a_cpu_generator_drawing_onto_the_device_raises_as_on_cuda():
+    """Real CUDA refuses a CPU generator for a cuda draw; the fake device does too. The
+    right way, drawing on the generator's device and moving, gives the CPU's numbers."""
+    g = torch.Generator().manual_seed(0)
+    with fake_cuda():
+        x = torch.zeros(4, device="cuda")
+        draws = [lambda: torch.rand(3, generator=g, device="cuda"), lambda: torch.randn(3, generator=g, device=x.device),
+                 lambda: torch.randperm(5, generator=g, device="cuda"), lambda: x.uniform_(generator=g),
+                 lambda: torch.bernoulli(x + 0.5, generator=g)]
+        for draw in draws:
+            with pytest.raises(RuntimeError, match="'cuda' device type for generator"):
+                draw()
+        moved = torch.rand(3, generator=torch.Generator().manual_seed(1)).to("cuda")
+        assert is_fake_cuda(moved) and torch.equal(moved.cpu(), torch.rand(3, generator=torch.Generator().manual_seed(1)))
+        assert is_fake_cuda(torch.rand_like(x))  # no generator: the device's own, as on CUDA
 
 
 def test_host_access_follows_cuda_rules():

@@ -198,7 +198,9 @@ def test_slow_worker_is_charged_its_factor(monkeypatch):
     for slow in (None, "1:3"):
         clock = _TickClock()
         monkeypatch.setattr(loop, "time", clock)
-        runs[slow] = train(TrainConfig(algorithm="dpsgd", workers=2, steps=20, eval_every=10, slow=slow)).workers, clock
+        # on the CPU: its clock is the thread's CPU time (a GPU's is the synchronized wall clock)
+        runs[slow] = train(TrainConfig(algorithm="dpsgd", workers=2, steps=20, eval_every=10, slow=slow,
+                                       device="cpu")).workers, clock
     (fast, fast_clock), (slowed, slow_clock) = runs[None], runs["1:3"]
     torch.testing.assert_close(fast[1].params, slowed[1].params, atol=0, rtol=0)  # same training, slower clock
     tick = _TickClock.TICK

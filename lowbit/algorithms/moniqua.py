@@ -455,7 +455,7 @@ class Moniqua(GossipAlgorithm):
         mask_nbytes = -(-nb // 8)
         v = None
         if self.dither:  # shared subtractive dither, uniform over one grid cell
-            v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=y.device) - 0.5) * step
+            v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=gen.device).to(y.device) - 0.5) * step
             y = y + v
         payload = codec.encode(y, generator=gen)                                   # line 3
         x_hat_i64, hashes = self._decode(codec, payload, y)                        # line 4

@@ -287,6 +287,18 @@ def _env_int(name: str) -> int:
         raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def default_backend() -> str:
+    """``nccl`` when CUDA is present and this host's processes (torchrun's
+    ``LOCAL_WORLD_SIZE``, 1 if unset) do not outnumber its visible GPUs, so each
+    process has a GPU of its own; else ``gloo``, under which processes share the
+    GPUs (local rank r computes on GPU r modulo their number; gloo stages CUDA
+    tensors through the CPU)."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_world = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else 1
+    return "nccl" if local_world <= torch.cuda.device_count() else "gloo"
+
+
 def init_from_env(
     backend: str | None = None, *, timeout_s: float | None = None, deterministic: bool = False, latency_s: float = 0.0
 ) -> TorchDistributedTransport:
@@ -294,8 +306,8 @@ def init_from_env(
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (required)
     and ``LOCAL_RANK`` (the CUDA device for NCCL; default ``RANK`` modulo the
-    number of visible GPUs). ``backend``: ``"nccl"`` if CUDA is available,
-    else ``"gloo"``. If the default process group already exists it is reused
+    number of visible GPUs). ``backend``: :func:`default_backend` if None
+    (``"nccl"`` with a GPU per process, else ``"gloo"``). If the default process group already exists it is reused
     (and not destroyed by :meth:`~TorchDistributedTransport.close`).
     ``latency_s``: user-space latency per message (see the transport).
     """
@@ -312,16 +324,23 @@ def init_from_env(
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"RANK={rank} / WORLD_SIZE={world_size}: need WORLD_SIZE >= 1 and 0 <= RANK < WORLD_SIZE")
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = default_backend()
     kwargs = {}
     if timeout_s is not None:
         kwargs["timeout"] = datetime.timedelta(seconds=float(timeout_s))
     if "nccl" in backend.lower():
         if not torch.cuda.is_available():
             raise RuntimeError(f"backend={backend!r} needs CUDA, which is not available here; use backend='gloo'")
-        local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank % torch.cuda.device_count()
-        if not 0 <= local < torch.cuda.device_count():
-            raise ValueError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        count = torch.cuda.device_count()
+        local = _env_int("LOCAL_RANK") if "LOCAL_RANK" in os.environ else rank % count
+        local_world = _env_int("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in os.environ else None
+        if not 0 <= local < count or (local_world is not None and local_world > count):
+            procs = f"{local_world} processes on this host" if local_world is not None else f"LOCAL_RANK={local}"
+            raise ValueError(
+                f"backend={backend!r}: {procs} but only {count} CUDA device(s) visible, and NCCL needs a GPU of "
+                f"its own for each process. Start at most {count} per host (torchrun --nproc-per-node {count}), "
+                f"make more GPUs visible (CUDA_VISIBLE_DEVICES), or use backend='gloo', which shares the GPUs "
+                f"(the default when processes outnumber GPUs)")
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")

@@ -4,6 +4,21 @@ Deterministic: reductions add the ranks' tensors in rank order, and an
 exchange delivers exactly the buffer that was sent. Any worker that fails
 aborts the others instead of leaving them waiting.
 
+**Run slots.** At most ``max_running`` workers compute at once (default: the
+CPU cores this process may use, at most the number of workers); a worker gives
+its slot up while it waits for its peers (an exchange, a collective, a gossip
+turn, or :func:`blocking`) and takes one again when the wait is over. The
+workers of one process share one interpreter lock: eight of them runnable on
+two cores spend much of their time handing the lock and the cores to each
+other (system time in futex waits and context switches), while as many
+runners as cores keep every core busy with fewer hand-offs. Results do not
+depend on which worker runs when, so the slots change the time a run takes,
+never what it computes.
+
+Each rank has one mailbox: a condition variable over one FIFO per sender.
+A send appends and wakes the receiver; a receive waits for its sender's FIFO
+(no polling: an abort wakes every waiter).
+
 Asynchronous gossip (``Transport.gossip``) is made reproducible by a schedule
 in virtual time (:class:`GossipBoard`): rank i's gossip at step k happens at
 the virtual time ``clock_i(k)`` its ``gossip_open`` gave; exchanges run one at
@@ -17,7 +32,9 @@ only on the clocks, not on thread timing.
 
 from __future__ import annotations
 
-import queue
+import collections
+import contextlib
+import os
 import threading
 import time
 from typing import Callable, TypeVar
@@ -29,31 +46,137 @@ from .base import Transport
 T = TypeVar("T")
 
 _TIMEOUT_S = 600.0
+_current = threading.local()  # .world: the ThreadWorld whose worker this thread is
+
+
+def default_max_running(world_size: int) -> int:
+    """The CPU cores this process may use (its affinity mask), at most ``world_size``."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(world_size, cores))
+
+
+class _Aborted(threading.BrokenBarrierError):
+    pass
+
+
+class RunSlots:
+    """At most ``limit`` holders at once; waiters are woken by a release or an abort
+    (no polling). Take with :meth:`take`, give back with :meth:`give`."""
+
+    def __init__(self, limit: int, aborted: threading.Event):
+        self.limit = limit
+        self.running = 0
+        self.cond = threading.Condition()
+        self.aborted = aborted
+
+    def take(self, rank: int) -> None:
+        with self.cond:
+            deadline = time.monotonic() + _TIMEOUT_S
+            while self.running >= self.limit:
+                if self.aborted.is_set():
+                    raise _Aborted(f"rank {rank}: another worker failed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {rank} waited {_TIMEOUT_S}s for a run slot "
+                                       f"({self.limit} workers kept computing)")
+                self.cond.wait(left)
+            self.running += 1
+
+    def give(self) -> None:
+        with self.cond:
+            self.running -= 1
+            self.cond.notify()
+
+    def wake_all(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+class _Mailbox:
+    """What rank r has received and not yet taken: one FIFO per sender, one condition."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.fifo: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+
+    def put(self, src: int, t: torch.Tensor) -> None:
+        with self.cond:
+            self.fifo[src].append(t)
+            self.cond.notify_all()
+
+    def take(self, src: int, me: int, aborted: threading.Event) -> torch.Tensor:
+        with self.cond:
+            q = self.fifo[src]
+            deadline = time.monotonic() + _TIMEOUT_S
+            while not q:
+                if aborted.is_set():
+                    raise _Aborted(f"rank {me}: another worker failed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"rank {me} waited {_TIMEOUT_S}s for rank {src}")
+                self.cond.wait(left)
+            return q.popleft()
 
 
 class ThreadWorld:
-    """Shared state of n thread workers: one FIFO queue per directed link and
-    a slot table for collectives."""
+    """Shared state of n thread workers: a mailbox per rank, a slot table for
+    collectives, the run slots and the gossip board."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, max_running: int | None = None):
         if world_size < 1:
             raise ValueError(f"workers must be >= 1, got {world_size}")
+        if max_running is None:
+            max_running = default_max_running(world_size)
+        if not isinstance(max_running, int) or isinstance(max_running, bool) or max_running < 1:
+            raise ValueError(f"max_running must be an int >= 1 (workers computing at once), got {max_running!r}")
         self.world_size = world_size
-        self.links = {(i, j): queue.Queue() for i in range(world_size) for j in range(world_size) if i != j}
+        self.mailboxes = [_Mailbox() for _ in range(world_size)]
         self.slots: list[torch.Tensor | None] = [None] * world_size
         self.barrier_ = threading.Barrier(world_size, timeout=_TIMEOUT_S)
         self.aborted = threading.Event()
+        self.run_slots = RunSlots(min(max_running, world_size), self.aborted)
         self.board = GossipBoard(world_size)
 
     def transport(self, rank: int) -> "ThreadTransport":
         return ThreadTransport(self, rank)
 
     def abort(self) -> None:
-        """Release every worker waiting in a collective or an exchange."""
+        """Release every worker waiting in a collective, an exchange or for a run slot."""
         self.aborted.set()
         self.barrier_.abort()
+        for box in self.mailboxes:
+            with box.cond:
+                box.cond.notify_all()
+        self.run_slots.wake_all()
         with self.board.cond:
             self.board.cond.notify_all()
+
+
+@contextlib.contextmanager
+def _waiting(world: ThreadWorld | None, rank: int):
+    """Give this worker's run slot up for the duration (it waits, it does not compute)."""
+    if world is None or getattr(_current, "world", None) is not world:
+        yield  # not one of this world's running workers (a transport used outside run_threads)
+        return
+    world.run_slots.give()
+    _current.holding = False
+    try:
+        yield
+    finally:
+        world.run_slots.take(rank)
+        _current.holding = True
+
+
+@contextlib.contextmanager
+def blocking():
+    """Wrap a wait that does not compute (a ``time.sleep``): a thread worker gives its
+    run slot to another worker meanwhile. Elsewhere it does nothing."""
+    world = getattr(_current, "world", None)
+    with _waiting(world, getattr(_current, "rank", 0)):
+        yield
 
 
 class GossipBoard:
@@ -93,7 +216,8 @@ class ThreadTransport(Transport):
         self.world = world
 
     def _sync(self) -> None:
-        self.world.barrier_.wait()
+        with _waiting(self.world, self.rank):
+            self.world.barrier_.wait()
 
     def _collect(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Publish ``t``, wait for all, copy out everyone's, wait again."""
@@ -105,21 +229,16 @@ class ThreadTransport(Transport):
         return got
 
     def _neighbor_exchange(self, buf, neighbors):
+        w, me = self.world, self.rank
         for j in neighbors:
-            self.world.links[(self.rank, j)].put(buf.clone())
-        return {j: self._receive(j) for j in neighbors}
-
-    def _receive(self, j: int) -> torch.Tensor:
-        link = self.world.links[(j, self.rank)]
-        deadline = time.monotonic() + _TIMEOUT_S
-        while True:
-            try:
-                return link.get(timeout=0.05)
-            except queue.Empty:
-                if self.world.aborted.is_set():
-                    raise threading.BrokenBarrierError(f"rank {self.rank}: another worker failed") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank} waited {_TIMEOUT_S}s for rank {j}") from None
+            w.mailboxes[j].put(me, buf.clone())
+        box = w.mailboxes[me]
+        with box.cond:  # everything already here: no wait, the slot is kept
+            ready = all(box.fifo[j] for j in neighbors)
+        if ready:
+            return {j: box.take(j, me, w.aborted) for j in neighbors}
+        with _waiting(w, me):
+            return {j: box.take(j, me, w.aborted) for j in neighbors}
 
     def _all_reduce(self, t, op):
         parts = self._collect(t)
@@ -153,10 +272,11 @@ class ThreadTransport(Transport):
         deadline = time.monotonic() + _TIMEOUT_S
         while not ready():
             if self.world.aborted.is_set():
-                raise threading.BrokenBarrierError(f"rank {self.rank}: another worker failed") from None
-            if time.monotonic() > deadline:
+                raise _Aborted(f"rank {self.rank}: another worker failed") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"rank {self.rank} waited {_TIMEOUT_S}s for {what}")
-            b.cond.wait(timeout=0.05)
+            b.cond.wait(left)
 
     def _time(self, step: int) -> float:
         t = float(self.world.board.clocks[self.rank](step))
@@ -177,6 +297,10 @@ class ThreadTransport(Transport):
             b.cond.notify_all()
 
     def _gossip(self, peer, make, step):
+        with _waiting(self.world, self.rank):
+            return self._gossip_turn(peer, make, step)
+
+    def _gossip_turn(self, peer, make, step):
         b, me = self.world.board, self.rank
         with b.cond:
             key = (self._time(step), me)
@@ -198,6 +322,10 @@ class ThreadTransport(Transport):
         return reply.clone()
 
     def _gossip_close(self):
+        with _waiting(self.world, self.rank):
+            self._gossip_close_wait()
+
+    def _gossip_close_wait(self):
         b, me = self.world.board, self.rank
         with b.cond:
             b.closed[me] = True
@@ -207,22 +335,41 @@ class ThreadTransport(Transport):
             self._wait(lambda: all(b.closed[j] for j in b.neighbors[me]), "its neighbours to finish gossiping")
 
 
-def run_threads(world_size: int, fn: Callable[[Transport], T]) -> list[T]:
+def run_threads(world_size: int, fn: Callable[[Transport], T], *, max_running: int | None = None,
+                device: torch.device | str | None = None) -> list[T]:
     """Run ``fn(transport)`` on ``world_size`` thread workers; results in rank order.
+
+    ``max_running``: how many workers compute at once (see the module's run slots;
+    default :func:`default_max_running`). ``device``: where the workers compute, if
+    known; on CUDA, torch's lazily loaded CUDA linear algebra is loaded here, in the
+    calling thread, before any worker starts (threads that load it at once fail with
+    "lazy wrapper should be called at most once"). It is also loaded when the caller
+    has already initialised CUDA.
 
     The first exception raised by any worker is re-raised here (after the
     others have been released from their waits).
     """
-    world = ThreadWorld(world_size)
+    world = ThreadWorld(world_size, max_running)
+    prepare_cuda(device)
     results: list = [None] * world_size
     errors: list[BaseException | None] = [None] * world_size
 
     def body(rank: int) -> None:
         try:
+            world.run_slots.take(rank)
+        except BaseException as e:  # noqa: BLE001 - aborted before it started
+            errors[rank] = e
+            return
+        _current.world, _current.rank, _current.holding = world, rank, True
+        try:
             results[rank] = fn(world.transport(rank))
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller
             errors[rank] = e
             world.abort()
+        finally:
+            _current.world = None
+            if _current.holding:  # not when taking it back failed (an abort)
+                world.run_slots.give()
 
     threads = [threading.Thread(target=body, args=(r,), name=f"lowbit-worker-{r}", daemon=True) for r in range(world_size)]
     for th in threads:
@@ -233,3 +380,29 @@ def run_threads(world_size: int, fn: Callable[[Transport], T]) -> list[T]:
     if real or any(errors):
         raise (real or [e for e in errors if e is not None])[0]
     return results
+
+
+_CUDA_LINALG_READY: set[int] = set()
+_CUDA_LINALG_LOCK = threading.Lock()
+
+
+def prepare_cuda(device: torch.device | str | None = None) -> None:
+    """Load torch's CUDA linear-algebra library once per GPU, in this thread: torch
+    loads it on the first linalg call, and worker threads making that call at the
+    same time race its one-time loader. ``device``: a CUDA device to prepare; None
+    prepares the current GPU only when CUDA is already initialised. No-op on the CPU."""
+    if device is None:
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _CUDA_LINALG_LOCK:
+        if device.index in _CUDA_LINALG_READY:
+            return
+        torch.linalg.qr(torch.eye(2, device=device))
+        torch.cuda.synchronize(device)
+        _CUDA_LINALG_READY.add(device.index)

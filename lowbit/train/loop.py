@@ -15,6 +15,7 @@ import torch
 from ..algorithms import ALGORITHMS, Algorithm
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
+from ..comm.inprocess import blocking
 from ..integrations import FlatParams
 from ..topology import make_topology
 from ..integrations.checkpoint import (CheckpointError, candidates, ledger_state, newest_common_step, restore_ledger,
@@ -245,7 +246,8 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
             # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
             extra = (slow - 1.0) * (now() - t0)
             if extra > 0:
-                time.sleep(extra)
+                with blocking():  # a thread worker lets another compute meanwhile
+                    time.sleep(extra)
             try:
                 algo.before_update(k, flat.data, flat.grad, lr)
                 opt.step()

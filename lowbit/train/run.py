@@ -16,7 +16,7 @@ import torch
 from ..algorithms import ALGORITHMS
 from ..comm.inprocess import run_threads
 from ..comm.ledger import Ledger
-from .config import TrainConfig
+from .config import TrainConfig, resolve_device
 from .errors import OutputExists, classify, strict_json
 from .loop import WorkerResult, run_worker
 
@@ -25,7 +25,8 @@ def _thread_job(cfg: TrainConfig, progress: bool, stream: str | None = None):
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # n workers share the cores; thread CPU time stays per worker
     try:
-        return run_threads(cfg.workers, functools.partial(run_worker, cfg=cfg, progress=progress, stream=stream))
+        return run_threads(cfg.workers, functools.partial(run_worker, cfg=cfg, progress=progress, stream=stream),
+                           device=resolve_device(cfg.device))
     finally:
         torch.set_num_threads(old)
 
