@@ -244,7 +244,7 @@ def test_every_worker_stamps_every_step():
 def test_select_steps_keeps_baselines():
     cases = default_step_cases()
     assert [c.label for c in select_steps(cases, "moniqua")] == ["dpsgd", "allreduce", "moniqua 2-bit",
-                                                                 "moniqua 1-bit"]
+                                                                 "moniqua 1-bit", "moniqua 2-bit unverified"]
     assert [c.label for c in select_steps(cases, "moniqua 1-bit")] == ["dpsgd", "allreduce", "moniqua 1-bit"]
     with pytest.raises(ValueError, match="unknown 'sgd'; choose from: dpsgd, allreduce"):
         select_steps(cases, "sgd")
