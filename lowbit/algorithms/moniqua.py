@@ -60,10 +60,11 @@ see below; the last block may be shorter). The message is::
 
     codes | [requests] | nb x uint16 block hashes | control byte
 
-all little-endian. A block's hash is CRC-32 (masked to its low 16 bits) of
-the un-modded grid integers ``m = round(xh / (B_theta / 2^bits))`` (int64)
-of the sender's own decode (line 4; it equals the quantized value before the
-mod) in that block. The control byte holds 2 alarm bits (bits 0-1) and the
+all little-endian. A block's hash is the 16-bit hash of
+:meth:`~lowbit.codecs.ModuloCodec.decode_hashed` of the un-modded grid
+integers ``m = code - 2^bits k`` of the sender's own decode (line 4; ``k`` the
+lattice index eq. (5) picks, so ``m`` is the quantized value before the mod)
+in that block. The control byte holds 2 alarm bits (bits 0-1) and the
 repair-request bit (bit 2). ``requests`` is present only when bit 2 is set:
 one entry per neighbour asked, ``uint16`` rank then a bit mask of the blocks
 asked (ceil(nb / 8) bytes, bit b of byte b // 8 is block b), then a
@@ -73,7 +74,7 @@ asked (ceil(nb / 8) bytes, bit b of byte b // 8 is block b), then a
 The receiver hashes each block of the grid
 integers of what it recovered (line 5); a block's hashes agree exactly when
 its recovery is right, and a wrong block goes undetected with probability
-~2^-16 (CRC-32's low 16 bits of a changed block). Policy on a mismatch
+~2^-16 (a 16-bit hash of a changed block). Policy on a mismatch
 (theta too small for that edge at that step in that block):
 
 * a wrong block's values are never used: that neighbour's term of line 6 is
