@@ -6,12 +6,12 @@ thread runtime; rings and a torus."""
 
 import pytest
 import torch
+from quadratic import quadratic_problem, run_quadratic
 
 from lowbit.algorithms import ChocoSGD
 from lowbit.algorithms.dcd import exchange_compressed
 from lowbit.codecs import IdentityCodec, MinMaxCodec
 from lowbit.topology import make_topology
-from quadratic import quadratic_problem, run_quadratic
 
 SEED, LR, STEPS, D = 5, 0.01, 60, 1000  # far from converged: the models still move
 
@@ -80,7 +80,7 @@ def test_same_iterates_float32(topo):
     """float32 models, fp32 codec: not bitwise (the running consensus term keeps its rounding), within
     2e-6 relative after 60 steps (measured: 0.98e-6 to 1.40e-6)."""
     topo = make_topology(*topo)
-    x_ref, mem_ref, sent_ref = _final(PerNeighbourChoco, topo, IdentityCodec, torch.float32)
+    x_ref, _, sent_ref = _final(PerNeighbourChoco, topo, IdentityCodec, torch.float32)
     x, mem, sent = _final(ChocoSGD, topo, IdentityCodec, torch.float32)
     assert sent == sent_ref
     assert _rel(x, x_ref) <= 2e-6
@@ -91,8 +91,12 @@ def test_state_is_xhat_and_consensus_term():
     """xh_i and e_i = sum_j w_ij (xh_j - xh_i) against the per-neighbour form's copies, float64."""
     topo = make_topology("torus", 9)
     X0, A, b = quadratic_problem(9, D, seed=2, scale=1.0)
-    codec = lambda: MinMaxCodec(bits=4, rounding="stochastic")  # noqa: E731
-    seen = lambda k, x, algo, t: {n: v.clone() for n, v in algo.state_tensors().items()}  # noqa: E731
+    def codec():
+        return MinMaxCodec(bits=4, rounding="stochastic")
+
+    def seen(k, x, algo, t):
+        return {n: v.clone() for n, v in algo.state_tensors().items()}
+
     ref = run_quadratic(lambda t: PerNeighbourChoco(t, topo, codec=codec(), gamma=GAMMA, seed=SEED), X0, A, b,
                         5, LR, observe=seen)
     new = run_quadratic(lambda t: ChocoSGD(t, topo, codec=codec(), gamma=GAMMA, seed=SEED), X0, A, b, 5, LR,

@@ -46,7 +46,7 @@ def test_maxpool_same_is_tensorflows():
     assert _maxpool_same(torch.randn(1, 1, 5, 7)).shape == (1, 1, 3, 4)
 
 
-@pytest.mark.parametrize("bad", [dict(size=30), dict(size=0), dict(classes=1)])
+@pytest.mark.parametrize("bad", [{"size": 30}, {"size": 0}, {"classes": 1}])
 def test_lenet_tf_rejects_bad_sizes(bad):
     with pytest.raises(ValueError):
         LeNetTF(**bad)
