@@ -222,7 +222,8 @@ def test_extra_memory_is_the_papers():
         return out
 
     deg = 2
-    want = [(deg + 1) * d * 4, deg * d * 4, (deg + 1) * d * 4, d * 4, 3 * d * 4, n * d * 4]  # Bagua: w, left, right
+    # CHOCO: x_hat and the consensus term (2 d, any degree); Bagua: w, left, right
+    want = [2 * d * 4, deg * d * 4, (deg + 1) * d * 4, d * 4, 3 * d * 4, n * d * 4]
     assert run_threads(n, worker) == [want] * n
 
 
