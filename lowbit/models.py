@@ -9,10 +9,17 @@
   ``resnet(20)`` has 269,722 parameters, ``resnet(110)`` 1,727,962.
 - :class:`SmallVGG`: 3x3 conv + BatchNorm + ReLU stacks with max pooling,
   global average pooling and one linear layer.
+- :class:`LeNetTF` (``lenet_tf``): the "LeNet" of the NDQSG paper (002), the
+  TensorFlow MNIST tutorial net: conv5x5(32, 'same') - maxpool2 - conv5x5(64,
+  'same') - maxpool2 - 512 - 10, ReLU (1,663,370 parameters on 1x28x28 inputs).
+- :class:`CifarNet` (``cifarnet``): the TensorFlow cifar10 tutorial net:
+  conv5x5(64) - maxpool3/2 - LRN - conv5x5(64) - LRN - maxpool3/2 - 384 - 192 - 10,
+  ReLU, on the tutorial's 24x24 crops of the 32x32x3 images (1,068,298 parameters).
 """
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -113,3 +120,78 @@ class SmallVGG(nn.Module):
 
     def forward(self, x):
         return self.fc(self.features(x).mean((2, 3)))
+
+
+class LeNetTF(nn.Module):
+    """Paper 002's "LeNet": two 5x5 'same' convolutions (32 and 64 channels), each
+    followed by ReLU and a 2x2 max-pool, then fully connected 512 and ``classes``.
+    ``size`` must be a multiple of 4 (28 gives 7x7x64 = 3136 features)."""
+
+    def __init__(self, in_channels: int = 1, classes: int = 10, size: int = 28):
+        super().__init__()
+        if size < 4 or size % 4:
+            raise ValueError(f"size must be a positive multiple of 4, got {size}")
+        if in_channels < 1 or classes < 2:
+            raise ValueError(f"in_channels must be >= 1 and classes >= 2, got {in_channels}, {classes}")
+        self.conv1 = nn.Conv2d(in_channels, 32, 5, padding=2)
+        self.conv2 = nn.Conv2d(32, 64, 5, padding=2)
+        self.fc1 = nn.Linear(64 * (size // 4) ** 2, 512)
+        self.fc2 = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def lenet_tf(in_channels: int = 1, classes: int = 10, size: int = 28) -> LeNetTF:
+    return LeNetTF(in_channels, classes, size)
+
+
+def _maxpool_same(x: torch.Tensor) -> torch.Tensor:
+    """3x3 max-pool with stride 2 and TensorFlow's 'SAME' padding: output ceil(h/2) x ceil(w/2),
+    the padding (of -inf, so never selected) split with the extra cell at the bottom/right."""
+    h, w = x.shape[-2:]
+    ph, pw = max((-(-h // 2) - 1) * 2 + 3 - h, 0), max((-(-w // 2) - 1) * 2 + 3 - w, 0)
+    x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2), value=float("-inf"))
+    return F.max_pool2d(x, 3, 2)
+
+
+class CifarNet(nn.Module):
+    """The TensorFlow cifar10 tutorial net. Inputs larger than ``crop`` (the 32x32
+    CIFAR images) are cut to their central ``crop`` x ``crop`` window, the
+    tutorial's evaluation input (it trains on random crops of the same size; here
+    the crop is always central, no augmentation). Local response normalisation as
+    ``tf.nn.lrn(depth_radius=4, bias=1, alpha=0.001/9, beta=0.75)``: a window of 9
+    channels, which is torch's ``LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1)``
+    (torch divides alpha by the window size)."""
+
+    def __init__(self, in_channels: int = 3, classes: int = 10, crop: int = 24):
+        super().__init__()
+        if crop < 1:
+            raise ValueError(f"crop must be >= 1, got {crop}")
+        if in_channels < 1 or classes < 2:
+            raise ValueError(f"in_channels must be >= 1 and classes >= 2, got {in_channels}, {classes}")
+        self.crop = crop
+        self.conv1 = nn.Conv2d(in_channels, 64, 5, padding=2)
+        self.conv2 = nn.Conv2d(64, 64, 5, padding=2)
+        self.lrn = nn.LocalResponseNorm(9, alpha=0.001, beta=0.75, k=1.0)
+        s = -(-(-(-crop // 2)) // 2)  # two 'SAME' stride-2 pools: ceil(ceil(crop/2)/2)
+        self.fc1 = nn.Linear(64 * s * s, 384)
+        self.fc2 = nn.Linear(384, 192)
+        self.fc3 = nn.Linear(192, classes)
+
+    def forward(self, x):
+        h, w = x.shape[-2:]
+        if h < self.crop or w < self.crop:
+            raise ValueError(f"inputs must be at least {self.crop}x{self.crop}, got {h}x{w}")
+        top, left = (h - self.crop) // 2, (w - self.crop) // 2
+        x = x[..., top:top + self.crop, left:left + self.crop]
+        x = self.lrn(_maxpool_same(F.relu(self.conv1(x))))
+        x = _maxpool_same(self.lrn(F.relu(self.conv2(x))))
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc3(F.relu(self.fc2(x)))
+
+
+def cifarnet(in_channels: int = 3, classes: int = 10, crop: int = 24) -> CifarNet:
+    return CifarNet(in_channels, classes, crop)

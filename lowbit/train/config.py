@@ -38,6 +38,8 @@ TASK_DEFAULTS = {
     **{t: dict(lr=0.1, momentum=0.9, weight_decay=5e-4, theta=0.05, batch_size=32)
        for t in ("cifar10-resnet20", "cifar10-resnet110", "cifar10-vgg")},
 }
+TASK_DEFAULTS.update({t: dict(TASK_DEFAULTS[t[:-3]]) for t in ("fashion-lenet-tf", "mnist-lenet-tf", "kmnist-lenet-tf")})
+TASK_DEFAULTS["cifar10-cifarnet"] = dict(TASK_DEFAULTS["cifar10-vgg"])
 
 # How --codec NAME becomes a codec, from the run's options. An algorithm lists
 # the names it accepts in its ``codecs`` attribute.

@@ -361,3 +361,32 @@ def make_task(name: str, **kwargs) -> Task:
     except KeyError:
         raise ValueError(f"task={name!r} is unknown; choose one of: {', '.join(TASKS)}") from None
     return cls(**kwargs)
+
+
+# The NDQSG paper's (002) models: its "LeNet" on the MNIST-like sets, CifarNet on CIFAR-10.
+from ..models import CifarNet, LeNetTF  # noqa: E402
+
+
+class FashionLeNetTF(ImageClassification):
+    name, dataset = "fashion-lenet-tf", "fashion-mnist"
+
+    def make_model(self):
+        return LeNetTF(in_channels=1, size=self.X_train.shape[-1])
+
+
+class MnistLeNetTF(FashionLeNetTF):
+    name, dataset = "mnist-lenet-tf", "mnist"
+
+
+class KmnistLeNetTF(FashionLeNetTF):
+    name, dataset = "kmnist-lenet-tf", "kmnist"
+
+
+class Cifar10CifarNet(Cifar10ResNet20):
+    name = "cifar10-cifarnet"
+
+    def make_model(self):
+        return CifarNet()
+
+
+TASKS.update({c.name: c for c in (FashionLeNetTF, MnistLeNetTF, KmnistLeNetTF, Cifar10CifarNet)})

@@ -1,0 +1,197 @@
+"""Mixed-radix packing: ``n`` symbols of ``L`` levels (2 <= L <= 255) at close to
+``log2(L)`` bits each.
+
+Symbols are taken in groups of ``g``; a group's value ``v = sum_k c_k L^k`` (symbol
+``k`` of the group is digit ``k``, least significant first) lies in ``[0, L^g)`` and
+takes ``b = ceil(g log2 L)`` bits (computed exactly: the bit length of ``L^g - 1``).
+The group values are then written with the layout of :mod:`lowbit.codecs.packing`
+(one little-endian bit stream, value ``j`` at stream bits ``[j b, (j + 1) b)``), so
+``n`` symbols take ``ceil(ceil(n / g) b / 8)`` bytes; a last partial group keeps the
+full width ``b`` with its missing digits 0.
+
+:func:`radix_group` picks the smallest ``g`` whose ``b / g`` is within 1% of
+``log2 L`` with ``b <= 56`` (e.g. L = 3: 5 trits in 8 bits, 1.6 bits = 1.0095 x
+log2 3; L = 5: 3 symbols in 7 bits); where no such ``g`` exists (25 of the level
+counts, e.g. 60, 61, 119-121, 232-242, whose ``L`` lies just below a power of two)
+the ``g`` with the fewest bits per symbol. A power of two takes ``g = 1``,
+``b = log2 L``: plain bit packing.
+
+Two implementations with one format: a numba kernel (one pass, CPU tensors, the
+default where numba imports; see :mod:`lowbit.codecs.kernels`) and the plain torch
+reference (any device; forced with ``LOWBIT_CODEC_PATH=reference``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .kernels import cpu_kernels, fast_backend
+from .packing import pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
+
+__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "pack_radix", "radix_group", "radix_nbytes", "unpack_radix"]
+
+MAX_LEVELS = 255
+MAX_GROUP_BITS = 56  # a group value plus the < 8 pending bits fits a 64-bit accumulator
+TOLERANCE = 1.01
+
+
+def _check_levels(L) -> int:
+    if isinstance(L, bool) or not isinstance(L, int) or not 2 <= L <= MAX_LEVELS:
+        raise ValueError(f"levels must be an int in 2..{MAX_LEVELS}, got {L!r}")
+    return L
+
+
+def _check_n(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"n must be a non-negative int, got {n!r}")
+    return n
+
+
+@functools.cache
+def _group(L: int) -> tuple[int, int]:
+    target = TOLERANCE * math.log2(L)
+    best = None
+    g = 1
+    while True:
+        b = (L ** g - 1).bit_length()  # exactly ceil(g log2 L)
+        if b > MAX_GROUP_BITS:
+            break
+        if best is None or b * best[0] < best[1] * g:  # fewer bits per symbol (ties: the smaller g)
+            best = (g, b)
+        if b <= target * g:
+            return g, b
+        g += 1
+    return best
+
+
+def radix_group(L: int) -> tuple[int, int]:
+    """``(g, bits_per_group)`` for ``L`` levels (see the module docstring)."""
+    return _group(_check_levels(L))
+
+
+def radix_nbytes(n: int, L: int) -> int:
+    """Bytes taken by ``n`` symbols of ``L`` levels: ``ceil(ceil(n / g) b / 8)``."""
+    g, b = radix_group(L)
+    return (-(-_check_n(n) // g) * b + 7) // 8
+
+
+def _as_symbols(codes, L: int) -> torch.Tensor:
+    """``codes`` flattened to uint8, after checking they lie in ``[0, L)``."""
+    if not isinstance(codes, torch.Tensor):
+        raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
+    c = codes.reshape(-1)
+    if c.numel():
+        lo, hi = (int(v) for v in torch.aminmax(c))
+        if lo < 0 or hi >= L:
+            raise ValueError(f"codes must lie in [0, levels) = [0, {L - 1}] for levels={L}, got range [{lo}, {hi}]")
+    return c.to(torch.uint8)
+
+
+def _check_data(data, n: int, L: int) -> torch.Tensor:
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
+        desc = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
+        raise TypeError(f"packed data must be a 1-D uint8 tensor, got {desc}")
+    need = radix_nbytes(n, L)
+    if data.numel() != need:
+        raise ValueError(f"{n} symbols of {L} levels need exactly {need} bytes, got {data.numel()}")
+    return data
+
+
+def _fast(x: torch.Tensor):
+    return cpu_kernels("radix") if fast_backend(x) == "numba" else None
+
+
+# --- reference (plain torch, any device) ------------------------------------------------------
+
+def _powers(L: int, g: int, device) -> torch.Tensor:
+    return torch.tensor([L ** k for k in range(g)], dtype=torch.int64, device=device)
+
+
+def _pack_values(v: torch.Tensor, b: int) -> torch.Tensor:
+    """Group values of ``b`` bits into the packing layout (``pack_wide`` up to 32 bits, else bit by bit)."""
+    if b <= 32:
+        return pack_wide(v, b)
+    bits = (v.unsqueeze(1) >> torch.arange(b, device=v.device)) & 1
+    return pack_bits(bits.view(-1), 1)
+
+
+def _unpack_values(data: torch.Tensor, b: int, m: int) -> torch.Tensor:
+    if b <= 32:
+        return unpack_wide(data[:packed_nbytes(m, b)], b, m)
+    bits = unpack_bits(data[:packed_nbytes(m * b, 1)], 1, m * b).view(m, b)
+    return (bits << torch.arange(b, device=data.device)).sum(1)
+
+
+def pack_radix_reference(codes: torch.Tensor, L: int) -> torch.Tensor:
+    """The torch reference of :func:`pack_radix`."""
+    L = _check_levels(L)
+    g, b = radix_group(L)
+    c = _as_symbols(codes, L).to(torch.int64)
+    n = c.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=c.device)
+    m = -(-n // g)
+    c = torch.nn.functional.pad(c, (0, m * g - n)).view(m, g)
+    return _pack_values((c * _powers(L, g, c.device)).sum(1), b)
+
+
+def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+    """The torch reference of :func:`unpack_radix`."""
+    L, n = _check_levels(L), _check_n(n)
+    g, b = radix_group(L)
+    data = _check_data(data, n, L)
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=data.device)
+    m = -(-n // g)
+    v = _unpack_values(data, b, m)
+    digits = (v.unsqueeze(1) // _powers(L, g, data.device)) % L
+    # a value must fit its group's digits: < L^g, and < L^r for a last group of r symbols
+    r = n - (m - 1) * g
+    limits = torch.full((m,), L ** g, dtype=torch.int64, device=data.device)
+    limits[-1] = L ** r
+    _raise_bad(int((v >= limits).sum()), L, m)
+    return digits.view(-1)[:n]
+
+
+def _raise_bad(bad: int, L: int, m: int) -> None:
+    if bad:
+        raise ValueError(f"packed data is not a radix-{L} packing: {bad} of its {m} group values exceed "
+                         f"what their digits can hold")
+
+
+# --- public API --------------------------------------------------------------------------------
+
+def pack_radix(codes: torch.Tensor, L: int) -> torch.Tensor:
+    """Pack integer ``codes`` in ``[0, L)`` (any shape, flattened) into
+    :func:`radix_nbytes` ``(codes.numel(), L)`` bytes (a uint8 tensor on their device)."""
+    k = _fast(codes) if isinstance(codes, torch.Tensor) else None
+    if k is None:
+        return pack_radix_reference(codes, L)
+    L = _check_levels(L)
+    g, b = radix_group(L)
+    c = _as_symbols(codes, L).contiguous()
+    out = torch.zeros(radix_nbytes(c.numel(), L), dtype=torch.uint8)
+    if c.numel():
+        k.pack_radix(c.numpy(), L, g, b, out.numpy())
+    return out
+
+
+def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_radix`: the ``n`` codes, as an int64 tensor. Raises
+    ValueError when ``data`` is not ``radix_nbytes(n, L)`` bytes or holds a group
+    value that its digits cannot hold (so not the output of :func:`pack_radix`)."""
+    k = _fast(data) if isinstance(data, torch.Tensor) else None
+    if k is None:
+        return unpack_radix_reference(data, L, n)
+    L, n = _check_levels(L), _check_n(n)
+    g, b = radix_group(L)
+    data = _check_data(data, n, L).contiguous()
+    out = torch.empty(n, dtype=torch.uint8)
+    if n:
+        _raise_bad(int(k.unpack_radix(data.numpy(), L, g, b, out.numpy())), L, -(-n // g))
+    return out.to(torch.int64)
