@@ -2,9 +2,9 @@
 GlobalRandKMaxNorm and GlobalRandKMaxNormMultiScale).
 
 ``k`` of the ``d`` coordinates are kept (``min(k, d)`` when ``d < k``), chosen
-uniformly without replacement by :meth:`RandKCodec.indices` from a seed: the
-first ``k`` entries of ``torch.randperm(d)`` drawn from a CPU generator seeded
-with it, sorted. The inner codec encodes the ``k`` kept values; decoding
+without replacement by :meth:`RandKCodec.indices` from a seed: the kept set is
+``{i < d : sigma(i) < k}`` (returned sorted), where ``sigma`` is a keyed
+pseudo-random permutation of ``[0, d)`` (see "Selection" below). The inner codec encodes the ``k`` kept values; decoding
 scatters them back (zeros elsewhere) and, with ``rescale=True``, multiplies by
 ``d / k`` so that the result is unbiased when the inner codec is.
 
@@ -24,8 +24,26 @@ with the ``k`` indices packed in ``max(1, ceil(log2 d))`` bits each (counted
 in ``nbytes``), then the inner data; header ``<i`` (numel) + inner header.
 Workers keep different coordinates, so this form is never summable.
 
-Selections depend only on (d, k, seed) and the torch version's ``randperm``;
-all workers must run the same torch version.
+Selection. ``sigma`` is a Feistel network with cycle walking, computed with
+integer arithmetic only, so a selection depends on (d, k, seed) alone: the same
+on every device, thread count, code path and torch version, and it never
+materialises a permutation of ``d`` elements. With ``hb = ceil(bitlen(d-1)/2)``
+and ``a = ceil(d / 2^hb)``, a value ``v < a 2^hb`` is split as
+``v = L 2^hb + R``; :data:`FEISTEL_ROUNDS` (even) rounds alternate
+``(L, R) -> (R, (L + F_r(R)) mod a)`` and ``(L, R) -> (R, (L + F_r(R)) mod 2^hb)``
+with ``F_r(R) = mix32(R XOR K_r)`` reduced to the modulus by multiply-shift
+(``mod a``) or by its top bits (``mod 2^hb``), and round keys ``K_r`` the
+counter hashes of ``r`` under the seed (:func:`lowbit.codecs.rng.counter_hash`).
+That is a bijection of ``[0, a 2^hb)``, a domain at most ``2^hb - 1 < 2 sqrt(d) + 1``
+larger than ``d``; cycle walking (apply it again while the value is ``>= d``)
+restricts it to a bijection of ``[0, d)``, so the kept set has exactly
+``min(k, d)`` distinct elements, each coordinate kept with probability ``k / d``
+over seeds (tested). The fast path (numba, :mod:`lowbit.codecs.kernels.cpu_maxnorm`)
+evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small against ``d``
+(``O(k log k)``), else tests ``sigma(i) < k`` for every ``i`` in one pass, already
+sorted; :meth:`RandKCodec.indices_reference` is the plain-torch version of the
+one-pass definition. (Earlier versions used ``torch.randperm``: the wire format
+is unchanged, but a seed now selects a different set.)
 """
 
 from __future__ import annotations
@@ -47,11 +65,20 @@ from .base import (
     pack_header,
     unpack_header,
 )
+from .kernels import kernels_for
 from .packing import pack_wide, packed_nbytes, unpack_wide
 from .quantize import INT32_MAX, check_int_range, check_numel
-from .rng import derive_seed, make_generator
+from .rng import _mix32, counter_hash, derive_seed
 
-__all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM"]
+__all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM", "FEISTEL_ROUNDS", "feistel_params",
+           "round_keys", "select_reference"]
+
+#: Rounds of the selection's Feistel network (even: the halves end where they started).
+FEISTEL_ROUNDS = 6
+#: The fast path tests every coordinate (one pass) when ``k * SPARSE_RATIO >= d``, else
+#: inverts the permutation on ``j < k`` and sorts.
+SPARSE_RATIO = 8
+_FAMILY = "maxnorm"
 
 #: The ``stream`` of :func:`lowbit.codecs.rng.derive_seed` reserved for global random-k selections.
 GLOBAL_RANDK_STREAM = 0x52414E444B  # "RANDK"
@@ -61,6 +88,46 @@ _SEED_MAX = 2**63 - 1
 def global_index_seed(run_seed: int, step: int) -> int:
     """The selection seed every worker derives for ``step`` (sender-independent)."""
     return derive_seed(run_seed, step, 0, GLOBAL_RANDK_STREAM)
+
+
+def feistel_params(d: int) -> tuple[int, int]:
+    """``(a, hb)``: the Feistel domain ``[0, a 2^hb)`` for ``[0, d)``, ``d >= 1``."""
+    hb = ((d - 1).bit_length() + 1) // 2
+    return -(-d >> hb), hb
+
+
+def round_keys(seed: int) -> torch.Tensor:
+    """The round keys ``K_r`` (int64 holding uint32): counter hashes of ``r`` under ``seed``."""
+    return counter_hash(seed, FEISTEL_ROUNDS)
+
+
+def _feistel_torch(v: torch.Tensor, a: int, hb: int, keys: list[int]) -> torch.Tensor:
+    bmask = (1 << hb) - 1
+    L, R = v >> hb, v & bmask
+    for r, key in enumerate(keys):
+        h = _mix32(R ^ key)
+        if r % 2 == 0:
+            t = L + ((h * a) >> 32)
+            L, R = R, torch.where(t >= a, t - a, t)
+        else:
+            L, R = R, (L + (h >> (32 - hb))) & bmask
+    return (L << hb) | R
+
+
+def select_reference(d: int, k: int, seed: int) -> torch.Tensor:
+    """The sorted kept indices ``{i < d : sigma(i) < k}`` (int64, CPU), in plain torch:
+    the definition the fast path is checked against (see the module docstring)."""
+    if k >= d:
+        return torch.arange(d, dtype=torch.int64)
+    a, hb = feistel_params(d)
+    keys = [int(v) for v in round_keys(seed)]
+    s = _feistel_torch(torch.arange(d, dtype=torch.int64), a, hb, keys)
+    while True:  # cycle walking
+        out = s >= d
+        if not bool(out.any()):
+            break
+        s[out] = _feistel_torch(s[out], a, hb, keys)
+    return torch.nonzero(s < k).view(-1)
 
 
 def _check_seed(seed, field: str = "seed") -> int:
@@ -155,8 +222,20 @@ class RandKCodec(SummableCodec):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         seed = self._need_seed() if seed is None else _check_seed(seed)
-        perm = torch.randperm(numel, generator=make_generator(seed), dtype=torch.int64)
-        return perm[: self.kept(numel)].sort().values.to(device)
+        kk = self.kept(numel)
+        K = kernels_for(torch.empty(0), _FAMILY)
+        if K is None or kk == numel:
+            return self.indices_reference(numel, seed, device)
+        a, hb = feistel_params(numel)
+        keys = round_keys(seed).numpy().astype("uint64")
+        return K.select(numel, kk, a, hb, keys, kk * SPARSE_RATIO >= numel).to(device)
+
+    def indices_reference(self, numel: int, seed: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+        """:meth:`indices` by :func:`select_reference` (plain torch, one pass over ``[0, numel)``)."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        seed = self._need_seed() if seed is None else _check_seed(seed)
+        return select_reference(numel, self.kept(numel), seed).to(device)
 
     def _need_seed(self) -> int:
         if self.seed is None:
@@ -224,9 +303,10 @@ class RandKCodec(SummableCodec):
         return self._scatter(vals, idx, n, out_dtype)
 
     def _scatter(self, vals: torch.Tensor, idx: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.zeros(n, dtype=torch.float64, device=vals.device)
-        out[idx.to(vals.device)] = vals.to(torch.float64) * self._factor(n)
-        return out.to(dtype)
+        """Zeros with the kept values (times the rescale factor, in float64, then cast) at ``idx``."""
+        out = torch.zeros(n, dtype=dtype, device=vals.device)
+        out[idx.to(vals.device)] = (vals.to(torch.float64) * self._factor(n)).to(dtype)
+        return out
 
     # --- the summable protocol (inner summable, send_indices False, seed set) ---------------
 

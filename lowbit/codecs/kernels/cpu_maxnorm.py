@@ -14,6 +14,7 @@ shared norm), ``FLAG_INDEX`` (a scale index outside ``0..N-1``), ``FLAG_LEVEL``
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -23,6 +24,10 @@ FLAG_NONFINITE = 1
 FLAG_OVER = 2
 FLAG_INDEX = 4
 FLAG_LEVEL = 8
+
+# helpers called per element from other kernels: inlined by numba (a plain call to a
+# cached function costs ~40 ns here)
+_inline = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
 
 LANES = 8  # the fixed-order sum of squares: 8 interleaved float64 lanes, combined pairwise
 
@@ -104,7 +109,7 @@ def _qsgd_decode(codes, offset, f, m, out):
 
 # --- multi-scale ------------------------------------------------------------------------------
 
-@_jit
+@_inline
 def _admissible(a, levels, s_min):
     """The index of the largest scale ``s_j`` with ``a s_j <= s_min`` (eq. 11); ``levels`` ascending."""
     j = 0
@@ -203,56 +208,69 @@ def _ms_decode_words(words, code_bits, W, levels, out):
 
 # --- random-k: a keyed Feistel permutation of [0, d) -------------------------------------------
 
-@_jit
+@_inline
 def _feistel(v, a, hb, keys, forward):
     """One evaluation of the permutation of ``[0, a 2^hb)`` (or its inverse): ``v = L 2^hb + R``,
-    rounds alternate ``(L, R) -> (R, L + F(R) mod a)`` and ``(L, R) -> (R, L + F(R) mod 2^hb)``."""
-    bmask = (np.uint64(1) << np.uint64(hb)) - np.uint64(1)
+    rounds alternate ``(L, R) -> (R, L + F(R) mod a)`` and ``(L, R) -> (R, L + F(R) mod 2^hb)``
+    (``len(keys)`` rounds, even; ``keys`` a tuple: no reference counting in the loop). All arithmetic is uint64 on values below 2^48."""
+    s32 = np.uint64(32)
+    sb = np.uint64(hb)
+    st = np.uint64(32 - hb)
+    bmask = (np.uint64(1) << sb) - np.uint64(1)
     A = np.uint64(a)
-    rounds = keys.shape[0]
-    L = v >> np.uint64(hb)
-    R = v & bmask
+    L = np.uint64(v) >> sb
+    R = np.uint64(v) & bmask
+    npairs = len(keys) // 2
     if forward:
-        for r in range(rounds):
-            h = mix32(R ^ keys[r])
-            if r % 2 == 0:  # L in [0, a), R in [0, 2^hb)  ->  (R, (L + F) mod a)
-                F = (h * A) >> np.uint64(32)
-                t = L + F
-                L, R = R, (t - A if t >= A else t)
-            else:  # L in [0, 2^hb), R in [0, a)  ->  (R, (L + F) mod 2^hb)
-                F = h >> np.uint64(32 - hb)
-                L, R = R, (L + F) & bmask
+        for p in range(npairs):
+            # even round: L in [0, a), R in [0, 2^hb)  ->  (R, (L + F) mod a)
+            t = L + ((mix32(R ^ keys[2 * p]) * A) >> s32)
+            L2 = R
+            R2 = t - A if t >= A else t
+            # odd round: L2 in [0, 2^hb), R2 in [0, a)  ->  (R2, (L2 + F) mod 2^hb)
+            L = R2
+            R = (L2 + (mix32(R2 ^ keys[2 * p + 1]) >> st)) & bmask
     else:
-        for r in range(rounds - 1, -1, -1):
-            h = mix32(L ^ keys[r])
-            if r % 2 == 0:
-                F = (h * A) >> np.uint64(32)
-                t = R + A - F
-                L, R = (t - A if t >= A else t), L
-            else:
-                F = h >> np.uint64(32 - hb)
-                L, R = (R - F) & bmask, L
-    return (L << np.uint64(hb)) | R
+        for q in range(npairs):
+            p = npairs - 1 - q
+            # undo the odd round: (L, R) = (R2, (L2 + F(R2)) mod 2^hb)
+            R2 = L
+            L2 = (R - (mix32(R2 ^ keys[2 * p + 1]) >> st)) & bmask
+            # undo the even round: (L2, R2) = (R_old, (L_old + F(R_old)) mod a)
+            t = R2 + A - ((mix32(L2 ^ keys[2 * p]) * A) >> s32)
+            L = t - A if t >= A else t
+            R = L2
+    return (L << sb) | R
 
 
 @_jit
-def _walk(v, d, a, hb, keys, forward):
-    """Cycle walking: apply the permutation until the value falls in ``[0, d)``."""
-    v = _feistel(v, a, hb, keys, forward)
-    while v >= d:
+def _walk_on(v, D, a, hb, keys, forward):
+    """The rest of a cycle walk (rare: the domain exceeds d by less than 2 sqrt(d) + 1)."""
+    while v >= D:
         v = _feistel(v, a, hb, keys, forward)
     return v
+
+
+_BLOCK = 512  # the permutation is evaluated a block at a time in a branch-free (vectorised) loop
 
 
 @_jit
 def _select_dense(d, k, a, hb, keys, out):
     """``out`` = the sorted ``i < d`` with ``sigma(i) < k``: one pass over ``[0, d)``."""
-    c = 0
     D = np.uint64(d)
     K = np.uint64(k)
-    for i in range(d):
-        out[c] = i
-        c += 1 if _walk(np.uint64(i), D, a, hb, keys, True) < K else 0
+    buf = np.empty(_BLOCK, dtype=np.uint64)
+    c = 0
+    for base in range(0, d, _BLOCK):
+        m = min(_BLOCK, d - base)
+        for t in range(m):
+            buf[t] = _feistel(np.uint64(base + t), a, hb, keys, True)
+        for t in range(m):
+            v = buf[t]
+            if v >= D:
+                v = _walk_on(v, D, a, hb, keys, True)
+            out[c] = base + t
+            c += 1 if v < K else 0
     return c
 
 
@@ -261,7 +279,11 @@ def _select_sparse(d, k, a, hb, keys, out):
     """``out[j] = sigma^-1(j)`` for ``j < k`` (unsorted)."""
     D = np.uint64(d)
     for j in range(k):
-        out[j] = np.int64(_walk(np.uint64(j), D, a, hb, keys, False))
+        out[j] = np.int64(_feistel(np.uint64(j), a, hb, keys, False))
+    for j in range(k):
+        v = np.uint64(out[j])
+        if v >= D:
+            out[j] = np.int64(_walk_on(v, D, a, hb, keys, False))
 
 
 # --- torch-level API (the same names and signatures as the Triton module) ----------------------
@@ -349,6 +371,7 @@ def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor
 
 def select(d: int, k: int, a: int, hb: int, round_keys: np.ndarray, dense: bool) -> torch.Tensor:
     """The sorted int64 indices ``{i < d : sigma(i) < k}`` (see :mod:`lowbit.codecs.randk`)."""
+    round_keys = tuple(np.uint64(v) for v in round_keys)
     if dense:
         out = torch.empty(k + 1, dtype=torch.int64)
         _select_dense(d, k, a, hb, round_keys, out.numpy())
