@@ -53,6 +53,11 @@ __all__ = ["PowerSGDCodec", "matrix_shape"]
 _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _fast_path_on() -> bool:
+    """False under ``codec_path("reference")`` / ``LOWBIT_CODEC_PATH=reference``."""
+    return fast_backend(torch.empty(0)) is not None
+
+
 def matrix_shape(numel: int) -> tuple[int, int]:
     """``(n, m)``: ``n = ceil(sqrt(numel))`` rows, ``m = ceil(numel / n)`` columns
     (``(0, 0)`` for an empty vector)."""
@@ -139,8 +144,9 @@ class PowerSGDCodec(Codec):
 
     @staticmethod
     def _fast(x: torch.Tensor) -> bool:
-        """The float32 path: float32/half inputs when the codecs' fast path is on for x."""
-        return x.dtype in (torch.float32, torch.float16, torch.bfloat16) and fast_backend(x) is not None
+        """The float32 path: float32/half inputs while the codecs' fast path is on (plain torch
+        ops, so every device and tensor type computes the same float32 result)."""
+        return x.dtype in (torch.float32, torch.float16, torch.bfloat16) and _fast_path_on()
 
     def encode_with_state(self, x: torch.Tensor, state: torch.Tensor | None = None, *,
                           generator: torch.Generator | None = None) -> tuple[Payload, torch.Tensor]:
@@ -215,7 +221,7 @@ class PowerSGDCodec(Codec):
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``(P Q^T).flatten()[:numel]``: float32 products for a float32 result on the fast
         path, else the float64 reference."""
-        if dtype not in (None, torch.float32) or fast_backend(payload.data) is None:
+        if dtype not in (None, torch.float32) or not _fast_path_on():
             return self.decode_reference(payload, dtype=dtype)
         (N,) = unpack_header(self.header_format, payload.header)
         P, Q = self.factors(payload)
