@@ -1,24 +1,33 @@
-"""pytest-benchmark twin of ``lowbit bench codecs``.
+"""pytest-benchmark twin of ``lowbit bench codecs``: the same data, codecs and calls.
 
-Run: ``pip install ".[bench]" && python -m pytest benchmarks --benchmark-only``
-(``--benchmark-group-by=param:size`` puts each codec beside memcpy).
+Run: ``pip install ".[bench]" && OMP_NUM_THREADS=1 python -m pytest benchmarks --benchmark-only``
+(``--benchmark-group-by=param:size`` puts each codec beside memcpy). pytest-benchmark
+reports each timing on its own; the ratios the CLI reports (medians of per-round
+ratios, timed interleaved) are ``lowbit bench codecs``'s.
 """
 
 import pytest
 import torch
 
 from lowbit.bench import default_cases
-from lowbit.codecs import CodecKind, shared_generator
+from lowbit.bench.codecs import codec_calls, bench_data
 
 SIZES = (1_000_000,)
 CASES = default_cases()
+DEVICE = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module", params=SIZES)
 def data(request):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(request.param, generator=g) * 0.05
-    return x, x + (torch.rand(request.param, generator=g) - 0.5) * 0.01
+    return bench_data(request.param, DEVICE)
 
 
 def test_memcpy(benchmark, data):
@@ -29,15 +38,13 @@ def test_memcpy(benchmark, data):
 
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
 def test_encode(benchmark, data, case):
-    x, _ = data
-    codec = case.make()
-    benchmark(lambda: codec.encode(x, generator=shared_generator(0, 0, 0)))
+    x, ref = data
+    encode, _, _ = codec_calls(case.make(), x, ref, 0, DEVICE)
+    benchmark(encode)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.label for c in CASES])
 def test_decode(benchmark, data, case):
     x, ref = data
-    codec = case.make()
-    payload = codec.encode(x, generator=shared_generator(0, 0, 0))
-    kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
-    benchmark(lambda: codec.decode(payload, generator=shared_generator(0, 0, 0), **kw))
+    _, decode, _ = codec_calls(case.make(), x, ref, 0, DEVICE)
+    benchmark(decode)

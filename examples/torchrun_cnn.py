@@ -4,11 +4,18 @@ lowbit algorithm through DecentralizedDataParallel.
     torchrun --standalone --nproc-per-node 4 examples/torchrun_cnn.py --algorithm moniqua --bits 2 --steps 200
     torchrun --standalone --nproc-per-node 4 examples/torchrun_cnn.py --steps 100 --checkpoint ckpt
     torchrun --standalone --nproc-per-node 4 examples/torchrun_cnn.py --steps 200 --resume ckpt
+    torchrun --standalone --nproc-per-node 4 --max-restarts 3 examples/torchrun_cnn.py --steps 2000 \
+        --checkpoint ckpt --checkpoint-every 50
 
---checkpoint DIR writes one file per rank (DIR/rank{r}.pt) after the last
-step; --resume DIR continues from it up to --steps (the total), giving the
-same model as one uninterrupted run. The model is plain torch; only the
-wrapper is lowbit.
+--checkpoint DIR writes one file per rank (DIR/rank{r}.pt, atomically and
+checksummed; the one before is kept as rank{r}.pt.prev) after the last step
+and, with --checkpoint-every K, every K steps. --resume DIR continues from it
+up to --steps (the total), giving the same model as one uninterrupted run.
+With --checkpoint-every, a (re)started run first resumes by itself from the
+newest step that every rank has a good checkpoint of: under torchrun
+--max-restarts a worker killed mid-run costs at most K steps. Checkpoints
+hold only tensors and plain values (torch.load(..., weights_only=True) reads
+them). The model is plain torch; only the wrapper is lowbit.
 """
 
 from __future__ import annotations
@@ -73,6 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--checkpoint", default=None, help="directory to write rank{r}.pt into after the last step")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also checkpoint every K steps, and resume from the newest good one at start (0: off)")
     p.add_argument("--resume", default=None, help="directory of a --checkpoint to continue from")
     args = p.parse_args(argv)
     if args.steps < 0:
@@ -81,6 +90,10 @@ def parse_args(argv=None):
         p.error(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.eval_every < 1:
         p.error(f"--eval-every must be >= 1, got {args.eval_every}")
+    if args.checkpoint_every < 0:
+        p.error(f"--checkpoint-every must be >= 0, got {args.checkpoint_every}")
+    if args.checkpoint_every and not args.checkpoint:
+        p.error("--checkpoint-every needs --checkpoint DIR")
     return args
 
 
@@ -106,8 +119,12 @@ def main(argv=None) -> None:
     ddp = DecentralizedDataParallel(model, opt, args.algorithm, topology=args.topology, buffers=args.buffers,
                                     seed=args.seed, **options)
     rank, n = ddp.rank, ddp.world_size
-    if args.resume:
-        ddp.load_state_dict(torch.load(os.path.join(args.resume, f"rank{rank}.pt"), weights_only=False))
+    if args.resume:  # collective: every rank must resume the same step
+        ddp.load_checkpoint(os.path.join(args.resume, f"rank{rank}.pt"))
+    elif args.checkpoint_every:  # a restart (torchrun --max-restarts) continues from the newest good checkpoint
+        step = ddp.resume_latest(os.path.join(args.checkpoint, f"rank{rank}.pt"))
+        if step is not None and rank == 0:
+            print(f"resumed from step {step} ({args.checkpoint})", flush=True)
 
     train, test = ((x.to(device), y.to(device)) for x, y in load_digits_split(args.seed))
     shard_x, shard_y = train[0][rank::n], train[1][rank::n]  # iid shards
@@ -134,6 +151,8 @@ def main(argv=None) -> None:
             ddp.zero_grad()
             F.cross_entropy(ddp(shard_x[idx]), shard_y[idx]).backward()
             ddp.step()
+            if args.checkpoint_every and ddp.step_count % args.checkpoint_every == 0 and ddp.algorithm.synchronous:
+                ddp.save_checkpoint(os.path.join(args.checkpoint, f"rank{rank}.pt"))
         report(ddp.step_count)
         # a fingerprint of each rank's parameters (resumed and uninterrupted runs print the same)
         digest = int(hashlib.sha256(ddp.flat.data.detach().cpu().numpy().tobytes()).hexdigest()[:15], 16)
@@ -143,8 +162,7 @@ def main(argv=None) -> None:
             print(f"done in {time.perf_counter() - t0:.1f} s; parameters sha256[:15] per rank: "
                   + " ".join(f"{int(d):015x}" for d in digests), flush=True)
     if args.checkpoint:  # after close(): a consistent cut for asynchronous algorithms too
-        os.makedirs(args.checkpoint, exist_ok=True)
-        torch.save(ddp.state_dict(), os.path.join(args.checkpoint, f"rank{rank}.pt"))
+        ddp.save_checkpoint(os.path.join(args.checkpoint, f"rank{rank}.pt"))
         print(f"rank {rank}: checkpoint at step {ddp.step_count} in {args.checkpoint}/rank{rank}.pt", flush=True)
 
 

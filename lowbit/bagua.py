@@ -3,19 +3,22 @@ import changed::
 
     from lowbit.bagua import LowPrecisionDecentralizedAlgorithm, with_bagua
 
-    algorithm = LowPrecisionDecentralizedAlgorithm(hierarchical=False, communication_interval=1)
+    algorithm = LowPrecisionDecentralizedAlgorithm()      # hierarchical=True, communication_interval=1
     model = with_bagua(model, [optimizer], algorithm)     # Bagua: model.with_bagua([optimizer], algorithm)
     ...
     loss.backward()
     model.step()                                          # Bagua hooks optimizer.step(); lowbit is explicit
 
 ``with_bagua`` returns a :class:`~lowbit.integrations.DecentralizedDataParallel`
-running :class:`lowbit.algorithms.lowprec.LowPrecisionDecentralized` (min-max
-8-bit quantized model differences, neighbour replicas; source document 001) on
-a ring, as Bagua does. What lowbit does not implement is refused rather than
-ignored: ``hierarchical=True`` (Bagua's intra-node averaging before the
-inter-node gossip; lowbit treats every rank as one node) and
-``communication_interval != 1``.
+running :class:`lowbit.algorithms.lowprec.LowPrecisionDecentralized`, which
+computes what Bagua's ``LowPrecisionDecentralizedAlgorithm`` computes: its
+MinMaxUInt8 quantizer per bucket (:class:`~lowbit.codecs.BaguaMinMaxCodec`;
+the buckets from the module's parameters, in reverse order, ``bucket_bytes``
+each as Bagua's 10 MiB default), the ring with weights 1/3 (2 nodes: 1/3
+self, 2/3 peer), the step after ``optimizer.step()``, no model sent at step 0,
+``hierarchical`` (average inside a node, ring of node leaders, broadcast back;
+a node is ``LOCAL_WORLD_SIZE`` consecutive ranks under torchrun, or
+``node_size``) and ``communication_interval``.
 """
 
 from __future__ import annotations
@@ -26,49 +29,45 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .algorithms.lowprec import BAGUA_BUCKET_BYTES, LowPrecisionDecentralized
 from .comm.base import Transport
 from .integrations.decentralized import DecentralizedDataParallel
 
 
 @dataclass(frozen=True)
 class LowPrecisionDecentralizedAlgorithm:
-    """Bagua's ``LowPrecisionDecentralizedAlgorithm(hierarchical, communication_interval)``.
+    """Bagua's ``LowPrecisionDecentralizedAlgorithm(hierarchical=True, communication_interval=1)``.
 
-    Bagua's default is ``hierarchical=True``; lowbit has no node hierarchy, so
-    the default here is False and True raises. The extra keyword options are
-    lowbit's (``LowPrecisionDecentralized``): ``bits`` (8 in Bagua),
-    ``rounding``, ``peer_selection``, ``weights``, ``seed``, and ``topology``
-    (Bagua gossips on a ring).
-    """
+    lowbit's extra keyword options: ``node_size`` (workers per node; None:
+    ``LOCAL_WORLD_SIZE`` under torchrun, 1 on a given in-process transport),
+    ``bucket_bytes`` (Bagua's default 10 MiB) and ``seed``. They are checked
+    when the algorithm is built (bad values raise ValueError there)."""
 
-    hierarchical: bool = False
+    hierarchical: bool = True
     communication_interval: int = 1
-    bits: int = 8
-    rounding: str = "nearest"
-    peer_selection: str = "all"
-    weights: str = "uniform"
+    node_size: int | None = None
+    bucket_bytes: int = BAGUA_BUCKET_BYTES
     seed: int = 0
-    topology: str = "ring"
 
     def __post_init__(self):
-        if self.hierarchical:
-            raise ValueError("hierarchical=True is not supported by lowbit (every rank is its own node); "
-                             "pass hierarchical=False")
-        if isinstance(self.communication_interval, bool) or self.communication_interval != 1:
-            raise ValueError(f"communication_interval must be 1 (lowbit communicates every step), "
-                             f"got {self.communication_interval!r}")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
+        if isinstance(self.communication_interval, bool) or not isinstance(self.communication_interval, int) \
+                or self.communication_interval < 1:
+            raise ValueError(f"communication_interval must be an int >= 1, got {self.communication_interval!r}")
 
     def options(self) -> dict[str, Any]:
         """The constructor options of ``LowPrecisionDecentralized``."""
-        return dict(bits=self.bits, rounding=self.rounding, peer_selection=self.peer_selection,
-                    weights=self.weights, seed=self.seed)
+        return dict(hierarchical=self.hierarchical, communication_interval=self.communication_interval,
+                    node_size=self.node_size, bucket_bytes=self.bucket_bytes, seed=self.seed)
 
     def algorithm_class(self):
-        try:
-            from .algorithms.lowprec import LowPrecisionDecentralized
-        except ImportError as e:  # pragma: no cover - depends on the installed algorithms
-            raise RuntimeError("lowbit.algorithms.lowprec.LowPrecisionDecentralized is not available") from e
         return LowPrecisionDecentralized
+
+
+def trainable_sizes(model: nn.Module) -> list[int]:
+    """Element counts of the parameters ``FlatParams`` lays out, in its order (Bagua's tensors)."""
+    return [p.numel() for p in model.parameters() if p.requires_grad]
 
 
 def with_bagua(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -81,8 +80,9 @@ def with_bagua(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         raise ValueError("optimizers must be a list holding exactly one optimizer, as in with_bagua([optimizer], ...)")
     if not isinstance(algorithm, LowPrecisionDecentralizedAlgorithm):
         raise ValueError(f"algorithm must be a lowbit.bagua.LowPrecisionDecentralizedAlgorithm, got {algorithm!r}")
-    return DecentralizedDataParallel(model, optimizers[0], algorithm.algorithm_class(), topology=algorithm.topology,
-                                     transport=transport, buffers=buffers, **algorithm.options())
+    return DecentralizedDataParallel(model, optimizers[0], algorithm.algorithm_class(), topology="ring",
+                                     transport=transport, buffers=buffers, param_sizes=trainable_sizes(model),
+                                     **algorithm.options())
 
 
-__all__ = ["LowPrecisionDecentralizedAlgorithm", "with_bagua"]
+__all__ = ["LowPrecisionDecentralizedAlgorithm", "with_bagua", "trainable_sizes"]

@@ -26,18 +26,42 @@ def _add_train(sub) -> None:
             base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
             kw["type"] = f.metadata.get("type", base[0] if len(base) == 1 else str)
         p.add_argument(flag, **kw)
-    p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json")
+    p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json (checked before "
+                                                "training; a previous run there needs --overwrite)")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
 def _add_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks", description="Benchmarks measured side by side in one process.")
+    p = sub.add_parser("bench", help="benchmarks", description="Benchmarks measured side by side in one process, "
+                       "one torch thread, interleaved rounds, medians of per-round ratios.")
     what = p.add_subparsers(dest="bench_what")
-    c = what.add_parser("codecs", help="encode/decode throughput of every codec against memcpy")
+    c = what.add_parser("codecs", help="encode/decode time of every codec against memcpy, or against reference codecs",
+                        description="Each codec's encode and decode against memcpy (dst.copy_(src) into a "
+                                    "preallocated buffer of the same size), or with --against references its "
+                                    "encode + decode against plain-torch reference codecs.")
     c.add_argument("--size", type=int, default=1_000_000, help="elements of the fp32 input")
-    c.add_argument("--repeats", type=int, default=5, help="timed runs per measurement (the median is shown)")
+    c.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
+    c.add_argument("--min-run-time", type=float, default=0.05,
+                   help="seconds per timing (torch.utils.benchmark blocked_autorange)")
     c.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
-    c.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    c.add_argument("--clock", default="auto", help="auto (CPU: the thread's CPU time; CUDA: wall time after "
+                   "synchronizing), cpu or wall")
+    c.add_argument("--codecs", default=None, help="comma-separated codec families or labels (default: all)")
+    c.add_argument("--against", default="memcpy", help="memcpy (default) or references")
+    c.add_argument("--json", default=None, help="also write the report to this JSON file")
+    s = what.add_parser("step", help="per-step wall time of each algorithm against D-PSGD and AllReduce",
+                        description="Short training runs on thread workers, interleaved rounds; each algorithm's "
+                                    "step time as medians of per-round ratios to D-PSGD and AllReduce.")
+    s.add_argument("--task", default="digits-mlp", help="training task (default digits-mlp)")
+    s.add_argument("--workers", type=int, default=8, help="thread workers")
+    s.add_argument("--steps", type=int, default=40, help="steps per run")
+    s.add_argument("--warmup", type=int, default=10, help="first steps of each run left out of the timing")
+    s.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
+    s.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    s.add_argument("--algorithms", default=None,
+                   help="comma-separated algorithms (default: all; dpsgd and allreduce always run)")
+    s.add_argument("--json", default=None, help="also write the report to this JSON file")
 
 
 def _add_plot(sub) -> None:
@@ -86,16 +110,26 @@ def _repro(args) -> int:
 def _bench(args) -> int:
     import json
 
-    from .bench import bench_codecs, format_rows
+    from .bench import AGAINST, bench_codecs, bench_references, format_report
+    from .bench.step import bench_step, format_step_report
 
-    if args.bench_what != "codecs":
-        print("lowbit: error: choose what to benchmark: lowbit bench codecs", file=sys.stderr)
+    if args.bench_what == "codecs":
+        if args.against not in AGAINST:
+            raise ValueError(f"against={args.against!r} is unknown; choose one of: {', '.join(AGAINST)}")
+        run = bench_codecs if args.against == "memcpy" else bench_references
+        report = run(size=args.size, rounds=args.rounds, device=args.device, codecs=args.codecs,
+                     min_run_time=args.min_run_time, clock=args.clock)
+        print(format_report(report))
+    elif args.bench_what == "step":
+        report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,
+                            rounds=args.rounds, device=args.device, algorithms=args.algorithms)
+        print(format_step_report(report))
+    else:
+        print("lowbit: error: choose what to benchmark: lowbit bench codecs | lowbit bench step", file=sys.stderr)
         return 2
-    rows = bench_codecs(size=args.size, repeats=args.repeats, device=args.device)
-    print(format_rows(rows, args.size))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(report, f, indent=2)
     return 0
 
 
@@ -128,7 +162,7 @@ def _train(args) -> int:
 
     opts = {k: v for k, v in vars(args).items() if k in TrainConfig.option_names()}
     cfg = TrainConfig(**opts)
-    run = train(cfg, out=args.out, progress=not args.no_progress)
+    run = train(cfg, out=args.out, progress=not args.no_progress, overwrite=args.overwrite)
     if run is not None:
         _print_summary(run.summary)
         if args.out:
@@ -153,9 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "repro":
             return _repro(args)
         return _train(args) if args.command == "train" else _bench(args)
-    except ValueError as e:
-        print(f"lowbit: error: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - expected failures: one line and an exit code
+        from .train.errors import EXIT_CODES, classify
+
+        kind, message = classify(e)
+        if kind is None:
+            raise  # a bug: show its traceback
+        first = message.splitlines()[0] if message else type(e).__name__
+        print(f"lowbit: error: {first}", file=sys.stderr)
+        return EXIT_CODES[kind]
 
 
 if __name__ == "__main__":

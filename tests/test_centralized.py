@@ -13,7 +13,7 @@ from lowbit.algorithms.dqsg import nested_codec
 from lowbit.codecs import (DitheredCodec, MultiScaleMaxNormCodec, NestedDitheredCodec, QSGDCodec,
                            QSGDMaxNormCodec, RandKCodec, SignCodec, TernGradCodec, agree_scale, global_index_seed)
 from lowbit.codecs.randk import select_reference
-from lowbit.codecs.rng import counter_uniforms, draw_key, shared_generator
+from lowbit.codecs.rng import counter_uniforms, draw_key, shared_generator  # the codecs' counter draws
 from lowbit.comm import run_threads
 from lowbit.train import TrainConfig, train
 from quadratic import run_quadratic
@@ -69,7 +69,7 @@ def test_dqsg_is_algorithm_1(server, n):
         for p in range(n):
             g = G[p]
             kappa = _f32_up(float(g.abs().max()))
-            u = (torch.rand(D, generator=shared_generator(SEED, k, p), dtype=torch.float64) - 0.5) / M  # u_p / kappa
+            u = (counter_uniforms(draw_key(shared_generator(SEED, k, p)), D) - 0.5) / M  # u_p / kappa
             q = torch.floor(g / kappa * M + u * M + 0.5)  # index of the bin g/kappa + u lies in, Delta = 1/M
             assert int(q.abs().max()) <= M
             rec.append(kappa * (q / M - u))  # g~_p = kappa (Delta q_p - u_p)
@@ -107,14 +107,14 @@ def _ndqsg_reference(n, n2, M, nested: NestedDitheredCodec):
         for p in range(n1):  # P1: DQSG
             g = G[p]
             kappa = _f32_up(float(g.abs().max()))
-            u = (torch.rand(D, generator=shared_generator(SEED, k, p), dtype=torch.float64) - 0.5) / M
+            u = (counter_uniforms(draw_key(shared_generator(SEED, k, p)), D) - 0.5) / M
             q = torch.floor(g / kappa * M + u * M + 0.5)
             dec.append(kappa * (q / M - u))
         g_bar = torch.stack(dec).mean(0)
         for p in range(n1, n):  # P2: eq. (6) at the worker, eq. (7) at the server, in order
             g = G[p]
             kappa = _f32_up(float(g.abs().max()))
-            u = (torch.rand(D, generator=shared_generator(SEED, k, p), dtype=torch.float64) - 0.5) * d1
+            u = (counter_uniforms(draw_key(shared_generator(SEED, k, p)), D) - 0.5) * d1
             t = al * g / kappa + u
             s = d1 * torch.floor(t / d1 + 0.5) - d2 * torch.floor(t / d2 + 0.5)  # Q1(t) - Q2(t)
             y = g_bar / kappa
@@ -431,11 +431,11 @@ def test_end_to_end_train_config(name):
 
 
 def test_dithered_codec_matches_reference_draws():
-    """The DQSG reference above draws the dither as the codec does (one float64 uniform per element)."""
+    """The DQSG reference above draws the dither as the codec does (one key, then a counter uniform per element)."""
     x = torch.randn(D, dtype=torch.float64)
     codec = DitheredCodec(levels=2)
     y = codec.roundtrip(x, generator=shared_generator(SEED, 1, 2))
     kappa = _f32_up(float(x.abs().max()))
-    u = (torch.rand(D, generator=shared_generator(SEED, 1, 2), dtype=torch.float64) - 0.5) / 2
+    u = (counter_uniforms(draw_key(shared_generator(SEED, 1, 2)), D) - 0.5) / 2
     q = torch.floor(x / kappa * 2 + u * 2 + 0.5)
     torch.testing.assert_close(y.double(), (kappa * (q / 2 - u)).float().double(), atol=1e-6, rtol=0)

@@ -11,6 +11,7 @@ from lowbit.codecs import (CODECS, DitheredCodec, EntropyCodedCodec, HalfCodec, 
                            ModuloCodec, MultiScaleMaxNormCodec, NestedDitheredCodec, PowerSGDCodec, QSGDCodec,
                            QSGDMaxNormCodec, RandKCodec, SignCodec, TernGradCodec, UniformCodec, agree_scale,
                            global_index_seed, is_summable)
+from lowbit.codecs.bagua_minmax import BaguaMinMaxCodec
 from lowbit.codecs.base import CodecKind
 from lowbit.codecs.rng import shared_generator
 
@@ -37,6 +38,7 @@ CODEC_CASES = [
     RandKCodec(QSGDMaxNormCodec(bits=4), k=9),
     RandKCodec(QSGDMaxNormCodec(bits=4), k=9, send_indices=True),
     RandKCodec(QSGDMaxNormCodec(bits=4), k=9).with_seed(global_index_seed(1, 2)),
+    BaguaMinMaxCodec(),
 ]
 
 
@@ -134,6 +136,8 @@ def _run_algorithm(name, opts, X0, A, b):
 def test_algorithm_stays_on_device(name, opts):
     X0, A, b = quadratic_problem(WORKERS, DIM, seed=1)
     X0, A, b = X0.float(), A.float(), b.float()
+    if name == "lowprec-decentralized":  # Bagua's: every worker starts from one model
+        X0 = X0[:1].repeat(WORKERS, 1)
     ref = _run_algorithm(name, opts, X0, A, b)
     with fake_cuda():
         got = _run_algorithm(name, opts, X0.to("cuda"), A.to("cuda"), b.to("cuda"))

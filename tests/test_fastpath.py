@@ -83,3 +83,31 @@ def test_modulo_fast_path_rejects_nonfinite_input(bad):
     x[57] = bad
     with pytest.raises(ValueError, match="must be finite for the modulo codec"):
         ModuloCodec(bits=2, theta=0.1).encode(x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block", [1, 7, 64])
+def test_decode_hashed_finds_exactly_the_wrong_blocks(dtype, block):
+    codec = ModuloCodec(bits=2, theta=0.1)
+    g = torch.Generator().manual_seed(block)
+    x = (torch.randn(10_001, generator=g, dtype=torch.float64) * 5).to(dtype)
+    y = x + (torch.rand(10_001, generator=g, dtype=torch.float64) * 2 - 1).to(dtype) * 0.0999
+    y[100:140] += 1.0  # |x - y| > theta: the decode picks another lattice cell there
+    p = codec.encode(x, generator=shared_generator(1, 1, 1))
+    x_hat, h = codec.decode_hashed(p, ref=y, block=block)
+    x_ref, h_ref = codec.decode_hashed_reference(p, ref=y, block=block)
+    assert torch.equal(x_hat, x_ref) and torch.equal(h, h_ref)
+    assert torch.equal(x_hat, codec.decode(p, ref=y))
+    _, h_own = codec.decode_hashed(p, ref=x, block=block)
+    wrong = sorted(set(range(100 // block, 139 // block + 1)))
+    assert (h_own != h).nonzero().flatten().tolist() == wrong
+
+
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_decode_hashed_refuses_inexact_grid_integers(path):
+    codec = ModuloCodec(bits=8, theta=1e-12)
+    x = torch.full((10,), 1e6, dtype=torch.float64)
+    with codec_path(path):
+        p = codec.encode(x, generator=torch.Generator().manual_seed(0))
+        with pytest.raises(OverflowError, match="Raise theta"):
+            codec.decode_hashed(p, ref=x, block=4)

@@ -130,26 +130,32 @@ def test_deepsqueeze_is_algorithm_1(codec):
 
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_lowprec_all_is_bagua_algorithm(rounding):
+    """Bagua's step (after the optimizer step, replicas start as the common x_0, nothing
+    sent at setup) with lowbit's min-max codec in place of Bagua's; tests/test_bagua.py
+    checks Bagua's own codec, buckets, 2-node ring and hierarchy."""
     X0, A, b = _problem()
+    X0 = X0[:1].repeat(N, 1)  # Bagua: every worker starts from one model
     topo, W = _ring()
     codec = MinMaxCodec(bits=8, rounding=rounding)
-    traj, states, sent = _run(lambda t: LowPrecisionDecentralized(t, topo, rounding=rounding, seed=SEED),
-                              X0, A, b)
+    traj, states, sent = _run(lambda t: LowPrecisionDecentralized(t, topo, codec=codec, seed=SEED,
+                                                                  hierarchical=False), X0, A, b)
     X = X0.clone()
     for k in range(STEPS):
-        Xhalf = W @ X - LR * (A * X - b)                            # step 2 (replicas, not x_{t+1})
-        X = X + _Q(codec, Xhalf - X, k)                             # steps 3-4
+        T = W @ X - LR * (A * X - b) - X                            # steps 2-3 (replicas are the models)
+        X = X + _Q(codec, T, k)                                     # step 4
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
-        for i in range(N):  # step 5
-            for j in topo.neighbors(i):
-                assert torch.equal(states[i][k][f"xhat_{j}"], traj[k, j])
-    assert sent == [2 * D * 8 + STEPS * 2 * (12 + D)] * N  # 8-bit codes + (numel, min, max) header
+        for i in range(N):  # step 5: the replicas are bitwise the neighbours' models
+            assert torch.equal(states[i][k]["left_peer_weight"], traj[k, (i - 1) % N])
+            assert torch.equal(states[i][k]["right_peer_weight"], traj[k, (i + 1) % N])
+    assert sent == [STEPS * 2 * _payload_bytes(codec)] * N  # nothing at setup
 
 
 def test_lowprec_fp32_codec_is_dpsgd():
     X0, A, b = _problem()
+    X0 = X0[:1].repeat(N, 1)
     topo, W = _ring()
-    traj, _, _ = _run(lambda t: LowPrecisionDecentralized(t, topo, codec=IdentityCodec()), X0, A, b)
+    traj, _, _ = _run(lambda t: LowPrecisionDecentralized(t, topo, codec=IdentityCodec(), hierarchical=False),
+                      X0, A, b)
     X = X0.clone()
     for k in range(STEPS):
         X = W @ X - LR * (A * X - b)
@@ -216,7 +222,7 @@ def test_extra_memory_is_the_papers():
         return out
 
     deg = 2
-    want = [(deg + 1) * d * 4, deg * d * 4, (deg + 1) * d * 4, d * 4, deg * d * 4, n * d * 4]
+    want = [(deg + 1) * d * 4, deg * d * 4, (deg + 1) * d * 4, d * 4, 3 * d * 4, n * d * 4]  # Bagua: w, left, right
     assert run_threads(n, worker) == [want] * n
 
 
@@ -282,12 +288,12 @@ def _all_algorithms(t, steps=4):
     q = MinMaxCodec(bits=3, rounding="stochastic")
     makers = [lambda: ChocoSGD(t, topo, codec=q, seed=SEED), lambda: DCDPSGD(t, topo, codec=q, seed=SEED),
               lambda: ECDPSGD(t, topo, codec=q, seed=SEED), lambda: DeepSqueeze(t, topo, codec=q, seed=SEED),
-              lambda: LowPrecisionDecentralized(t, topo, seed=SEED),
+              lambda: LowPrecisionDecentralized(t, topo, seed=SEED, hierarchical=False),
               lambda: LowPrecisionDecentralized(t, topo, peer_selection="shift_one", rounding="stochastic",
                                                 seed=SEED)]
     out = []
-    for make in makers:
-        x = X0[t.rank].clone()
+    for i, make in enumerate(makers):
+        x = X0[0 if i == 4 else t.rank].clone()  # Bagua's lowprec: every worker starts from one model
         algo = make()
         algo.setup(x)
         for k in range(steps):

@@ -93,14 +93,16 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
-def _two_hosts(out, port: int, timeout_s: float) -> str | None:
+def _two_hosts(out, port: int, timeout_s: float, args: list[str] | None = None, nproc: int = 1) -> str | None:
     """One two-host torchrun of ``lowbit train`` (outputs in ``out/h0``, ``out/h1``): None when
-    both hosts finished in time, else what went wrong and both logs. Everything it made is deleted afterwards."""
+    both hosts finished in time, else what went wrong and both logs. Everything it made is deleted afterwards.
+    ``args``: the ``lowbit`` arguments (default: 2 workers, 10 steps); ``nproc``: workers per host."""
     tag = uuid.uuid4().hex[:6]
     hosts = [f"lowbit-{tag}-h0", f"lowbit-{tag}-h1"]
     ifs = ["lbv0", "lbv1"]
     addrs = ["10.232.0.1", "10.232.0.2"]
-    args = ["train", "--backend", "torch", "--workers", "2", "--steps", "10", "--eval-every", "5", "--no-progress"]
+    if args is None:
+        args = ["train", "--backend", "torch", "--workers", "2", "--steps", "10", "--eval-every", "5", "--no-progress"]
     try:
         for h in hosts:
             _ip("netns", "add", h)
@@ -116,7 +118,7 @@ def _two_hosts(out, port: int, timeout_s: float) -> str | None:
             # waiting for other agents", "Error waiting on exit barrier"), so a log says where it stopped.
             env = {**os.environ, "GLOO_SOCKET_IFNAME": i, "LOGLEVEL": "INFO"}
             cmd = ["ip", "netns", "exec", h, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                   "--nproc-per-node", "1", "--node-rank", str(r), "--master-addr", addrs[0],
+                   "--nproc-per-node", str(nproc), "--node-rank", str(r), "--master-addr", addrs[0],
                    "--master-port", str(port), "-m", "lowbit", *args, "--out", str(out / f"h{r}")]
             with open(logs[r], "w") as log:
                 procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,

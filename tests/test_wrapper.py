@@ -342,9 +342,9 @@ def test_bagua_shim_rejects_what_it_does_not_support():
     from lowbit.bagua import LowPrecisionDecentralizedAlgorithm, with_bagua
 
     with pytest.raises(ValueError, match="hierarchical"):
-        LowPrecisionDecentralizedAlgorithm(hierarchical=True)
+        LowPrecisionDecentralizedAlgorithm(hierarchical="no")
     with pytest.raises(ValueError, match="communication_interval"):
-        LowPrecisionDecentralizedAlgorithm(communication_interval=2)
+        LowPrecisionDecentralizedAlgorithm(communication_interval=0)
     m = _model()
     algo = LowPrecisionDecentralizedAlgorithm(hierarchical=False, communication_interval=1)
     with pytest.raises(ValueError, match="exactly one optimizer"):
@@ -389,5 +389,7 @@ def test_torchrun_example(tmp_path):
     assert "step    20" in out.stdout and (ck / "rank0.pt").exists() and (ck / "rank1.pt").exists()
     acc = float(out.stdout.split("step    20")[1].split("test acc")[1].split()[0])
     assert acc > 0.5  # 20 steps of a CNN on digits: well above chance (0.1)
-    state = torch.load(ck / "rank1.pt", weights_only=False)
+    from lowbit.integrations.checkpoint import load_checkpoint
+
+    state = load_checkpoint(ck / "rank1.pt")  # checksummed, weights_only=True
     assert state["step"] == 20 and state["rank"] == 1 and state["world_size"] == 2

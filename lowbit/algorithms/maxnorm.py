@@ -104,7 +104,16 @@ class MaxNormSGD(CentralizedAlgorithm):
     @classmethod
     def check_config(cls, cfg):
         inner = maxnorm_inner(cfg.bits, cls._scales(cfg))
-        inner.sum_dtype(cfg.workers, parse_sum_dtype(cfg.sum_dtype))
+        try:
+            inner.sum_dtype(cfg.workers, parse_sum_dtype(cfg.sum_dtype))
+        except ValueError:
+            if cls.multiscale or cfg.sum_dtype is None:
+                raise
+            fits = str(inner.sum_dtype(cfg.workers, None)).replace("torch.", "")
+            raise ValueError(f"sum_dtype={cfg.sum_dtype} would overflow: at bits={cfg.bits} a code is in "
+                             f"[-{inner.max_code}, {inner.max_code}] (a sign and {cfg.bits} magnitude bits), and "
+                             f"the sum of workers={cfg.workers} codes can reach {cfg.workers * inner.max_code}; "
+                             f"use --sum-dtype {fits} or wider") from None
         if cls.randk and cfg.k is None:
             raise ValueError(f"algorithm={cls.name!r} needs --k (coordinates kept: an int, or a fraction of d if < 1)")
         if cls.randk:

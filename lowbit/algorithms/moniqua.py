@@ -145,7 +145,6 @@ import dataclasses
 import math
 import struct
 import warnings
-import zlib
 from collections import deque
 
 import torch
@@ -153,6 +152,7 @@ import torch
 from ..codecs import IdentityCodec, ModuloCodec
 from ..codecs.base import Payload, pack_header
 from ..codecs.entropy import ENTROPY_METHODS, entropy_code, entropy_decode
+from ..codecs.packing import packed_nbytes
 from ..codecs.rng import shared_generator
 from ..topology import Topology, slack_matrix, spectral_rho
 from .base import GossipAlgorithm
@@ -161,20 +161,10 @@ THETA_SCHEDULES = ("constant", "lr")
 # gamma of the slack matrix at 1 bit when none is given: measured on digits-mlp,
 # 8 workers, ring, 300 steps (see the module docstring).
 GAMMA_1BIT = 0.1
-HASH_BITS = 16  # per block
-_HASH_MASK = (1 << HASH_BITS) - 1
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
 VERIFY_BLOCK = 64
 _FP32 = IdentityCodec()
 _WARNED = False
-
-
-def block_hashes(grid: torch.Tensor, block: int) -> list[int]:
-    """16-bit hash (CRC-32 of the little-endian int64 values, masked) of each block of
-    ``block`` consecutive elements of a flat tensor of integer grid codes."""
-    raw = grid.detach().reshape(-1).to(torch.int64).cpu().numpy().astype("<i8").tobytes()
-    step = 8 * block
-    return [zlib.crc32(raw[o:o + step]) & _HASH_MASK for o in range(0, len(raw), step)]
 
 
 def _pack_mask(blocks, nb: int) -> bytes:
@@ -386,11 +376,52 @@ class Moniqua(GossipAlgorithm):
         blob = entropy_code(payload.data, self.entropy, **kw)
         return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(payload.data.device)
 
-    def _unpack(self, body: torch.Tensor, n: int, device) -> Payload:
+    def _unpack(self, body: torch.Tensor, n: int, device, sender: int) -> Payload:
+        """The codes of ``sender``'s message (of exactly the size n elements need; ValueError otherwise)."""
+        need = packed_nbytes(n, self.codec.bits)
         if self.entropy is not None:
-            raw = entropy_decode(body, self.entropy)
+            try:
+                raw = entropy_decode(body, self.entropy, max_length=need)
+            except ValueError as e:
+                raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: {e}") from None
             body = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        if body.numel() != need:
+            raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: "
+                             f"{body.numel()} bytes of codes, {n} elements at {self.codec.bits} bits need {need}")
         return Payload(header=pack_header(self.codec.header_format, n), data=body.to(device))
+
+    def _parse_trailer(self, buf: torch.Tensor, nb: int, sender: int):
+        """Split a verified message from ``sender`` into (codes, block hashes, control byte, requests
+        {rank: blocks}); a ValueError naming the sender for any malformed frame."""
+        def bad(why: str) -> ValueError:
+            return ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: {why}")
+
+        tail = nb * 2 + 1
+        if buf.numel() < tail:
+            raise bad(f"{buf.numel()} bytes, shorter than its {tail}-byte verification trailer")
+        raw = buf[-tail:].cpu().numpy().tobytes()
+        *hashes, ctrl = struct.unpack(f"<{nb}HB", raw)
+        buf = buf[:-tail]
+        if ctrl & ~7:
+            raise bad(f"control byte {ctrl:#04x} has unknown bits set")
+        requests: dict[int, set[int]] = {}
+        if ctrl & 4:
+            if buf.numel() < 2:
+                raise bad("the repair-request flag is set but the request count is missing")
+            (count,) = struct.unpack("<H", buf[-2:].cpu().numpy().tobytes())
+            entry = 2 + -(-nb // 8)
+            if count < 1 or count > len(self.neighbors) or buf.numel() < 2 + entry * count:
+                raise bad(f"{count} repair request(s) do not fit (1..{len(self.neighbors)} entries of {entry} bytes "
+                          f"in {buf.numel() - 2} bytes)")
+            req = buf[-2 - entry * count:-2].cpu().numpy().tobytes()
+            buf = buf[:-2 - entry * count]
+            for e in range(count):
+                (r,) = struct.unpack("<H", req[e * entry:e * entry + 2])
+                blocks = _unpack_mask(req[e * entry + 2:(e + 1) * entry], nb)
+                if nb % 8 and req[(e + 1) * entry - 1] >> (nb % 8):
+                    raise bad(f"a repair request names blocks beyond the {nb} blocks")
+                requests.setdefault(r, set()).update(blocks)
+        return buf, hashes, ctrl, requests
 
     def _blocks(self, d: int) -> int:
         return -(-d // self.verify_block)
@@ -400,6 +431,16 @@ class Moniqua(GossipAlgorithm):
         per_block = torch.zeros(self._blocks(d), dtype=torch.bool)
         per_block[sorted(b for b in blocks if b < per_block.numel())] = True
         return per_block.repeat_interleave(self.verify_block)[:d].to(device)
+
+    def _decode(self, codec: ModuloCodec, payload: Payload, y: torch.Tensor):
+        """Eq. (5) against ``y``, and (when verifying) the hash of each block's grid
+        integers; a grid too fine for the models' magnitude is a clear error."""
+        if not self.verify:
+            return codec.decode(payload, ref=y), None
+        try:
+            return codec.decode_hashed(payload, ref=y, block=self.verify_block)
+        except OverflowError as e:
+            raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
 
     def _modulo_gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
         codec = dataclasses.replace(self.codec, theta=self.theta_at(lr))
@@ -417,7 +458,7 @@ class Moniqua(GossipAlgorithm):
             v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=y.device) - 0.5) * step
             y = y + v
         payload = codec.encode(y, generator=gen)                                   # line 3
-        x_hat_i64 = codec.decode(payload, ref=y)                                   # line 4
+        x_hat_i64, hashes = self._decode(codec, payload, y)                        # line 4
         wire = self._pack(payload)
         # my requests, sent in this message (None: every block, from a whole-vector checkpoint)
         asked_of = {j: set(range(nb)) if b is None else {c for c in b if c < nb} for j, b in self._nack.items()}
@@ -429,8 +470,7 @@ class Moniqua(GossipAlgorithm):
                 ctrl |= 4
                 trailer = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
                 trailer += struct.pack("<H", len(asked_of))
-            hashes = block_hashes(torch.round(x_hat_i64 / step), self.verify_block)
-            trailer += struct.pack(f"<{nb}HB", *hashes, ctrl)
+            trailer += struct.pack(f"<{nb}HB", *hashes.tolist(), ctrl)
             wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         x_hat_i = (x_hat_i64 if v is None else x_hat_i64 - v).to(x.dtype)
@@ -439,28 +479,17 @@ class Moniqua(GossipAlgorithm):
         nack: dict[int, set[int]] = {}
         recovered: dict[int, torch.Tensor] = {}
         good: dict[int, torch.Tensor | None] = {}  # element mask of the blocks verified right (None: all)
-        tail = nb * 2 + 1
         for j in self.neighbors:
             buf = received[j]
             if self.verify:
-                raw = buf[-tail:].cpu().numpy().tobytes()
-                *sent_hashes, ctrl = struct.unpack(f"<{nb}HB", raw)
-                buf = buf[:-tail]
+                buf, sent_hashes, ctrl, requests = self._parse_trailer(buf, nb, j)
                 self._receive_alarm_bits(k, ctrl & 3)
-                if ctrl & 4:
-                    (count,) = struct.unpack("<H", buf[-2:].cpu().numpy().tobytes())
-                    entry = 2 + mask_nbytes
-                    req = buf[-2 - entry * count:-2].cpu().numpy().tobytes()
-                    buf = buf[:-2 - entry * count]
-                    for e in range(count):
-                        (r,) = struct.unpack("<H", req[e * entry:e * entry + 2])
-                        if r == self.rank:
-                            repair.setdefault(j, set()).update(_unpack_mask(req[e * entry + 2:(e + 1) * entry], nb))
-            x_hat_j64 = codec.decode(self._unpack(buf, d, x.device), ref=y)         # line 5
+                if self.rank in requests:
+                    repair.setdefault(j, set()).update(requests[self.rank])
+            x_hat_j64, mine = self._decode(codec, self._unpack(buf, d, x.device, j), y)  # line 5
             good[j] = None
             if self.verify:
-                mine = block_hashes(torch.round(x_hat_j64 / step), self.verify_block)
-                bad = [b for b in range(nb) if mine[b] != sent_hashes[b]]
+                bad = (mine != torch.tensor(sent_hashes, dtype=mine.dtype)).nonzero().flatten().tolist()
                 if bad:  # never use a wrong block: leave it out of this step's mix
                     self._mismatch(k, j, len(bad), nb)
                     nack[j] = set(bad)
@@ -476,10 +505,17 @@ class Moniqua(GossipAlgorithm):
             msg = torch.cat([torch.frombuffer(bytearray(_pack_mask(union, nb)), dtype=torch.uint8), body])
             got = self.transport.neighbor_exchange(msg.to(x.device), sorted(repair))
             for j, blocks in repair.items():
+                if got[j].numel() < mask_nbytes:
+                    raise ValueError(f"moniqua: worker {self.rank} got a malformed repair message from worker {j}: "
+                                     f"{got[j].numel()} bytes, shorter than its {mask_nbytes}-byte block mask")
                 theirs = _unpack_mask(got[j][:mask_nbytes].cpu().numpy().tobytes(), nb)
+                their_mask = self._block_mask(theirs, d, x.device)
+                if got[j].numel() != mask_nbytes + 4 * int(their_mask.sum()):
+                    raise ValueError(f"moniqua: worker {self.rank} got a malformed repair message from worker {j}: "
+                                     f"{got[j].numel() - mask_nbytes} bytes of values for "
+                                     f"{int(their_mask.sum())} fp32 elements")
                 vals = torch.zeros(d, dtype=torch.float32, device=x.device)
-                vals[self._block_mask(theirs, d, x.device)] = got[j][mask_nbytes:].cpu().clone().view(
-                    torch.float32).to(x.device)
+                vals[their_mask] = got[j][mask_nbytes:].cpu().clone().view(torch.float32).to(x.device)
                 m = self._block_mask(blocks, d, x.device)
                 exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
         delta = torch.zeros_like(x)

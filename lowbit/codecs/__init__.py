@@ -21,6 +21,7 @@ from .powersgd import PowerSGDCodec
 from .qsgd import QSGDCodec
 from .sign import SignCodec
 from .terngrad import TernGradCodec
+from .bagua_minmax import BaguaMinMaxCodec
 
 CODECS: dict[str, type[Codec]] = {
     "fp32": IdentityCodec,
@@ -38,6 +39,7 @@ CODECS: dict[str, type[Codec]] = {
     "qsgd_maxnorm": QSGDMaxNormCodec,
     "qsgd_maxnorm_multiscale": MultiScaleMaxNormCodec,
     "randk": RandKCodec,
+    "bagua_minmax": BaguaMinMaxCodec,
 }
 
 

@@ -30,14 +30,17 @@ unbiased, but its error depends on the input: its variance is
 ``kappa^2 Delta^2 f (1 - f)`` with ``f`` the fractional part of
 ``x / (kappa Delta)``, between 0 and ``kappa^2 Delta^2 / 4``.
 
-Shared randomness. The dither is ``u = (r - 1/2) Delta`` with ``r =
-torch.rand(n, dtype=float64, generator=generator)`` drawn on the generator's
-device (then moved to the data's), the first and only draw of ``encode``.
-The receiver must pass ``decode`` a generator of the same kind (same device)
-seeded identically, e.g. both ends call
-``shared_generator(run_seed, step, sender)`` from :mod:`lowbit.codecs.rng`. A
-generator from another seed gives a silently wrong decode (the error is then a
-difference of two independent dithers, not bounded by ``kappa Delta / 2``).
+Shared randomness. The dither is ``u = (r - 1/2) Delta`` with ``r_i`` the
+counter uniforms (:mod:`lowbit.codecs.rng`) of ONE key drawn from
+``generator`` by ``encode``: 24-bit uniforms on ``[0, 1 - 2^-24]``, so the
+dither is uniform up to a 2^-24 grid of the step (Theorem 1 and the
+unbiasedness hold up to 2^-24 of a step). The receiver must pass ``decode`` a
+generator of the same kind (same device) seeded identically, e.g. both ends
+call ``shared_generator(run_seed, step, sender)`` from :mod:`lowbit.codecs.rng`;
+``decode`` draws the same key and regenerates ``r_i`` element by element
+(no tensor of uniforms is drawn). A generator from another seed gives a
+silently wrong decode (the error is then a difference of two independent
+dithers, not bounded by ``kappa Delta / 2``).
 
 Wire format. Header ``<if``: (numel, kappa_1) with kappa_1 the first part's
 scale as float32 (8 bytes, whatever ``K``). Data: the other ``min(K, n) - 1``
@@ -47,9 +50,23 @@ scales as little-endian float32 (4 bytes each; empty for ``K = 1``), then the
 for ``n = 0``. When ``K > n`` there are ``n`` parts of one element each.
 
 Scales are rounded *up* to float32 on the sender, and both ends use the
-float32 value, so ``|x / kappa| <= 1`` holds exactly. Arithmetic is float64;
-``decode`` returns float32 unless ``dtype`` is given. Non-finite inputs, or
-scales beyond the float32 range, raise ValueError.
+float32 value. The index is ``q = clamp(floor(x s + r), -M, M)`` with
+``s = M / kappa`` computed once per part (correctly rounded), and the
+reconstruction ``(kappa / M) (q - (r - 1/2))``. Non-finite inputs, or scales
+beyond the float32 range, raise ValueError. ``decode`` returns float32 unless
+``dtype`` is given.
+
+Fast path and reference. ``encode_reference``/``decode_reference`` compute
+in float64 on whole tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dither`)
+runs the same operations in float64 registers, one element at a time, and
+gives the same bytes and decodes exactly. The CUDA fast path
+(:mod:`.kernels.gpu_dither`, Triton) computes in float32 for float32/half
+input (float64 for float64): an index may then differ from the reference's
+by one on a tiny fraction of elements, and the subtractive error bound
+``|x~ - x| <= kappa Delta / 2`` holds with the slack ``4 eps32 kappa (M + 1) / M``
+(``eps32 = 2^-24``: relative rounding of ``x s``, of ``x s + r`` and of
+``q - r + 1/2`` and the product by ``kappa / M``, each at most ``eps32`` of
+a value of magnitude at most ``M + 1``, in units of the step ``kappa / M``).
 """
 
 from __future__ import annotations
@@ -61,8 +78,11 @@ import numpy as np
 import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .kernels import kernels_for
 from .packing import pack_wide, unpack_wide
+from .qsgd import exact_ratio, float32_header, round_up_float32, scale_bytes
 from .quantize import INT32_MAX, check_int_range, check_numel
+from .rng import counter_uniforms, draw_key
 
 __all__ = ["DitheredCodec", "partition_sizes"]
 
@@ -80,18 +100,17 @@ def partition_sizes(n: int, parts: int) -> list[int]:
 
 
 def _uniforms(n: int, generator: torch.Generator | None, device) -> torch.Tensor:
-    """``r ~ U[0, 1)``, float64, drawn on the generator's device, moved to ``device``."""
-    gen_device = generator.device if generator is not None else device
-    return torch.rand(n, generator=generator, dtype=torch.float64, device=gen_device).to(device)
+    """``r_0..r_{n-1}`` in ``[0, 1)``, float64 on ``device``: the counter uniforms of one key
+    drawn from ``generator`` (torch's global generator if None), as the kernels draw them."""
+    return counter_uniforms(draw_key(generator), n, device, torch.float64)
 
 
-def _float32_up(k: torch.Tensor) -> torch.Tensor:
-    """Smallest float32 values ``>= k`` (float64, non-negative), returned as float32."""
-    k32 = k.to(torch.float32)
-    below = k32.to(torch.float64) < k
-    if bool(below.any()):
-        k32 = torch.where(below, torch.nextafter(k32, torch.full_like(k32, math.inf)), k32)
-    return k32
+_float32_up = round_up_float32  # the name lowbit.algorithms.dqsg imports
+
+
+def _scale_error(worst: float | None) -> ValueError:
+    got = "a non-finite element" if worst is None else f"max |x| = {worst}"
+    return ValueError(f"x must be finite with |x| within the float32 range for the dithered codec, got {got}")
 
 
 @dataclass(frozen=True)
@@ -205,9 +224,7 @@ class DitheredCodec(Codec):
         k32 = _float32_up(k)
         if not bool(torch.isfinite(k32).all()):
             worst = float(k.max())
-            raise ValueError(
-                f"x must be finite with |x| within the float32 range for the dithered codec, got max |x| = {worst}"
-            )
+            raise _scale_error(worst if math.isfinite(worst) or worst == math.inf else None)
         return k32
 
     def _expand(self, kappa: torch.Tensor, n: int) -> torch.Tensor:
@@ -219,58 +236,95 @@ class DitheredCodec(Codec):
 
     # --- codec -------------------------------------------------------------------
 
+    def _need_generator(self, generator, what: str) -> None:
+        if self.subtractive and generator is None:
+            if what == "encode":
+                raise ValueError(
+                    "DitheredCodec(subtractive=True).encode needs generator= (e.g. shared_generator(run_seed, step, "
+                    "sender)): the receiver regenerates the dither from the same seed"
+                )
+            raise ValueError(
+                "DitheredCodec(subtractive=True).decode needs generator=: a generator of the same kind seeded like "
+                "the sender's (e.g. shared_generator(run_seed, step, sender)), to regenerate the dither"
+            )
+
+    def _scales_of(self, payload: Payload, n: int) -> tuple[int, torch.Tensor]:
+        """``(bytes of scales in data, the float32 scales on the data's device)``, after
+        checking the data length."""
+        p = min(self.partitions, n)
+        need = self.data_nbytes(n)
+        if payload.data.numel() != need:
+            raise ValueError(f"a {n}-element payload of {self!r} has {need} data bytes, got {payload.data.numel()}")
+        extra = 4 * (p - 1)
+        raw = torch.cat([payload.header[4:8].to(payload.data.device), payload.data[:extra]])
+        return extra, raw.view(torch.float32)
+
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Eq. (2)/(4): scales, then indices ``q = round(x/(kappa Delta) + u/Delta)``."""
         check_flat(x)
         n = check_numel(x)
-        if self.subtractive and generator is None:
-            raise ValueError(
-                "DitheredCodec(subtractive=True).encode needs generator= (e.g. shared_generator(run_seed, step, "
-                "sender)): the receiver regenerates the dither from the same seed"
-            )
+        self._need_generator(generator, "encode")
+        K = kernels_for(x, "dither")
+        if K is None or n == 0:
+            return self.encode_reference(x, generator=generator)
+        amax, finite = K.dithered_scales(x, min(self.partitions, n))
+        k32 = _float32_up(amax)
+        finite, kmax = K.host_values(finite, k32.max())  # the one host read on CUDA
+        if not finite or not math.isfinite(kmax):
+            raise _scale_error(float(amax.max()) if finite else None)
+        codes = K.dithered_encode(x, K.ratio(self.levels, k32), self.levels, self.bits, draw_key(generator))
+        header, rest = float32_header(n, k32)
+        packed = K.pack(codes, self.bits)
+        return Payload(header=header, data=torch.cat([rest, packed]) if rest.numel() else packed)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``kappa (Delta q - u)`` (subtractive; ``generator`` required, same seed and
+        kind as the sender's) or ``kappa Delta q`` (half-dithered). ``ref`` is unused."""
+        n, _ = unpack_header(self.header_format, payload.header)
+        self._need_generator(generator, "decode")
+        K = kernels_for(payload.data, "dither")
+        if K is None or n == 0:
+            return self.decode_reference(payload, generator=generator, dtype=dtype)
+        extra, k32 = self._scales_of(payload, n)
+        codes = K.unpack(payload.data[extra:], self.bits, n, K.code_dtype(self.bits))
+        key = draw_key(generator) if self.subtractive else 0
+        return K.dithered_decode(codes, k32.to(torch.float64) / self.levels, self.levels, self.subtractive, key,
+                                 torch.float32 if dtype is None else dtype)
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The float64 whole-tensor reference of :meth:`encode` (same bytes on the CPU)."""
+        check_flat(x)
+        n = check_numel(x)
+        self._need_generator(generator, "encode")
         dev = x.device
         if n == 0:
             return Payload(header=pack_header(self.header_format, 0, 0.0, device=dev),
                            data=torch.empty(0, dtype=torch.uint8, device=dev))
         x64 = x.detach().to(torch.float64)
         k32 = self._scales(x64)
-        kap = self._expand(k32.to(torch.float64), n)
-        v = torch.where(kap > 0, x64 / torch.where(kap > 0, kap, 1.0), 0.0)  # in [-1, 1]
+        s = self._expand(exact_ratio(self.levels, k32), n)  # M / kappa, 0 for a zero part
         r = _uniforms(n, generator, dev)  # u / Delta = r - 1/2
-        q = torch.floor(v * self.levels + r).clamp_(-self.levels, self.levels).to(torch.int64)
+        q = torch.floor(x64 * s + r).clamp_(-self.levels, self.levels).to(torch.int64)
         k_host = k32.cpu()
         header = pack_header(self.header_format, n, float(k_host[0]), device=dev)
-        rest = torch.from_numpy(k_host[1:].numpy().astype("<f4").view(np.uint8).copy())
-        data = torch.cat([rest.to(dev), pack_wide(q + self.levels, self.bits)])
+        data = torch.cat([scale_bytes(k_host[1:]).to(dev), pack_wide(q + self.levels, self.bits)])
         return Payload(header=header, data=data)
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """``kappa (Delta q - u)`` (subtractive; ``generator`` required, same seed and
-        kind as the sender's) or ``kappa Delta q`` (half-dithered). ``ref`` is unused."""
-        n, k1 = unpack_header(self.header_format, payload.header)
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float64 whole-tensor reference of :meth:`decode`."""
+        n, _ = unpack_header(self.header_format, payload.header)
         out_dtype = torch.float32 if dtype is None else dtype
         dev = payload.data.device
-        if self.subtractive and generator is None:
-            raise ValueError(
-                "DitheredCodec(subtractive=True).decode needs generator=: a generator of the same kind seeded like "
-                "the sender's (e.g. shared_generator(run_seed, step, sender)), to regenerate the dither"
-            )
+        self._need_generator(generator, "decode")
         if n == 0:
             return torch.empty(0, dtype=out_dtype, device=dev)
-        p = min(self.partitions, n)
-        need = self.data_nbytes(n)
-        if payload.data.numel() != need:
-            raise ValueError(f"a {n}-element payload of {self!r} has {need} data bytes, got {payload.data.numel()}")
-        extra = 4 * (p - 1)
-        rest = np.frombuffer(payload.data[:extra].cpu().numpy().tobytes(), dtype="<f4").astype(np.float64)
-        kappa = torch.cat([torch.tensor([k1], dtype=torch.float64), torch.from_numpy(rest)]).to(dev)
+        extra, k32 = self._scales_of(payload, n)
         q = (unpack_wide(payload.data[extra:], self.bits, n) - self.levels).to(torch.float64)
-        kap = self._expand(kappa, n)
+        step = self._expand(k32.to(torch.float64) / self.levels, n)  # kappa Delta
         if self.subtractive:
-            u_over_delta = _uniforms(n, generator, dev) - 0.5
-            xt = kap * (q - u_over_delta) / self.levels
+            xt = step * (q - (_uniforms(n, generator, dev) - 0.5))
         else:
-            xt = kap * q / self.levels
+            xt = step * q
         return xt.to(out_dtype)
-

@@ -211,8 +211,15 @@ def ans_overhead_nbytes(blob: bytes) -> int:
     return _ans_parse(blob)[3]
 
 
-def _ans_decode(blob: bytes) -> bytes:
+def _check_length(n: int, max_length: int | None, what: str) -> None:
+    if max_length is not None and n > max_length:
+        raise ValueError(f"{what} {n} bytes, more than max_length={max_length} (the most the receiver expects): "
+                         f"a corrupt or hostile blob")
+
+
+def _ans_decode(blob: bytes, max_length: int | None = None) -> bytes:
     b, n_bytes, counts, off = _ans_parse(blob)
+    _check_length(n_bytes, max_length, "corrupt ans blob: it announces")
     if counts is None:
         if n_bytes:
             raise ValueError(f"corrupt ans blob: {n_bytes} bytes announced but no histogram")
@@ -251,9 +258,35 @@ def entropy_code(data, method: str = "bz2", *, symbol_bits: int = 8) -> bytes:
     return _TAGS[method] + body
 
 
-def entropy_decode(blob, method: str | None = None) -> bytes:
+def _inflate(decompressor, body: bytes, max_length: int | None, method: str) -> bytes:
+    """Run a zlib/bz2/lzma decompressor on ``body`` without ever producing more than
+    ``max_length`` bytes (a decompression bomb is refused after max_length + 1)."""
+    if max_length is None:
+        out = decompressor.decompress(body)
+    else:
+        out = decompressor.decompress(body, max_length + 1)
+        _check_length(len(out), max_length, f"{method} blob expands to at least")
+    if method == "zlib":
+        if not decompressor.eof:
+            raise ValueError("corrupt zlib blob: the stream is truncated")
+        if decompressor.unused_data:
+            raise ValueError(f"corrupt zlib blob: {len(decompressor.unused_data)} bytes after the end of the stream")
+    elif method == "bz2":
+        if not decompressor.eof:
+            raise ValueError("corrupt bz2 blob: the stream is truncated")
+        if decompressor.unused_data:
+            raise ValueError(f"corrupt bz2 blob: {len(decompressor.unused_data)} bytes after the end of the stream")
+    return out
+
+
+def entropy_decode(blob, method: str | None = None, *, max_length: int | None = None) -> bytes:
     """Inverse of :func:`entropy_code`. The method is read from the blob's tag;
-    if ``method`` is given it must match."""
+    if ``method`` is given it must match. ``max_length``: the most bytes the
+    caller expects; a blob that announces or expands to more is refused with a
+    ValueError before more than ``max_length + 1`` bytes are produced (a peer's
+    blob cannot force a large allocation). Every malformed blob is a ValueError."""
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 0):
+        raise ValueError(f"max_length must be an integer >= 0 or None, got {max_length!r}")
     blob = _as_bytes(blob)
     if not blob:
         raise ValueError("cannot decode an empty blob: every entropy-coded blob starts with a method tag")
@@ -264,12 +297,16 @@ def entropy_decode(blob, method: str | None = None) -> bytes:
         raise ValueError(f"method={method!r} but the blob was coded with {found!r}")
     body = blob[1:]
     if found == "ans":
-        return _ans_decode(blob)
-    if found == "zlib":
-        return zlib.decompress(body)
-    if found == "bz2":
-        return bz2.decompress(body)
-    return lzma.decompress(body, format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+        return _ans_decode(blob, max_length)
+    try:
+        if found == "zlib":
+            return _inflate(zlib.decompressobj(), body, max_length, found)
+        if found == "bz2":
+            return _inflate(bz2.BZ2Decompressor(), body, max_length, found)
+        d = lzma.LZMADecompressor(format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
+        return _inflate(d, body, max_length, found)
+    except (zlib.error, lzma.LZMAError, OSError, EOFError) as e:
+        raise ValueError(f"corrupt {found} blob: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -283,7 +320,10 @@ class EntropyCodedCodec(Codec):
     **kw)`` decompresses and calls ``inner.decode`` with the same arguments.
 
     ``symbol_bits`` (``"ans"`` only): the symbol width; None picks the inner
-    codec's ``bits`` when it is 1, 2, 4 or 8, else 8 (bytes). ``kind`` and
+    codec's ``bits`` when it is 1, 2, 4 or 8, else 8 (bytes).
+    ``max_decoded_nbytes``: the largest inner wire form the receiver expects
+    (None: unbounded); a payload that announces or expands to more is refused
+    with a ValueError before it is produced (see :func:`entropy_decode`). ``kind`` and
     ``unbiased`` are the inner codec's; ``bits`` is the inner nominal width
     (an upper bound in spirit; the payload's ``nbytes`` is the truth).
     """
@@ -291,6 +331,7 @@ class EntropyCodedCodec(Codec):
     inner: Codec
     method: str = "bz2"
     symbol_bits: int | None = None
+    max_decoded_nbytes: int | None = None
 
     name = "entropy"
     header_format = ""
@@ -303,6 +344,9 @@ class EntropyCodedCodec(Codec):
             if self.method != "ans":
                 raise ValueError(f"symbol_bits applies to method='ans' only, got method={self.method!r}")
             object.__setattr__(self, "symbol_bits", _check_symbol_bits(self.symbol_bits))
+        m = self.max_decoded_nbytes
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"max_decoded_nbytes must be an integer >= 0 or None, got {m!r}")
 
     @property
     def kind(self):  # type: ignore[override]
@@ -333,7 +377,7 @@ class EntropyCodedCodec(Codec):
 
     def inner_payload(self, payload: Payload) -> Payload:
         """The inner codec's payload, decompressed."""
-        raw = entropy_decode(payload.data, self.method)
+        raw = entropy_decode(payload.data, self.method, max_length=self.max_decoded_nbytes)
         buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return self.inner.payload_from_wire(buf.to(payload.data.device))
 

@@ -1,4 +1,8 @@
-"""fp32 on the wire: the lossless baseline (D-PSGD, AllReduce SGD)."""
+"""fp32 on the wire: the lossless baseline (D-PSGD, AllReduce SGD).
+
+``encode`` is one copy (a cast for other dtypes), ``decode`` one copy or one cast
+to the requested dtype, reading the payload in place when its bytes are aligned.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,20 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .kernels import kernels_for
 from .quantize import check_numel
 
-__all__ = ["IdentityCodec"]
+__all__ = ["IdentityCodec", "bytes_as"]
+
+
+def bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The 1-D uint8 ``data`` read as ``dtype``: a view (no copy) when the bytes are aligned
+    for ``dtype``, else a view of a copy. The result may alias ``data``: callers that return
+    it copy it (a decode never aliases its payload)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if data.storage_offset() % size == 0 and data.is_contiguous():
+        return data.view(dtype)
+    return data.clone().view(dtype)
 
 
 @dataclass(frozen=True)
@@ -32,15 +47,31 @@ class IdentityCodec(Codec):
         return 32.0
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """One copy (a cast for other dtypes) of ``x``: the reference is the same."""
         check_flat(x)
         n = check_numel(x)
-        data = x.detach().to(torch.float32, copy=True).contiguous().view(torch.uint8)
+        data = x.detach().to(torch.float32, copy=True).view(torch.uint8)
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    encode_reference = encode
+
+    def _check(self, payload: Payload) -> int:
         (n,) = unpack_header(self.header_format, payload.header)
         if payload.data.numel() != 4 * n:
             raise ValueError(f"fp32 payload of {n} elements needs {4 * n} data bytes, got {payload.data.numel()}")
+        return n
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One pass: a copy of the payload's floats, or their cast to ``dtype``."""
+        if kernels_for(payload.data) is None:
+            return self.decode_reference(payload, dtype=dtype)
+        self._check(payload)
+        return bytes_as(payload.data, torch.float32).to(torch.float32 if dtype is None else dtype, copy=True)
+
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The plain reference of :meth:`decode` (a copy, then a cast)."""
+        self._check(payload)
         x = payload.data.clone().view(torch.float32)
         return x if dtype is None else x.to(dtype)

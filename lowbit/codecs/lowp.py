@@ -4,6 +4,12 @@
 normal down to ``2^-14``, subnormal down to ``2^-24``. ``bf16`` (bfloat16):
 8 significant bits, float32's exponent range. Casting rounds to nearest
 (ties to even), a deterministic and hence biased rounding.
+
+``encode`` is one cast and one scan of the 16-bit result's exponent bits (an inf
+or NaN there is a non-finite input or an overflow, told apart only on that error
+path); ``decode`` is one cast of the payload, read in place when its bytes are
+aligned. ``encode_reference``/``decode_reference`` (a finiteness scan, the cast,
+an overflow scan, copies) give the same bytes and values on every device.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .identity import bytes_as
+from .kernels import kernels_for
 from .quantize import check_numel
 
 __all__ = ["HalfCodec", "HALF_DTYPES"]
@@ -64,28 +72,62 @@ class HalfCodec(Codec):
         """Largest error on values below the normal range (half the smallest subnormal)."""
         return 2.0**-25 if self.dtype == "fp16" else 2.0**-134
 
+    def _overflow_error(self, x: torch.Tensor, h: torch.Tensor) -> ValueError:
+        """The error for an ``x`` whose cast ``h`` holds inf or NaN (non-finite, or too large)."""
+        if not bool(torch.isfinite(x).all()):
+            return ValueError(f"x must be finite for the {self.dtype} codec")
+        worst = float(x[torch.isinf(h)].abs().max())
+        limit = float(torch.finfo(self.torch_dtype).max)
+        return ValueError(
+            f"x overflows {self.dtype}: |x| reaches {worst:.6g} but the largest {self.dtype} value is {limit:.6g}; "
+            "scale x down or use another codec"
+        )
+
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """One cast of ``x`` and one read of the 16-bit result's exponents: an inf or NaN
+        there is a non-finite input or an overflow (told apart only on that error path)."""
+        check_flat(x)
+        n = check_numel(x)
+        x = x.detach()
+        K = kernels_for(x, "plain")
+        if K is None:
+            return self.encode_reference(x, generator=generator)
+        h = x.to(self.torch_dtype, copy=True)
+        if K.half_overflow(h):
+            raise self._overflow_error(x, h)
+        return Payload(header=pack_header(self.header_format, n, device=x.device), data=h.view(torch.uint8))
+
+    def _check(self, payload: Payload) -> int:
+        (n,) = unpack_header(self.header_format, payload.header)
+        if payload.data.numel() != 2 * n:
+            raise ValueError(f"{self.dtype} payload of {n} elements needs {2 * n} data bytes, "
+                             f"got {payload.data.numel()}")
+        return n
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """One cast of the payload's 16-bit floats (read in place when aligned)."""
+        if kernels_for(payload.data, "plain") is None:
+            return self.decode_reference(payload, dtype=dtype)
+        self._check(payload)
+        return bytes_as(payload.data, self.torch_dtype).to(torch.float32 if dtype is None else dtype, copy=True)
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The plain reference of :meth:`encode` (a finiteness scan, the cast, an overflow scan)."""
         check_flat(x)
         n = check_numel(x)
         x = x.detach()
         if not bool(torch.isfinite(x).all()):
             raise ValueError(f"x must be finite for the {self.dtype} codec")
         h = x.to(self.torch_dtype)
-        bad = torch.isinf(h)
-        if bool(bad.any()):
-            worst = float(x[bad].abs().max())
-            limit = float(torch.finfo(self.torch_dtype).max)
-            raise ValueError(
-                f"x overflows {self.dtype}: |x| reaches {worst:.6g} but the largest {self.dtype} value is {limit:.6g}; "
-                "scale x down or use another codec"
-            )
+        if bool(torch.isinf(h).any()):
+            raise self._overflow_error(x, h)
         data = h.contiguous().view(torch.uint8).clone()
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        (n,) = unpack_header(self.header_format, payload.header)
-        if payload.data.numel() != 2 * n:
-            raise ValueError(f"{self.dtype} payload of {n} elements needs {2 * n} data bytes, got {payload.data.numel()}")
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The plain reference of :meth:`decode`."""
+        self._check(payload)
         x = payload.data.clone().view(self.torch_dtype)
         return x.to(torch.float32 if dtype is None else dtype)

@@ -36,9 +36,13 @@ from .kernels import kernels_for
 from .packing import pack_bits, unpack_bits
 from .quantize import (check_int_range, check_numel, check_positive, check_rounding, finite_float64,
                        round_to_int)
-from .rng import draw_key
+from .rng import draw_key, mix32
 
-__all__ = ["ModuloCodec", "centered_mod"]
+__all__ = ["ModuloCodec", "centered_mod", "grid_hashes", "GRID_LIMIT"]
+
+_M32 = 0xFFFFFFFF
+HASH_SALT = 0x9E3779B9
+GRID_LIMIT = 2.0 ** 53  # |grid integer| beyond this: not exact in float64, verification could not tell
 
 
 def centered_mod(z: torch.Tensor, a: float) -> torch.Tensor:
@@ -47,6 +51,25 @@ def centered_mod(z: torch.Tensor, a: float) -> torch.Tensor:
     back into the interval where rounding put it on an end."""
     r = z - a * torch.floor(z * (1.0 / a) + 0.5)
     return torch.where(r >= a / 2, r - a, torch.where(r < -a / 2, r + a, r))
+
+
+def grid_hashes(m: torch.Tensor, block: int) -> torch.Tensor:
+    """The 16-bit hash (int32 tensor) of each block of ``block`` consecutive grid
+    integers ``m`` (int64): ``mix32`` of the sum mod 2^32 of the elements' position-keyed
+    hashes; the reference of the kernels' block hash."""
+    i = torch.arange(m.numel(), dtype=torch.int64, device=m.device)
+    lo, hi = m & _M32, (m >> 32) & _M32
+    e = mix32((mix32(lo ^ mix32(i ^ HASH_SALT)) + hi) & _M32)
+    nb = -(-m.numel() // block)
+    sums = torch.nn.functional.pad(e, (0, nb * block - m.numel())).view(nb, block).sum(1) & _M32
+    return (mix32(sums) & 0xFFFF).to(torch.int32)
+
+
+def grid_overflow_message(reach: float, B: float, levels: int) -> str:
+    return (f"the grid integers reach {reach:.3g}, beyond 2^53 = {GRID_LIMIT:.3g}: the grid step "
+            f"B_theta / 2^bits = {B / levels:.3g} is too fine for models this far from the origin, and "
+            f"their hashes could not detect a wrong recovery. Raise theta at least {reach / GRID_LIMIT:.3g}-fold "
+            "(with a margin: models move)")
 
 
 @dataclass(frozen=True)
@@ -124,6 +147,40 @@ class ModuloCodec(Codec):
             return self.decode_reference(payload, ref=ref)
         codes = K.unpack(payload.data.to(ref.device), self.bits, n)
         return K.modulo_decode(codes, self.B_theta, self.levels, ref)
+
+    def decode_hashed(self, payload: Payload, *, ref: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`decode`, and the 16-bit hash of each block of ``block`` elements of the
+        decoded point's grid integers ``m`` (``x_hat = m B_theta / 2^bits`` up to rounding;
+        ``m = code - 2^bits k`` for the lattice index ``k`` eq. (5) picks): two ends that
+        decoded a block alike have the same hash. The hashes come back as an int32 CPU
+        tensor. OverflowError when ``2^bits |k|`` exceeds 2^53 (the grid integers, and the
+        decoded values as grid points, are then not exact in float64, and equal hashes
+        would prove nothing)."""
+        (n,) = unpack_header(self.header_format, payload.header)
+        check_ref(ref, n, "ModuloCodec: the receiver's own model y with |x - y| < theta")
+        K = kernels_for(ref)
+        if K is None or not hasattr(K, "modulo_decode_hash"):
+            return self.decode_hashed_reference(payload, ref=ref, block=block)
+        codes = K.unpack(payload.data.to(ref.device), self.bits, n)
+        return K.modulo_decode_hash(codes, self.B_theta, self.levels, ref, block)
+
+    def decode_hashed_reference(self, payload: Payload, *, ref: torch.Tensor,
+                                block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float64 whole-tensor reference of :meth:`decode_hashed`."""
+        (n,) = unpack_header(self.header_format, payload.header)
+        check_ref(ref, n, "ModuloCodec: the receiver's own model y with |x - y| < theta")
+        codes = unpack_bits(payload.data.to(ref.device), self.bits, n)
+        B = self.B_theta
+        z = codes.to(torch.float64) * (B / self.levels) - ref.detach().to(torch.float64)
+        k = torch.floor(z * (1.0 / B) + 0.5)
+        r = z - B * k
+        up, down = r >= B / 2, r < -B / 2
+        r = torch.where(up, r - B, torch.where(down, r + B, r))
+        k = k + up.to(k.dtype) - down.to(k.dtype)
+        if n and float(k.abs().max()) * self.levels > GRID_LIMIT:
+            raise OverflowError(grid_overflow_message(float(k.abs().max()) * self.levels, self.B_theta, self.levels))
+        x_hat = (r + ref.detach().to(torch.float64)).to(ref.dtype)
+        return x_hat, grid_hashes(codes - self.levels * k.to(torch.int64), block).cpu()
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (same bytes on the CPU)."""

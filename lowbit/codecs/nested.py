@@ -41,12 +41,28 @@ an independent ``U[-Delta1/2, Delta1/2]``. (Per element,
 decoding, eq. (9): ``E[(x_hat - x)^2] = alpha^2 Delta1^2/12 + (1 - alpha^2)^2 sigma_z^2``.
 
 Shared randomness as in :mod:`lowbit.codecs.dithered`: ``u = (r - 1/2) Delta1``
-with ``r = torch.rand(n, dtype=float64, generator=g)`` on ``g``'s device, the
-only draw of ``encode``; ``decode`` needs a generator of the same kind built
-from the same seed (``shared_generator(run_seed, step, sender)`` on both ends).
+with ``r_i`` the counter uniforms of one key drawn from ``g`` by ``encode``;
+``decode`` needs a generator of the same kind built from the same seed
+(``shared_generator(run_seed, step, sender)`` on both ends) and regenerates
+``r_i`` element by element.
 
 Header ``<i``: numel (4 bytes); ``nbytes = 4 + ceil(n ceil(log2 k) / 8)``.
-Arithmetic is float64; ``decode`` returns ``ref``'s dtype on ``ref``'s device.
+``decode`` returns ``ref``'s dtype on ``ref``'s device.
+
+Arithmetic. ``m = floor(t (1/Delta1) + 1/2)`` and ``Q2(r) = Delta2 floor(r
+(1/Delta2) + 1/2)``, with the inverses computed once. The reference
+(``encode_reference``/``decode_reference``) computes in float64 on whole
+tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dither`) runs the same
+float64 operations per element: the same bytes and decodes exactly. The CUDA
+fast path (Triton) computes in float32 for float32/half input: the fine index
+is exact only below ``2^24``, so it raises the ``delta1`` error when
+``|x| / Delta1`` reaches ``2^24`` (float64 input: ``2^52``, as the reference);
+an index may differ from the reference's by one (mod ``k``) on a tiny fraction
+of elements; and with ``|z| < safe_radius`` the decode error ``|x_hat - x + (1 -
+alpha^2) z + alpha e|`` is at most ``4 eps32 (|x| + |y| + Delta2)``
+(``eps32 = 2^-24``; rounding of ``t``, ``r``, the fold and the final sum, each
+of a value of magnitude at most ``|x| + |y| + Delta2``). The coarse decision
+``|alpha z - e| < Delta2 / 2`` can flip only within that slack of the cell edge.
 """
 
 from __future__ import annotations
@@ -57,10 +73,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_ref, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_flat, check_ref, pack_header, unpack_header
 from .dithered import _uniforms
+from .kernels import kernels_for
 from .packing import pack_wide, unpack_wide
-from .quantize import check_int_range, check_positive, finite_float64
+from .quantize import check_int_range, check_numel, check_positive, finite_float64
+from .rng import draw_key
 
 __all__ = [
     "NestedDitheredCodec",
@@ -345,45 +363,80 @@ class NestedDitheredCodec(Codec):
     def indices(self, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Eq. (6) as sent: ``round((alpha x + u) / Delta1) mod k`` (int64, in ``0..k-1``)."""
         t = self.alpha * x.to(torch.float64) + u.to(torch.float64)
-        m = torch.floor(t / self.delta1 + 0.5)
+        m = torch.floor(t * (1.0 / self.delta1) + 0.5)
         if m.numel():
-            worst = float(m.abs().max())
-            if not worst < _MAX_INDEX:
-                raise ValueError(
-                    f"delta1={self.delta1} is too small for x (or x is not finite): the fine index reaches "
-                    f"{worst:.6g}, beyond the 2^52 that float64 holds exactly"
-                )
+            self._check_index(float(m.abs().max()), _MAX_INDEX)
         return torch.remainder(m, self.k).to(torch.int64)
+
+    def _check_index(self, worst: float, limit: float) -> None:
+        if not worst < limit:
+            raise ValueError(
+                f"delta1={self.delta1} is too small for x (or x is not finite): the fine index reaches "
+                f"{worst:.6g}, beyond the 2^{int(math.log2(limit))} that the arithmetic holds exactly"
+                + ("" if limit == _MAX_INDEX else " (float32 on CUDA: pass float64 input for up to 2^52)")
+            )
 
     def reconstruct(self, codes: torch.Tensor, u: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Eq. (7): ``r = Delta1 c - u - alpha y``, ``x_hat = y + alpha (r - Q2(r))`` (float64)."""
         y64 = y.to(torch.float64)
         r = codes.to(torch.float64) * self.delta1 - u.to(torch.float64) - self.alpha * y64
-        fold = r - self.delta2 * torch.floor(r / self.delta2 + 0.5)
+        fold = r - self.delta2 * torch.floor(r * (1.0 / self.delta2) + 0.5)
         return y64 + self.alpha * fold
 
     # --- codec -------------------------------------------------------------------
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        if generator is None:
+    def _need_generator(self, generator, what: str) -> None:
+        if generator is not None:
+            return
+        if what == "encode":
             raise ValueError(
                 "NestedDitheredCodec.encode needs generator= (e.g. shared_generator(run_seed, step, sender)): "
                 "the receiver regenerates the dither from the same seed"
             )
+        raise ValueError(
+            "NestedDitheredCodec.decode needs generator=: a generator of the same kind seeded like the "
+            "sender's (e.g. shared_generator(run_seed, step, sender)), to regenerate the dither"
+        )
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """Eq. (6): ``c = round((alpha x + u) / Delta1) mod k``, packed."""
+        self._need_generator(generator, "encode")
+        check_flat(x)
+        n = check_numel(x)
+        K = kernels_for(x, "dither")
+        if K is None:
+            return self.encode_reference(x, generator=generator)
+        codes, finite, worst = K.nested_encode(x, self.alpha, self.delta1, self.k, self.bits, draw_key(generator))
+        if not finite:
+            raise ValueError("x must be finite for the nested dithered codec")
+        self._check_index(worst, K.index_limit(x.dtype))
+        return Payload(header=pack_header(self.header_format, n, device=x.device), data=K.pack(codes, self.bits))
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> torch.Tensor:
+        """Eq. (7) against the side information ``ref``."""
+        (n,) = unpack_header(self.header_format, payload.header)
+        check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
+        self._need_generator(generator, "decode")
+        K = kernels_for(ref, "dither")
+        if K is None:
+            return self.decode_reference(payload, ref=ref, generator=generator)
+        codes = K.unpack(payload.data.to(ref.device), self.bits, n, K.code_dtype(self.bits))
+        return K.nested_decode(codes, ref, self.alpha, self.delta1, self.delta2, draw_key(generator))
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The float64 whole-tensor reference of :meth:`encode` (same bytes on the CPU)."""
+        self._need_generator(generator, "encode")
         n, x64 = finite_float64(x, "nested dithered")
         codes = self.indices(x64, self.dither(n, generator, device=x.device))
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_wide(codes, self.bits))
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None) -> torch.Tensor:
+        """The float64 whole-tensor reference of :meth:`decode`."""
         (n,) = unpack_header(self.header_format, payload.header)
         check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
-        if generator is None:
-            raise ValueError(
-                "NestedDitheredCodec.decode needs generator=: a generator of the same kind seeded like the "
-                "sender's (e.g. shared_generator(run_seed, step, sender)), to regenerate the dither"
-            )
+        self._need_generator(generator, "decode")
         codes = unpack_wide(payload.data.to(ref.device), self.bits, n)
         u = self.dither(n, generator, device=ref.device)
         return self.reconstruct(codes, u, ref.detach()).to(ref.dtype)
-

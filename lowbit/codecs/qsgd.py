@@ -13,6 +13,24 @@ two neighbouring integers, so ``E[Q_s(v)] = v`` (unbiased) and (Lemma 3.1)
 
 The paper's Elias coding of the levels is not done here; the levels are sent
 at a fixed width, and :mod:`lowbit.codecs.entropy` can compress them further.
+
+Arithmetic (the reference, ``encode_reference``/``decode_reference``, float64):
+``norm_j = sqrt(sum of x_i^2 over bucket j)``, the squares added in index order
+(a sequential float64 scan, so that the fast path can add them in the same
+order), rounded up to float32; ``xi_i`` is the stochastic rounding (counter
+uniforms, :mod:`lowbit.codecs.rng`) of ``min(|x_i| f_j, s)`` with ``f_j =
+s / norm_j`` computed once per bucket; the decode is ``(code - s) (norm_j / s)``.
+The CPU fast path (numba, :mod:`.kernels.cpu_dither`) performs the same float64
+operations element by element: the same bytes and decodes exactly. The CUDA
+fast path (Triton) computes in float32 for float32/half input (float64 for
+float64): the sums of squares are accumulated in float64 (block partial sums
+added atomically, so in no fixed order: the norm may differ from the
+reference's in its last float64 bits, which changes the float32 norm only
+when the exact one lies within ~1e-16 relative of a float32 boundary), a level
+may differ from the reference's by one on a tiny fraction of elements (the
+float32 rounding of ``|x_i| f_j``), and the code stays unbiased up to that
+rounding: ``|E[Q(v_i)] - v_i| <= 2 eps32 |v_i|`` (``eps32 = 2^-24``) plus the
+uniforms' ``2^-24`` of a step.
 """
 
 from __future__ import annotations
@@ -20,15 +38,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .kernels import kernels_for
 from .packing import pack_wide, packed_nbytes, unpack_wide
-from .quantize import INT32_MAX, check_int_range, finite_float64, round_to_int
+from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64, round_to_int
+from .rng import draw_key
 
-__all__ = ["QSGDCodec", "float32_up"]
+__all__ = ["QSGDCodec", "float32_up", "round_up_float32", "exact_ratio"]
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def round_up_float32(v: torch.Tensor) -> torch.Tensor:
+    """The smallest float32 values ``>= v`` (non-negative), as float32 (inf beyond the
+    float32 range), on ``v``'s device without a host read."""
+    f = v.to(torch.float32)
+    return torch.where(f.to(v.dtype) < v, torch.nextafter(f, torch.full_like(f, math.inf)), f)
 
 
 def float32_up(v: torch.Tensor, field: str = "norm") -> torch.Tensor:
@@ -39,10 +67,40 @@ def float32_up(v: torch.Tensor, field: str = "norm") -> torch.Tensor:
     v = v.to(torch.float64)
     if v.numel() and float(v.max()) > _F32_MAX:
         raise ValueError(f"the {field} {float(v.max()):.6g} does not fit the float32 sent on the wire")
-    f = v.to(torch.float32)
-    low = f.to(torch.float64) < v
-    f = torch.where(low, torch.nextafter(f, torch.full_like(f, math.inf)), f)
-    return f.to(torch.float64)
+    return round_up_float32(v).to(torch.float64)
+
+
+def exact_ratio(num: float, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` element-wise in float64, 0 where ``den == 0`` (``den >= 0``), correctly
+    rounded (numpy's division; torch's ``scalar / tensor`` multiplies by a rounded
+    reciprocal), on ``den``'s device. The per-part factors of the references and of the
+    CPU fast path: one computation, passed to both."""
+    d = den.detach().to(torch.float64).cpu().numpy()
+    r = np.zeros_like(d)
+    np.divide(float(num), d, out=r, where=d > 0)
+    return torch.from_numpy(r).to(den.device)
+
+
+def scale_bytes(scales: torch.Tensor) -> torch.Tensor:
+    """Scales as little-endian float32 bytes (a CPU uint8 tensor)."""
+    return torch.from_numpy(scales.detach().cpu().numpy().astype("<f4").view(np.uint8).copy())
+
+
+def float32_header(n: int, scales32: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(header <if: (n, scales32[0]), scales32[1:] as bytes)`` built on the scales' device
+    from the values already there (no host read; little-endian host, as torch's CPU)."""
+    head = torch.full((1,), n, dtype=torch.int32, device=scales32.device).view(torch.uint8)
+    return torch.cat([head, scales32[:1].view(torch.uint8)]), scales32[1:].view(torch.uint8)
+
+
+def sequential_sumsq(x64: torch.Tensor, bucket: int) -> torch.Tensor:
+    """Per bucket of ``bucket`` elements (the last possibly shorter), the sum of squares
+    added in index order (``cumsum`` is a sequential scan), float64: the order the fast
+    path's kernel adds them in."""
+    n = x64.numel()
+    k = -(-n // bucket)
+    padded = torch.nn.functional.pad(x64, (0, k * bucket - n)).view(k, bucket)
+    return (padded * padded).cumsum(dim=1)[:, -1]
 
 
 @dataclass(frozen=True)
@@ -102,19 +160,65 @@ class QSGDCodec(Codec):
     def _num_buckets(self, n: int) -> int:
         return 1 if self.bucket is None else -(-n // self.bucket)
 
+    def _bucket(self, n: int) -> int:
+        return max(1, n) if self.bucket is None else self.bucket
+
+    def _norms_of(self, payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(float32 norms, packed codes)`` of a payload, on the data's device."""
+        data = payload.data
+        if self.bucket is None:
+            return payload.header[4:8].to(data.device).clone().view(torch.float32), data
+        k = self._num_buckets(n)
+        need = 4 * k + packed_nbytes(n, self.code_bits)
+        if data.numel() != need:
+            raise ValueError(f"QSGD payload of {n} elements in {k} buckets needs {need} data bytes, got {data.numel()}")
+        return data[: 4 * k].clone().view(torch.float32), data[4 * k:]
+
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """``Q_s`` of each bucket: norms (rounded up to float32), then the codes."""
+        check_flat(x)
+        n = check_numel(x)
+        K = kernels_for(x, "dither")
+        if K is None or n == 0:
+            return self.encode_reference(x, generator=generator)
+        bucket = self._bucket(n)
+        sq, finite = K.qsgd_sumsq(x, bucket)
+        norms32 = round_up_float32(torch.sqrt(sq))
+        finite, nmax = K.host_values(finite, norms32.max())  # the one host read on CUDA
+        if not finite:
+            raise ValueError("x must be finite for the QSGD codec")
+        if not math.isfinite(nmax):
+            raise ValueError(f"the norm {float(torch.sqrt(sq).max()):.6g} does not fit the float32 sent on the wire")
+        codes = K.qsgd_encode(x, K.ratio(self.levels, norms32), bucket, self.levels, self.code_bits,
+                              draw_key(generator))
+        packed = K.pack(codes, self.code_bits)
+        if self.bucket is None:
+            header, _ = float32_header(n, norms32)
+            return Payload(header=header, data=packed)
+        header = torch.full((1,), n, dtype=torch.int32, device=x.device).view(torch.uint8)
+        return Payload(header=header, data=torch.cat([norms32.view(torch.uint8), packed]))
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``(code - s) norm / s``."""
+        n = unpack_header(self.header_format, payload.header)[0]
+        K = kernels_for(payload.data, "dither")
+        if K is None or n == 0:
+            return self.decode_reference(payload, dtype=dtype)
+        norms32, data = self._norms_of(payload, n)
+        codes = K.unpack(data, self.code_bits, n, K.code_dtype(self.code_bits))
+        return K.qsgd_decode(codes, norms32.to(torch.float64) / self.levels, self._bucket(n), self.levels,
+                             torch.float32 if dtype is None else dtype)
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The float64 whole-tensor reference of :meth:`encode` (same bytes on the CPU)."""
         n, x64 = finite_float64(x, "QSGD")
         s = self.levels
-        if self.bucket is None:
-            norms = float32_up(torch.linalg.vector_norm(x64).reshape(1))
-            per_elem = norms.expand(n)
-        else:
-            k = self._num_buckets(n)
-            padded = torch.nn.functional.pad(x64, (0, k * self.bucket - n)).view(k, self.bucket)
-            norms = float32_up(torch.linalg.vector_norm(padded, dim=1))
-            per_elem = norms.repeat_interleave(self.bucket)[:n]
-        ratio = torch.where(per_elem > 0, x64.abs() / torch.where(per_elem > 0, per_elem, 1.0), 0.0)
-        xi = round_to_int(ratio.clamp_(max=1.0) * s, "stochastic", generator).clamp_(0, s)
+        bucket = self._bucket(n)
+        norms = float32_up(torch.sqrt(sequential_sumsq(x64, bucket))) if n else \
+            torch.zeros(self._num_buckets(n), dtype=torch.float64, device=x.device)
+        factor = exact_ratio(s, norms).repeat_interleave(bucket)[:n]  # s / norm, 0 for a zero bucket
+        xi = round_to_int((x64.abs() * factor).clamp_(max=s), "stochastic", generator)
         codes = (torch.where(x64 < 0, -xi, xi) + s).to(torch.int64)
         data = pack_wide(codes, self.code_bits) if n else torch.empty(0, dtype=torch.uint8, device=x.device)
         if self.bucket is None:
@@ -124,22 +228,12 @@ class QSGDCodec(Codec):
             data = torch.cat([norms.to(torch.float32).contiguous().view(torch.uint8), data])
         return Payload(header=header, data=data)
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        fields = unpack_header(self.header_format, payload.header)
-        n = fields[0]
-        data = payload.data
-        if self.bucket is None:
-            norms = torch.tensor([fields[1]], dtype=torch.float64, device=data.device)
-            per_elem = norms.expand(n)
-        else:
-            k = self._num_buckets(n)
-            need = 4 * k + packed_nbytes(n, self.code_bits)
-            if data.numel() != need:
-                raise ValueError(f"QSGD payload of {n} elements in {k} buckets needs {need} data bytes, got {data.numel()}")
-            norms = data[: 4 * k].clone().view(torch.float32).to(torch.float64)
-            data = data[4 * k:]
-            per_elem = norms.repeat_interleave(self.bucket)[:n]
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float64 whole-tensor reference of :meth:`decode`."""
+        n = unpack_header(self.header_format, payload.header)[0]
+        norms32, data = self._norms_of(payload, n)
+        step = (norms32.to(torch.float64) / self.levels).repeat_interleave(self._bucket(n))[:n]
         codes = unpack_wide(data, self.code_bits, n) if n else torch.empty(0, dtype=torch.int64, device=data.device)
-        x = (codes - self.levels).to(torch.float64) * (per_elem / self.levels)
+        x = (codes - self.levels).to(torch.float64) * step
         return x.to(torch.float32 if dtype is None else dtype)

@@ -81,7 +81,7 @@ def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
     return (lo + hi) & _M32
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
+def mix32(h: torch.Tensor) -> torch.Tensor:
     h = h ^ (h >> 16)
     h = _mul32(h, MIX_C1)
     h = h ^ (h >> 15)
@@ -94,7 +94,7 @@ def counter_hash(key: int, n: int, device: torch.device | str = "cpu", start: in
     the plain reference of what the kernels compute."""
     k0, k1 = split_key(key)
     i = torch.arange(start, start + n, dtype=torch.int64, device=device)
-    return _mix32((_mix32(i ^ k0) + k1) & _M32)
+    return mix32((mix32(i ^ k0) + k1) & _M32)
 
 
 def counter_uniforms(key: int, n: int, device: torch.device | str = "cpu",

@@ -3,6 +3,16 @@
 This is the quantizer ``Q_delta`` of Theorem 1 of the Moniqua paper (points
 ``{delta n}``, unbiased with stochastic rounding): quantizing models directly
 with it is the "naive quantized gossip" that Theorem 1 shows cannot converge.
+
+Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`),
+``encode_reference``/``decode_reference`` are the float64 whole-tensor code; on the
+CPU the two give the same bytes and decodes. On CUDA (:mod:`.kernels.gpu_plain`)
+the arithmetic is float32 for float32/half inputs: ``x / step`` carries at most
+``2^-22 |x| / step`` of a code (a code then differs from the CPU's by one, rarely)
+and the decode ``(code + offset) * step`` rounds once more, so ``error_bound``
+holds with the slack ``2^-21 (|x| + step)`` added; the CUDA encode reads back to
+the host twice (``x``'s range with the finiteness flag, then the codes' range,
+which fixes the width).
 """
 
 from __future__ import annotations
@@ -12,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
-from .packing import pack_wide, unpack_wide
+from .kernels import kernels_for
+from .packing import _check_data, pack_wide, unpack_wide
 from .quantize import INT32_MAX, check_numel, check_positive, check_rounding, error_bound, round_to_int
+from .rng import draw_key
 
 __all__ = ["UniformCodec"]
 
@@ -59,27 +71,63 @@ class UniformCodec(Codec):
     def error_bound(self) -> float:
         return error_bound(self.step, self.rounding)
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
-        n = check_numel(x)
-        if n == 0:
-            return Payload(header=pack_header(self.header_format, 0, 0, 1, device=x.device),
-                           data=torch.empty(0, dtype=torch.uint8, device=x.device))
-        codes = round_to_int(x.detach().to(torch.float64) / self.step, self.rounding, generator)
-        lo, hi = torch.aminmax(codes)
-        lo, hi = float(lo), float(hi)
+    def _offset_and_width(self, lo: float, hi: float) -> tuple[int, int]:
+        """The header's offset (the smallest code) and width from the codes' range."""
         if not (-INT32_MAX - 1 <= lo <= INT32_MAX and hi - lo <= _MAX_SPAN):
             raise ValueError(
                 f"step={self.step} is too small for x (or x is not finite): the codes span "
                 f"[{lo:.6g}, {hi:.6g}], but the offset must fit int32 and the range 32 bits"
             )
-        lo_i = int(lo)
-        b = max(1, int(hi - lo).bit_length())
-        data = pack_wide(codes.to(torch.int64) - lo_i, b)
-        return Payload(header=pack_header(self.header_format, n, lo_i, b, device=x.device), data=data)
+        return int(lo), max(1, int(hi - lo).bit_length())
+
+    def _empty(self, x: torch.Tensor) -> Payload:
+        return Payload(header=pack_header(self.header_format, 0, 0, 1, device=x.device),
+                       data=torch.empty(0, dtype=torch.uint8, device=x.device))
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The codes' range is bounded by ``x``'s (one statistics pass), the codes are written
+        against that bound in the narrowest unsigned dtype (one pass), then re-based on the
+        codes' own smallest value and packed (see ``uniform_codes`` in the kernel modules)."""
+        check_flat(x)
+        n = check_numel(x)
+        K = kernels_for(x, "plain")
+        if K is None:
+            return self.encode_reference(x, generator=generator)
+        if n == 0:
+            return self._empty(x)
+        stochastic = self.rounding == "stochastic"
+        key = draw_key(generator) if stochastic else 0
+        codes, base, lo, hi, finite = K.uniform_codes(x, self.step, stochastic, key)
+        if not finite:
+            raise ValueError(f"x must be finite for the uniform codec (step={self.step}): it holds NaN or inf")
+        offset, b = self._offset_and_width(lo, hi)
+        data = K.uniform_pack(codes, offset - base, b)
+        return Payload(header=pack_header(self.header_format, n, offset, b, device=x.device), data=data)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        n, offset, b = unpack_header(self.header_format, payload.header)
+        K = kernels_for(payload.data, "plain")
+        if K is None or not 1 <= b <= 32:
+            return self.decode_reference(payload, dtype=dtype)
+        _check_data(payload.data, b, n)
+        return K.uniform_decode(payload.data, b, n, offset, self.step, torch.float32 if dtype is None else dtype)
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
+        check_flat(x)
+        n = check_numel(x)
+        if n == 0:
+            return self._empty(x)
+        codes = round_to_int(x.detach().to(torch.float64) / self.step, self.rounding, generator)
+        lo, hi = torch.aminmax(codes)
+        lo_i, b = self._offset_and_width(float(lo), float(hi))
+        data = pack_wide(codes.to(torch.int64) - lo_i, b)
+        return Payload(header=pack_header(self.header_format, n, lo_i, b, device=x.device), data=data)
+
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float64 whole-tensor reference of :meth:`decode`."""
         n, offset, b = unpack_header(self.header_format, payload.header)
         codes = unpack_wide(payload.data, b, n)
         x = (codes + offset).to(torch.float64) * self.step

@@ -82,9 +82,34 @@ class TorchDistributedTransport(Transport):
         self._owns_group = owns_group
         self._nccl = "nccl" in self.backend
         self._cpu_ok = "gloo" in self.backend or "mpi" in self.backend or not self._nccl
+        # Liveness: called with the step at set_step and with no argument whenever this rank
+        # communicates (lowbit.comm.launch installs one that writes into shared memory).
+        self.heartbeat = None
+        # The largest buffer a peer may state in a neighbour exchange or gossip before this
+        # rank allocates it (None: unbounded). lowbit's training loop and the wrapper set it
+        # from the model's size (max_payload_nbytes); a larger stated size is a ValueError.
+        self.max_message_bytes: int | None = None
 
     def __repr__(self) -> str:
         return f"TorchDistributedTransport(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
+
+    def set_step(self, step: int) -> None:
+        super().set_step(step)
+        if self.heartbeat is not None:
+            self.heartbeat(step)
+
+    def _beat(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat()
+
+    def _check_stated(self, n: int, src: int, what: str) -> int:
+        """A size stated by peer ``src``, checked before anything is allocated for it."""
+        limit = self.max_message_bytes
+        if n < 0 or (limit is not None and n > limit):
+            raise ValueError(f"rank {self.rank}: rank {src} stated a {what} of {n} bytes; this rank accepts "
+                             f"0..{limit if limit is not None else 'any'} bytes (max_message_bytes, from the "
+                             f"model's size): a corrupt or hostile peer")
+        return n
 
     # ---- where the bytes travel ---------------------------------------------
     def _device(self, t: torch.Tensor) -> torch.device:
@@ -109,6 +134,7 @@ class TorchDistributedTransport(Transport):
         peers = list(neighbors)  # distinct: checked by Transport.neighbor_exchange
         if not peers:
             return {}
+        self._beat()
         self._delay(1)
         dev = self._device(buf)
         send = self._staged(buf, copy=False)  # only read
@@ -118,12 +144,14 @@ class TorchDistributedTransport(Transport):
         _run_p2p([dist.P2POp(dist.irecv, sizes[j], j, tag=1) for j in peers]
                  + [dist.P2POp(dist.isend, my_size, j, tag=1) for j in peers])
         # 2) payloads; an empty buffer is not put on the wire (both sides know).
-        recv = {j: torch.empty(int(sizes[j].item()), dtype=torch.uint8, device=dev) for j in peers}
+        stated = {j: self._check_stated(int(sizes[j].item()), j, "neighbour-exchange message") for j in peers}
+        recv = {j: torch.empty(stated[j], dtype=torch.uint8, device=dev) for j in peers}
         _run_p2p([dist.P2POp(dist.irecv, recv[j], j, tag=2) for j in peers if recv[j].numel() > 0]
                  + [dist.P2POp(dist.isend, send, j, tag=2) for j in peers if send.numel() > 0])
         return {j: recv[j].to(buf.device) for j in peers}
 
     def _all_reduce(self, t, op):
+        self._beat()
         self._delay(2 * (self.world_size - 1))
         if self.deterministic and op == "sum" and t.is_floating_point() and self.world_size > 1:
             parts = self._all_gather_raw(t)
@@ -136,6 +164,7 @@ class TorchDistributedTransport(Transport):
         return x.to(t.device)
 
     def _all_gather(self, t):
+        self._beat()
         self._delay(self.world_size - 1)
         return self._all_gather_raw(t)
 
@@ -146,6 +175,7 @@ class TorchDistributedTransport(Transport):
         return [o.to(t.device) for o in outs]
 
     def _broadcast(self, t, src):
+        self._beat()
         self._delay(math.ceil(math.log2(self.world_size)) if self.world_size > 1 else 0)
         if self.rank == src:
             x = self._staged(t, copy=True)
@@ -155,6 +185,7 @@ class TorchDistributedTransport(Transport):
         return x.to(t.device)
 
     def _gather(self, t, dst):
+        self._beat()
         self._delay(1)
         if self._nccl:  # NCCL gather support varies by version: all-gather, keep dst's copy
             parts = self._all_gather_raw(t)
@@ -165,6 +196,7 @@ class TorchDistributedTransport(Transport):
         return [o.to(t.device) for o in outs] if outs is not None else None
 
     def _barrier(self):
+        self._beat()
         if self._nccl and torch.cuda.is_available():
             dist.barrier(device_ids=[torch.cuda.current_device()])
         else:
@@ -192,7 +224,7 @@ class TorchDistributedTransport(Transport):
                     continue
                 if kind != _KIND_REQUEST or src not in neighbors:
                     raise RuntimeError(f"rank {self.rank}: unexpected gossip header {hdr.tolist()} from rank {src}")
-                req = torch.empty(n, dtype=torch.uint8)
+                req = torch.empty(self._check_stated(n, src, "gossip request"), dtype=torch.uint8)
                 if n:
                     dist.recv(req, src=src, group=g, tag=_TAG_REQ_DATA)
                 reply = self._g_handler(src, step, req).detach().cpu().contiguous()
@@ -207,6 +239,7 @@ class TorchDistributedTransport(Transport):
             raise RuntimeError(f"rank {self.rank}: the gossip responder failed: {self._g_error!r}") from self._g_error
 
     def _gossip(self, peer, make, step):
+        self._beat()
         self._check_responder()
         g = self._g_group
         buf = make()
@@ -216,7 +249,7 @@ class TorchDistributedTransport(Transport):
             dist.send(send, dst=peer, group=g, tag=_TAG_REQ_DATA)
         size = torch.empty(1, dtype=torch.int64)
         dist.recv(size, src=peer, group=g, tag=_TAG_REP)
-        reply = torch.empty(int(size.item()), dtype=torch.uint8)
+        reply = torch.empty(self._check_stated(int(size.item()), peer, "gossip reply"), dtype=torch.uint8)
         if reply.numel():
             dist.recv(reply, src=peer, group=g, tag=_TAG_REP_DATA)
         return reply.to(buf.device)
@@ -291,5 +324,26 @@ def init_from_env(
             raise ValueError(f"LOCAL_RANK={local} but only {torch.cuda.device_count()} CUDA device(s) are visible")
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # A torchrun restart reuses the agent's store, where the previous attempt's ranks left
+        # their gloo addresses: a restarted rank could read a dead peer's address and fail to
+        # connect. Each attempt gets its own key space.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], _env_int("MASTER_PORT"), world_size, is_master=False,
+                              timeout=kwargs.get("timeout", datetime.timedelta(minutes=30)))
+        store = dist.PrefixStore(f"lowbit/attempt_{restart}/", store)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    else:
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
     return TorchDistributedTransport(owns_group=True, deterministic=deterministic, latency_s=latency_s)
+
+
+def max_payload_nbytes(numel: int) -> int:
+    """The bound a receiver puts on a buffer a peer states for a model of ``numel``
+    parameters: 8 bytes per element (twice an fp32 model, the widest message a lowbit
+    algorithm sends to a neighbour: fp32 gossip or repair values; entropy coding's
+    worst-case growth and Moniqua's hashes and requests fit in the rest) plus 64 KiB
+    for headers."""
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
+    return 8 * numel + 65536

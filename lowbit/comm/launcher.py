@@ -6,7 +6,18 @@ variables ``torchrun`` sets (the launcher hosts the rendezvous store, as
 torchrun's agent does), and send back their (picklable) results. A worker
 that raises stops the whole launch: the others are terminated and the
 launcher raises a :class:`RuntimeError` that names the rank and carries its
-traceback. For several machines, start the script with ``torchrun`` and call
+traceback.
+
+Liveness, not a deadline: a launch has no whole-run time limit unless
+``timeout_s`` sets one. Each worker beats a heartbeat (its last step and the
+time) into shared memory whenever it starts a step (``transport.set_step``)
+or communicates; a worker whose heartbeat is older than ``stall_timeout_s``
+(stopped, deadlocked, or waiting on one that is; before its first step, the
+longer of that and :data:`STARTUP_GRACE_S`) ends the launch with a
+:class:`WorkerStalled` error naming the rank(s), their last step and whether
+the OS reports the process stopped. A worker that dies is reported at once
+(:class:`WorkerDied`). SIGTERM to the launching process ends the workers as
+SIGINT does. For several machines, start the script with ``torchrun`` and call
 :func:`lowbit.comm.init_from_env` instead (:func:`is_torchrun` tells which).
 """
 
@@ -14,10 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import math
 import os
 import pickle
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -28,6 +42,46 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .distributed import init_from_env
+
+
+# The most local worker processes one launch starts: each is a Python interpreter with torch
+# loaded (~300 MB) and a gloo socket to every peer it talks to.
+MAX_LOCAL_WORKERS = 256
+DEFAULT_STALL_TIMEOUT_S = 300.0
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+# Before its first step a worker imports torch, joins the rendezvous and loads its data: it
+# gets at least this long (or the stall timeout, if longer) before it counts as stalled.
+STARTUP_GRACE_S = 120.0
+
+
+class WorkerDied(RuntimeError):
+    """A worker process exited without a result (killed, out of memory, os._exit)."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker raised; ``rank``, ``error`` (the exception's one-line summary) and the traceback in the message."""
+
+    def __init__(self, message: str, rank: int, error: str, cause: BaseException | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.error = error
+        self.cause = cause  # the worker's exception, when it could be pickled
+
+
+class WorkerStalled(TimeoutError):
+    """No heartbeat from a worker for ``stall_timeout_s`` seconds."""
+
+
+class _Heartbeat:
+    """A worker's slot in the launch's shared heartbeat array: (last step, monotonic time)."""
+
+    def __init__(self, beats, rank: int):
+        self.beats, self.rank = beats, rank
+
+    def __call__(self, step: int | None = None) -> None:
+        if step is not None:
+            self.beats[2 * self.rank] = float(step)
+        self.beats[2 * self.rank + 1] = time.monotonic()
 
 
 def is_torchrun() -> bool:
@@ -47,16 +101,25 @@ def _loopback_ifname() -> str | None:
 
 
 def _worker(rank: int, world_size: int, env: dict, backend: str, timeout_s: float, deterministic: bool, latency_s: float,
-            fn, args, conn) -> None:
+            fn, args, conn, beats) -> None:
     torch.set_num_threads(1)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
+    beat = _Heartbeat(beats, rank)
+    beat()
     try:
         transport = init_from_env(backend, timeout_s=timeout_s, deterministic=deterministic, latency_s=latency_s)
+        transport.heartbeat = beat
         result = fn(transport, *args)
         payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
-    except BaseException:  # noqa: BLE001 - reported to the launcher
-        conn.send(("error", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - reported to the launcher
+        summary = "".join(traceback.format_exception_only(type(e), e)).strip()
+        try:
+            exc = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.loads(exc)
+        except Exception:  # noqa: BLE001 - not every exception survives pickling
+            exc = None
+        conn.send(("error", (traceback.format_exc(), summary, exc)))
         conn.close()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -74,16 +137,23 @@ def launch(
     fn: Callable[..., Any],
     *args: Any,
     backend: str = "gloo",
-    timeout_s: float = 600,
+    timeout_s: float | None = None,
     deterministic: bool = False,
     latency_s: float = 0.0,
     network=None,
+    stall_timeout_s: float | None = DEFAULT_STALL_TIMEOUT_S,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 ) -> list:
     """Run ``fn(transport, *args)`` on ``world_size`` local processes; results in rank order.
 
     ``fn`` must be a module-level (picklable) function and its results
     picklable. ``backend``: "gloo" (CPU) or "nccl" (one GPU per rank, rank r on
-    ``cuda:r``). ``timeout_s`` bounds the whole launch and every collective.
+    ``cuda:r``). ``timeout_s``: a limit on the whole launch (None: none; a
+    :class:`TimeoutError` when passed). ``stall_timeout_s``: the longest a
+    worker may go without a heartbeat (starting a step or communicating)
+    before the launch ends with :class:`WorkerStalled` (None: never).
+    ``collective_timeout_s``: the backend's limit on one collective (capped by
+    ``timeout_s``).
     ``deterministic``: float all-reduce sums in rank order, bit-identical to the
     in-process runtime (see :mod:`lowbit.comm.distributed`).
     ``latency_s``: seconds of latency each rank adds per message (see
@@ -96,8 +166,17 @@ def launch(
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not callable(fn):
         raise TypeError(f"fn must be a callable, got {fn!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if world_size > MAX_LOCAL_WORKERS:
+        raise ValueError(f"workers={world_size}: one machine runs at most {MAX_LOCAL_WORKERS} worker processes "
+                         f"(each is a Python process with torch loaded, ~300 MB); use --backend thread to "
+                         f"simulate more, or torchrun over several machines")
+    for name, v in (("timeout_s", timeout_s), ("stall_timeout_s", stall_timeout_s),
+                    ("collective_timeout_s", collective_timeout_s)):
+        if v is not None and not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
+            raise ValueError(f"{name} must be a number of seconds > 0 (or None), got {v!r}")
+    if collective_timeout_s is None:
+        raise ValueError("collective_timeout_s must be a number of seconds > 0, got None")
+    op_timeout = collective_timeout_s if timeout_s is None else min(collective_timeout_s, timeout_s)
     if not latency_s >= 0:
         raise ValueError(f"latency_s must be >= 0, got {latency_s!r}")
     if network is not None and network.n != world_size:
@@ -107,7 +186,7 @@ def launch(
     host = "127.0.0.1" if network is None else network.address(0)
     with _in_namespace(network, 0):
         store = dist.TCPStore(
-            host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+            host, 0, world_size, is_master=True, timeout=datetime.timedelta(seconds=op_timeout), wait_for_workers=False
         )
     env = {"MASTER_ADDR": host, "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
     if network is not None:  # each rank's only way out is its shaped link
@@ -121,12 +200,15 @@ def launch(
 
     ctx = mp.get_context("spawn")
     procs, conns = [], []
+    beats = ctx.RawArray("d", 2 * world_size)  # per rank: last step, monotonic time of the last beat
+    for r in range(world_size):
+        beats[2 * r], beats[2 * r + 1] = -1.0, time.monotonic()
     try:
         for rank in range(world_size):
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, env, backend, timeout_s, deterministic, latency_s, fn, args, send_end),
+                args=(rank, world_size, env, backend, op_timeout, deterministic, latency_s, fn, args, send_end, beats),
                 name=f"lowbit-rank-{rank}",
                 daemon=False,  # fn may start processes of its own (DataLoader workers)
             )
@@ -135,7 +217,8 @@ def launch(
             send_end.close()
             procs.append(p)
             conns.append(recv_end)
-        results = _collect(procs, conns, timeout_s)
+        with _sigterm_as_interrupt():
+            results = _collect(procs, conns, timeout_s, stall_timeout_s, beats)
         for p in procs:  # they leave on their own after a final barrier
             p.join(timeout=30)
         return results
@@ -143,6 +226,8 @@ def launch(
         for p in procs:
             if p.is_alive():
                 p.terminate()
+                with contextlib.suppress(OSError):  # a stopped worker acts on SIGTERM once continued
+                    os.kill(p.pid, signal.SIGCONT)
         for p in procs:
             p.join(timeout=5)
             if p.is_alive():
@@ -156,22 +241,79 @@ def _in_namespace(network, rank: int):
     return contextlib.nullcontext() if network is None else network.enter(rank)
 
 
-def _collect(procs, conns, timeout_s: float) -> list:
-    """Each rank's result, read as it arrives; the first failure or death is raised."""
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM received by the launching process (handled as Ctrl-C: the workers are ended)."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """While the launcher waits, SIGTERM raises in it as SIGINT does, so that its
+    ``finally`` ends the workers (the default action would kill the launcher alone
+    and leave them running). Only on the main thread, where handlers can be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise _Terminated(f"launch: received signal {signum} (SIGTERM); workers ended")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _os_state(pid: int) -> str | None:
+    """The process state letter of /proc/PID/stat (Linux; 'T' stopped, 'D' disk sleep), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _stall_error(procs, beats, stale: list[int], stall_timeout_s: float) -> WorkerStalled:
+    now = time.monotonic()
+    world_size = len(procs)
+    parts = []
+    for r in sorted(stale, key=lambda r: beats[2 * r + 1]):
+        step = int(beats[2 * r])
+        state = _os_state(procs[r].pid)
+        parts.append(f"rank {r} ({'before its first step' if step < 0 else f'last step {step}'}, "
+                     f"silent {now - beats[2 * r + 1]:.0f} s{', process stopped (SIGSTOP?)' if state == 'T' else ''})")
+    return WorkerStalled(f"launch: no progress from {len(stale)} of {world_size} worker(s) for more than "
+                         f"stall_timeout_s={stall_timeout_s:g} s: {'; '.join(parts)}. A worker is stopped, hung, "
+                         f"or waiting on one that is (raise --stall-timeout if a step really takes this long)")
+
+
+def _collect(procs, conns, timeout_s: float | None, stall_timeout_s: float | None, beats) -> list:
+    """Each rank's result, read as it arrives; the first failure, death or stall is raised."""
     world_size = len(procs)
     results: list = [None] * world_size
     pending = {conns[r]: r for r in range(world_size)}  # ranks whose result has not come
-    deadline = time.monotonic() + timeout_s
+    deadline = math.inf if timeout_s is None else time.monotonic() + timeout_s
 
     def died(rank: int) -> RuntimeError:
         procs[rank].join(timeout=1)
         code = procs[rank].exitcode
-        return RuntimeError(f"launch: worker rank {rank} of {world_size} exited with code {code} without a result")
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        hint = " (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""
+        step = int(beats[2 * rank])
+        where = "before its first step" if step < 0 else f"at step {step}"
+        return WorkerDied(f"launch: worker rank {rank} of {world_size} {how}{hint} {where}, without a result")
 
     while pending:
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             raise TimeoutError(f"launch: rank(s) {sorted(pending.values())} did not finish within timeout_s={timeout_s}")
+        if stall_timeout_s is not None:
+            stale = [r for r in pending.values()
+                     if now - beats[2 * r + 1] > (stall_timeout_s if beats[2 * r] >= 0
+                                                  else max(stall_timeout_s, STARTUP_GRACE_S))]
+            if stale:
+                raise _stall_error(procs, beats, stale, stall_timeout_s)
         sentinels = {procs[r].sentinel: r for r in pending.values()}
         ready = wait(list(pending) + list(sentinels), timeout=min(left, 1.0))
         for obj in ready:
@@ -182,7 +324,9 @@ def _collect(procs, conns, timeout_s: float) -> list:
                 except EOFError:
                     raise died(rank) from None
                 if status != "ok":
-                    raise RuntimeError(f"launch: worker rank {rank} of {world_size} failed:\n{payload}")
+                    tb, summary, exc = payload
+                    raise WorkerFailed(f"launch: worker rank {rank} of {world_size} failed:\n{tb}", rank, summary,
+                                       None if exc is None else pickle.loads(exc))
                 results[rank] = pickle.loads(payload)
         for obj in ready:  # a worker gone with nothing left in its pipe
             rank = sentinels.get(obj)

@@ -11,6 +11,8 @@ import os
 import numpy as np
 import torch
 
+from .errors import DataError
+
 RECORD = 1 + 3 * 32 * 32
 
 
@@ -20,13 +22,13 @@ def read_cifar_batch(path: str) -> tuple[np.ndarray, np.ndarray]:
         with open(path, "rb") as f:
             raw = f.read()
     except OSError as e:
-        raise ValueError(f"{path}: cannot read CIFAR-10 batch ({e})") from e
+        raise DataError(f"{path}: cannot read CIFAR-10 batch ({e})") from e
     if len(raw) == 0 or len(raw) % RECORD:
-        raise ValueError(f"{path}: {len(raw)} bytes is not a positive multiple of the {RECORD}-byte CIFAR-10 record")
+        raise DataError(f"{path}: {len(raw)} bytes is not a positive multiple of the {RECORD}-byte CIFAR-10 record")
     rec = np.frombuffer(raw, dtype=np.uint8).reshape(-1, RECORD)
     labels = rec[:, 0].astype(np.int64)
     if labels.max() > 9:
-        raise ValueError(f"{path}: label {labels.max()} out of range 0..9 (is this CIFAR-100?)")
+        raise DataError(f"{path}: label {labels.max()} out of range 0..9 (is this CIFAR-100?)")
     return rec[:, 1:].reshape(-1, 3, 32, 32).copy(), labels
 
 

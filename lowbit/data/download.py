@@ -61,10 +61,31 @@ def file_digest(path: str, algorithm: str) -> str:
     return h.hexdigest()
 
 
+def _marker(folder: str, archive: str) -> str:
+    """The file written after ``archive`` was extracted completely into ``folder``."""
+    return os.path.join(folder, f".{archive}.extracted")
+
+
+def _extracted(folder: str, archive: str, digest: str) -> bool:
+    """Whether ``archive`` (of this digest) was extracted to the end: an interrupted
+    extraction leaves no marker, and is redone."""
+    try:
+        with open(_marker(folder, archive)) as f:
+            return f.read().strip() == digest
+    except OSError:
+        return False
+
+
+_CIFAR_FILES = tuple(f"data_batch_{i}.bin" for i in range(1, 6)) + ("test_batch.bin",)
+
+
 def _complete(folder: str, spec: dict) -> bool:
     if spec["format"] == "cifar":
-        return os.path.isfile(os.path.join(folder, "cifar-10-batches-bin", "test_batch.bin")) or \
-            os.path.isfile(os.path.join(folder, "test_batch.bin"))
+        archives = [(f, d) for f, (_, d) in spec["files"].items() if f.endswith(".tar.gz")]
+        if any(os.path.isfile(os.path.join(folder, f)) and not _extracted(folder, f, d) for f, d in archives):
+            return False  # an archive whose extraction did not finish
+        return any(all(os.path.isfile(os.path.join(base, f)) for f in _CIFAR_FILES)
+                   for base in (os.path.join(folder, "cifar-10-batches-bin"), folder))
     return all(os.path.isfile(os.path.join(folder, f)) or os.path.isfile(os.path.join(folder, f[:-3]))
                for f in spec["files"])
 
@@ -79,6 +100,8 @@ def download(name: str, cache_dir: str | None = None, timeout: float = 60.0) -> 
     for fname, (algo, digest) in spec["files"].items():
         dest = os.path.join(folder, fname)
         if os.path.isfile(dest) and file_digest(dest, algo) == digest:
+            if fname.endswith(".tar.gz") and not _extracted(folder, fname, digest):
+                _extract(dest, folder, fname, digest)  # verified archive, interrupted extraction: redo it
             continue
         url = spec["url"] + fname
         fd, tmp = tempfile.mkstemp(dir=folder, suffix=".part")
@@ -96,9 +119,24 @@ def download(name: str, cache_dir: str | None = None, timeout: float = 60.0) -> 
             if os.path.exists(tmp):
                 os.remove(tmp)
         if fname.endswith(".tar.gz"):
-            with tarfile.open(dest, "r:gz") as tar:
-                tar.extractall(folder, filter="data")
+            _extract(dest, folder, fname, digest)
     return folder
+
+
+def _extract(archive_path: str, folder: str, fname: str, digest: str) -> None:
+    """Extract (path traversal blocked by the "data" filter); the marker is written,
+    fsynced and renamed into place only after the last member is out."""
+    marker = _marker(folder, fname)
+    if os.path.exists(marker):
+        os.remove(marker)
+    with tarfile.open(archive_path, "r:gz") as tar:
+        tar.extractall(folder, filter="data")
+    tmp = marker + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(digest + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, marker)
 
 
 def find_dataset_dir(name: str, data_dir: str | None = None) -> str:

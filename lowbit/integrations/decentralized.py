@@ -9,8 +9,13 @@ Use (every rank runs the same code)::
         loss_fn(model(x), y).backward()
         model.step()                        # communicate, optimizer.step(), communicate
     avg = model.averaged_module()           # collective: the average over all workers
-    torch.save(model.state_dict(), f"ckpt.rank{rank}.pt")
+    model.save_checkpoint(f"ckpt/rank{model.rank}.pt")   # atomic, checksummed
     model.close()
+
+and to resume, on every rank: ``model.load_checkpoint(f"ckpt/rank{model.rank}.pt")``
+(collective: the ranks check that they resume the same step of the same run).
+A checkpoint holds only tensors and plain values: ``torch.load(...,
+weights_only=True)`` reads it (:mod:`lowbit.integrations.checkpoint`).
 
 ``step()`` runs, with the wrapper's step counter ``k`` and ``lr`` read from the
 optimizer's first parameter group::
@@ -38,6 +43,7 @@ parameters and buffers (``sync_initial=True``, as DDP does at construction).
 from __future__ import annotations
 
 import copy
+import os
 import random
 from typing import Any
 
@@ -48,10 +54,12 @@ from torch import nn
 from ..algorithms import ALGORITHMS, Algorithm, check_algorithm
 from ..comm.base import Transport
 from ..topology import Topology, make_topology
+from .checkpoint import (CheckpointError, candidates, ledger_state, load_checkpoint, newest_common_step, restore_ledger, rng_state,
+                         save_checkpoint, set_rng_state)
 from .flat import FlatParams
 
 BUFFER_POLICIES = ("local", "average")
-_FORMAT = 1
+_FORMAT = 2  # 2: RNG states and the ledger as tensors (weights_only=True); 1 is still read
 
 
 class DecentralizedDataParallel(nn.Module):
@@ -105,6 +113,7 @@ class DecentralizedDataParallel(nn.Module):
         self.algorithm = algorithm if isinstance(algorithm, Algorithm) else \
             _build_algorithm(algorithm, transport, topology, algorithm_options)
         self.flat = FlatParams(module)
+        _bound_messages(transport, len(self.flat))
         if sync_initial and transport.world_size > 1:
             self._broadcast_from_rank0()
         self.algorithm.setup(self.flat.data)
@@ -231,9 +240,12 @@ class DecentralizedDataParallel(nn.Module):
     # ---- checkpoints ---------------------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:  # noqa: D401 - full checkpoint, not nn.Module's
         """This rank's checkpoint: module (parameters and buffers), optimizer,
-        algorithm state, step counter and this process's RNG states (torch,
-        CUDA's current device, numpy, python). lowbit's own randomness is
-        derived from (seed, step, rank), so the step counter restores it.
+        algorithm state, step counter, this rank's ledger (bytes and messages
+        sent, so the counters continue after a resume) and this process's RNG
+        states (torch, CUDA's current device, numpy, python), all as tensors or
+        plain values (``torch.load(..., weights_only=True)`` reads it). lowbit's
+        own randomness is derived from (seed, step, rank), so the step counter
+        restores it.
 
         Synchronous algorithms: call it between steps; a resumed run is
         bit-identical to an uninterrupted one. Asynchronous algorithms
@@ -247,9 +259,6 @@ class DecentralizedDataParallel(nn.Module):
             raise RuntimeError(f"{self.algorithm.name} is asynchronous: its workers' models change while "
                                "others gossip with them, so a checkpoint is consistent only after close() "
                                "(every rank), which drains the exchanges")
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            rng["cuda"] = torch.cuda.get_rng_state()
         return {
             "format": _FORMAT,
             "rank": self.rank,
@@ -261,7 +270,8 @@ class DecentralizedDataParallel(nn.Module):
             "module": {k: v.detach().clone() for k, v in self.module.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
             "algorithm_state": self.algorithm.state_dict(),
-            "rng": rng,
+            "ledger": ledger_state(self.transport.ledger),
+            "rng": rng_state(),
         }
 
     def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False) -> None:
@@ -270,7 +280,7 @@ class DecentralizedDataParallel(nn.Module):
         as if never interrupted."""
         if assign:
             raise ValueError("assign must be False: parameters stay views of the flat buffer")
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        if not isinstance(state, dict) or state.get("format") not in (1, _FORMAT):
             raise ValueError("state is not a DecentralizedDataParallel checkpoint (missing or unknown 'format')")
         for key, mine in (("world_size", self.world_size), ("rank", self.rank),
                           ("algorithm", self.algorithm.name), ("numel", len(self.flat))):
@@ -280,17 +290,89 @@ class DecentralizedDataParallel(nn.Module):
         self.optimizer.load_state_dict(state["optimizer"])
         self.algorithm.load_state_dict(state["algorithm_state"])
         self.step_count = int(state["step"])
+        if "ledger" in state:
+            restore_ledger(self.transport.ledger, state["ledger"])
         self.transport.set_step(self.step_count)
         rng = state.get("rng", {})
-        if "torch" in rng:
-            torch.set_rng_state(rng["torch"])
-        if "numpy" in rng:
-            np.random.set_state(rng["numpy"])
-        if "python" in rng:
-            random.setstate(rng["python"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        if "numpy_keys" in rng:
+            set_rng_state(rng)
+        else:  # format 1: numpy's and python's states as their own objects
+            if "torch" in rng:
+                torch.set_rng_state(rng["torch"])
+            if "numpy" in rng:
+                np.random.set_state(rng["numpy"])
+            if "python" in rng:
+                random.setstate(rng["python"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
         self.flat.check_aliasing()
+
+    def save_checkpoint(self, path: str | os.PathLike) -> str:
+        """Write :meth:`state_dict` to ``path`` atomically, with a checksum
+        (:func:`lowbit.integrations.checkpoint.save_checkpoint`); returns the path."""
+        return save_checkpoint(self.state_dict(), path)
+
+    def resume_latest(self, path: str | os.PathLike) -> int | None:
+        """Resume from the newest step whose checkpoint verifies on *every* rank, looking at
+        ``path`` and the previous checkpoint ``path.prev`` that :meth:`save_checkpoint` keeps
+        (a rank killed during a save has only the older one). Collective. Returns the step
+        resumed from, or None when no rank has any checkpoint (a fresh start); a
+        :class:`~lowbit.integrations.checkpoint.CheckpointError` when checkpoints exist but no
+        step is common to all ranks. Made for restarts (``torchrun --max-restarts``)."""
+        path = os.fspath(path)
+        found = candidates(path)
+        mine = torch.tensor([s for s, _ in found], dtype=torch.int64)
+        with self.transport.untracked():
+            table = [t.tolist() for t in self.transport.all_gather(mine.to(self.flat.data.device))]
+        step = newest_common_step(table, path)
+        if step is None:
+            return None
+        state = next(st for s, st in found if s == step)
+        self.load_state_dict(state)
+        return step
+
+    def load_checkpoint(self, path: str | os.PathLike) -> None:
+        """Resume from ``path`` (written by :meth:`save_checkpoint` on this rank).
+        Collective: every rank calls it, and the ranks check that they all resume
+        the same step of a run of the same world size and algorithm; otherwise a
+        :class:`~lowbit.integrations.checkpoint.CheckpointError` on every rank
+        (instead of a hang at the first exchange). A corrupt file is refused."""
+        error = None
+        try:
+            state = load_checkpoint(path, map_location=self.flat.data.device)
+            self.load_state_dict(state)
+        except (CheckpointError, ValueError, KeyError) as e:
+            error = e
+        mine = torch.tensor([-1 if error else self.step_count], dtype=torch.int64)
+        with self.transport.untracked():
+            steps = [int(t) for t in self.transport.all_gather(mine.to(self.flat.data.device))]
+        if error is not None:
+            raise CheckpointError(f"rank {self.rank}: cannot resume from {os.fspath(path)}: {error}") from error
+        check_resume_steps(steps, os.fspath(path))
+
+
+def _bound_messages(transport: Transport, numel: int) -> None:
+    """A torch.distributed transport refuses a peer's stated message size above what a model of
+    ``numel`` parameters can need (:func:`lowbit.comm.distributed.max_payload_nbytes`)."""
+    from ..comm.distributed import TorchDistributedTransport, max_payload_nbytes
+
+    if isinstance(transport, TorchDistributedTransport):
+        transport.max_message_bytes = max_payload_nbytes(numel)
+
+
+def check_resume_steps(steps: list[int], where: str) -> None:
+    """Every rank's resumed step (-1: that rank failed to load) must be the same."""
+    failed = [r for r, s in enumerate(steps) if s < 0]
+    if failed:
+        raise CheckpointError(f"cannot resume from {where}: rank(s) {failed} could not load their checkpoint")
+    if len(set(steps)) > 1:
+        by_step: dict[int, list[int]] = {}
+        for r, s in enumerate(steps):
+            by_step.setdefault(s, []).append(r)
+        detail = "; ".join(f"step {s}: rank(s) {rs}" for s, rs in sorted(by_step.items()))
+        raise CheckpointError(f"cannot resume from {where}: the ranks' checkpoints are of different steps "
+                              f"({detail}); every rank must resume from the same step (use the checkpoints "
+                              f"of one save)")
 
 
 def _check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:

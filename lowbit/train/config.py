@@ -18,11 +18,15 @@ from ..algorithms import ALGORITHMS
 from ..algorithms.compressed import SERVERS
 from ..algorithms.moniqua import THETA_SCHEDULES, VERIFY_BLOCK
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
+from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..comm.netmodel import NetworkModel
 from ..topology import TOPOLOGIES, WEIGHTINGS, make_topology
 from .tasks import SPLITS, TASKS
 
 BACKENDS = ("thread", "torch")
+# The thread backend keeps one queue per ordered pair of workers (n^2) and a thread per
+# worker: 512 workers took 24 s and 1.3 GB just to set up their queues here (2-core CPU).
+MAX_THREAD_WORKERS = 256
 LR_SCHEDULES = ("constant", "cosine")
 
 # Per-task defaults for options left as None.
@@ -44,6 +48,7 @@ CODEC_BUILDERS = {
     "minmax": lambda c: MinMaxCodec(bits=c.bits, rounding=c.rounding or "nearest"),
     "sign": lambda c: SignCodec(),
     "terngrad": lambda c: TernGradCodec(),
+    "bagua_minmax": lambda c: BaguaMinMaxCodec(),
 }
 
 
@@ -121,6 +126,15 @@ class TrainConfig:
     slow: str | None = _opt(None, "slow workers down, e.g. '0:3' (rank 0 computes 3x slower; RANK:FACTOR,...)")
     tensorboard: str | None = _opt(None, "also write the metrics as TensorBoard scalars into this directory "
                                    "(needs: pip install tensorboard)")
+    timeout: float | None = _opt(None, "torch backend: a limit in seconds on the whole run (default: none)")
+    stall_timeout: float = _opt(300.0, "torch backend: end the run when a worker neither starts a step nor "
+                                "communicates for this many seconds (a stopped or hung worker)")
+    checkpoint_every: int = _opt(0, "save every worker's state every K steps (0: never), atomically and "
+                                 "checksummed, into --checkpoint-dir (default OUT/checkpoints)")
+    checkpoint_dir: str | None = _opt(None, "folder of the --checkpoint-every checkpoints (rank{r}.pt)")
+    resume: str | None = _opt(None, "continue from the newest step every worker has a good checkpoint of in this "
+                              "folder; with --checkpoint-every, an empty folder starts afresh (for torchrun "
+                              "--max-restarts: the same command resumes after a restart)")
     # --- the decentralized family ---
     theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (Theorem 2 from "
                                      "tracked gradient norms)", type=_theta)
@@ -135,6 +149,13 @@ class TrainConfig:
     codec: str | None = _opt(None, "codec of a quantized baseline (see the algorithm's list)")
     rounding: str | None = _opt(None, f"one of: {', '.join(ROUNDINGS)} (algorithm default if omitted)")
     peer_selection: str = _opt("all", "lowprec-decentralized: Bagua's peer selection, all or shift_one")
+    hierarchical: bool = _opt(True, "lowprec-decentralized: Bagua's hierarchical mode (average inside a node, "
+                                    "gossip between node leaders, broadcast back)")
+    communication_interval: int = _opt(1, "lowprec-decentralized: communicate every this many steps (Bagua's)")
+    node_size: int | None = _opt(None, "lowprec-decentralized: workers per node (default: LOCAL_WORLD_SIZE on the "
+                                       "torch backend, 1 on the thread backend)")
+    bucket_bytes: int = _opt(10 * 1024 ** 2, "lowprec-decentralized: bytes per bucket, each quantized with its own "
+                                             "min and max (Bagua's default 10 MiB)")
     shared_randomness: bool = _opt(True, "Moniqua: all workers use the same stochastic-rounding offsets each step")
     # --- the centralized family ---
     server: str = _opt("allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}")
@@ -184,6 +205,8 @@ class TrainConfig:
             choice("rounding", ROUNDINGS)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        self._check_workers_bound()
+        self._check_floats()
         make_topology(self.topology, self.workers)  # unknown name or impossible size -> ValueError
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {self.bits}")
@@ -207,8 +230,23 @@ class TrainConfig:
             raise ValueError(f"k must be > 0 (a count, or a fraction of d if < 1), got {self.k}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0 or self.noise < 0:
-            raise ValueError(f"weight_decay and noise must be >= 0, got {self.weight_decay}, {self.noise}")
+        for name in ("weight_decay", "noise"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
+        for name in ("timeout", "stall_timeout"):
+            v = getattr(self, name)
+            if v is not None and not v > 0:
+                raise ValueError(f"{name} must be a number of seconds > 0, got {v}")
+        if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
+                or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be an integer >= 0 (0: never), got {self.checkpoint_every!r}")
+        if self.checkpoint_every and self.checkpoint_dir is None and self.resume is not None:
+            self.checkpoint_dir = self.resume  # resume where the checkpoints are written (restarts)
+        if self.checkpoint_every and not ALGORITHMS[self.algorithm].synchronous:
+            raise ValueError(f"checkpoint_every: algorithm={self.algorithm!r} is asynchronous (its workers are never "
+                             f"at one step together), so it has no consistent mid-run checkpoint")
+        if self.resume is not None and not self.checkpoint_every and not os.path.isdir(str(self.resume)):
+            raise ValueError(f"resume={self.resume!r} is not a folder of checkpoints")
         self.slow_factors()
         resolve_device(self.device)  # raises on a bad or unavailable device
         NetworkModel.parse(self.bandwidth, self.latency)  # raises on bad units
@@ -222,6 +260,34 @@ class TrainConfig:
         if cls.codecs:
             self.make_codec(cls.codecs)  # a bad combination fails here, before any worker starts
         cls.check_config(self)
+
+    def _check_workers_bound(self) -> None:
+        """--workers has an upper bound per runtime (what one machine can set up)."""
+        if self.backend == "thread" and self.workers > MAX_THREAD_WORKERS:
+            raise ValueError(f"workers={self.workers}: the thread backend simulates at most {MAX_THREAD_WORKERS} "
+                             f"workers (it keeps a queue per ordered pair of workers, n^2 of them, and a thread "
+                             f"per worker in one process)")
+        if self.backend == "torch":
+            from ..comm.launcher import MAX_LOCAL_WORKERS, is_torchrun
+
+            if not is_torchrun() and self.workers > MAX_LOCAL_WORKERS:
+                raise ValueError(f"workers={self.workers}: --backend torch starts at most {MAX_LOCAL_WORKERS} "
+                                 f"processes on this machine (each a Python process with torch loaded); use "
+                                 f"torchrun over several machines for more")
+
+    def _check_floats(self) -> None:
+        """Every float option that is set must be a finite number (NaN and inf are refused by name)."""
+        import typing
+
+        hints = typing.get_type_hints(type(self))
+        for f in fields(self):
+            if float not in (typing.get_args(hints[f.name]) or (hints[f.name],)):
+                continue
+            v = getattr(self, f.name)
+            if v is None or isinstance(v, str):  # None: the default; a string: theta 'auto', checked below
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{f.name} must be a finite number, got {v!r}")
 
     def make_codec(self, allowed: tuple[str, ...]) -> Codec:
         """The codec ``--codec`` names (default: the first of ``allowed``), built from the run's options."""

@@ -3,6 +3,7 @@ worker of either runtime, against a :class:`~lowbit.comm.Transport`."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -16,8 +17,16 @@ from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..integrations import FlatParams
 from ..topology import make_topology
+from ..integrations.checkpoint import (CheckpointError, candidates, ledger_state, newest_common_step, restore_ledger,
+                                       save_checkpoint)
 from .config import TrainConfig, resolve_device
+from .errors import Diverged, strict_json
 from .tasks import TASKS
+
+_CKPT_FORMAT = 1
+# options that may differ between a checkpointed run and the run resuming it
+RESUME_MAY_DIFFER = ("steps", "timeout", "stall_timeout", "tensorboard", "checkpoint_every", "checkpoint_dir",
+                     "resume", "device")
 
 _INIT_LOCK = threading.Lock()
 
@@ -90,12 +99,77 @@ def worker_device(cfg: TrainConfig, transport: Transport) -> torch.device:
     return resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", transport.rank)))
 
 
+def checkpoint_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.pt")
+
+
+def _comparable(cfg_dict: dict) -> dict:
+    return {k: v for k, v in cfg_dict.items() if k not in RESUME_MAY_DIFFER}
+
+
+def _resume(cfg: TrainConfig, folder: str, transport: Transport, d: int) -> dict | None:
+    """This rank's state of the newest step that every rank has a good checkpoint of in
+    ``folder`` (current or previous file), checked against this run; collective."""
+    found = candidates(checkpoint_path(folder, transport.rank))
+    with transport.untracked():
+        table = [t.tolist() for t in transport.all_gather(torch.tensor([s for s, _ in found], dtype=torch.int64))]
+    step = newest_common_step(table, folder)
+    if step is None:
+        return None
+    state = next(st for s, st in found if s == step)
+    if state.get("format") != _CKPT_FORMAT or state.get("world_size") != transport.world_size:
+        raise CheckpointError(f"cannot resume from {folder}: its checkpoints are of {state.get('world_size')} "
+                              f"workers, this run has {transport.world_size}")
+    theirs, mine = _comparable(state["config"]), _comparable(cfg.to_dict())
+    differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+    if differ:
+        raise CheckpointError(f"cannot resume from {folder}: the run differs from the checkpointed one in "
+                              + ", ".join(f"{k} ({theirs.get(k)!r} there, {mine.get(k)!r} here)" for k in differ))
+    if state["params"].numel() != d:
+        raise CheckpointError(f"cannot resume from {folder}: {state['params'].numel()} parameters, the model has {d}")
+    if step > cfg.steps:
+        raise CheckpointError(f"cannot resume from {folder}: it is at step {step}, beyond steps={cfg.steps}")
+    return state
+
+
+class _MetricsStream:
+    """Rank 0 appends each evaluation row to ``path`` as the run goes (flushed), so that a run
+    that stops early keeps its metrics; the finished run's rows are written over it by train()."""
+
+    def __init__(self, path: str | None, rank: int):
+        self.f = open(path, "a") if path is not None and rank == 0 else None
+
+    def write(self, row: dict) -> None:
+        if self.f is not None:
+            clean, replaced = strict_json(row)
+            if replaced:
+                clean["non_finite"] = replaced
+            self.f.write(json.dumps(clean, allow_nan=False) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.f is not None:
+            self.f.close()
+
+
 def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *, evaluate: bool = True,
-               instrument: Callable[[Algorithm], None] | None = None) -> WorkerResult:
+               instrument: Callable[[Algorithm], None] | None = None, stream: str | None = None) -> WorkerResult:
     """One worker's training run. ``evaluate=False`` skips every evaluation (its
     collectives too: ``evals`` stays empty), for runs that only measure what is
     sent; ``instrument`` is called with the algorithm once it is set up (e.g. to
-    observe its payloads)."""
+    observe its payloads); ``stream``: rank 0 appends each evaluation row to this
+    file as it goes.
+
+    A non-finite training loss, or an algorithm failing on a non-finite model or
+    gradient, raises :class:`~lowbit.train.errors.Diverged` naming the step.
+    ``cfg.checkpoint_every`` K > 0 saves this rank's state into
+    ``cfg.checkpoint_dir`` every K steps (atomically, checksummed);
+    ``cfg.resume`` (a folder) continues from the newest step every rank has there,
+    bit-identically for a synchronous algorithm."""
+    return _run_worker(transport, cfg, progress, evaluate, instrument, stream)
+
+
+def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> WorkerResult:
     rank, n = transport.rank, transport.world_size
     if n != cfg.workers:
         raise ValueError(f"the runtime has {n} workers but workers={cfg.workers}")
@@ -106,6 +180,14 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
         model = task.make_model().to(device)
         eval_model = task.make_model().to(device)
     flat, eval_flat = FlatParams(model), FlatParams(eval_model)
+    d = flat.data.numel()
+    from ..comm.distributed import TorchDistributedTransport, max_payload_nbytes
+
+    if isinstance(transport, TorchDistributedTransport):  # a peer's stated sizes are bounded by the model's
+        transport.max_message_bytes = max_payload_nbytes(d)
+    if cfg.k is not None and cfg.k >= 1 and cfg.k > d and getattr(ALGORITHMS[cfg.algorithm], "randk", False):
+        raise ValueError(f"k={cfg.k:g} coordinates kept is more than the model's d={d} parameters; "
+                         f"use k in [1, {d}] or a fraction in (0, 1)")
     algo = build_algorithm(cfg, transport)
     algo.setup(flat.data)
     if instrument is not None:
@@ -123,34 +205,78 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
     now = _compute_clock(device)
     compute: list[float] = []
     evals: list[dict] = []
-    for k in range(cfg.steps):
-        # An asynchronous algorithm has no global barrier: evaluate (a collective) only at the ends.
-        if evaluate and k % cfg.eval_every == 0 and (algo.synchronous or k == 0):
-            evals.append(_evaluate(k, task, model, flat, transport, eval_model, eval_flat))
-        transport.set_step(k)
-        t0 = now()
-        lr = cfg.lr_at(k)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        flat.zero_grad()
-        loss = task.loss(model, task.sample(shard, cfg.batch_size, data_gen))
-        loss.backward()
-        # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
-        extra = (slow - 1.0) * (now() - t0)
-        if extra > 0:
-            time.sleep(extra)
-        algo.before_update(k, flat.data, flat.grad, lr)
-        opt.step()
-        algo.after_update(k, flat.data, flat.grad, lr)
-        compute.append(now() - t0 + extra)
-        if bar is not None:
-            bar.update(1)
-    algo.finish()
-    transport.set_step(cfg.steps)
-    if evaluate:
-        evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
+    start = 0
+    if cfg.resume is not None:
+        state = _resume(cfg, cfg.resume, transport, d)
+        if state is None:
+            if not cfg.checkpoint_every:  # a restart with nothing saved yet starts afresh; a --resume needs one
+                raise CheckpointError(f"resume={cfg.resume!r}: no checkpoint (rank*.pt) there")
+        else:
+            with torch.no_grad():
+                flat.data.copy_(state["params"].to(flat.data.device))
+            opt.load_state_dict(state["optimizer"])
+            algo.load_state_dict(state["algorithm_state"])
+            data_gen.set_state(state["data_gen"])
+            restore_ledger(transport.ledger, state["ledger"])
+            compute = [float(c) for c in state["compute"].tolist()]
+            evals = list(state["evals"])
+            start = int(state["step"])
+    metrics = _MetricsStream(stream, rank)
+    if bar is not None and start:
+        bar.update(start)
+    try:
+        for row in evals:
+            metrics.write(row)
+        for k in range(start, cfg.steps):
+            # An asynchronous algorithm has no global barrier: evaluate (a collective) only at the ends.
+            if evaluate and k % cfg.eval_every == 0 and (algo.synchronous or k == 0):
+                evals.append(_evaluate(k, task, model, flat, transport, eval_model, eval_flat))
+                metrics.write(evals[-1])
+            transport.set_step(k)
+            t0 = now()
+            lr = cfg.lr_at(k)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            flat.zero_grad()
+            loss = task.loss(model, task.sample(shard, cfg.batch_size, data_gen))
+            if not torch.isfinite(loss.detach()).all():
+                raise Diverged(k, "training loss", rank)
+            loss.backward()
+            # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
+            extra = (slow - 1.0) * (now() - t0)
+            if extra > 0:
+                time.sleep(extra)
+            try:
+                algo.before_update(k, flat.data, flat.grad, lr)
+                opt.step()
+                algo.after_update(k, flat.data, flat.grad, lr)
+            except (ValueError, RuntimeError) as e:  # e.g. a codec refusing a non-finite model
+                for what, t in (("gradient", flat.grad), ("model", flat.data)):
+                    if not torch.isfinite(t).all():
+                        raise Diverged(k, what, rank) from e
+                raise
+            compute.append(now() - t0 + extra)
+            if bar is not None:
+                bar.update(1)
+            if cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0 and k + 1 < cfg.steps:
+                save_checkpoint({
+                    "format": _CKPT_FORMAT, "rank": rank, "world_size": n, "step": k + 1,
+                    "config": strict_json(cfg.to_dict())[0], "params": flat.data.detach().cpu().clone(),
+                    "optimizer": opt.state_dict(), "algorithm_state": algo.state_dict(),
+                    "data_gen": data_gen.get_state(), "ledger": ledger_state(transport.ledger),
+                    "compute": torch.tensor(compute, dtype=torch.float64), "evals": evals,
+                }, checkpoint_path(cfg.checkpoint_dir, rank))
+        algo.finish()
+        transport.set_step(cfg.steps)
+        if evaluate:
+            evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
+            metrics.write(evals[-1])
+    finally:
+        metrics.close()
     if bar is not None:
         bar.close()
+    if not torch.isfinite(flat.data).all():
+        raise Diverged(cfg.steps, "model", rank)
     flat.check_aliasing()
     return WorkerResult(rank=rank, params=flat.data.detach().cpu().clone(), ledger_rows=transport.ledger.to_rows(),
                         compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -16,33 +17,35 @@ from ..algorithms import ALGORITHMS
 from ..comm.inprocess import run_threads
 from ..comm.ledger import Ledger
 from .config import TrainConfig
+from .errors import OutputExists, classify, strict_json
 from .loop import WorkerResult, run_worker
 
 
-def _thread_job(cfg: TrainConfig, progress: bool):
+def _thread_job(cfg: TrainConfig, progress: bool, stream: str | None = None):
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # n workers share the cores; thread CPU time stays per worker
     try:
-        return run_threads(cfg.workers, functools.partial(run_worker, cfg=cfg, progress=progress))
+        return run_threads(cfg.workers, functools.partial(run_worker, cfg=cfg, progress=progress, stream=stream))
     finally:
         torch.set_num_threads(old)
 
 
-def _torch_worker(transport, cfg: TrainConfig, progress: bool) -> WorkerResult:
-    return run_worker(transport, cfg, progress)
+def _torch_worker(transport, cfg: TrainConfig, progress: bool, stream: str | None = None) -> WorkerResult:
+    return run_worker(transport, cfg, progress, stream=stream)
 
 
-def _torch_job(cfg: TrainConfig, progress: bool):
+def _torch_job(cfg: TrainConfig, progress: bool, stream: str | None = None):
     from ..comm.launcher import is_torchrun, launch
 
     bandwidth, latency = cfg.shaping()
     if not is_torchrun():
+        limits = dict(latency_s=latency, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout)
         if bandwidth is None:
-            return launch(cfg.workers, _torch_worker, cfg, progress, latency_s=latency)
+            return launch(cfg.workers, _torch_worker, cfg, progress, stream, **limits)
         from ..comm.shaping import ShapedNetwork
 
         with ShapedNetwork(cfg.workers, bandwidth) as net:  # deleted afterwards, also on failure
-            return launch(cfg.workers, _torch_worker, cfg, progress, latency_s=latency, network=net)
+            return launch(cfg.workers, _torch_worker, cfg, progress, stream, network=net, **limits)
     if bandwidth is not None:
         raise ValueError("shape_bandwidth: under torchrun the workers run on hosts lowbit does not manage; "
                          "shape their links yourself (tc), or launch without torchrun")
@@ -53,7 +56,7 @@ def _torch_job(cfg: TrainConfig, progress: bool):
 
     transport = init_from_env(latency_s=latency)
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    res = run_worker(transport, cfg, progress)
+    res = run_worker(transport, cfg, progress, stream=stream)
     gathered = [None] * transport.world_size if transport.rank == 0 else None
     dist.gather_object(res, gathered, dst=0)
     dist.barrier()  # no rank tears its process group down while another still reads from it
@@ -221,26 +224,109 @@ class Run:
     workers: list[WorkerResult]
 
 
-def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool = False) -> Run | None:
+RUN_FILES = ("metrics.jsonl", "summary.json")
+
+
+def prepare_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Check ``--out`` before any training: a folder (made if missing) that this process can
+    write, holding no previous run unless ``overwrite``. Raises OSError subclasses naming
+    ``--out`` (:class:`~lowbit.train.errors.OutputExists` for a previous run)."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a folder; choose a folder name")
+    previous = [f for f in RUN_FILES if (out / f).exists()]
+    if previous and not overwrite:
+        raise OutputExists(f"--out {out} holds a previous run ({', '.join(previous)}); pass --overwrite to "
+                           f"replace it, or choose another --out")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".lowbit-write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(f"--out {out} cannot be written ({e.strerror or e}); choose another --out") from None
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, fsync it and rename it onto ``path``:
+    a reader sees the old file or the new one, never a truncated one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def to_json(value, indent: int | None = None) -> str:
+    """Strict JSON (no NaN/Infinity): a non-finite number is null and the keys replaced are
+    listed under ``non_finite`` (when ``value`` is a dict)."""
+    clean, replaced = strict_json(value)
+    if replaced and isinstance(clean, dict):
+        clean["non_finite"] = replaced
+    return json.dumps(clean, indent=indent, allow_nan=False)
+
+
+def _failure_summary(cfg: TrainConfig, e: BaseException) -> dict:
+    """What summary.json says about a run that ended early (its metrics so far are in metrics.jsonl)."""
+    from ..comm.launcher import WorkerFailed
+    from .errors import Diverged
+
+    kind, message = classify(e)
+    cause = e.cause if isinstance(e, WorkerFailed) and e.cause is not None else e
+    out = {"status": "diverged" if isinstance(cause, Diverged) else "failed", "error_kind": kind,
+           "error": message or f"{type(e).__name__}", "config": cfg.to_dict()}
+    if isinstance(cause, Diverged):
+        out["diverged_at_step"] = cause.step
+    return out
+
+
+def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool = False,
+          overwrite: bool = False) -> Run | None:
     """Run ``cfg`` and return its :class:`Run` (None on non-zero torchrun
-    ranks); write ``metrics.jsonl`` and ``summary.json`` into ``out`` if given."""
+    ranks); write ``metrics.jsonl`` and ``summary.json`` into ``out`` if given.
+
+    ``out`` is checked before training (:func:`prepare_out`; a previous run there needs
+    ``overwrite``, or ``cfg.resume``). Rank 0 appends each evaluation to
+    ``metrics.jsonl`` as the run goes; the finished run's rows (with the emulated clock)
+    and ``summary.json`` are then written atomically. A run that ends early (divergence,
+    a dead or stalled worker, ...) keeps its metrics so far, writes a summary saying why
+    (``status``), and re-raises."""
     from ..comm.launcher import is_torchrun
 
     if cfg.backend == "thread" and is_torchrun():
         raise ValueError("backend='thread' simulates all workers in one process; under torchrun use --backend torch")
+    lead = not is_torchrun() or os.environ.get("RANK", "0") == "0"
+    stream = None
+    if out is not None:
+        out = Path(out)
+        if lead:
+            prepare_out(out, overwrite=overwrite or cfg.resume is not None)
+            (out / "metrics.jsonl").write_text("")  # rank 0's worker appends from here on
+        stream = str(out / "metrics.jsonl")
+    if cfg.checkpoint_every and cfg.checkpoint_dir is None:
+        if out is None:
+            raise ValueError("checkpoint_every needs --checkpoint-dir DIR (or --out, whose checkpoints/ it uses)")
+        cfg = dataclasses.replace(cfg, checkpoint_dir=str(out / "checkpoints"))
     t0 = time.perf_counter()
-    results = _thread_job(cfg, progress) if cfg.backend == "thread" else _torch_job(cfg, progress)
+    try:
+        results = _thread_job(cfg, progress, stream) if cfg.backend == "thread" else _torch_job(cfg, progress, stream)
+    except BaseException as e:
+        if out is not None and lead:
+            write_atomic(out / "summary.json", to_json(_failure_summary(cfg, e), indent=2) + "\n")
+        raise
     wall = time.perf_counter() - t0
     if results is None:
         return None
     run = Run(summarize(cfg, results, wall), metrics_rows(cfg, results), results)
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        with open(out / "metrics.jsonl", "w") as f:
-            for row in run.metrics:
-                f.write(json.dumps(row) + "\n")
-        (out / "summary.json").write_text(json.dumps(run.summary, indent=2) + "\n")
+        write_atomic(out / "metrics.jsonl", "".join(to_json(row) + "\n" for row in run.metrics))
+        write_atomic(out / "summary.json", to_json({"status": "finished", **run.summary}, indent=2) + "\n")
     if cfg.tensorboard is not None:
         write_tensorboard(cfg.tensorboard, run)
     return run

@@ -170,7 +170,7 @@ def _stats(x):
     sq = 0.0
     bad = 0
     for i in range(x.shape[0]):
-        v = float(x[i])
+        v = np.float64(x[i])
         if not math.isfinite(v):
             bad = 1
             continue
@@ -194,13 +194,13 @@ def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes):
     bad = False
     if stochastic:
         for i in range(x.shape[0]):
-            xv = float(x[i])
+            xv = np.float64(x[i])
             bad |= nonfinite(xv)
             c = round_stochastic(centered_mod(xv * inv_B, 1.0, 1.0) * L, k0, k1, i)
             codes[i] = np.uint8(np.int64(c) & mask)
     else:
         for i in range(x.shape[0]):
-            xv = float(x[i])
+            xv = np.float64(x[i])
             bad |= nonfinite(xv)
             c = rint(centered_mod(xv * inv_B, 1.0, 1.0) * L)
             codes[i] = np.uint8(np.int64(c) & mask)
@@ -213,7 +213,7 @@ def _modulo_decode(codes, B, levels, y, out):
     step = B / float(levels)
     inv_B = 1.0 / B
     for i in range(codes.shape[0]):
-        yv = float(y[i])
+        yv = np.float64(y[i])
         out[i] = centered_mod(float(codes[i]) * step - yv, B, inv_B) + yv
 
 
@@ -267,3 +267,67 @@ def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor)
     out = torch.empty(codes.numel(), dtype=y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
     _modulo_decode(np_view(codes), float(B), levels, as_numba(y), out.numpy())
     return out.to(y.dtype)
+
+
+# --- Moniqua's decode with the block hashes of its grid integers ---------------------------------
+
+HASH_SALT = np.uint64(0x9E3779B9)  # as lowbit.codecs.modulo.HASH_SALT
+
+
+@_jit
+def grid_element_hash(m, i):
+    """The 32-bit hash of grid integer ``m`` (int64) at position ``i``."""
+    u = np.uint64(m)
+    lo = u & M32
+    hi = (u >> np.uint64(32)) & M32
+    return mix32((mix32(lo ^ mix32(np.uint64(i) ^ HASH_SALT)) + hi) & M32)
+
+
+@_jit
+def _modulo_decode_hash(codes, B, levels, y, block, out, hashes):
+    """:func:`_modulo_decode` that also returns, per block of ``block`` elements, the
+    16-bit hash of the grid integers ``m = code - levels k`` of the decoded values
+    (``x_hat = m B / levels`` up to rounding). Returns the largest ``levels |k|`` met
+    (the caller refuses it beyond 2^53: the grid integers would not be exact)."""
+    step = B / float(levels)
+    inv_B = 1.0 / B
+    h = B * 0.5
+    L = np.int64(levels)
+    reach = 0.0
+    n = codes.shape[0]
+    nb = hashes.shape[0]
+    for b in range(nb):
+        acc = np.uint64(0)
+        for i in range(b * block, min(n, (b + 1) * block)):
+            yv = np.float64(y[i])
+            z = float(codes[i]) * step - yv
+            k = math.floor(z * inv_B + 0.5)
+            r = z - B * k
+            up = r >= h
+            down = r < -h
+            r = r - B if up else (r + B if down else r)
+            k = k + 1.0 if up else (k - 1.0 if down else k)
+            reach = max(reach, abs(k))
+            out[i] = r + yv
+            m = np.int64(codes[i]) - L * np.int64(k)
+            acc = (acc + grid_element_hash(m, i)) & M32
+        hashes[b] = np.uint16(mix32(acc) & np.uint64(0xFFFF))
+    return reach * float(levels)
+
+
+def modulo_decode_hash(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor,
+                       block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    y = ref.detach()
+    n = codes.numel()
+    out = torch.empty(n, dtype=y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
+    hashes = torch.empty((n + block - 1) // block, dtype=torch.int32)
+    h16 = np.empty(hashes.numel(), dtype=np.uint16)
+    reach = _modulo_decode_hash(np_view(codes), float(B), levels, as_numba(y), block, out.numpy(), h16)
+    if reach > GRID_LIMIT:
+        raise OverflowError(grid_overflow_message(reach, B, levels))
+    hashes.numpy()[:] = h16
+    return out.to(y.dtype), hashes
+
+
+
+from ..modulo import GRID_LIMIT, grid_overflow_message  # noqa: E402  (modulo imports this package lazily)

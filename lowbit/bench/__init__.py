@@ -1,0 +1,12 @@
+"""Benchmarks measured side by side in one process: ``lowbit bench codecs`` (every codec
+against memcpy, or ``--against references`` against plain-torch reference codecs) and
+``lowbit bench step`` (the per-step wall time of each algorithm against D-PSGD and
+AllReduce). How they measure: :mod:`lowbit.bench.timing`."""
+
+from .codecs import (AGAINST, MEMCPY_DEFINITION, BenchCase, ReferencePair, bench_codecs, bench_references,
+                     codec_row, default_cases, format_report, pair_row, reference_pairs, select)
+from .timing import median_ratio, spread
+
+__all__ = ["AGAINST", "MEMCPY_DEFINITION", "BenchCase", "ReferencePair", "bench_codecs", "bench_references",
+           "codec_row", "default_cases", "format_report", "median_ratio", "pair_row", "reference_pairs", "select",
+           "spread"]

@@ -1,0 +1,290 @@
+"""``lowbit bench codecs``: every codec against memcpy, and against the reference codecs.
+
+Method (:mod:`lowbit.bench.timing`): one torch thread; each timing is a
+``torch.utils.benchmark`` ``blocked_autorange`` median, on the CPU of the
+thread's CPU time by default (``clock="wall"`` for wall time), on CUDA of
+the wall time after synchronizing the device. memcpy is
+``dst.copy_(src)`` with ``dst`` a preallocated fp32 tensor of ``src``'s size.
+Round by round, each codec's memcpy, encode and decode are timed one after the
+other, and the reported ratios (encode / memcpy, decode / memcpy,
+(encode + decode) / memcpy) are medians of the per-round ratios. GB/s is fp32
+input bytes (``4 * size``) over the median seconds of the operation.
+
+``against="references"`` times, in each round, lowbit's encode + decode and a
+reference codec's (:mod:`lowbit.bench.references`) side by side, and reports
+the median of the per-round ratios lowbit / reference, with both wire sizes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..codecs import Codec, CodecKind, make_generator, shared_generator
+from . import references as refs
+from .timing import (check_positive_float, check_positive_int, measure, median_ratio, pinned_threads, resolve_clock,
+                     spread)
+
+MEMCPY_DEFINITION = ("memcpy = dst.copy_(src), dst a preallocated fp32 tensor of src's size; "
+                     "GB/s = 4 * size bytes of fp32 input / seconds")
+AGAINST = ("memcpy", "references")
+CLOCK_NAMES = {"cpu": "the thread's CPU time", "wall": "wall time (CUDA: after synchronizing the device)"}
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """``label``: shown in the table; its first word is the codec's family (what
+    ``--codecs`` selects). ``make``: builds the codec."""
+
+    label: str
+    make: Callable[[], Codec]
+
+    @property
+    def family(self) -> str:
+        return self.label.split()[0]
+
+
+@dataclass(frozen=True)
+class ReferencePair:
+    """A lowbit codec and the reference computing the same thing."""
+
+    label: str
+    make: Callable[[], Codec]
+    make_reference: Callable[[], refs.Reference]
+
+    @property
+    def family(self) -> str:
+        return self.label.split()[0]
+
+
+THETA = 0.1  # Moniqua's bound in the benchmark; the data keeps |x - ref| < 0.005 < theta
+
+
+def default_cases() -> list[BenchCase]:
+    from .. import codecs as c
+
+    cases = [BenchCase("fp32", c.IdentityCodec), BenchCase("fp16", lambda: c.HalfCodec("fp16")),
+             BenchCase("bf16", lambda: c.HalfCodec("bf16"))]
+    for b in (1, 2, 4, 8):
+        if b >= 2:
+            cases.append(BenchCase(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA)))
+        cases.append(BenchCase(f"minmax b={b}", lambda b=b: c.MinMaxCodec(bits=b)))
+    cases.append(BenchCase("uniform step=0.01", lambda: c.UniformCodec(step=0.01)))
+    for m in (1, 3, 7):  # 2, 3, 4 bits
+        cases.append(BenchCase(f"dithered M={m}", lambda m=m: c.DitheredCodec(levels=m)))
+    cases.append(BenchCase("nested k=4", lambda: c.NestedDitheredCodec(delta1=0.005, k=4)))
+    for s in (1, 7, 127):
+        cases.append(BenchCase(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s)))
+    for b in (2, 4, 8):
+        cases.append(BenchCase(f"qsgd_maxnorm b={b}", lambda b=b: c.QSGDMaxNormCodec(bits=b)))
+    cases.append(BenchCase("multiscale (2,6)", lambda: c.MultiScaleMaxNormCodec(scales=(2, 6))))
+    cases.append(BenchCase("globalrandk 1% maxnorm b=8",
+                           lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=10_000, seed=1)))
+    cases += [BenchCase("terngrad", c.TernGradCodec), BenchCase("sign", c.SignCodec),
+              BenchCase("powersgd r=2", lambda: c.PowerSGDCodec(rank=2))]
+    return cases
+
+
+def reference_pairs() -> list[ReferencePair]:
+    """lowbit codec / reference pairs computing the same quantizer (same levels, bits, theta)."""
+    from .. import codecs as c
+
+    pairs = [ReferencePair(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s), lambda s=s: refs.QSGDReference(s))
+             for s in (7, 127)]
+    pairs.append(ReferencePair("terngrad", c.TernGradCodec, refs.TernGradReference))
+    pairs.append(ReferencePair("sign (unscaled)", lambda: c.SignCodec(scale="none"), refs.SignSGDReference))
+    pairs += [ReferencePair(f"qsgd_maxnorm b={b}", lambda b=b: c.QSGDMaxNormCodec(bits=b),
+                            lambda b=b: refs.QSGDMaxNormReference(b)) for b in (2, 4, 8)]
+    pairs += [ReferencePair(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA),
+                            lambda b=b: refs.MoniquaReference(b, THETA)) for b in (2, 4)]
+    pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference))
+    pairs.append(ReferencePair("powersgd r=2", lambda: c.PowerSGDCodec(rank=2), lambda: refs.PowerSGDReference(2)))
+    return pairs
+
+
+def select(cases: list, codecs: str | list[str] | None) -> list:
+    """The cases whose family (first word of the label) or whole label is in ``codecs``
+    (a comma-separated string or a list); None keeps all. An unknown name is a ValueError."""
+    if codecs is None:
+        return list(cases)
+    names = [n.strip() for n in (codecs.split(",") if isinstance(codecs, str) else codecs) if n.strip()]
+    if not names:
+        raise ValueError("codecs must name at least one codec (comma-separated), got an empty list")
+    valid = {c.family for c in cases} | {c.label for c in cases}
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        families = sorted({c.family for c in cases})
+        raise ValueError(f"codecs: unknown {', '.join(map(repr, unknown))}; choose from: {', '.join(families)} "
+                         f"(or a full label such as {cases[0].label!r})")
+    return [c for c in cases if c.family in names or c.label in names]
+
+
+def bench_data(size: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (fp32, std 0.05) and a neighbour's ``ref`` with ``|x - ref| < 0.005``."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(size, generator=g) * 0.05).to(device)
+    ref = x + (torch.rand(size, generator=g).to(device) - 0.5) * 0.01
+    return x, ref
+
+
+def _generator(seed: int) -> torch.Generator:
+    """The generator lowbit's algorithms hand a codec for one message: ``shared_generator``
+    as they call it (where the draws happen is the codec's affair)."""
+    return shared_generator(seed, 0, 0)
+
+
+def _reference_generator(seed: int, device: torch.device) -> torch.Generator:
+    """The references draw on the data's device, as their code (``torch.rand_like``) does."""
+    return make_generator(seed, device)
+
+
+def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device):
+    """(encode, decode, payload): the two timed calls, each with a fresh shared generator
+    (as one message's sender and receiver derive it), and a payload to decode."""
+    payload = codec.encode(x, generator=_generator(seed))
+    kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
+    return (lambda: codec.encode(x, generator=_generator(seed)),
+            lambda: codec.decode(payload, generator=_generator(seed), **kw), payload)
+
+
+def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, ref: torch.Tensor, seed: int,
+                    device: torch.device):
+    """(lowbit, reference): the two timed encode + decode calls of a pair."""
+    kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
+    rkw = {"ref": ref} if reference.needs_ref else {}
+
+    def lowbit():
+        return codec.decode(codec.encode(x, generator=_generator(seed)),
+                            generator=_generator(seed), **kw)
+
+    def reference_rt():
+        return reference.decode(reference.encode(x, generator=_reference_generator(seed, device)), **rkw)
+
+    return lowbit, reference_rt
+
+
+def _setup(size, rounds, min_run_time, device, seed, clock):
+    from ..train.config import resolve_device
+
+    device = resolve_device(device)
+    clock = resolve_clock(clock, device)
+    check_positive_int(size, "size")
+    check_positive_int(rounds, "rounds")
+    check_positive_float(min_run_time, "min_run_time")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    return device, clock
+
+
+def codec_row(label: str, rounds: list[dict], size: int, nbytes: int) -> dict:
+    """One codec's row from its per-round timings (seconds; keys memcpy, encode, decode)."""
+    gb = 4 * size / 1e9
+    med = {k: statistics.median(r[k] for r in rounds) for k in ("memcpy", "encode", "decode")}
+    return {"codec": label, "bytes_per_element": nbytes / size,
+            "encode_x_memcpy": median_ratio(rounds, "encode", "memcpy"),
+            "decode_x_memcpy": median_ratio(rounds, "decode", "memcpy"),
+            "roundtrip_x_memcpy": median_ratio(rounds, ("encode", "decode"), "memcpy"),
+            "roundtrip_x_memcpy_range": spread(rounds, ("encode", "decode"), "memcpy"),
+            "memcpy_gbps": gb / med["memcpy"], "encode_gbps": gb / med["encode"], "decode_gbps": gb / med["decode"],
+            "rounds": rounds}
+
+
+def pair_row(label: str, reference: str, rounds: list[dict], size: int, lowbit_nbytes: int,
+             reference_nbytes: int) -> dict:
+    """One pair's row from its per-round timings (seconds; keys lowbit, reference, memcpy:
+    encode + decode of each side, and the round's memcpy)."""
+    return {"codec": label, "reference": reference,
+            "lowbit_x_reference": median_ratio(rounds, "lowbit", "reference"),
+            "lowbit_x_reference_range": spread(rounds, "lowbit", "reference"),
+            "lowbit_x_memcpy": median_ratio(rounds, "lowbit", "memcpy"),
+            "reference_x_memcpy": median_ratio(rounds, "reference", "memcpy"),
+            "lowbit_bytes": lowbit_nbytes, "reference_bytes": reference_nbytes,
+            "lowbit_bytes_per_element": lowbit_nbytes / size, "reference_bytes_per_element": reference_nbytes / size,
+            "rounds": rounds}
+
+
+def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] | None = None,
+                 device: str = "cpu", seed: int = 0, codecs: str | list[str] | None = None,
+                 min_run_time: float = 0.05, clock: str = "auto") -> dict:
+    """Each codec's encode and decode on ``size`` fp32 elements on ``device`` (``cpu``,
+    ``cuda``, ``cuda:N`` or ``auto``) against memcpy, ``rounds`` interleaved rounds
+    (module doc). Returns the report: settings plus one row per codec."""
+    dev, clock = _setup(size, rounds, min_run_time, device, seed, clock)
+    cases = select(cases if cases is not None else default_cases(), codecs)
+    with pinned_threads(1) as threads:
+        x, ref = bench_data(size, dev, seed)
+        out = torch.empty_like(x)
+        memcpy = lambda: out.copy_(x)  # noqa: E731
+        prepared = []
+        for case in cases:
+            codec = case.make()
+            enc, dec, payload = codec_calls(codec, x, ref, seed, dev)
+            prepared.append((case, enc, dec, payload.nbytes))
+        timings: dict[str, list[dict]] = {case.label: [] for case in cases}
+        for _ in range(rounds):
+            for case, enc, dec, _nb in prepared:
+                timings[case.label].append({"memcpy": measure(memcpy, dev, min_run_time, threads, clock),
+                                            "encode": measure(enc, dev, min_run_time, threads, clock),
+                                            "decode": measure(dec, dev, min_run_time, threads, clock)})
+    rows = [codec_row(case.label, timings[case.label], size, nb) for case, _e, _d, nb in prepared]
+    return {"benchmark": "codecs", "against": "memcpy", "device": str(dev), "threads": threads, "size": size,
+            "rounds": rounds, "min_run_time": min_run_time, "clock": clock, "memcpy": MEMCPY_DEFINITION, "rows": rows}
+
+
+def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu", seed: int = 0,
+                     codecs: str | list[str] | None = None, min_run_time: float = 0.05,
+                     pairs: list[ReferencePair] | None = None, clock: str = "auto") -> dict:
+    """Encode + decode of each lowbit codec against its reference (:func:`reference_pairs`),
+    side by side in ``rounds`` interleaved rounds, with a memcpy in each round."""
+    dev, clock = _setup(size, rounds, min_run_time, device, seed, clock)
+    pairs = select(pairs if pairs is not None else reference_pairs(), codecs)
+    with pinned_threads(1) as threads:
+        x, ref = bench_data(size, dev, seed)
+        out = torch.empty_like(x)
+        memcpy = lambda: out.copy_(x)  # noqa: E731
+        prepared = []
+        for pair in pairs:
+            codec, reference = pair.make(), pair.make_reference()
+            lowbit, reference_rt = roundtrip_calls(codec, reference, x, ref, seed, dev)
+            payload = codec.encode(x, generator=_generator(seed))
+            wire = reference.encode(x, generator=_reference_generator(seed, dev))
+            prepared.append((pair, reference.name, lowbit, reference_rt, payload.nbytes, refs.wire_nbytes(wire)))
+        timings: dict[str, list[dict]] = {p.label: [] for p in pairs}
+        for _ in range(rounds):
+            for pair, _name, lowbit, reference_rt, _lb, _rb in prepared:
+                timings[pair.label].append({"memcpy": measure(memcpy, dev, min_run_time, threads, clock),
+                                            "lowbit": measure(lowbit, dev, min_run_time, threads, clock),
+                                            "reference": measure(reference_rt, dev, min_run_time, threads, clock)})
+    rows = [pair_row(p.label, name, timings[p.label], size, lb, rb) for p, name, _l, _r, lb, rb in prepared]
+    return {"benchmark": "codecs", "against": "references", "device": str(dev), "threads": threads, "size": size,
+            "rounds": rounds, "min_run_time": min_run_time, "clock": clock, "memcpy": MEMCPY_DEFINITION, "rows": rows}
+
+
+def format_report(report: dict) -> str:
+    """The report as a table (lower ratios are better)."""
+    head = (f"{report['size']} fp32 elements on {report['device']}, {report['threads']} torch thread "
+            f"(torch.set_num_threads({report['threads']})), {report['rounds']} interleaved rounds, "
+            f"medians of per-round ratios (torch.utils.benchmark blocked_autorange, min_run_time "
+            f"{report['min_run_time']} s, clock: {CLOCK_NAMES[report['clock']]})\n{report['memcpy']}")
+    if report["against"] == "references":
+        lines = ["lowbit against reference codecs: encode + decode, lowbit / reference (< 1: lowbit faster)", head,
+                 f"{'codec':<20} {'reference':<27} {'lowbit/ref':>10} {'range':>13} {'lowbit/memcpy':>13} "
+                 f"{'ref/memcpy':>10} {'lowbit B':>10} {'ref B':>10}"]
+        for r in report["rows"]:
+            lo, hi = r["lowbit_x_reference_range"]
+            lines.append(f"{r['codec']:<20} {r['reference']:<27} {r['lowbit_x_reference']:>10.2f} "
+                         f"{f'{lo:.2f}-{hi:.2f}':>13} {r['lowbit_x_memcpy']:>13.1f} {r['reference_x_memcpy']:>10.1f} "
+                         f"{r['lowbit_bytes']:>10} {r['reference_bytes']:>10}")
+        return "\n".join(lines)
+    lines = ["codec throughput against memcpy (times as multiples of memcpy: lower is better)", head,
+             f"{'codec':<27} {'enc/memcpy':>10} {'dec/memcpy':>10} {'(e+d)/memcpy':>12} {'range':>13} "
+             f"{'enc GB/s':>9} {'dec GB/s':>9} {'memcpy GB/s':>11} {'B/elem':>7}"]
+    for r in report["rows"]:
+        lo, hi = r["roundtrip_x_memcpy_range"]
+        lines.append(f"{r['codec']:<27} {r['encode_x_memcpy']:>10.1f} {r['decode_x_memcpy']:>10.1f} "
+                     f"{r['roundtrip_x_memcpy']:>12.1f} {f'{lo:.1f}-{hi:.1f}':>13} {r['encode_gbps']:>9.3f} "
+                     f"{r['decode_gbps']:>9.3f} {r['memcpy_gbps']:>11.2f} {r['bytes_per_element']:>7.4f}")
+    return "\n".join(lines)

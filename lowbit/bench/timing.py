@@ -1,0 +1,129 @@
+"""How every lowbit benchmark measures: one place.
+
+* A timing is ``torch.utils.benchmark.Timer(...).blocked_autorange()``: the
+  statement runs in blocks of ``number`` calls (``number`` chosen so one block
+  outlasts the timer's resolution), blocks repeat until ``min_run_time``
+  seconds have passed, and the time per call is the median over blocks. The
+  first block-size estimate doubles as a warm-up. On CUDA the timer
+  synchronizes the device before reading the clock, so a call's queued kernels
+  are inside its time.
+* Clock: on the CPU by default the thread's CPU time (``time.thread_time``; the
+  statement runs in the calling thread, and with one torch thread all its work
+  is there), so the time a shared machine's scheduler takes the core away is
+  not counted; ``clock="wall"`` uses ``timeit.default_timer`` instead. On a
+  machine with the cores to itself the two agree; on a loaded one the wall
+  clock inflates long calls (preempted more often) far more than short ones,
+  the CPU clock does not. On CUDA the clock is the wall clock read after
+  synchronizing the device.
+* Threads: the Timer runs with ``num_threads`` torch threads (lowbit's
+  benchmarks pass 1, and :func:`pinned_threads` pins the whole benchmark).
+* Comparisons are made round by round: in each round the things compared are
+  timed one right after the other (interleaved), a ratio is taken inside the
+  round, and the reported figure is the median of the per-round ratios. A slow
+  spell on a shared machine then moves both sides of a ratio together, and one
+  bad round moves a median little.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+import timeit
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+__all__ = ["CLOCKS", "check_positive_float", "check_positive_int", "clock_for", "measure", "median_ratio",
+           "pinned_threads", "resolve_clock", "spread"]
+
+
+def check_positive_int(value, name: str, lo: int = 1) -> int:
+    """``value`` as an int ``>= lo``; otherwise a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}")
+    return value
+
+
+def check_positive_float(value, name: str) -> float:
+    """``value`` as a finite float ``> 0``; otherwise a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < float(value) < float("inf")):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+CLOCKS = ("auto", "cpu", "wall")
+
+
+def resolve_clock(clock: str, device: torch.device) -> str:
+    """``auto`` is ``cpu`` (thread CPU time) on the CPU and ``wall`` on CUDA; ``cpu`` on
+    CUDA is a ValueError (kernels run on the GPU, not in the thread)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock={clock!r} is unknown; choose one of: {', '.join(CLOCKS)}")
+    if clock == "auto":
+        return "wall" if device.type == "cuda" else "cpu"
+    if clock == "cpu" and device.type == "cuda":
+        raise ValueError("clock='cpu' times the calling thread's CPU work; on CUDA use clock='wall' (or auto)")
+    return clock
+
+
+def clock_for(device: torch.device, clock: str = "auto") -> Callable[[], float]:
+    """The Timer's clock (module doc): thread CPU time, or the wall clock; on CUDA the
+    device is synchronized first (so queued kernels are timed, also on a ``cuda:N``
+    other than the current device)."""
+    clock = resolve_clock(clock, device)
+    if device.type == "cuda":
+        def synced() -> float:
+            torch.cuda.synchronize(device)
+            return timeit.default_timer()
+
+        return synced
+    return time.thread_time if clock == "cpu" else timeit.default_timer
+
+
+def measure(fn: Callable[[], object], device: torch.device, min_run_time: float, threads: int = 1,
+            clock: str = "auto") -> float:
+    """Median seconds per call of ``fn()`` by ``Timer.blocked_autorange`` (see the module doc)."""
+    from torch.utils.benchmark import Timer
+
+    timer = Timer(stmt="fn()", globals={"fn": fn}, timer=clock_for(device, clock), num_threads=threads)
+    return float(timer.blocked_autorange(min_run_time=min_run_time).median)
+
+
+@contextlib.contextmanager
+def pinned_threads(n: int = 1) -> Iterator[int]:
+    """``torch.set_num_threads(n)`` for the block, restored afterwards."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(old)
+
+
+def _ratios(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> list[float]:
+    if not rounds:
+        raise ValueError("rounds must hold at least one round of timings")
+    keys = (num,) if isinstance(num, str) else tuple(num)
+    out = []
+    for i, r in enumerate(rounds):
+        for k in (*keys, den):
+            if k not in r:
+                raise ValueError(f"round {i} has no timing {k!r} (has {sorted(r)})")
+            if not (isinstance(r[k], (int, float)) and r[k] > 0 and r[k] < float("inf")):
+                raise ValueError(f"round {i}: timing {k!r} must be a finite number of seconds > 0, got {r[k]!r}")
+        out.append(sum(r[k] for k in keys) / r[den])
+    return out
+
+
+def median_ratio(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> float:
+    """The median over rounds of ``sum(round[k] for k in num) / round[den]``: each ratio is
+    taken inside one round (timings measured side by side), then the median is taken."""
+    return statistics.median(_ratios(rounds, num, den))
+
+
+def spread(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> tuple[float, float]:
+    """(smallest, largest) per-round ratio, to show how far the rounds agree."""
+    r = _ratios(rounds, num, den)
+    return min(r), max(r)
+

@@ -1,0 +1,125 @@
+"""Bagua's ``MinMaxUInt8`` quantizer, computed as Bagua's CUDA kernel computes it.
+
+For one bucket ``x`` (float32) with ``lo = min(x)``, ``hi = max(x)``::
+
+    scale = 255 / (hi - lo + 1e-7)
+    upper = rint(hi * scale);  lower = upper - 255
+    code  = min(rint(x * scale), upper) - lower          (uint8)
+    x^    = (code + lower) / scale
+
+every operation in float32 (``rint``: round half to even). The grid is anchored
+at 0, not at ``lo``: a level is ``rint(x * scale)``, and the codes are those
+levels offset by ``lower``. So an exact zero is decoded as an exact zero
+whenever ``lo <= 0 <= hi``, and the round trip differs from lowbit's
+``minmax`` codec (grid anchored at ``lo``, float64, no epsilon) by about one
+grid step on many elements. Bagua clamps the level at the top only
+(``min(level, upper)``); a level below ``lower`` can arise only by float
+rounding of ``hi * scale - lo * scale`` past 255, where the GPU's float to
+uint8 conversion saturates to 0; here that saturation is explicit.
+
+Wire layout (what Bagua's kernel puts in one message, ``n`` elements): a
+32-byte block that opens with ``min`` and ``max`` as float32, then ``align32(n)``
+code bytes (``align32(n)``: n rounded up to a multiple of 32, the padding codes
+0). Bagua leaves the block's other 24 bytes unused; lowbit writes the element
+count there (int32, then 20 zero bytes), so the payload is self-describing
+at Bagua's exact size, ``32 + align32(n)`` bytes.
+
+Everything is vectorised torch on the input's device: ``encode`` never reads a
+value back to the host (a non-finite ``x`` is caught by an asynchronous device
+assert on CUDA, a ValueError on the CPU), and ``decode(payload, numel=n)`` does
+not either (without ``numel`` it reads the count from the header: one host read).
+No float64 copy is made; a float64 input is quantized in float32, as Bagua's
+kernel supports float32 (and float16) only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .base import Codec, CodecKind, Payload, check_flat, unpack_header
+from .quantize import check_numel
+
+__all__ = ["BaguaMinMaxCodec", "align32", "BAGUA_EPS", "BAGUA_BLOCK_BYTES"]
+
+BAGUA_EPS = float(np.float32(1e-7))  # Bagua's ``const float eps = 1e-7``, exactly as float32
+BAGUA_BLOCK_BYTES = 32  # the min/max block of one message
+LEVELS = 255
+
+
+def align32(n: int) -> int:
+    """``n`` rounded up to a multiple of 32 (Bagua's alignment of the code bytes)."""
+    return (n + 31) // 32 * 32
+
+
+@dataclass(frozen=True)
+class BaguaMinMaxCodec(Codec):
+    """Bagua's MinMaxUInt8 (see the module docstring). 8 bits, deterministic
+    (nearest, half to even), biased; one min and max per call (one bucket)."""
+
+    name = "bagua_minmax"
+    kind = CodecKind.PLAIN
+    unbiased = False
+    header_format = "ffi20x"  # min, max (float32), numel (int32), 20 bytes unused: Bagua's 32-byte block
+
+    @property
+    def bits(self) -> int:  # type: ignore[override]
+        return 8
+
+    @staticmethod
+    def grid(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, lower) from float32 ``lo`` and ``hi`` (0-d tensors), as Bagua's kernel."""
+        scale = LEVELS / (hi - lo + BAGUA_EPS)
+        lower = torch.round(hi * scale) - LEVELS
+        return scale, lower
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        check_flat(x)
+        n = check_numel(x)
+        dev = x.device
+        count = torch.full((1,), n, dtype=torch.int32, device=dev).view(torch.uint8)  # a fill, not a host copy
+        if n == 0:
+            header = torch.cat([torch.zeros(8, dtype=torch.uint8, device=dev), count,
+                                torch.zeros(20, dtype=torch.uint8, device=dev)])
+            return Payload(header=header, data=torch.empty(0, dtype=torch.uint8, device=dev))
+        x32 = x.detach().to(torch.float32)  # no copy when x is float32 already
+        lo, hi = torch.aminmax(x32)
+        finite = torch.isfinite(lo) & torch.isfinite(hi)
+        if dev.type == "cpu":
+            if not bool(finite):
+                raise ValueError(f"x must be finite for Bagua's min-max codec, got range [{float(lo)}, {float(hi)}]")
+        else:
+            torch._assert_async(finite, "x must be finite for Bagua's min-max codec")
+        scale, lower = self.grid(lo, hi)
+        level = torch.minimum(torch.round(x32 * scale), lower + LEVELS)  # Bagua: min(level, upper)
+        data = torch.zeros(align32(n), dtype=torch.uint8, device=dev)
+        data[:n] = (level - lower).clamp_(min=0).to(torch.uint8)
+        header = torch.cat([torch.stack([lo, hi]).view(torch.uint8), count,
+                            torch.zeros(20, dtype=torch.uint8, device=dev)])
+        return Payload(header=header, data=data)
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, numel: int | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The decoded bucket (float32 unless ``dtype``). ``numel``: the element count the
+        receiver expects (no host read; checked against the code length); None reads it
+        from the header."""
+        if payload.header.numel() != BAGUA_BLOCK_BYTES:
+            raise ValueError(f"a Bagua min-max payload opens with a {BAGUA_BLOCK_BYTES}-byte block, "
+                             f"got {payload.header.numel()} bytes")
+        if numel is None:
+            numel = int(unpack_header(self.header_format, payload.header)[2])
+        elif isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be an int >= 0, got {numel!r}")
+        if payload.data.numel() != align32(numel):
+            raise ValueError(f"a Bagua min-max payload of {numel} elements carries align32({numel}) = "
+                             f"{align32(numel)} code bytes, got {payload.data.numel()}")
+        out_dtype = torch.float32 if dtype is None else dtype
+        if numel == 0:
+            return torch.empty(0, dtype=out_dtype, device=payload.data.device)
+        lohi = payload.header[:8].clone().view(torch.float32).to(payload.data.device)
+        scale, lower = self.grid(lohi[0], lohi[1])
+        x = (payload.data[:numel].to(torch.float32) + lower) / scale
+        return x.to(out_dtype)
