@@ -69,7 +69,7 @@ from .base import (
 from .kernels import kernels_for
 from .packing import pack_wide, packed_nbytes, unpack_wide
 from .quantize import INT32_MAX, check_int_range, check_numel
-from .rng import _mix32, counter_hash, derive_seed
+from .rng import counter_hash, derive_seed, mix32
 
 __all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM", "FEISTEL_ROUNDS", "feistel_params",
            "round_keys", "select_reference"]
@@ -112,7 +112,7 @@ def _feistel_torch(v: torch.Tensor, a: int, hb: int, keys: list[int]) -> torch.T
     bmask = (1 << hb) - 1
     L, R = v >> hb, v & bmask
     for r, key in enumerate(keys):
-        h = _mix32(R ^ key)
+        h = mix32(R ^ key)
         if r % 2 == 0:
             t = L + ((h * a) >> 32)
             L, R = R, torch.where(t >= a, t - a, t)
