@@ -160,7 +160,9 @@ def _ms_encode_int(x, W, Wdiv, levels, idx, k0, k1, codes):
 
 @_jit
 def _ms_encode_words(x, W, Wdiv, levels, code_bits, k0, k1, words):
-    """One message with this worker's own scale indices: ``(j << code_bits) | (code + s_min)``."""
+    """One message with this worker's own scale indices: ``(j << code_bits) | (code + s_min)``.
+    ``levels`` is a tuple (its length a compile-time constant: the scale choice unrolls and
+    the loop stays branch-free); the chosen scale is tracked with the index, no gather."""
     s_min = levels[0]
     off = np.int64(s_min)
     bad = False
@@ -171,8 +173,13 @@ def _ms_encode_words(x, W, Wdiv, levels, code_bits, k0, k1, words):
         a = abs(v)
         over |= a > W
         r = a / Wdiv
-        j = _admissible(r, levels, s_min)
-        mag = np.int64(round_stochastic(r * levels[j], k0, k1, i))
+        j = 0
+        lev = s_min
+        for k in range(1, len(levels)):  # ascending: the admissible scales are a prefix (eq. 11)
+            ok = r * levels[k] <= s_min
+            j += 1 if ok else 0
+            lev = levels[k] if ok else lev
+        mag = np.int64(round_stochastic(r * lev, k0, k1, i))
         words[i] = (np.int64(j) << code_bits) | ((-mag if v < 0.0 else mag) + off)
     return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
 
@@ -348,7 +355,8 @@ def ms_encode_words(x: torch.Tensor, W, levels: torch.Tensor, code_bits: int, ke
     W, Wdiv = _W(W)
     words = torch.empty(x.numel(), dtype=dtype)
     k0, k1 = keys(key)
-    return words, _ms_encode_words(as_numba(x), W, Wdiv, np_view(levels), code_bits, k0, k1, words.numpy())
+    lev = tuple(float(v) for v in levels.tolist())
+    return words, _ms_encode_words(as_numba(x), W, Wdiv, lev, code_bits, k0, k1, words.numpy())
 
 
 def ms_decode_sum(codes: torch.Tensor, idx: torch.Tensor, W, levels: torch.Tensor, m: int,
