@@ -2,7 +2,8 @@
 each codec at 1e7 float32 elements on one thread, each round timing a
 ``dst.copy_(src)`` memcpy into a preallocated buffer beside the fast and the
 reference encode/decode; the table gives the median over rounds of the per-round
-ratios to the memcpy. PowerSGD is compared with the math of torch's
+ratios to the memcpy. RandK selects anew each round (a new seed: the encode
+computes the selection, the decode finds it in the per-process cache). PowerSGD is compared with the math of torch's
 ``powerSGD_hook`` (``bmm``, Gram-Schmidt for rank <= 2, ``bmm``, ``bmm``) on the
 same zero-padded matrix.
 
@@ -43,7 +44,9 @@ def bench(size: int, rounds: int, reference: bool) -> list[tuple]:
     rows = []
     for label, c in cases:
         ratios = {k: [] for k in ("enc", "dec", "ref_enc", "ref_dec")}
-        for rnd in range(rounds + 1):  # round 0 warms up (numba compile, caches)
+        for rnd in range(rounds + 1):  # round 0 warms up (numba compile)
+            if isinstance(c, RandKCodec):  # a new selection each round, as each training step
+                c = c.with_seed(1000 + rnd)
             tm, _ = _t(lambda: dst.copy_(x))
             te, p = _t(lambda: c.encode(x, generator=shared_generator(0, rnd, 0)))
             td, _ = _t(lambda: c.decode(p))

@@ -50,6 +50,7 @@ is unchanged, but a seed now selects a different set.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -135,6 +136,15 @@ def select_reference(d: int, k: int, seed: int) -> torch.Tensor:
             break
         s[out] = _feistel_torch(s[out], a, hb, keys)
     return torch.nonzero(s < k).view(-1)
+
+
+@functools.lru_cache(maxsize=4)
+def _select_cached(d: int, k: int, seed: int) -> torch.Tensor:
+    """The fast selection on the CPU (numba), cached: a global random-k step selects once
+    per process for its encode and every decode of that step (read-only tensors)."""
+    K = kernels_for(torch.empty(0), _FAMILY)
+    a, hb = feistel_params(d)
+    return K.select(d, k, a, hb, round_keys(seed, d).numpy().astype("uint64"), k * SPARSE_RATIO >= d)
 
 
 def _check_seed(seed, field: str = "seed") -> int:
@@ -233,9 +243,14 @@ class RandKCodec(SummableCodec):
         K = kernels_for(torch.empty(0), _FAMILY)
         if K is None or kk == numel:
             return self.indices_reference(numel, seed, device)
-        a, hb = feistel_params(numel)
-        keys = round_keys(seed, numel).numpy().astype("uint64")
-        return K.select(numel, kk, a, hb, keys, kk * SPARSE_RATIO >= numel).to(device)
+        return _select_cached(numel, kk, seed).clone().to(device)
+
+    def _indices(self, numel: int, seed: int, device) -> torch.Tensor:
+        """:meth:`indices` for the codec's own use (read-only: may be the cached tensor)."""
+        kk = self.kept(numel)
+        if kk == numel or kernels_for(torch.empty(0), _FAMILY) is None:
+            return self.indices_reference(numel, seed, device)
+        return _select_cached(numel, kk, seed).to(device)
 
     def indices_reference(self, numel: int, seed: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """:meth:`indices` by :func:`select_reference` (plain torch, one pass over ``[0, numel)``)."""
@@ -266,7 +281,7 @@ class RandKCodec(SummableCodec):
         check_flat(x)
         n = check_numel(x)
         seed = self.seed if self.seed is not None else self._draw_seed(generator)
-        idx = self.indices(n, seed, device=x.device)
+        idx = self._indices(n, seed, x.device)
         kw = {"generator": generator}
         if scale is not None:
             if not is_summable(self.inner):
@@ -296,7 +311,7 @@ class RandKCodec(SummableCodec):
             idx = unpack_wide(data[:nb], self._index_bits(n), kk)
             data = data[nb:]
         else:
-            idx = self.indices(n, fields[1], device=data.device)
+            idx = self._indices(n, _check_seed(fields[1]), data.device)
         inner_p = Payload(header=payload.header[own:], data=data)
         out_dtype = torch.float32 if dtype is None else dtype
         kw = {}
@@ -328,7 +343,7 @@ class RandKCodec(SummableCodec):
 
     def _kept_values(self, x: torch.Tensor) -> torch.Tensor:
         check_flat(x)
-        return x[self.indices(check_numel(x), device=x.device)]
+        return x[self._indices(check_numel(x), self._need_seed(), x.device)]
 
     @property
     def scale_reduce_ops(self) -> tuple:  # type: ignore[override]
@@ -361,5 +376,5 @@ class RandKCodec(SummableCodec):
             raise ValueError(f"int_sum must hold the {self.kept(numel)} kept codes for numel={numel}, "
                              f"got shape {tuple(int_sum.shape)}")
         vals = inner.decode_sum(int_sum, scale, world_size, dtype=torch.float64)
-        idx = self.indices(numel, device=int_sum.device)
+        idx = self._indices(numel, self._need_seed(), int_sum.device)
         return self._scatter(vals, idx, numel, torch.float32 if dtype is None else dtype)
