@@ -326,6 +326,9 @@ class RandKCodec(SummableCodec):
 
     def _scatter(self, vals: torch.Tensor, idx: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
         """Zeros with the kept values (times the rescale factor, in float64, then cast) at ``idx``."""
+        K = kernels_for(vals, _FAMILY)
+        if K is not None and idx.device == vals.device:
+            return K.scatter(vals, idx, n, self._factor(n), dtype)
         out = torch.zeros(n, dtype=dtype, device=vals.device)
         out[idx.to(vals.device)] = (vals.to(torch.float64) * self._factor(n)).to(dtype)
         return out

@@ -293,6 +293,13 @@ def _select_sparse(d, k, a, hb, keys, out):
             out[j] = np.int64(_walk_on(v, D, a, hb, keys, False))
 
 
+@_jit
+def _scatter(vals, idx, factor, out):
+    """``out[idx[j]] = vals[j] * factor`` (float64 product, stored in out's dtype)."""
+    for j in range(idx.shape[0]):
+        out[idx[j]] = np.float64(vals[j]) * factor
+
+
 # --- torch-level API (the same names and signatures as the Triton module) ----------------------
 
 def _W(W) -> tuple[float, float]:
@@ -388,3 +395,11 @@ def select(d: int, k: int, a: int, hb: int, round_keys: np.ndarray, dense: bool)
     _select_sparse(d, k, a, hb, round_keys, out.numpy())
     return out.sort().values
 
+
+
+def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``n`` elements with ``vals * factor`` (float64 products, cast to ``dtype``) at ``idx``."""
+    direct = dtype in (torch.float32, torch.float64)
+    out = torch.zeros(n, dtype=dtype if direct else torch.float64)
+    _scatter(as_numba(vals), np_view(idx), float(factor), out.numpy())
+    return out if direct else out.to(dtype)

@@ -272,3 +272,10 @@ def select(d: int, k: int, a: int, hb: int, round_keys: np.ndarray, dense: bool)
     """The CPU kernel's selection (integer-exact, so the same set), on the CPU."""
     from .cpu_maxnorm import select as cpu_select
     return cpu_select(d, k, a, hb, round_keys, dense)
+
+
+def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``n`` elements with ``vals * factor`` at ``idx`` (torch ops on the device)."""
+    out = torch.zeros(n, dtype=dtype, device=vals.device)
+    out[idx.to(vals.device)] = (vals.to(torch.float64) * factor).to(dtype)
+    return out
