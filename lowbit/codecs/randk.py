@@ -138,7 +138,7 @@ def select_reference(d: int, k: int, seed: int) -> torch.Tensor:
     return torch.nonzero(s < k).view(-1)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=2)
 def _select_cached(d: int, k: int, seed: int) -> torch.Tensor:
     """The fast selection on the CPU (numba), cached: a global random-k step selects once
     per process for its encode and every decode of that step (read-only tensors)."""
