@@ -12,8 +12,8 @@ from lowbit.algorithms import (DQSG, NDQSG, QSGD, GlobalRandKMaxNormMultiScaleSG
 from lowbit.algorithms.dqsg import nested_codec
 from lowbit.codecs import (DitheredCodec, MultiScaleMaxNormCodec, NestedDitheredCodec, QSGDCodec,
                            QSGDMaxNormCodec, RandKCodec, SignCodec, TernGradCodec, agree_scale, global_index_seed)
-from lowbit.codecs.rng import make_generator, shared_generator
-from lowbit.codecs.rng import counter_uniforms, draw_key  # the dither family's draws
+from lowbit.codecs.randk import select_reference
+from lowbit.codecs.rng import counter_uniforms, draw_key, shared_generator  # the codecs' counter draws
 from lowbit.comm import run_threads
 from lowbit.train import TrainConfig, train
 from quadratic import run_quadratic
@@ -236,8 +236,7 @@ def _maxnorm_reference(n, levels, k_keep=None, d=D):
 
     def aggregate(k, G):
         if k_keep is not None:
-            perm = torch.randperm(d, generator=make_generator(global_index_seed(SEED, k)), dtype=torch.int64)
-            idx = perm[:k_keep].sort().values
+            idx = select_reference(d, k_keep, global_index_seed(SEED, k))
         else:
             idx = torch.arange(d)
         V = G[:, idx]
@@ -250,7 +249,7 @@ def _maxnorm_reference(n, levels, k_keep=None, d=D):
         codes = []
         for p in range(n):
             t = a[p] * s_star
-            u = torch.rand(t.shape, generator=shared_generator(SEED, k, p), dtype=torch.float64)
+            u = counter_uniforms(draw_key(shared_generator(SEED, k, p)), t.numel())
             xi = torch.floor(t) + (u < t - torch.floor(t)).double()
             codes.append(torch.sign(V[p]) * xi)
         zeta = torch.stack(codes).sum(0)
@@ -341,8 +340,7 @@ def test_maxnorm_rejects_a_sum_dtype_that_can_overflow():
 
 def test_randk_codec_sees_the_global_selection():
     codec = RandKCodec(QSGDMaxNormCodec(bits=3), k=3).with_seed(global_index_seed(SEED, 4))
-    perm = torch.randperm(D, generator=make_generator(global_index_seed(SEED, 4)))[:3].sort().values
-    assert torch.equal(codec.indices(D), perm)
+    assert torch.equal(codec.indices(D), select_reference(D, 3, global_index_seed(SEED, 4)))
 
 
 # ---- PowerSGD ------------------------------------------------------------------------------------

@@ -43,6 +43,29 @@ worker's own norm (and scale indices), i.e. ``M = 1``.
 Precision: norms, ratios and reconstructions are float64; the shared norm is
 rounded UP to float32 (so the header holds it exactly and ``a_i <= 1``).
 ``norm="linf"`` shares ``max_m max_i |x_{m,i}|`` instead of the l2 norm.
+
+Fast path (the default; ``encode_reference``, ``decode_reference``,
+``shared_scale_reference``, ``encode_int_reference``, ``decode_sum_reference``
+keep the float64 whole-tensor code). On the CPU, numba kernels
+(:mod:`lowbit.codecs.kernels.cpu_maxnorm`) read x once per pass in its own
+dtype and compute in float64 registers: one pass for the norm (max |x| and the
+sum of squares in a fixed order, 8 interleaved lanes combined pairwise, which
+the reference reproduces with :func:`sum_squares_reference`) and one pass that
+checks finiteness and ``|x_i| <= W``, rounds stochastically with the counter
+uniforms and writes the offset codes as uint8 (``bits <= 8``); multi-scale
+chooses each coordinate's scale in the same pass. They give the reference's
+bytes and decodes exactly. On CUDA, Triton kernels
+(:mod:`lowbit.codecs.kernels.gpu_maxnorm`) compute the ratio ``|x_i| / W`` and
+the rounding in float32 for float32/half input (float64 for float64): the
+ratio carries a relative error of at most ``eps32 = 2^-24`` (one rounding),
+so ``t_i = s a_i`` is off by at most ``s eps32`` and a code may differ from the
+reference's by one level, on a fraction ``~ s eps32`` of the coordinates
+(``a_i <= 1`` still holds exactly: ``|x_i| <= W`` and float division is
+monotone). Each code stays unbiased for the float32 ratio, so Lemma 1's bound
+holds with ``W^2`` replaced by ``W^2 (1 + 2 eps32)``; decodes
+``code * (W / s)`` carry one more float32 rounding (``eps32 |x_hat_i|``).
+The sum of squares on CUDA is a float64 sum of per-block float64 partials,
+so ``W >= ||x||`` (rounded up to float32) as on the CPU.
 """
 
 from __future__ import annotations
@@ -61,10 +84,15 @@ from .base import (
     pack_header,
     unpack_header,
 )
+from .kernels import kernels_for
 from .packing import pack_wide, unpack_wide
 from .quantize import check_int_range, check_numel, round_to_int
+from .rng import draw_key
 
-__all__ = ["NORMS", "QSGDMaxNormCodec", "MultiScaleMaxNormCodec"]
+__all__ = ["NORMS", "QSGDMaxNormCodec", "MultiScaleMaxNormCodec", "sum_squares_reference"]
+
+FAMILY = "maxnorm"
+_LANES = 8
 
 NORMS = ("l2", "linf")
 _MAX_SCALES = 16
@@ -96,13 +124,72 @@ def _as_float64(x: torch.Tensor) -> torch.Tensor:
     return x64
 
 
+def sum_squares_reference(x64: torch.Tensor) -> float:
+    """``sum x_i^2`` in float64 in a fixed order that the CPU kernel reproduces: lane
+    ``i mod 8`` accumulates its squares in index order (a cumulative sum), then the
+    lanes are added pairwise ``((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``."""
+    n = x64.numel()
+    sq = torch.nn.functional.pad(x64 * x64, (0, (-n) % _LANES)).view(-1, _LANES)
+    l = [float(v) for v in sq.cumsum(0)[-1]] if n else [0.0] * _LANES
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+
+
+def _norm_of(amax: float, sumsq: float, norm: str) -> float:
+    """``||x||``, never below ``max |x_i|`` (which it is mathematically; taking the max
+    guards float rounding so that ``|x_i| / W <= 1`` exactly)."""
+    return amax if norm == "linf" else max(math.sqrt(sumsq), amax)
+
+
 def _local_statistic(x64: torch.Tensor, norm: str) -> float:
-    """``||x||`` in float64, never below ``max |x_i|`` (which it is mathematically;
-    taking the max guards float rounding so that ``|x_i| / W <= 1`` exactly)."""
+    """``||x||`` in float64 (see :func:`_norm_of`)."""
     if x64.numel() == 0:
         return 0.0
-    amax = float(x64.abs().max())
-    return amax if norm == "linf" else max(float(torch.linalg.vector_norm(x64)), amax)
+    return _norm_of(float(x64.abs().max()), sum_squares_reference(x64) if norm == "l2" else 0.0, norm)
+
+
+def _over_error(W: float, amax: float, norm: str) -> ValueError:
+    return ValueError(
+        f"scale={W} is smaller than this worker's max |x_i| = {amax}: the shared {norm} norm must be "
+        "the MAX of the workers' shared_scale values (scale_reduce_op='max')"
+    )
+
+
+def _level_error() -> ValueError:
+    return ValueError(
+        "scale[1] (the scale index) exceeds this worker's admissible scale for some coordinate: "
+        "indices must be the MIN over workers of shared_scale(x, (W,)) (eq. 11)"
+    )
+
+
+def _index_error(N: int) -> ValueError:
+    return ValueError(f"scale[1] (the scale index) must lie in 0..{N - 1}")
+
+
+def _raise_flags(K, flags, x: torch.Tensor, W: float, norm: str, nscales: int = 1) -> None:
+    """The fast path's errors, in the reference's order (one read of the kernel's flags)."""
+    flags = int(flags)
+    if not flags:
+        return
+    if flags & K.FLAG_NONFINITE:
+        raise ValueError("x must be finite for the max-norm codecs")
+    if flags & K.FLAG_INDEX:
+        raise _index_error(nscales)
+    if flags & K.FLAG_OVER:
+        raise _over_error(W, float(x.detach().abs().max()), norm)
+    if flags & K.FLAG_LEVEL:
+        raise _level_error()
+
+
+def _fast_norm(K, x: torch.Tensor, norm: str) -> float:
+    """This worker's W (float32-representable) from the one-pass statistics of x."""
+    amax, sumsq, finite = K.norm_stats(x)
+    if not finite:
+        raise ValueError("x must be finite for the max-norm codecs")
+    return _f32_up(_norm_of(float(amax), float(sumsq), norm)) if x.numel() else 0.0
+
+
+def _out_dtype(dtype) -> torch.dtype:
+    return torch.float32 if dtype is None else dtype
 
 
 def _norm_value(scale, field: str = "scale") -> float:
@@ -126,10 +213,7 @@ def _ratios(x64: torch.Tensor, W: float, norm: str) -> torch.Tensor:
     ax = x64.abs()
     amax = float(ax.max()) if ax.numel() else 0.0
     if amax > W:
-        raise ValueError(
-            f"scale={W} is smaller than this worker's max |x_i| = {amax}: the shared {norm} norm must be "
-            "the MAX of the workers' shared_scale values (scale_reduce_op='max')"
-        )
+        raise _over_error(W, amax, norm)
     return ax / W if W > 0 else torch.zeros_like(ax)
 
 
@@ -146,6 +230,19 @@ def _check_int_sum(int_sum: torch.Tensor, numel, field: str = "int_sum") -> int:
     if numel is not None and numel != n:
         raise ValueError(f"numel={numel} does not match the {n} summed codes")
     return n
+
+
+def _kernels(t: torch.Tensor):
+    """The max-norm kernel module for ``t``'s fast path, or None (the reference)."""
+    return kernels_for(t, FAMILY) if isinstance(t, torch.Tensor) else None
+
+
+def _check_payload(payload: Payload, n: int, bits: int) -> None:
+    need = (n * bits + 7) // 8
+    d = payload.data
+    if d.dtype != torch.uint8 or d.dim() != 1 or d.numel() != need:
+        raise ValueError(f"{n} codes of {bits} bits need exactly {need} bytes of uint8 data, "
+                         f"got {d.dtype} {tuple(d.shape)}")
 
 
 def _lemma_bound(numel: int, s_hat: int, W: float, norm: str) -> float:
@@ -198,44 +295,93 @@ class QSGDMaxNormCodec(SummableCodec):
         norm; for ``linf`` the same argument (``sum_i p_i <= n``) gives ``(1 + n / s^2) W^2``."""
         return _lemma_bound(numel, self.levels, _norm_value(scale), self.norm)
 
-    # --- the summable protocol ---------------------------------------------------
+    # --- the summable protocol (fast path) --------------------------------------------
 
     def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
+        K = _kernels(x)
+        if K is None:
+            return self.shared_scale_reference(x, agreed)
         if len(agreed) != 0:
             raise ValueError(f"{type(self).__name__} has one scale round; agreed must be empty, got {len(agreed)}")
-        W = _f32_up(_local_statistic(_as_float64(x), self.norm))
-        return torch.tensor([W], dtype=torch.float32, device=x.device)
+        return K.as_scale(_fast_norm(K, x, self.norm), x)
 
     def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
-        x64 = _as_float64(x)
+        K = _kernels(x)
+        if K is None:
+            return self.encode_int_reference(x, scale, generator)
         W = _norm_value(scale)
-        t = _ratios(x64, W, self.norm) * self.levels  # <= s exactly, since a <= 1
-        return _signed(x64, round_to_int(t, "stochastic", generator))
+        codes, flags = K.qsgd_encode(x, W, self.levels, 0, draw_key(generator), torch.int64)
+        _raise_flags(K, flags, x, W, self.norm)
+        return codes
 
     def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:
         _check_int_sum(int_sum, numel)
         m = check_world_size(world_size)
         W = _norm_value(scale)
-        out = int_sum.to(torch.float64) * (W / self.levels) / m
-        return out.to(torch.float32 if dtype is None else dtype)
+        K = _kernels(int_sum)
+        if K is None:
+            return self.decode_sum_reference(int_sum, W, m, dtype=dtype)
+        return K.qsgd_decode(int_sum, 0, W, self.levels, m, _out_dtype(dtype))
 
-    # --- one message -----------------------------------------------------------------
+    # --- one message (fast path) ------------------------------------------------------------
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
         """One worker's message; ``scale``: the agreed norm (default: this worker's own)."""
-        if scale is None:
-            scale = self.shared_scale(x)
-        W = _norm_value(scale)
-        codes = self.encode_int(x, W, generator)
-        header = pack_header(self.header_format, codes.numel(), W, device=x.device)
-        return Payload(header=header, data=pack_wide(codes + self.levels, self.bits))
+        K = _kernels(x)
+        if K is None:
+            return self.encode_reference(x, generator=generator, scale=scale)
+        W = _fast_norm(K, x, self.norm) if scale is None else _norm_value(scale)
+        codes, flags = K.qsgd_encode(x, W, self.levels, self.levels, draw_key(generator), K.code_dtype(self.bits))
+        _raise_flags(K, flags, x, W, self.norm)
+        header = pack_header(self.header_format, x.numel(), W, device=x.device)
+        return Payload(header=header, data=kernels_for(x).pack(codes, self.bits))
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        K = _kernels(payload.data)
+        if K is None:
+            return self.decode_reference(payload, dtype=dtype)
+        n, W = unpack_header(self.header_format, payload.header)
+        _check_payload(payload, n, self.bits)
+        codes = kernels_for(payload.data).unpack(payload.data, self.bits, n, K.code_dtype(self.bits))
+        return K.qsgd_decode(codes, self.levels, W, self.levels, 1, _out_dtype(dtype))
+
+    # --- the float64 references -------------------------------------------------------------
+
+    def shared_scale_reference(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
+        if len(agreed) != 0:
+            raise ValueError(f"{type(self).__name__} has one scale round; agreed must be empty, got {len(agreed)}")
+        W = _f32_up(_local_statistic(_as_float64(x), self.norm))
+        return torch.tensor([W], dtype=torch.float32, device=x.device)
+
+    def encode_int_reference(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+        x64 = _as_float64(x)
+        W = _norm_value(scale)
+        t = _ratios(x64, W, self.norm) * self.levels  # <= s exactly, since a <= 1
+        return _signed(x64, round_to_int(t, "stochastic", generator))
+
+    def decode_sum_reference(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
+                             dtype: torch.dtype | None = None) -> torch.Tensor:
+        _check_int_sum(int_sum, numel)
+        m = check_world_size(world_size)
+        W = _norm_value(scale)
+        out = int_sum.to(torch.float64) * (W / self.levels) / m
+        return out.to(_out_dtype(dtype))
+
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
+        if scale is None:
+            scale = self.shared_scale_reference(x)
+        W = _norm_value(scale)
+        codes = self.encode_int_reference(x, W, generator)
+        header = pack_header(self.header_format, codes.numel(), W, device=x.device)
+        return Payload(header=header, data=pack_wide(codes + self.levels, self.bits))
+
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         n, W = unpack_header(self.header_format, payload.header)
         codes = unpack_wide(payload.data, self.bits, n) - self.levels
-        return self.decode_sum(codes, W, 1, dtype=dtype)
+        return self.decode_sum_reference(codes, W, 1, dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -323,9 +469,94 @@ class MultiScaleMaxNormCodec(SummableCodec):
             raise ValueError(f"scale[1] (the scale index) must lie in 0..{len(self.scales) - 1}")
         return W, idx
 
-    # --- the summable protocol ---------------------------------------------------
+    def _fast_split(self, scale, x: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """``(W, index)`` of an agreed scale, the index's shape checked (its range is
+        checked by the kernel that reads it)."""
+        if not isinstance(scale, (tuple, list)) or len(scale) != 2:
+            raise ValueError("scale must be the pair (norm, index) agreed in the two scale rounds")
+        W = _norm_value(scale[0], "scale[0]")
+        idx = scale[1]
+        n = x.numel()
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 1 or idx.numel() != n \
+                or idx.is_floating_point() or idx.is_complex():
+            desc = f"{idx.dtype} {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"scale[1] (the scale index) must be a 1-D integer tensor of {n} elements, got {desc}")
+        return W, idx.to(x.device).contiguous()
+
+    # --- the summable protocol (fast path) --------------------------------------------
 
     def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
+        K = _kernels(x)
+        if K is None:
+            return self.shared_scale_reference(x, agreed)
+        if len(agreed) == 0:
+            return K.as_scale(_fast_norm(K, x, self.norm), x)
+        if len(agreed) != 1:
+            raise ValueError(f"{type(self).__name__} has two scale rounds; agreed must hold 0 or 1 tensors, got {len(agreed)}")
+        W = _norm_value(agreed[0], "agreed[0]")
+        idx, flags = K.ms_index(x, W, self._levels_tensor(x.device))
+        _raise_flags(K, flags, x, W, self.norm)
+        return idx
+
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+        K = _kernels(x)
+        if K is None:
+            return self.encode_int_reference(x, scale, generator)
+        W, idx = self._fast_split(scale, x)
+        codes, flags = K.ms_encode_int(x, W, self._levels_tensor(x.device), idx, draw_key(generator))
+        _raise_flags(K, flags, x, W, self.norm, len(self.scales))
+        return codes
+
+    def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
+        K = _kernels(int_sum)
+        if K is None:
+            return self.decode_sum_reference(int_sum, scale, world_size, numel=numel, dtype=dtype)
+        _check_int_sum(int_sum, numel)
+        m = check_world_size(world_size)
+        W, idx = self._fast_split(scale, int_sum)
+        out, flags = K.ms_decode_sum(int_sum, idx, W, self._levels_tensor(int_sum.device), m, _out_dtype(dtype))
+        if int(flags):
+            raise _index_error(len(self.scales))
+        return out
+
+    # --- one message (fast path) ------------------------------------------------------------
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
+        """One worker's message; ``scale``: the agreed ``(W, index)`` (default: this worker's own)."""
+        K = _kernels(x)
+        if K is None:
+            return self.encode_reference(x, generator=generator, scale=scale)
+        levels = self._levels_tensor(x.device)
+        dt = K.code_dtype(self.bits)
+        if scale is None:  # this worker's own norm and indices, chosen in the encode's pass
+            W = _fast_norm(K, x, self.norm)
+            words, flags = K.ms_encode_words(x, W, levels, self.code_bits, draw_key(generator), dt)
+            _raise_flags(K, flags, x, W, self.norm)
+        else:
+            W, idx = self._fast_split(scale, x)
+            codes, flags = K.ms_encode_int(x, W, levels, idx, draw_key(generator))
+            _raise_flags(K, flags, x, W, self.norm, len(self.scales))
+            words = ((idx.to(torch.int64) << self.code_bits) | (codes + self.levels[0])).to(dt)
+        header = pack_header(self.header_format, x.numel(), W, device=x.device)
+        return Payload(header=header, data=kernels_for(x).pack(words, self.bits))
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        K = _kernels(payload.data)
+        if K is None:
+            return self.decode_reference(payload, dtype=dtype)
+        n, W = unpack_header(self.header_format, payload.header)
+        _check_payload(payload, n, self.bits)
+        words = kernels_for(payload.data).unpack(payload.data, self.bits, n, K.code_dtype(self.bits))
+        out, flags = K.ms_decode_words(words, self.code_bits, W, self._levels_tensor(words.device), _out_dtype(dtype))
+        if int(flags):
+            raise _index_error(len(self.scales))
+        return out
+
+    # --- the float64 references -------------------------------------------------------------
+
+    def shared_scale_reference(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
         x64 = _as_float64(x)
         if len(agreed) == 0:
             W = _f32_up(_local_statistic(x64, self.norm))
@@ -339,42 +570,35 @@ class MultiScaleMaxNormCodec(SummableCodec):
             idx[(a * float(s)) <= s_min] = j
         return idx
 
-    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_int_reference(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
         x64 = _as_float64(x)
         W, idx = self._split_scale(scale, x64.numel(), x64.device)
         t = _ratios(x64, W, self.norm) * self._levels_tensor(x64.device)[idx]
         if t.numel() and float(t.max()) > self.levels[0]:
-            raise ValueError(
-                "scale[1] (the scale index) exceeds this worker's admissible scale for some coordinate: "
-                "indices must be the MIN over workers of shared_scale(x, (W,)) (eq. 11)"
-            )
+            raise _level_error()
         return _signed(x64, round_to_int(t, "stochastic", generator))
 
-    def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
-                   dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode_sum_reference(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
+                             dtype: torch.dtype | None = None) -> torch.Tensor:
         n = _check_int_sum(int_sum, numel)
         m = check_world_size(world_size)
         W, idx = self._split_scale(scale, n, int_sum.device)
         out = int_sum.to(torch.float64) * W / self._levels_tensor(int_sum.device)[idx] / m
-        return out.to(torch.float32 if dtype is None else dtype)
+        return out.to(_out_dtype(dtype))
 
-    # --- one message -----------------------------------------------------------------
-
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
-        """One worker's message; ``scale``: the agreed ``(W, index)`` (default: this worker's own)."""
+    def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
         if scale is None:
-            W = self.shared_scale(x)
-            scale = (W, self.shared_scale(x, (W,)))
+            W = self.shared_scale_reference(x)
+            scale = (W, self.shared_scale_reference(x, (W,)))
         W, idx = self._split_scale(scale, x.numel(), x.device)
-        codes = self.encode_int(x, (W, idx), generator)
+        codes = self.encode_int_reference(x, (W, idx), generator)
         words = (idx << self.code_bits) | (codes + self.levels[0])
         header = pack_header(self.header_format, codes.numel(), W, device=x.device)
         return Payload(header=header, data=pack_wide(words, self.bits))
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         n, W = unpack_header(self.header_format, payload.header)
         words = unpack_wide(payload.data, self.bits, n)
         codes = (words & ((1 << self.code_bits) - 1)) - self.levels[0]
-        return self.decode_sum(codes, (W, words >> self.code_bits), 1, dtype=dtype)
-
+        return self.decode_sum_reference(codes, (W, words >> self.code_bits), 1, dtype=dtype)

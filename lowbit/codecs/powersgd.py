@@ -22,6 +22,19 @@ so that the average of the compressed matrices is exact and linear. That
 protocol belongs to the algorithm layer; this codec is the point-to-point
 version (each payload carries one worker's ``P`` and ``Q``), and
 :meth:`PowerSGDCodec.factors` exposes them for that layer.
+
+Precision. The fast path (the default for float32 and half inputs) computes in
+float32, as torch's ``powerSGD_hook`` does: ``P = M Q`` and ``Q = M^T P`` are
+float32 matrix products read straight from x (the zero padding touches only
+the last partial row: no copy of M), the orthogonalization a float32 reduced
+QR, and finiteness is checked on the small factors (a NaN or inf in x makes
+them non-finite; a float32 overflow with finite x falls back to the float64
+reference, which says when Q does not fit float32). Compared with the float64
+reference (``encode_with_state_reference``/``decode_reference``, used for
+float64 inputs), each factor entry carries a relative error of order
+``eps32 sqrt(N)`` (float32 dot products over a row or column), and ``decode``
+(float32 ``P Q^T``) adds ``r eps32 max|P||Q|`` per element; the projection
+property ``||M_hat|| <= ||M||`` holds up to that rounding.
 """
 
 from __future__ import annotations
@@ -31,12 +44,18 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
-from .quantize import INT32_MAX, check_int_range, finite_float64
+from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .kernels import fast_backend
+from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64
 
 __all__ = ["PowerSGDCodec", "matrix_shape"]
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def _fast_path_on() -> bool:
+    """False under ``codec_path("reference")`` / ``LOWBIT_CODEC_PATH=reference``."""
+    return fast_backend(torch.empty(0)) is not None
 
 
 def matrix_shape(numel: int) -> tuple[int, int]:
@@ -123,9 +142,48 @@ class PowerSGDCodec(Codec):
         if not bool(torch.isfinite(state).all()):
             raise ValueError("state must be finite")
 
+    @staticmethod
+    def _fast(x: torch.Tensor) -> bool:
+        """The float32 path: float32/half inputs while the codecs' fast path is on (plain torch
+        ops, so every device and tensor type computes the same float32 result)."""
+        return x.dtype in (torch.float32, torch.float16, torch.bfloat16) and _fast_path_on()
+
     def encode_with_state(self, x: torch.Tensor, state: torch.Tensor | None = None, *,
                           generator: torch.Generator | None = None) -> tuple[Payload, torch.Tensor]:
         """One warm-started power step: ``(payload, new_state)`` (see the class doc)."""
+        check_flat(x)
+        N = check_numel(x)
+        if N == 0 or not self._fast(x):
+            return self.encode_with_state_reference(x, state, generator=generator)
+        n, m, r = self.matrix_shape(N)
+        if state is None:
+            state = self.init_state(N, generator, device=x.device)
+        else:
+            self._check_state(state, m, r)
+        x32 = x.detach().to(torch.float32).contiguous()
+        q = state.detach().to(device=x.device, dtype=torch.float32)
+        rows = N // m  # complete rows, read in place; the rest (< 2 rows) is zero-padded
+        top = x32[: rows * m].view(rows, m)
+        tail = torch.zeros((n - rows) * m, dtype=torch.float32, device=x.device)
+        tail[: N - rows * m] = x32[rows * m:]
+        tail = tail.view(n - rows, m)
+        # P = M Q_prev and Q = M^T P, both computed as r x (rows) products that stream M row by
+        # row (``q^T M^T`` and ``P^T M``): 2x and 14x faster than ``M @ q`` and ``M.T @ P`` for r = 2
+        row_major = torch.contiguous_format
+        P = torch.cat([q.T @ top.T, q.T @ tail.T], dim=1).T
+        P = torch.linalg.qr(P, mode="reduced").Q.clone(memory_format=row_major)
+        Q = torch.addmm(P[rows:].T @ tail, P[:rows].T, top).T.clone(memory_format=row_major)
+        if not bool(torch.isfinite(P).all() & torch.isfinite(Q).all()):  # the one host read
+            if not bool(torch.isfinite(x).all()):
+                raise ValueError("x must be finite for the PowerSGD codec")
+            return self.encode_with_state_reference(x, state, generator=generator)  # float32 overflow
+        header = pack_header(self.header_format, N, device=x.device)
+        data = torch.cat([P.reshape(-1), Q.reshape(-1)]).view(torch.uint8)
+        return Payload(header=header, data=data), Q
+
+    def encode_with_state_reference(self, x: torch.Tensor, state: torch.Tensor | None = None, *,
+                                    generator: torch.Generator | None = None) -> tuple[Payload, torch.Tensor]:
+        """The float64 reference of :meth:`encode_with_state`."""
         N, x64 = finite_float64(x, "PowerSGD")
         n, m, r = self.matrix_shape(N)
         header = pack_header(self.header_format, N, device=x.device)
@@ -164,6 +222,17 @@ class PowerSGDCodec(Codec):
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``(P Q^T).flatten()[:numel]``: float32 products for a float32 result on the fast
+        path, else the float64 reference."""
+        if dtype not in (None, torch.float32) or not _fast_path_on():
+            return self.decode_reference(payload, dtype=dtype)
+        (N,) = unpack_header(self.header_format, payload.header)
+        P, Q = self.factors(payload)
+        return (P @ Q.T).reshape(-1)[:N]
+
+    def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The float64 reference of :meth:`decode`."""
         (N,) = unpack_header(self.header_format, payload.header)
         P, Q = self.factors(payload)
         x = (P.to(torch.float64) @ Q.to(torch.float64).T).reshape(-1)[:N]

@@ -2,9 +2,9 @@
 GlobalRandKMaxNorm and GlobalRandKMaxNormMultiScale).
 
 ``k`` of the ``d`` coordinates are kept (``min(k, d)`` when ``d < k``), chosen
-uniformly without replacement by :meth:`RandKCodec.indices` from a seed: the
-first ``k`` entries of ``torch.randperm(d)`` drawn from a CPU generator seeded
-with it, sorted. The inner codec encodes the ``k`` kept values; decoding
+without replacement by :meth:`RandKCodec.indices` from a seed: the kept set is
+``{i < d : sigma(i) < k}`` (returned sorted), where ``sigma`` is a keyed
+pseudo-random permutation of ``[0, d)`` (see "Selection" below). The inner codec encodes the ``k`` kept values; decoding
 scatters them back (zeros elsewhere) and, with ``rescale=True``, multiplies by
 ``d / k`` so that the result is unbiased when the inner codec is.
 
@@ -24,13 +24,33 @@ with the ``k`` indices packed in ``max(1, ceil(log2 d))`` bits each (counted
 in ``nbytes``), then the inner data; header ``<i`` (numel) + inner header.
 Workers keep different coordinates, so this form is never summable.
 
-Selections depend only on (d, k, seed) and the torch version's ``randperm``;
-all workers must run the same torch version.
+Selection. ``sigma`` is a Feistel network with cycle walking, computed with
+integer arithmetic only, so a selection depends on (d, k, seed) alone: the same
+on every device, thread count, code path and torch version, and it never
+materialises a permutation of ``d`` elements. With ``hb = ceil(bitlen(d-1)/2)``
+and ``a = ceil(d / 2^hb)``, a value ``v < a 2^hb`` is split as
+``v = L 2^hb + R``; :data:`FEISTEL_ROUNDS` (even) rounds alternate
+``(L, R) -> (R, (L + F_r(R)) mod a)`` and ``(L, R) -> (R, (L + F_r(R)) mod 2^hb)``
+(:data:`FEISTEL_ROUNDS`, or :data:`FEISTEL_ROUNDS_SMALL` for ``d <= 2^14``)
+with ``F_r(R) = mix32(R XOR K_r)`` reduced to the modulus by multiply-shift
+(``mod a``) or by its top bits (``mod 2^hb``), and round keys ``K_r`` the
+counter hashes of ``r`` under the seed (:func:`lowbit.codecs.rng.counter_hash`).
+That is a bijection of ``[0, a 2^hb)``, a domain at most ``2^hb - 1 < 2 sqrt(d) + 1``
+larger than ``d``; cycle walking (apply it again while the value is ``>= d``)
+restricts it to a bijection of ``[0, d)``, so the kept set has exactly
+``min(k, d)`` distinct elements, each coordinate kept with probability ``k / d``
+over seeds (tested). The fast path (numba, :mod:`lowbit.codecs.kernels.cpu_maxnorm`)
+evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small against ``d``
+(``O(k log k)``), else tests ``sigma(i) < k`` for every ``i`` in one pass, already
+sorted; :meth:`RandKCodec.indices_reference` is the plain-torch version of the
+one-pass definition. (Earlier versions used ``torch.randperm``: the wire format
+is unchanged, but a seed now selects a different set.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -47,11 +67,24 @@ from .base import (
     pack_header,
     unpack_header,
 )
+from .kernels import kernels_for
 from .packing import pack_wide, packed_nbytes, unpack_wide
 from .quantize import INT32_MAX, check_int_range, check_numel
-from .rng import derive_seed, make_generator
+from .rng import counter_hash, derive_seed, mix32
 
-__all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM"]
+__all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM", "FEISTEL_ROUNDS", "feistel_params",
+           "round_keys", "select_reference"]
+
+#: Rounds of the selection's Feistel network (even: the halves end where they started):
+#: 6 when the halves have >= 8 bits, 16 for smaller domains (halves of a few bits
+#: leave few round functions; 6 rounds skew the subsets of d = 5 by ~25%, 16 by less
+#: than the sampling noise of tests/test_fastpath_maxnorm.py).
+FEISTEL_ROUNDS = 6
+FEISTEL_ROUNDS_SMALL = 16
+#: The fast path tests every coordinate (one pass) when ``k * SPARSE_RATIO >= d``, else
+#: inverts the permutation on ``j < k`` and sorts.
+SPARSE_RATIO = 8
+_FAMILY = "maxnorm"
 
 #: The ``stream`` of :func:`lowbit.codecs.rng.derive_seed` reserved for global random-k selections.
 GLOBAL_RANDK_STREAM = 0x52414E444B  # "RANDK"
@@ -61,6 +94,57 @@ _SEED_MAX = 2**63 - 1
 def global_index_seed(run_seed: int, step: int) -> int:
     """The selection seed every worker derives for ``step`` (sender-independent)."""
     return derive_seed(run_seed, step, 0, GLOBAL_RANDK_STREAM)
+
+
+def feistel_params(d: int) -> tuple[int, int]:
+    """``(a, hb)``: the Feistel domain ``[0, a 2^hb)`` for ``[0, d)``, ``d >= 1``."""
+    hb = ((d - 1).bit_length() + 1) // 2
+    return -(-d >> hb), hb
+
+
+def round_keys(seed: int, d: int) -> torch.Tensor:
+    """The round keys ``K_r`` (int64 holding uint32) for a domain of ``d``: counter hashes of
+    ``r`` under ``seed``, :data:`FEISTEL_ROUNDS` of them (:data:`FEISTEL_ROUNDS_SMALL` when
+    the halves have fewer than 8 bits)."""
+    return counter_hash(seed, FEISTEL_ROUNDS if feistel_params(d)[1] >= 8 else FEISTEL_ROUNDS_SMALL)
+
+
+def _feistel_torch(v: torch.Tensor, a: int, hb: int, keys: list[int]) -> torch.Tensor:
+    bmask = (1 << hb) - 1
+    L, R = v >> hb, v & bmask
+    for r, key in enumerate(keys):
+        h = mix32(R ^ key)
+        if r % 2 == 0:
+            t = L + ((h * a) >> 32)
+            L, R = R, torch.where(t >= a, t - a, t)
+        else:
+            L, R = R, (L + (h >> (32 - hb))) & bmask
+    return (L << hb) | R
+
+
+def select_reference(d: int, k: int, seed: int) -> torch.Tensor:
+    """The sorted kept indices ``{i < d : sigma(i) < k}`` (int64, CPU), in plain torch:
+    the definition the fast path is checked against (see the module docstring)."""
+    if k >= d:
+        return torch.arange(d, dtype=torch.int64)
+    a, hb = feistel_params(d)
+    keys = [int(v) for v in round_keys(seed, d)]
+    s = _feistel_torch(torch.arange(d, dtype=torch.int64), a, hb, keys)
+    while True:  # cycle walking
+        out = s >= d
+        if not bool(out.any()):
+            break
+        s[out] = _feistel_torch(s[out], a, hb, keys)
+    return torch.nonzero(s < k).view(-1)
+
+
+@functools.lru_cache(maxsize=2)
+def _select_cached(d: int, k: int, seed: int) -> torch.Tensor:
+    """The fast selection on the CPU (numba), cached: a global random-k step selects once
+    per process for its encode and every decode of that step (read-only tensors)."""
+    K = kernels_for(torch.empty(0), _FAMILY)
+    a, hb = feistel_params(d)
+    return K.select(d, k, a, hb, round_keys(seed, d).numpy().astype("uint64"), k * SPARSE_RATIO >= d)
 
 
 def _check_seed(seed, field: str = "seed") -> int:
@@ -155,8 +239,25 @@ class RandKCodec(SummableCodec):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         seed = self._need_seed() if seed is None else _check_seed(seed)
-        perm = torch.randperm(numel, generator=make_generator(seed), dtype=torch.int64)
-        return perm[: self.kept(numel)].sort().values.to(device)
+        kk = self.kept(numel)
+        K = kernels_for(torch.empty(0), _FAMILY)
+        if K is None or kk == numel:
+            return self.indices_reference(numel, seed, device)
+        return _select_cached(numel, kk, seed).clone().to(device)
+
+    def _indices(self, numel: int, seed: int, device) -> torch.Tensor:
+        """:meth:`indices` for the codec's own use (read-only: may be the cached tensor)."""
+        kk = self.kept(numel)
+        if kk == numel or kernels_for(torch.empty(0), _FAMILY) is None:
+            return self.indices_reference(numel, seed, device)
+        return _select_cached(numel, kk, seed).to(device)
+
+    def indices_reference(self, numel: int, seed: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+        """:meth:`indices` by :func:`select_reference` (plain torch, one pass over ``[0, numel)``)."""
+        if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+            raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+        seed = self._need_seed() if seed is None else _check_seed(seed)
+        return select_reference(numel, self.kept(numel), seed).to(device)
 
     def _need_seed(self) -> int:
         if self.seed is None:
@@ -180,7 +281,7 @@ class RandKCodec(SummableCodec):
         check_flat(x)
         n = check_numel(x)
         seed = self.seed if self.seed is not None else self._draw_seed(generator)
-        idx = self.indices(n, seed, device=x.device)
+        idx = self._indices(n, seed, x.device)
         kw = {"generator": generator}
         if scale is not None:
             if not is_summable(self.inner):
@@ -210,7 +311,7 @@ class RandKCodec(SummableCodec):
             idx = unpack_wide(data[:nb], self._index_bits(n), kk)
             data = data[nb:]
         else:
-            idx = self.indices(n, fields[1], device=data.device)
+            idx = self._indices(n, _check_seed(fields[1]), data.device)
         inner_p = Payload(header=payload.header[own:], data=data)
         out_dtype = torch.float32 if dtype is None else dtype
         kw = {}
@@ -224,9 +325,13 @@ class RandKCodec(SummableCodec):
         return self._scatter(vals, idx, n, out_dtype)
 
     def _scatter(self, vals: torch.Tensor, idx: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-        out = torch.zeros(n, dtype=torch.float64, device=vals.device)
-        out[idx.to(vals.device)] = vals.to(torch.float64) * self._factor(n)
-        return out.to(dtype)
+        """Zeros with the kept values (times the rescale factor, in float64, then cast) at ``idx``."""
+        K = kernels_for(vals, _FAMILY)
+        if K is not None and idx.device == vals.device:
+            return K.scatter(vals, idx, n, self._factor(n), dtype)
+        out = torch.zeros(n, dtype=dtype, device=vals.device)
+        out[idx.to(vals.device)] = (vals.to(torch.float64) * self._factor(n)).to(dtype)
+        return out
 
     # --- the summable protocol (inner summable, send_indices False, seed set) ---------------
 
@@ -241,7 +346,7 @@ class RandKCodec(SummableCodec):
 
     def _kept_values(self, x: torch.Tensor) -> torch.Tensor:
         check_flat(x)
-        return x[self.indices(check_numel(x), device=x.device)]
+        return x[self._indices(check_numel(x), self._need_seed(), x.device)]
 
     @property
     def scale_reduce_ops(self) -> tuple:  # type: ignore[override]
@@ -274,5 +379,5 @@ class RandKCodec(SummableCodec):
             raise ValueError(f"int_sum must hold the {self.kept(numel)} kept codes for numel={numel}, "
                              f"got shape {tuple(int_sum.shape)}")
         vals = inner.decode_sum(int_sum, scale, world_size, dtype=torch.float64)
-        idx = self.indices(numel, device=int_sum.device)
+        idx = self._indices(numel, self._need_seed(), int_sum.device)
         return self._scatter(vals, idx, numel, torch.float32 if dtype is None else dtype)

@@ -1,0 +1,405 @@
+"""numba kernels of the max-norm family on the CPU: QSGDMaxNorm, its multi-scale
+variant, and the random-k selection (a keyed Feistel permutation).
+
+Each kernel is one branch-free loop over the elements that reads its input
+once in its own dtype and computes in float64 registers. Note: numba types
+``float(x[i])`` of a float32 element as float32, so the kernels widen with
+``np.float64(x[i])``.
+
+Error flags (one int returned by an encode kernel, raised once by the caller):
+``FLAG_NONFINITE`` (NaN or inf in x), ``FLAG_OVER`` (some ``|x_i|`` above the
+shared norm), ``FLAG_INDEX`` (a scale index outside ``0..N-1``), ``FLAG_LEVEL``
+(a scale index finer than this worker's admissible one: a code above ``s_min``).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+
+from .cpu import _jit, as_numba, keys, mix32, np_view, round_stochastic
+
+FLAG_NONFINITE = 1
+FLAG_OVER = 2
+FLAG_INDEX = 4
+FLAG_LEVEL = 8
+
+# helpers called per element from other kernels: inlined by numba (a plain call to a
+# cached function costs ~40 ns here)
+_inline = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
+
+LANES = 8  # the fixed-order sum of squares: 8 interleaved float64 lanes, combined pairwise
+
+
+# --- the norm -----------------------------------------------------------------------------
+
+@_jit
+def _norm_stats(x):
+    """``(max |x|, sum x^2, nonfinite)``; the sum in the fixed order of
+    :func:`lowbit.codecs.maxnorm.sum_squares_reference` (lane ``i mod 8``, then pairwise)."""
+    n = x.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    amax = 0.0
+    z = 0.0  # stays 0 while every element is finite (v - v is NaN for NaN and +-inf)
+    full = n - n % 8
+    for i in range(0, full, 8):
+        v0 = np.float64(x[i])
+        v1 = np.float64(x[i + 1])
+        v2 = np.float64(x[i + 2])
+        v3 = np.float64(x[i + 3])
+        v4 = np.float64(x[i + 4])
+        v5 = np.float64(x[i + 5])
+        v6 = np.float64(x[i + 6])
+        v7 = np.float64(x[i + 7])
+        s0 += v0 * v0
+        s1 += v1 * v1
+        s2 += v2 * v2
+        s3 += v3 * v3
+        s4 += v4 * v4
+        s5 += v5 * v5
+        s6 += v6 * v6
+        s7 += v7 * v7
+        m = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
+        amax = m if m > amax else amax
+        z += ((v0 - v0) + (v1 - v1)) + ((v2 - v2) + (v3 - v3)) + ((v4 - v4) + (v5 - v5)) + ((v6 - v6) + (v7 - v7))
+    tail = np.zeros(8)
+    for i in range(full, n):
+        v = np.float64(x[i])
+        tail[i - full] = v * v
+        a = abs(v)
+        amax = a if a > amax else amax
+        z += v - v
+    s0 += tail[0]
+    s1 += tail[1]
+    s2 += tail[2]
+    s3 += tail[3]
+    s4 += tail[4]
+    s5 += tail[5]
+    s6 += tail[6]
+    s7 += tail[7]
+    sq = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
+    return amax, sq, z != 0.0
+
+
+# --- QSGDMaxNorm ---------------------------------------------------------------------------
+
+@_jit
+def _qsgd_encode(x, W, Wdiv, s, offset, k0, k1, codes):
+    """``codes[i] = sign(x_i) * sround(|x_i| / W * s) + offset``; returns the error flags."""
+    S = float(s)
+    bad = False
+    over = False
+    for i in range(x.shape[0]):
+        v = np.float64(x[i])
+        bad |= (v - v) != 0.0
+        a = abs(v)
+        over |= a > W
+        mag = np.int64(round_stochastic((a / Wdiv) * S, k0, k1, i))
+        codes[i] = (-mag if v < 0.0 else mag) + offset
+    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
+
+
+@_jit
+def _qsgd_decode(codes, offset, f, m, out):
+    """``out[i] = (codes[i] - offset) * f / m`` (``f = W / s``)."""
+    for i in range(codes.shape[0]):
+        out[i] = (float(np.int64(codes[i]) - offset) * f) / m
+
+
+# --- multi-scale ------------------------------------------------------------------------------
+
+@_inline
+def _admissible(a, levels, s_min):
+    """The index of the largest scale ``s_j`` with ``a s_j <= s_min`` (eq. 11); ``levels`` ascending."""
+    j = 0
+    for k in range(1, levels.shape[0]):
+        j += 1 if a * levels[k] <= s_min else 0
+    return j
+
+
+@_jit
+def _ms_index(x, W, Wdiv, levels, idx):
+    """Per-coordinate admissible scale index (uint8); returns the error flags."""
+    s_min = levels[0]
+    bad = False
+    over = False
+    for i in range(x.shape[0]):
+        v = np.float64(x[i])
+        bad |= (v - v) != 0.0
+        a = abs(v)
+        over |= a > W
+        idx[i] = np.uint8(_admissible(a / Wdiv, levels, s_min))
+    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
+
+
+@_jit
+def _ms_encode_int(x, W, Wdiv, levels, idx, k0, k1, codes):
+    """Signed codes against the agreed per-coordinate scale ``levels[idx[i]]``."""
+    s_min = levels[0]
+    N = levels.shape[0]
+    bad = False
+    over = False
+    badidx = False
+    level = False
+    for i in range(x.shape[0]):
+        v = np.float64(x[i])
+        bad |= (v - v) != 0.0
+        a = abs(v)
+        over |= a > W
+        j = np.int64(idx[i])
+        out_of_range = j < 0 or j >= N
+        badidx |= out_of_range
+        t = (a / Wdiv) * levels[0 if out_of_range else j]
+        level |= t > s_min
+        mag = np.int64(round_stochastic(t, k0, k1, i))
+        codes[i] = -mag if v < 0.0 else mag
+    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0) | (FLAG_INDEX if badidx else 0) \
+        | (FLAG_LEVEL if level else 0)
+
+
+@_jit
+def _ms_encode_words(x, W, Wdiv, levels, code_bits, k0, k1, words):
+    """One message with this worker's own scale indices: ``(j << code_bits) | (code + s_min)``.
+    ``levels`` is a tuple (its length a compile-time constant: the scale choice unrolls and
+    the loop stays branch-free); the chosen scale is tracked with the index, no gather."""
+    s_min = levels[0]
+    off = np.int64(s_min)
+    bad = False
+    over = False
+    for i in range(x.shape[0]):
+        v = np.float64(x[i])
+        bad |= (v - v) != 0.0
+        a = abs(v)
+        over |= a > W
+        r = a / Wdiv
+        j = 0
+        lev = s_min
+        for k in range(1, len(levels)):  # ascending: the admissible scales are a prefix (eq. 11)
+            ok = r * levels[k] <= s_min
+            j += 1 if ok else 0
+            lev = levels[k] if ok else lev
+        mag = np.int64(round_stochastic(r * lev, k0, k1, i))
+        words[i] = (np.int64(j) << code_bits) | ((-mag if v < 0.0 else mag) + off)
+    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
+
+
+@_jit
+def _ms_decode_sum(codes, idx, W, levels, m, out):
+    """``codes * W / levels[idx] / m``; returns True when an index lies outside ``0..N-1``."""
+    N = levels.shape[0]
+    badidx = False
+    for i in range(codes.shape[0]):
+        j = np.int64(idx[i])
+        out_of_range = j < 0 or j >= N
+        badidx |= out_of_range
+        out[i] = ((float(codes[i]) * W) / levels[0 if out_of_range else j]) / m
+    return badidx
+
+
+@_jit
+def _ms_decode_words(words, code_bits, W, levels, out):
+    """One message: ``(w & mask) - s_min`` on the scale ``levels[w >> code_bits]``."""
+    off = np.int64(levels[0])
+    mask = (np.int64(1) << code_bits) - 1
+    N = levels.shape[0]
+    badidx = False
+    for i in range(words.shape[0]):
+        w = np.int64(words[i])
+        j = w >> code_bits
+        out_of_range = j >= N
+        badidx |= out_of_range
+        out[i] = (float((w & mask) - off) * W) / levels[0 if out_of_range else j]
+    return badidx
+
+
+# --- random-k: a keyed Feistel permutation of [0, d) -------------------------------------------
+
+@_inline
+def _feistel(v, a, hb, keys, forward):
+    """One evaluation of the permutation of ``[0, a 2^hb)`` (or its inverse): ``v = L 2^hb + R``,
+    rounds alternate ``(L, R) -> (R, L + F(R) mod a)`` and ``(L, R) -> (R, L + F(R) mod 2^hb)``
+    (``len(keys)`` rounds, even; ``keys`` a tuple: no reference counting in the loop). All arithmetic is uint64 on values below 2^48."""
+    s32 = np.uint64(32)
+    sb = np.uint64(hb)
+    st = np.uint64(32 - hb)
+    bmask = (np.uint64(1) << sb) - np.uint64(1)
+    A = np.uint64(a)
+    L = np.uint64(v) >> sb
+    R = np.uint64(v) & bmask
+    npairs = len(keys) // 2
+    if forward:
+        for p in range(npairs):
+            # even round: L in [0, a), R in [0, 2^hb)  ->  (R, (L + F) mod a)
+            t = L + ((mix32(R ^ keys[2 * p]) * A) >> s32)
+            L2 = R
+            R2 = t - A if t >= A else t
+            # odd round: L2 in [0, 2^hb), R2 in [0, a)  ->  (R2, (L2 + F) mod 2^hb)
+            L = R2
+            R = (L2 + (mix32(R2 ^ keys[2 * p + 1]) >> st)) & bmask
+    else:
+        for q in range(npairs):
+            p = npairs - 1 - q
+            # undo the odd round: (L, R) = (R2, (L2 + F(R2)) mod 2^hb)
+            R2 = L
+            L2 = (R - (mix32(R2 ^ keys[2 * p + 1]) >> st)) & bmask
+            # undo the even round: (L2, R2) = (R_old, (L_old + F(R_old)) mod a)
+            t = R2 + A - ((mix32(L2 ^ keys[2 * p]) * A) >> s32)
+            L = t - A if t >= A else t
+            R = L2
+    return (L << sb) | R
+
+
+@_jit
+def _walk_on(v, D, a, hb, keys, forward):
+    """The rest of a cycle walk (rare: the domain exceeds d by less than 2 sqrt(d) + 1)."""
+    while v >= D:
+        v = _feistel(v, a, hb, keys, forward)
+    return v
+
+
+_BLOCK = 512  # the permutation is evaluated a block at a time in a branch-free (vectorised) loop
+
+
+@_jit
+def _select_dense(d, k, a, hb, keys, out):
+    """``out`` = the sorted ``i < d`` with ``sigma(i) < k``: one pass over ``[0, d)``."""
+    D = np.uint64(d)
+    K = np.uint64(k)
+    buf = np.empty(_BLOCK, dtype=np.uint64)
+    c = 0
+    for base in range(0, d, _BLOCK):
+        m = min(_BLOCK, d - base)
+        for t in range(m):
+            buf[t] = _feistel(np.uint64(base + t), a, hb, keys, True)
+        for t in range(m):
+            v = buf[t]
+            if v >= D:
+                v = _walk_on(v, D, a, hb, keys, True)
+            out[c] = base + t
+            c += 1 if v < K else 0
+    return c
+
+
+@_jit
+def _select_sparse(d, k, a, hb, keys, out):
+    """``out[j] = sigma^-1(j)`` for ``j < k`` (unsorted)."""
+    D = np.uint64(d)
+    for j in range(k):
+        out[j] = np.int64(_feistel(np.uint64(j), a, hb, keys, False))
+    for j in range(k):
+        v = np.uint64(out[j])
+        if v >= D:
+            out[j] = np.int64(_walk_on(v, D, a, hb, keys, False))
+
+
+@_jit
+def _scatter(vals, idx, factor, out):
+    """``out[idx[j]] = vals[j] * factor`` (float64 product, stored in out's dtype)."""
+    for j in range(idx.shape[0]):
+        out[idx[j]] = np.float64(vals[j]) * factor
+
+
+# --- torch-level API (the same names and signatures as the Triton module) ----------------------
+
+def _W(W) -> tuple[float, float]:
+    W = float(W)
+    return W, (W if W > 0 else 1.0)
+
+
+def as_scale(W: float, x: torch.Tensor) -> torch.Tensor:
+    """The shared-scale tensor ``[W]`` (float32) on x's device."""
+    return torch.tensor([W], dtype=torch.float32, device=x.device)
+
+
+def norm_stats(x: torch.Tensor) -> tuple[float, float, bool]:
+    """``(max |x|, sum x^2 in the fixed 8-lane order, all finite)``."""
+    amax, sq, bad = _norm_stats(as_numba(x))
+    return amax, sq, not bad
+
+
+def code_dtype(bits: int) -> torch.dtype:
+    """The narrowest dtype of the offset (non-negative) codes of ``bits`` bits on the wire."""
+    return torch.uint8 if bits <= 8 else (torch.int32 if bits <= 31 else torch.int64)
+
+
+def qsgd_encode(x: torch.Tensor, W, levels: int, offset: int, key: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``(codes, flags)``: ``sign(x) sround(|x| / W * levels) + offset`` as ``dtype``."""
+    W, Wdiv = _W(W)
+    codes = torch.empty(x.numel(), dtype=dtype)
+    k0, k1 = keys(key)
+    flags = _qsgd_encode(as_numba(x), W, Wdiv, levels, offset, k0, k1, codes.numpy())
+    return codes, flags
+
+
+def qsgd_decode(codes: torch.Tensor, offset: int, W, levels: int, m: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(codes - offset) * (W / levels) / m`` in float64 registers, stored as ``dtype``."""
+    direct = dtype in (torch.float32, torch.float64)
+    out = torch.empty(codes.numel(), dtype=dtype if direct else torch.float64)
+    _qsgd_decode(np_view(codes), offset, float(W) / levels, float(m), out.numpy())
+    return out if direct else out.to(dtype)
+
+
+def ms_index(x: torch.Tensor, W, levels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(uint8 index of the admissible scale, flags)``; ``levels`` float64 ascending."""
+    W, Wdiv = _W(W)
+    idx = torch.empty(x.numel(), dtype=torch.uint8)
+    return idx, _ms_index(as_numba(x), W, Wdiv, np_view(levels), idx.numpy())
+
+
+def ms_encode_int(x: torch.Tensor, W, levels: torch.Tensor, idx: torch.Tensor, key: int) -> tuple[torch.Tensor, int]:
+    """``(int64 signed codes on the scales levels[idx], flags)``."""
+    W, Wdiv = _W(W)
+    codes = torch.empty(x.numel(), dtype=torch.int64)
+    k0, k1 = keys(key)
+    flags = _ms_encode_int(as_numba(x), W, Wdiv, np_view(levels), np_view(idx), k0, k1, codes.numpy())
+    return codes, flags
+
+
+def ms_encode_words(x: torch.Tensor, W, levels: torch.Tensor, code_bits: int, key: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``(words (j << code_bits) | (code + s_min) with this worker's own indices j, flags)``."""
+    W, Wdiv = _W(W)
+    words = torch.empty(x.numel(), dtype=dtype)
+    k0, k1 = keys(key)
+    lev = tuple(float(v) for v in levels.tolist())
+    return words, _ms_encode_words(as_numba(x), W, Wdiv, lev, code_bits, k0, k1, words.numpy())
+
+
+def ms_decode_sum(codes: torch.Tensor, idx: torch.Tensor, W, levels: torch.Tensor, m: int,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``(codes * W / levels[idx] / m as dtype, flags)`` (FLAG_INDEX for an index outside 0..N-1)."""
+    direct = dtype in (torch.float32, torch.float64)
+    out = torch.empty(codes.numel(), dtype=dtype if direct else torch.float64)
+    bad = _ms_decode_sum(np_view(codes), np_view(idx), float(W), np_view(levels), float(m), out.numpy())
+    return (out if direct else out.to(dtype)), (FLAG_INDEX if bad else 0)
+
+
+def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``(one message's decode as dtype, flags)``."""
+    direct = dtype in (torch.float32, torch.float64)
+    out = torch.empty(words.numel(), dtype=dtype if direct else torch.float64)
+    bad = _ms_decode_words(np_view(words), code_bits, float(W), np_view(levels), out.numpy())
+    return (out if direct else out.to(dtype)), (FLAG_INDEX if bad else 0)
+
+
+def select(d: int, k: int, a: int, hb: int, round_keys: np.ndarray, dense: bool) -> torch.Tensor:
+    """The sorted int64 indices ``{i < d : sigma(i) < k}`` (see :mod:`lowbit.codecs.randk`)."""
+    round_keys = tuple(np.uint64(v) for v in round_keys)
+    if dense:
+        out = torch.empty(k + 1, dtype=torch.int64)
+        _select_dense(d, k, a, hb, round_keys, out.numpy())
+        return out[:k]
+    out = torch.empty(k, dtype=torch.int64)
+    _select_sparse(d, k, a, hb, round_keys, out.numpy())
+    return out.sort().values
+
+
+
+def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``n`` elements with ``vals * factor`` (float64 products, cast to ``dtype``) at ``idx``."""
+    direct = dtype in (torch.float32, torch.float64)
+    out = torch.zeros(n, dtype=dtype if direct else torch.float64)
+    _scatter(as_numba(vals), np_view(idx), float(factor), out.numpy())
+    return out if direct else out.to(dtype)
