@@ -80,13 +80,10 @@ def test_an_ans_blob_claiming_2_to_the_32_symbols_is_refused_before_decoding():
     assert peak < 1_000_000
 
 
-_QSGD_BUG = pytest.mark.xfail(strict=True, raises=RuntimeError,
-                              reason="codecs/qsgd.py: a header stating a huge length reaches torch (RuntimeError "
-                                     "'numel: integer multiplication overflow'), not a ValueError")
 CODECS = [
     pytest.param(IdentityCodec(), id="fp32"), pytest.param(UniformCodec(step=0.1), id="uniform"),
     pytest.param(MinMaxCodec(bits=4), id="minmax"), pytest.param(ModuloCodec(bits=2, theta=0.5), id="modulo"),
-    pytest.param(QSGDCodec(levels=4), id="qsgd", marks=_QSGD_BUG), pytest.param(TernGradCodec(), id="terngrad"),
+    pytest.param(QSGDCodec(levels=4), id="qsgd"), pytest.param(TernGradCodec(), id="terngrad"),
     pytest.param(SignCodec(), id="sign"), pytest.param(HalfCodec(), id="half"),
     pytest.param(QSGDMaxNormCodec(bits=3), id="qsgd_maxnorm"),
     pytest.param(EntropyCodedCodec(MinMaxCodec(bits=4), "zlib", max_decoded_nbytes=LIMIT), id="entropy-zlib"),

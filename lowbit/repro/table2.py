@@ -54,6 +54,7 @@ from ..comm.inprocess import run_threads
 from ..data import find_dataset_dir
 from ..integrations import FlatParams
 from ..train.config import TrainConfig
+from ..train.errors import Diverged
 from ..train.loop import build_algorithm
 from ..train.tasks import TASKS
 from .common import curves, fmt, train_quietly, write_outputs
@@ -159,8 +160,8 @@ def run_seed(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     try:
         r = train_quietly(cfg)
-    except ValueError as e:
-        if not _stopped_by_blowup(e):
+    except (ValueError, Diverged) as e:
+        if not (isinstance(e, Diverged) or _stopped_by_blowup(e)):
             raise
         return {"seed": cfg.seed, "final_test_accuracy": None, "final_train_loss": None,
                 "initial_train_loss": None, "diverged": True, "stopped": f"training stopped: {e}",
