@@ -34,7 +34,7 @@ def test_a_generator_is_advanced_by_one_draw_per_key():
 
 @pytest.mark.parametrize("b", list(range(1, 33)))
 def test_numba_pack_is_the_reference_layout(b):
-    for n in (0, 1, 7, 8, 9, 1001):
+    for n in (0, 1, 7, 8, 9, 1001, 4099):
         c = torch.randint(0, 2 ** min(b, 31), (n,), dtype=torch.int64, generator=torch.Generator().manual_seed(b))
         packed = cpu.pack(c, b)
         assert torch.equal(packed, pack_wide(c, b))

@@ -89,15 +89,6 @@ def test_uniform_wide_bounds_take_the_exact_range():
     assert outcomes == {str, torch.Tensor}
 
 
-@pytest.mark.parametrize("b", [3, 5, 6, 7])
-def test_group_packing_is_the_core_layout(b):
-    for n in (1, 7, 8, 9, 1001, 4099):
-        codes = torch.randint(0, 2**b, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + b))
-        packed = plain.pack_codes(codes, b)
-        assert torch.equal(packed, cpu.pack(codes, b))
-        assert torch.equal(plain.unpack_codes(packed, b, n), codes)
-
-
 # --- statistics on the fast path ------------------------------------------------------------
 
 N = 200_000

@@ -22,7 +22,7 @@ import torch
 
 from .cpu import _jit, _stats, as_numba, keys, nonfinite, np_view, pack, rint, round_stochastic, stats, unpack
 
-__all__ = ["pack_codes", "unpack_codes", "minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
+__all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
            "terngrad_decode", "half_overflow"]
 
@@ -31,68 +31,6 @@ def _out_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a decode kernel writes: float32 or float64 directly; any other dtype is
     written as float64 and cast once (a single rounding, as the reference's)."""
     return dtype if dtype in (torch.float32, torch.float64) else torch.float64
-
-
-# --- packing of 3, 5, 6 and 7 bits -----------------------------------------------------------
-# The core's pack/unpack serve widths 1, 2, 4, 8 (whole codes per byte) well; for the other
-# widths up to 8, a group of 8 codes fills exactly b bytes, so one uint64 holds a group and
-# no loop runs over bits (about 2x faster than the core's bit-stream loop at 1e7).
-
-@_jit
-def _pack_groups(codes, b, out):
-    n = codes.shape[0]
-    groups = n // 8
-    for g in range(groups):
-        acc = np.uint64(0)
-        for k in range(8):
-            acc |= np.uint64(codes[8 * g + k]) << np.uint64(k * b)
-        for j in range(b):
-            out[g * b + j] = np.uint8((acc >> np.uint64(8 * j)) & np.uint64(0xFF))
-    if groups * 8 < n:
-        acc = np.uint64(0)
-        for k in range(n - groups * 8):
-            acc |= np.uint64(codes[8 * groups + k]) << np.uint64(k * b)
-        for j in range(out.shape[0] - groups * b):
-            out[groups * b + j] = np.uint8((acc >> np.uint64(8 * j)) & np.uint64(0xFF))
-
-
-@_jit
-def _unpack_groups(data, b, out):
-    n = out.shape[0]
-    groups = n // 8
-    mask = np.uint64((1 << b) - 1)
-    for g in range(groups):
-        acc = np.uint64(0)
-        for j in range(b):
-            acc |= np.uint64(data[g * b + j]) << np.uint64(8 * j)
-        for k in range(8):
-            out[8 * g + k] = (acc >> np.uint64(k * b)) & mask
-    if groups * 8 < n:
-        acc = np.uint64(0)
-        for j in range(data.shape[0] - groups * b):
-            acc |= np.uint64(data[groups * b + j]) << np.uint64(8 * j)
-        for k in range(n - groups * 8):
-            out[8 * groups + k] = (acc >> np.uint64(k * b)) & mask
-
-
-def pack_codes(codes: torch.Tensor, b: int) -> torch.Tensor:
-    """:func:`.cpu.pack` (the same bytes), by groups of 8 codes for b in 3, 5, 6, 7."""
-    if b not in (3, 5, 6, 7):
-        return pack(codes, b)
-    out = torch.empty((codes.numel() * b + 7) // 8, dtype=torch.uint8)
-    if codes.numel():
-        _pack_groups(np_view(codes), b, out.numpy())
-    return out
-
-
-def unpack_codes(data: torch.Tensor, b: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """:func:`.cpu.unpack` (the same codes), by groups of 8 codes for b in 3, 5, 6, 7."""
-    if b not in (3, 5, 6, 7):
-        return unpack(data, b, n, dtype)
-    out = torch.empty(n, dtype=dtype)
-    if n:
-        _unpack_groups(np_view(data), b, out.numpy())
-    return out
 
 
 # --- min-max (Bagua) ----------------------------------------------------------------------
@@ -131,12 +69,12 @@ def minmax_encode(x: torch.Tensor, lo: float, scale: float, bits: int, stochasti
     xv = as_numba(x.detach())
     codes = torch.empty(xv.shape[0], dtype=torch.uint8)
     _minmax_encode(xv, lo, scale, (1 << bits) - 1, stochastic, *keys(key), codes.numpy())
-    return pack_codes(codes, bits)
+    return pack(codes, bits)
 
 
 def minmax_decode(data: torch.Tensor, bits: int, n: int, lo: float, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``unpack(data) / scale + lo`` as ``dtype`` (``scale > 0``; the caller handles ``scale == 0``)."""
-    codes = unpack_codes(data, bits, n)
+    codes = unpack(data, bits, n)
     out = torch.empty(n, dtype=_out_dtype(dtype))
     _minmax_decode(codes.numpy(), scale, lo, out.numpy())
     return out.to(dtype)
@@ -250,11 +188,11 @@ def uniform_pack(codes: torch.Tensor, shift: int, b: int) -> torch.Tensor:
     """``codes - shift`` (each then < 2^b, checked by the caller) packed ``b`` bits each."""
     if shift:
         _subtract(codes.numpy(), codes.numpy().dtype.type(shift))
-    return pack_codes(codes, b)
+    return pack(codes, b)
 
 
 def uniform_decode(data: torch.Tensor, b: int, n: int, offset: int, step: float, dtype: torch.dtype) -> torch.Tensor:
-    codes = unpack_codes(data, b, n, torch.uint8 if b <= 8 else torch.uint32)
+    codes = unpack(data, b, n, torch.uint8 if b <= 8 else torch.uint32)
     out = torch.empty(n, dtype=_out_dtype(dtype))
     _uniform_decode(codes.numpy(), float(offset), step, out.numpy())
     return out.to(dtype)

@@ -22,12 +22,10 @@ import triton.language as tl
 from ..rng import counter_uniforms, split_key
 from .gpu import BLOCK, _grid, pack, rint, uniform, unpack
 
-__all__ = ["pack_codes", "unpack_codes", "minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
+__all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
            "terngrad_decode", "half_overflow"]
 
-pack_codes = pack
-unpack_codes = unpack
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
