@@ -85,7 +85,7 @@ from .base import (
     unpack_header,
 )
 from .kernels import kernels_for
-from .packing import pack_wide, unpack_wide
+from .packing import check_packed, pack_wide, unpack_wide
 from .quantize import check_int_range, check_numel, round_to_int
 from .rng import draw_key
 
@@ -237,14 +237,6 @@ def _kernels(t: torch.Tensor):
     return kernels_for(t, FAMILY) if isinstance(t, torch.Tensor) else None
 
 
-def _check_payload(payload: Payload, n: int, bits: int) -> None:
-    need = (n * bits + 7) // 8
-    d = payload.data
-    if d.dtype != torch.uint8 or d.dim() != 1 or d.numel() != need:
-        raise ValueError(f"{n} codes of {bits} bits need exactly {need} bytes of uint8 data, "
-                         f"got {d.dtype} {tuple(d.shape)}")
-
-
 def _lemma_bound(numel: int, s_hat: int, W: float, norm: str) -> float:
     if norm == "l2":
         return (1 + min(numel / s_hat**2, math.sqrt(numel) / s_hat)) * W**2
@@ -343,7 +335,7 @@ class QSGDMaxNormCodec(SummableCodec):
         if K is None:
             return self.decode_reference(payload, dtype=dtype)
         n, W = unpack_header(self.header_format, payload.header)
-        _check_payload(payload, n, self.bits)
+        check_packed(payload.data, self.bits, n)
         codes = kernels_for(payload.data).unpack(payload.data, self.bits, n, K.code_dtype(self.bits))
         return K.qsgd_decode(codes, self.levels, W, self.levels, 1, _out_dtype(dtype))
 
@@ -547,7 +539,7 @@ class MultiScaleMaxNormCodec(SummableCodec):
         if K is None:
             return self.decode_reference(payload, dtype=dtype)
         n, W = unpack_header(self.header_format, payload.header)
-        _check_payload(payload, n, self.bits)
+        check_packed(payload.data, self.bits, n)
         words = kernels_for(payload.data).unpack(payload.data, self.bits, n, K.code_dtype(self.bits))
         out, flags = K.ms_decode_words(words, self.code_bits, W, self._levels_tensor(words.device), _out_dtype(dtype))
         if int(flags):

@@ -25,7 +25,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import _check_data, pack_bits, unpack_bits
+from .packing import check_packed, pack_bits, unpack_bits
 from .quantize import check_int_range, check_numel, check_rounding, round_to_int
 from .rng import draw_key
 
@@ -105,7 +105,7 @@ class MinMaxCodec(Codec):
         K = kernels_for(payload.data, "plain")
         if K is None:
             return self.decode_reference(payload, dtype=dtype)
-        _check_data(payload.data, self.bits, n)
+        check_packed(payload.data, self.bits, n)
         dtype = torch.float32 if dtype is None else dtype
         scale = self._scale(lo, hi)
         if scale == 0:

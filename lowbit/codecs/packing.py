@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["packed_nbytes", "pack_bits", "unpack_bits", "pack_wide", "unpack_wide"]
+__all__ = ["packed_nbytes", "check_packed", "pack_bits", "unpack_bits", "pack_wide", "unpack_wide"]
 
 _MAX_NARROW = 8
 _MAX_WIDE = 32
@@ -48,7 +48,9 @@ def _as_codes(codes: torch.Tensor, b: int) -> torch.Tensor:
     return c
 
 
-def _check_data(data: torch.Tensor, b: int, n: int) -> torch.Tensor:
+def check_packed(data: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """``data`` is a 1-D uint8 tensor of exactly the ``ceil(n b / 8)`` bytes that ``n`` codes of
+    ``b`` bits take (TypeError / ValueError otherwise), checked before anything is allocated."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         desc = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise TypeError(f"packed data must be a 1-D uint8 tensor, got {desc}")
@@ -140,7 +142,7 @@ def _pack(codes: torch.Tensor, b: int) -> torch.Tensor:
 def _unpack(data: torch.Tensor, b: int, n: int) -> torch.Tensor:
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ValueError(f"n must be a non-negative int, got {n!r}")
-    data = _check_data(data, b, n)
+    data = check_packed(data, b, n)
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
     if b == 8:

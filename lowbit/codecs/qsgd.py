@@ -43,7 +43,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import pack_wide, packed_nbytes, unpack_wide
+from .packing import check_packed, pack_wide, packed_nbytes, unpack_wide
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64, round_to_int
 from .rng import draw_key
 
@@ -166,12 +166,8 @@ class QSGDCodec(Codec):
     def _norms_of(self, payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(float32 norms, packed codes)`` of a payload, on the data's device."""
         data = payload.data
-        if n < 0:
-            raise ValueError(f"QSGD payload header states {n} elements; a length must be >= 0")
         if self.bucket is None:
-            need = packed_nbytes(n, self.code_bits)
-            if data.numel() != need:
-                raise ValueError(f"QSGD payload of {n} elements needs {need} data bytes, got {data.numel()}")
+            check_packed(data, self.code_bits, n)
             return payload.header[4:8].to(data.device).clone().view(torch.float32), data
         k = self._num_buckets(n)
         need = 4 * k + packed_nbytes(n, self.code_bits)

@@ -28,7 +28,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import _check_data, pack_bits, unpack_bits
+from .packing import check_packed, pack_bits, unpack_bits
 from .quantize import check_numel, finite_float64
 
 __all__ = ["SignCodec", "SIGN_SCALES"]
@@ -108,7 +108,7 @@ class SignCodec(Codec):
         if K is None:
             return self.decode_reference(payload, dtype=dtype)
         n = fields[0]
-        _check_data(payload.data, 1, n)
+        check_packed(payload.data, 1, n)
         c = 1.0 if self.scale == "none" else fields[1]
         return K.sign_decode(payload.data, n, c, torch.float32 if dtype is None else dtype)
 

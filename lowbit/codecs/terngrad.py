@@ -25,7 +25,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import _check_data, pack_bits, unpack_bits
+from .packing import check_packed, pack_bits, unpack_bits
 from .qsgd import float32_up
 from .quantize import check_numel, finite_float64, round_to_int
 from .rng import draw_key
@@ -81,7 +81,7 @@ class TernGradCodec(Codec):
         K = kernels_for(payload.data, "plain")
         if K is None:
             return self.decode_reference(payload, dtype=dtype)
-        _check_data(payload.data, 2, n)
+        check_packed(payload.data, 2, n)
         x, valid = K.terngrad_decode(payload.data, n, scale, torch.float32 if dtype is None else dtype)
         if not valid:
             raise ValueError("TernGrad payload holds the code 3, which is not a ternary value")

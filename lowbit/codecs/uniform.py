@@ -23,7 +23,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import _check_data, pack_wide, unpack_wide
+from .packing import check_packed, pack_wide, unpack_wide
 from .quantize import INT32_MAX, check_numel, check_positive, check_rounding, error_bound, round_to_int
 from .rng import draw_key
 
@@ -110,7 +110,7 @@ class UniformCodec(Codec):
         K = kernels_for(payload.data, "plain")
         if K is None or not 1 <= b <= 32:
             return self.decode_reference(payload, dtype=dtype)
-        _check_data(payload.data, b, n)
+        check_packed(payload.data, b, n)
         return K.uniform_decode(payload.data, b, n, offset, self.step, torch.float32 if dtype is None else dtype)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:

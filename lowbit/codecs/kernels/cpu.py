@@ -18,6 +18,7 @@ import numba
 import numpy as np
 import torch
 
+from ..modulo import GRID_LIMIT, grid_overflow_message
 from ..rng import MIX_C1, MIX_C2, UNIFORM_SCALE, split_key
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -371,5 +372,3 @@ def modulo_decode_hash(codes: torch.Tensor, B: float, levels: int, ref: torch.Te
     return out.to(y.dtype), hashes
 
 
-
-from ..modulo import GRID_LIMIT, grid_overflow_message  # noqa: E402  (modulo imports this package lazily)
