@@ -28,10 +28,11 @@ import math
 
 import torch
 
-from .kernels import cpu_kernels, fast_backend
-from .packing import pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
+from .kernels import cpu_kernels, fast_backend, kernels_for
+from .packing import check_packed, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
-__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "pack_radix", "radix_group", "radix_nbytes", "unpack_radix"]
+__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "check_levels_packed", "level_bits", "levels_nbytes", "pack_levels", "pack_levels_fast",
+           "pack_radix", "radix_group", "radix_nbytes", "unpack_levels", "unpack_levels_fast", "unpack_radix"]
 
 MAX_LEVELS = 255
 MAX_GROUP_BITS = 56  # a group value plus the < 8 pending bits fits a 64-bit accumulator
@@ -173,12 +174,7 @@ def pack_radix(codes: torch.Tensor, L: int) -> torch.Tensor:
     if k is None:
         return pack_radix_reference(codes, L)
     L = _check_levels(L)
-    g, b = radix_group(L)
-    c = _as_symbols(codes, L).contiguous()
-    out = torch.zeros(radix_nbytes(c.numel(), L), dtype=torch.uint8)
-    if c.numel():
-        k.pack_radix(c.numpy(), L, g, b, out.numpy())
-    return out
+    return k.pack(_as_symbols(codes, L).contiguous(), L, *radix_group(L))
 
 
 def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
@@ -190,8 +186,87 @@ def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
         return unpack_radix_reference(data, L, n)
     L, n = _check_levels(L), _check_n(n)
     g, b = radix_group(L)
-    data = _check_data(data, n, L).contiguous()
-    out = torch.empty(n, dtype=torch.uint8)
-    if n:
-        _raise_bad(int(k.unpack_radix(data.numpy(), L, g, b, out.numpy())), L, -(-n // g))
+    out, bad = k.unpack(_check_data(data, n, L), L, g, b, n)
+    _raise_bad(bad, L, -(-n // g))
     return out.to(torch.int64)
+
+
+# --- codes of L levels, whatever L: what the codecs call -----------------------------------------
+#
+# L <= 255 levels and not a power of two: mixed radix (above). A power of two: plain bit packing at
+# log2 L bits (radix_group gives g = 1 there, so the two formats are one). More than 255 levels:
+# plain bit packing at ceil(log2 L) bits (at most 1 bit over log2 L, i.e. < 12.5% for L > 256).
+
+
+def _radix_applies(L: int) -> bool:
+    return L <= MAX_LEVELS and L & (L - 1) != 0
+
+
+def _check_any_levels(L) -> int:
+    if isinstance(L, bool) or not isinstance(L, int) or not 2 <= L <= 2 ** 32:
+        raise ValueError(f"levels must be an int in 2..2^32, got {L!r}")
+    return L
+
+
+def _width(L: int) -> int:
+    return (L - 1).bit_length()
+
+
+def level_bits(L: int) -> float:
+    """Bits per element that codes of ``L`` levels take on the wire (for long vectors):
+    ``b / g`` in mixed radix (e.g. 1.6 for L = 3), ``ceil(log2 L)`` otherwise. The
+    codecs' ``bits`` (the nominal bits of a run's summary) is this count."""
+    L = _check_any_levels(L)
+    if _radix_applies(L):
+        g, b = radix_group(L)
+        return b / g
+    return float(_width(L))
+
+
+def levels_nbytes(n: int, L: int) -> int:
+    """Bytes taken by ``n`` codes of ``L`` levels (:func:`radix_nbytes` where mixed radix
+    applies, else ``ceil(n ceil(log2 L) / 8)``)."""
+    L = _check_any_levels(L)
+    return radix_nbytes(n, L) if _radix_applies(L) else packed_nbytes(_check_n(n), _width(L))
+
+
+def check_levels_packed(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+    """``data`` is a 1-D uint8 tensor of exactly :func:`levels_nbytes` ``(n, L)`` bytes
+    (TypeError / ValueError otherwise)."""
+    L = _check_any_levels(L)
+    return _check_data(data, n, L) if _radix_applies(L) else check_packed(data, _width(L), n)
+
+
+def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
+    """The reference packing of integer ``codes`` in ``[0, L)``: :func:`pack_radix_reference`
+    where mixed radix applies, else :func:`~lowbit.codecs.packing.pack_wide` at ``ceil(log2 L)``
+    bits. ValueError for codes outside ``[0, L)`` (outside ``[0, 2^ceil(log2 L))`` beyond 255 levels)."""
+    L = _check_any_levels(L)
+    return pack_radix_reference(codes, L) if _radix_applies(L) else pack_wide(codes, _width(L))
+
+
+def unpack_levels(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_levels` (int64 codes)."""
+    L = _check_any_levels(L)
+    return unpack_radix_reference(data, L, n) if _radix_applies(L) else unpack_wide(data, _width(L), n)
+
+
+def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
+    """The fast path's :func:`pack_levels` for codes a fast-path kernel made (uint8 below 256
+    levels, trusted to lie in ``[0, L)``): numba on the CPU, Triton on CUDA, the same bytes."""
+    if _radix_applies(L):
+        return kernels_for(codes, "radix").pack(codes, L, *radix_group(L))
+    return kernels_for(codes).pack(codes, _width(L))
+
+
+def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The fast path's :func:`unpack_levels`: the ``n`` codes as ``dtype`` (a dtype that holds
+    ``L - 1``). ``data`` must be exactly :func:`levels_nbytes` bytes (ValueError otherwise, and
+    for group values that their digits cannot hold)."""
+    data = check_levels_packed(data, L, n)
+    if not _radix_applies(L):
+        return kernels_for(data).unpack(data, _width(L), n, dtype)
+    g, b = radix_group(L)
+    out, bad = kernels_for(data, "radix").unpack(data, L, g, b, n)
+    _raise_bad(int(bad), L, -(-n // g))
+    return out if dtype == torch.uint8 else out.to(dtype)

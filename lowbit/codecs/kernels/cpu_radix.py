@@ -2,13 +2,39 @@
 forms each group's radix-``L`` value and writes it into the little-endian bit
 stream of :mod:`lowbit.codecs.packing`, and its inverse. Group widths up to 56
 bits: a value shifted by the < 8 bits left in the 64-bit accumulator still fits.
+
+Two kinds of kernels with one format:
+
+- :func:`pack_radix` / :func:`unpack_radix`: ``L``, ``g``, ``b`` are run-time
+  arguments (any length; the tail of the specialised kernels below, and the
+  kernels :mod:`lowbit.codecs.radix` calls).
+- :func:`specialised` ``(L, g, b)``: kernels compiled for one level count, with
+  ``L``, ``g`` and ``b`` compile-time constants, over "blocks" of 8 groups (8
+  groups of ``b`` bits fill exactly ``b`` bytes, so every block starts on a byte):
+  the digit loops unroll, the division by ``L`` becomes a multiplication, and the
+  bit-stream bookkeeping of a block is resolved at compile time. About 5x faster
+  than the run-time kernels at 1e7 ternary codes. Compiled once per level count
+  and process (closures over constants are not cached on disk by numba).
+
+:func:`pack` / :func:`unpack` are the torch-level API that the codecs' fast paths
+call (the same names and signatures in :mod:`.gpu_radix`). They use the specialised
+kernels from :data:`SPECIALISE_FROM` codes on (below, the compilation would cost more
+than it saves), the run-time ones for the rest.
 """
 
 from __future__ import annotations
 
+import functools
+
+import numba
 import numpy as np
+import torch
 
 from .cpu import _jit
+
+__all__ = ["SPECIALISE_FROM", "pack", "unpack", "pack_radix", "unpack_radix", "specialised"]
+
+SPECIALISE_FROM = 1 << 16  # codes from which pack/unpack compile the specialised kernels of a level count
 
 
 @_jit
@@ -68,3 +94,97 @@ def unpack_radix(data, L, g, b, out):
             v = q
         bad += v != np.uint64(0)
     return bad
+
+
+@functools.cache
+def specialised(L: int, g: int, b: int):
+    """``(pack_blocks, unpack_blocks)`` for ``L`` levels in groups of ``g`` digits and
+    ``b`` bits: ``pack_blocks(codes, out, blocks)`` packs the first ``8 g blocks``
+    codes into the first ``b blocks`` bytes of ``out``; ``unpack_blocks(data, out,
+    blocks)`` is its inverse and returns the number of groups whose value exceeds
+    ``L^g - 1``."""
+    Lu = np.uint64(L)
+    G = g
+    B = b
+    B8 = np.uint64(8)
+    FF = np.uint64(0xFF)
+    MASK = np.uint64((1 << b) - 1)
+    BU = np.uint64(b)
+    LIMIT = np.uint64(L ** g)
+    opts = dict(nogil=True, boundscheck=False, error_model="numpy")
+
+    @numba.njit(**opts)
+    def pack_blocks(codes, out, blocks):
+        for s in range(blocks):
+            base = s * 8 * G
+            o = s * B
+            acc = np.uint64(0)
+            nbits = 0
+            for j in range(8):
+                v = np.uint64(0)
+                for k in range(G):
+                    v = v * Lu + np.uint64(codes[base + j * G + (G - 1 - k)])
+                acc |= v << np.uint64(nbits)
+                nbits += B
+                while nbits >= 8:
+                    out[o] = np.uint8(acc & FF)
+                    acc >>= B8
+                    nbits -= 8
+                    o += 1
+
+    @numba.njit(**opts)
+    def unpack_blocks(data, out, blocks):
+        bad = 0
+        for s in range(blocks):
+            base = s * 8 * G
+            o = s * B
+            acc = np.uint64(0)
+            nbits = 0
+            for j in range(8):
+                while nbits < B:
+                    acc |= np.uint64(data[o]) << np.uint64(nbits)
+                    o += 1
+                    nbits += 8
+                v = acc & MASK
+                acc >>= BU
+                nbits -= B
+                bad += v >= LIMIT
+                for k in range(G):
+                    q = v // Lu
+                    out[base + j * G + k] = np.uint8(v - q * Lu)
+                    v = q
+        return bad
+
+    return pack_blocks, unpack_blocks
+
+
+# --- torch-level API (the same names and signatures as gpu_radix) -----------------------------
+
+def pack(codes: torch.Tensor, L: int, g: int, b: int) -> torch.Tensor:
+    """``codes`` (a contiguous uint8 CPU tensor, each < ``L``: the caller's kernel made
+    them so) packed in mixed radix: ``ceil(ceil(n / g) b / 8)`` bytes."""
+    c = codes.numpy()
+    n = c.shape[0]
+    out = torch.zeros((-(-n // g) * b + 7) // 8, dtype=torch.uint8)
+    o = out.numpy()
+    blocks = n // (8 * g) if n >= SPECIALISE_FROM else 0
+    if blocks:
+        specialised(L, g, b)[0](c, o, blocks)
+    if blocks * 8 * g < n:
+        pack_radix(c[blocks * 8 * g:], L, g, b, o[blocks * b:])
+    return out
+
+
+def unpack(data: torch.Tensor, L: int, g: int, b: int, n: int) -> tuple[torch.Tensor, int]:
+    """``(the n uint8 digits, the number of group values their digits cannot hold)`` of
+    ``data`` (exactly the bytes :func:`pack` writes for ``n`` codes: the caller checks)."""
+    d = data.contiguous().numpy()
+    out = torch.empty(n, dtype=torch.uint8)
+    o = out.numpy()
+    blocks = n // (8 * g) if n >= SPECIALISE_FROM else 0
+    bad = 0
+    if blocks:
+        bad += int(specialised(L, g, b)[1](d, o, blocks))
+    if blocks * 8 * g < n:
+        bad += int(unpack_radix(d[blocks * b:], L, g, b, o[blocks * 8 * g:]))
+    return out, bad
