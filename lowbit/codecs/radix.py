@@ -5,20 +5,29 @@ Symbols are taken in groups of ``g``; a group's value ``v = sum_k c_k L^k`` (sym
 ``k`` of the group is digit ``k``, least significant first) lies in ``[0, L^g)`` and
 takes ``b = ceil(g log2 L)`` bits (computed exactly: the bit length of ``L^g - 1``).
 The group values are then written with the layout of :mod:`lowbit.codecs.packing`
-(one little-endian bit stream, value ``j`` at stream bits ``[j b, (j + 1) b)``), so
-``n`` symbols take ``ceil(ceil(n / g) b / 8)`` bytes; a last partial group keeps the
-full width ``b`` with its missing digits 0.
+(one little-endian bit stream, value ``j`` at stream bits ``[j b, (j + 1) b)``), except
+that a last partial group of ``r < g`` symbols takes ``b_r = ceil(r log2 L)`` bits (the
+bit length of ``L^r - 1``: its value is below ``L^r``; its missing digits are 0). So
+``n = q g + r`` symbols take ``ceil((q b + b_r) / 8)`` bytes: never more than plain bit
+packing at ``ceil(log2 L)`` bits, since ``h`` digits take ``ceil(h log2 L) <=
+h ceil(log2 L)`` bits. (The stream is the one a full-width last group would give, with
+its zero top bits cut.)
 
 :func:`radix_group` picks the smallest ``g`` whose ``b / g`` is within 1% of
 ``log2 L`` with ``b <= 56`` (e.g. L = 3: 5 trits in 8 bits, 1.6 bits = 1.0095 x
 log2 3; L = 5: 3 symbols in 7 bits); where no such ``g`` exists (25 of the level
-counts, e.g. 60, 61, 119-121, 232-242, whose ``L`` lies just below a power of two)
+counts, e.g. 60, 61, 65, 119-121, 129-134, 232-242, near a power of two; within 2% there)
 the ``g`` with the fewest bits per symbol. A power of two takes ``g = 1``,
 ``b = log2 L``: plain bit packing.
 
-Two implementations with one format: a numba kernel (one pass, CPU tensors, the
-default where numba imports; see :mod:`lowbit.codecs.kernels`) and the plain torch
-reference (any device; forced with ``LOWBIT_CODEC_PATH=reference``).
+Three implementations with one format: numba kernels (:mod:`.kernels.cpu_radix`, CPU
+tensors, the default where numba imports; see :mod:`lowbit.codecs.kernels`), Triton
+kernels (:mod:`.kernels.gpu_radix`, CUDA tensors, used by the codecs' fast paths) and
+the plain torch reference (any device; forced with ``LOWBIT_CODEC_PATH=reference``).
+
+Codecs call the level-count API at the bottom (:func:`pack_levels`, :func:`levels_nbytes`,
+:func:`level_bits`, and their fast-path forms), which routes a power of two and more
+than 255 levels to plain bit packing.
 """
 
 from __future__ import annotations
@@ -74,9 +83,11 @@ def radix_group(L: int) -> tuple[int, int]:
 
 
 def radix_nbytes(n: int, L: int) -> int:
-    """Bytes taken by ``n`` symbols of ``L`` levels: ``ceil(ceil(n / g) b / 8)``."""
+    """Bytes taken by ``n = q g + r`` symbols of ``L`` levels: ``ceil((q b + b_r) / 8)``,
+    ``b_r`` the bit length of ``L^r - 1`` (0 for ``r = 0``)."""
     g, b = radix_group(L)
-    return (-(-_check_n(n) // g) * b + 7) // 8
+    q, r = divmod(_check_n(n), g)
+    return (q * b + (L ** r - 1).bit_length() + 7) // 8
 
 
 def _as_symbols(codes, L: int) -> torch.Tensor:
@@ -138,7 +149,8 @@ def pack_radix_reference(codes: torch.Tensor, L: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=c.device)
     m = -(-n // g)
     c = torch.nn.functional.pad(c, (0, m * g - n)).view(m, g)
-    return _pack_values((c * _powers(L, g, c.device)).sum(1), b)
+    # the last group's bits above b_r are zero: cut to radix_nbytes
+    return _pack_values((c * _powers(L, g, c.device)).sum(1), b)[:radix_nbytes(n, L)]
 
 
 def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
@@ -149,7 +161,7 @@ def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
     m = -(-n // g)
-    v = _unpack_values(data, b, m)
+    v = _unpack_values(torch.nn.functional.pad(data, (0, (m * b + 7) // 8 - data.numel())), b, m)
     digits = (v.unsqueeze(1) // _powers(L, g, data.device)) % L
     # a value must fit its group's digits: < L^g, and < L^r for a last group of r symbols
     r = n - (m - 1) * g

@@ -41,13 +41,15 @@ SPECIALISE_FROM = 1 << 16  # codes from which pack/unpack compile the specialise
 def pack_radix(codes, L, g, b, out):
     """``codes`` (uint8, each < L) in groups of ``g``, each group's value
     ``sum_k codes[j g + k] L^k`` (the missing digits of a last partial group are 0)
-    written as ``b`` stream bits into the zeroed ``out``."""
+    written as ``b`` stream bits into the zeroed ``out``, cut at ``out``'s length (a last
+    partial group's top bits are zero)."""
     n = codes.shape[0]
     m = (n + g - 1) // g
     Lu = np.uint64(L)
     acc = np.uint64(0)
     nbits = 0
     o = 0
+    nout = out.shape[0]
     for j in range(m):
         base = j * g
         hi = min(base + g, n)
@@ -57,11 +59,12 @@ def pack_radix(codes, L, g, b, out):
         acc |= v << np.uint64(nbits)
         nbits += b
         while nbits >= 8:
-            out[o] = np.uint8(acc & np.uint64(0xFF))
+            if o < nout:
+                out[o] = np.uint8(acc & np.uint64(0xFF))
             acc >>= np.uint64(8)
             nbits -= 8
             o += 1
-    if nbits > 0:
+    if nbits > 0 and o < nout:
         out[o] = np.uint8(acc & np.uint64(0xFF))
 
 
@@ -69,8 +72,10 @@ def pack_radix(codes, L, g, b, out):
 def unpack_radix(data, L, g, b, out):
     """Inverse of :func:`pack_radix` into ``out`` (uint8, ``n`` digits). Returns the
     number of groups whose value does not fit their digits (>= L^g, or >= L^r for a
-    last group of r < g digits): 0 for the output of :func:`pack_radix`."""
+    last group of r < g digits): 0 for the output of :func:`pack_radix`. Bytes past the
+    end of ``data`` read as zero (a last partial group's cut top bits)."""
     n = out.shape[0]
+    nd = data.shape[0]
     m = (n + g - 1) // g
     Lu = np.uint64(L)
     mask = (np.uint64(1) << np.uint64(b)) - np.uint64(1)
@@ -80,7 +85,7 @@ def unpack_radix(data, L, g, b, out):
     bad = 0
     for j in range(m):
         while nbits < b:
-            acc |= np.uint64(data[o]) << np.uint64(nbits)
+            acc |= np.uint64(data[o] if o < nd else 0) << np.uint64(nbits)
             o += 1
             nbits += 8
         v = acc & mask
@@ -162,10 +167,11 @@ def specialised(L: int, g: int, b: int):
 
 def pack(codes: torch.Tensor, L: int, g: int, b: int) -> torch.Tensor:
     """``codes`` (a contiguous uint8 CPU tensor, each < ``L``: the caller's kernel made
-    them so) packed in mixed radix: ``ceil(ceil(n / g) b / 8)`` bytes."""
+    them so) packed in mixed radix: :func:`~lowbit.codecs.radix.radix_nbytes` bytes."""
     c = codes.numpy()
     n = c.shape[0]
-    out = torch.zeros((-(-n // g) * b + 7) // 8, dtype=torch.uint8)
+    q, r = divmod(n, g)
+    out = torch.zeros((q * b + (L ** r - 1).bit_length() + 7) // 8, dtype=torch.uint8)
     o = out.numpy()
     blocks = n // (8 * g) if n >= SPECIALISE_FROM else 0
     if blocks:
