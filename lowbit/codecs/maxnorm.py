@@ -37,7 +37,7 @@ Wire form (``encode``/``decode``, one worker's message): header ``<if``
 ``2s + 1 = 2^bits - 1`` levels packed by :func:`~lowbit.codecs.radix.pack_levels`
 (mixed radix, ``wire_bits`` = :func:`~lowbit.codecs.radix.level_bits` ``(2s + 1)``
 bits per coordinate: 1.6 for ``bits = 2``, ``17 / 6`` for 3, ``43 / 11`` for 4, ...,
-exactly ``bits`` from ``bits = 7`` on, where one code per ``bits`` bits is already
+exactly ``bits`` from ``bits = 5`` on, where one code per ``bits`` bits is already
 within 1% of ``log2(2s + 1)``); multi-scale, ``code + s_min`` with the scale index in
 the bits above, packed LSB-first with :func:`pack_wide`, exactly ``bits`` bits per
 coordinate. A single-scale
