@@ -286,11 +286,13 @@ def _terngrad_encode(x, scale, k0, k1, out):
     n = x.shape[0]
     full = n // 5
     for j in range(full):
-        acc = 0
-        for k in range(5):
-            i = 5 * j + (4 - k)  # Horner, the most significant digit first
-            acc = 3 * acc + _tern_code(np.float64(x[i]), scale, k0, k1, i)
-        out[j] = np.uint8(acc)
+        i = 5 * j  # five independent codes, then one sum (no dependency chain between them)
+        c0 = _tern_code(np.float64(x[i]), scale, k0, k1, i)
+        c1 = _tern_code(np.float64(x[i + 1]), scale, k0, k1, i + 1)
+        c2 = _tern_code(np.float64(x[i + 2]), scale, k0, k1, i + 2)
+        c3 = _tern_code(np.float64(x[i + 3]), scale, k0, k1, i + 3)
+        c4 = _tern_code(np.float64(x[i + 4]), scale, k0, k1, i + 4)
+        out[j] = np.uint8(c0 + 3 * c1 + 9 * c2 + 27 * c3 + 81 * c4)
     if full * 5 < n:
         acc = 0
         for i in range(n - 1, full * 5 - 1, -1):
