@@ -26,8 +26,8 @@ kernels (:mod:`.kernels.gpu_radix`, CUDA tensors, used by the codecs' fast paths
 the plain torch reference (any device; forced with ``LOWBIT_CODEC_PATH=reference``).
 
 Codecs call the level-count API at the bottom (:func:`pack_levels`, :func:`levels_nbytes`,
-:func:`level_bits`, and their fast-path forms), which routes a power of two and more
-than 255 levels to plain bit packing.
+:func:`level_bits`, and their fast-path forms), which routes a power of two, a group of one
+code (``g = 1``: 127 or 255 levels, say) and more than 255 levels to plain bit packing.
 """
 
 from __future__ import annotations
@@ -205,13 +205,15 @@ def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
 
 # --- codes of L levels, whatever L: what the codecs call -----------------------------------------
 #
-# L <= 255 levels and not a power of two: mixed radix (above). A power of two: plain bit packing at
-# log2 L bits (radix_group gives g = 1 there, so the two formats are one). More than 255 levels:
-# plain bit packing at ceil(log2 L) bits (at most 1 bit over log2 L, i.e. < 12.5% for L > 256).
+# L <= 255 levels, not a power of two, g > 1: mixed radix (above). A power of two, or g = 1: plain
+# bit packing at b = ceil(log2 L) bits (radix_group gives g = 1 there, so the two formats are one).
+# More than 255 levels: plain bit packing at ceil(log2 L) bits (< 12.5% over log2 L for L > 256).
 
 
 def _radix_applies(L: int) -> bool:
-    return L <= MAX_LEVELS and L & (L - 1) != 0
+    """Mixed radix saves bits: not a power of two, at most 255 levels, and groups of more than
+    one code (``g = 1``, e.g. 127 or 255 levels, is plain packing at ``b`` bits: the core's kernels)."""
+    return L <= MAX_LEVELS and L & (L - 1) != 0 and radix_group(L)[0] > 1
 
 
 def _check_any_levels(L) -> int:

@@ -14,8 +14,8 @@ Two kinds of kernels with one format:
   the packer is generated as straight-line source per level count (every shift a
   literal, each output byte written once: as fast as plain bit packing), the
   unpacker's digit loops unroll and its division by ``L`` becomes a multiplication.
-  Compiled once per level count and process (about 1-3 s; such functions are not
-  cached on disk by numba).
+  Compiled once per level count and process (such functions are not cached on
+  disk by numba).
 
 :func:`pack` / :func:`unpack` are the torch-level API that the codecs' fast paths
 call (the same names and signatures in :mod:`.gpu_radix`). They use the specialised
@@ -132,8 +132,8 @@ def specialised(L: int, g: int, b: int):
     ``L^g - 1``. The packer is generated as straight-line source (:func:`_pack_source`:
     the block's 8 group values, then each of its bytes from the groups that overlap it,
     every shift literal, each byte written once); the unpacker is a loop over the
-    block's groups with ``L``, ``g``, ``b`` as constants (generated straight-line
-    unpacking measured no faster and compiled 2-3x slower)."""
+    block's groups with ``L``, ``g``, ``b`` as constants (a generated straight-line
+    unpacker was not faster and took longer to compile)."""
     scope = {"np": np}
     exec(compile(_pack_source(L, g, b), f"<radix pack L={L}>", "exec"), scope)  # noqa: S102 (generated above)
     opts = dict(nogil=True, boundscheck=False, error_model="numpy")
