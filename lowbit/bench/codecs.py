@@ -49,11 +49,14 @@ class BenchCase:
 
 @dataclass(frozen=True)
 class ReferencePair:
-    """A lowbit codec and the reference computing the same thing."""
+    """A lowbit codec and the reference computing the same thing. ``decode_out``: the
+    reference decodes into a buffer kept between calls, so lowbit's decode is given one
+    too (``decode(..., out=buffer)``)."""
 
     label: str
     make: Callable[[], Codec]
     make_reference: Callable[[], refs.Reference]
+    decode_out: bool = False
 
     @property
     def family(self) -> str:
@@ -100,7 +103,7 @@ def reference_pairs() -> list[ReferencePair]:
                             lambda b=b: refs.QSGDMaxNormReference(b)) for b in (2, 4, 8)]
     pairs += [ReferencePair(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA),
                             lambda b=b: refs.MoniquaReference(b, THETA)) for b in (2, 4)]
-    pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference))
+    pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference, decode_out=True))
     pairs.append(ReferencePair("powersgd r=2", lambda: c.PowerSGDCodec(rank=2), lambda: refs.PowerSGDReference(2)))
     return pairs
 
@@ -151,9 +154,12 @@ def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, dev
 
 
 def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, ref: torch.Tensor, seed: int,
-                    device: torch.device):
-    """(lowbit, reference): the two timed encode + decode calls of a pair."""
+                    device: torch.device, decode_out: bool = False):
+    """(lowbit, reference): the two timed encode + decode calls of a pair; with
+    ``decode_out`` lowbit decodes into one float32 buffer kept between calls."""
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
+    if decode_out:
+        kw["out"] = torch.empty(x.numel(), dtype=torch.float32, device=device)
     rkw = {"ref": ref} if reference.needs_ref else {}
 
     def lowbit():
@@ -248,7 +254,7 @@ def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu"
         prepared = []
         for pair in pairs:
             codec, reference = pair.make(), pair.make_reference()
-            lowbit, reference_rt = roundtrip_calls(codec, reference, x, ref, seed, dev)
+            lowbit, reference_rt = roundtrip_calls(codec, reference, x, ref, seed, dev, pair.decode_out)
             payload = codec.encode(x, generator=_generator(seed))
             wire = reference.encode(x, generator=_reference_generator(seed, dev))
             prepared.append((pair, reference.name, lowbit, reference_rt, payload.nbytes, refs.wire_nbytes(wire)))
