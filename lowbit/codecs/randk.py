@@ -39,11 +39,16 @@ That is a bijection of ``[0, a 2^hb)``, a domain at most ``2^hb - 1 < 2 sqrt(d) 
 larger than ``d``; cycle walking (apply it again while the value is ``>= d``)
 restricts it to a bijection of ``[0, d)``, so the kept set has exactly
 ``min(k, d)`` distinct elements, each coordinate kept with probability ``k / d``
-over seeds (tested). The fast path (numba, :mod:`lowbit.codecs.kernels.cpu_maxnorm`)
-evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small against ``d``
-(``O(k log k)``), else tests ``sigma(i) < k`` for every ``i`` in one pass, already
-sorted; :meth:`RandKCodec.indices_reference` is the plain-torch version of the
-one-pass definition. (Earlier versions used ``torch.randperm``: the wire format
+over seeds (tested). The fast path runs on the data's device. On the CPU
+(numba) it evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small
+against ``d`` (``O(k log k)``, :mod:`lowbit.codecs.kernels.cpu_maxnorm`), else
+tests ``sigma(i) < k`` for every ``i`` in one pass, already sorted, in 32-bit
+vector lanes (:mod:`lowbit.codecs.kernels.cpu_randk`). On CUDA a Triton kernel
+tests every ``i`` and torch ops compact the flags on the device
+(:mod:`lowbit.codecs.kernels.gpu_randk`; no copy from the CPU, no host
+synchronisation). :func:`select_reference` (:meth:`RandKCodec.indices_reference`)
+is the plain-torch version of the one-pass definition; every path gives its
+indices exactly (integer arithmetic only). (Earlier versions used ``torch.randperm``: the wire format
 is unchanged, but a seed now selects a different set.)
 """
 
@@ -84,7 +89,8 @@ FEISTEL_ROUNDS_SMALL = 16
 #: The fast path tests every coordinate (one pass) when ``k * SPARSE_RATIO >= d``, else
 #: inverts the permutation on ``j < k`` and sorts.
 SPARSE_RATIO = 8
-_FAMILY = "maxnorm"
+_FAMILY = "maxnorm"  # the scatter of the decode
+_SELECT_FAMILY = "randk"
 
 #: The ``stream`` of :func:`lowbit.codecs.rng.derive_seed` reserved for global random-k selections.
 GLOBAL_RANDK_STREAM = 0x52414E444B  # "RANDK"
@@ -138,13 +144,19 @@ def select_reference(d: int, k: int, seed: int) -> torch.Tensor:
     return torch.nonzero(s < k).view(-1)
 
 
+def _selector(device: torch.device | str):
+    """The kernel module that selects on ``device`` (numba on the CPU, Triton on CUDA), or
+    None: take :func:`select_reference`."""
+    return kernels_for(torch.empty(0, device=device), _SELECT_FAMILY)
+
+
 @functools.lru_cache(maxsize=2)
-def _select_cached(d: int, k: int, seed: int) -> torch.Tensor:
-    """The fast selection on the CPU (numba), cached: a global random-k step selects once
-    per process for its encode and every decode of that step (read-only tensors)."""
-    K = kernels_for(torch.empty(0), _FAMILY)
+def _select_cached(d: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The fast selection on ``device``, cached: a global random-k step selects once per
+    process for its encode and every decode of that step (read-only tensors)."""
     a, hb = feistel_params(d)
-    return K.select(d, k, a, hb, round_keys(seed, d).numpy().astype("uint64"), k * SPARSE_RATIO >= d)
+    keys = round_keys(seed, d).numpy().astype("uint64")
+    return _selector(device).select(d, k, a, hb, keys, k * SPARSE_RATIO >= d, device)
 
 
 def _check_seed(seed, field: str = "seed") -> int:
@@ -239,18 +251,15 @@ class RandKCodec(SummableCodec):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         seed = self._need_seed() if seed is None else _check_seed(seed)
-        kk = self.kept(numel)
-        K = kernels_for(torch.empty(0), _FAMILY)
-        if K is None or kk == numel:
-            return self.indices_reference(numel, seed, device)
-        return _select_cached(numel, kk, seed).clone().to(device)
+        return self._indices(numel, seed, torch.device(device)).to(torch.int64, copy=True)
 
-    def _indices(self, numel: int, seed: int, device) -> torch.Tensor:
-        """:meth:`indices` for the codec's own use (read-only: may be the cached tensor)."""
+    def _indices(self, numel: int, seed: int, device: torch.device) -> torch.Tensor:
+        """:meth:`indices` for the codec's own use (read-only: may be the cached tensor; int32
+        or int64), selected on ``device`` itself."""
         kk = self.kept(numel)
-        if kk == numel or kernels_for(torch.empty(0), _FAMILY) is None:
+        if kk == numel or _selector(device) is None:
             return self.indices_reference(numel, seed, device)
-        return _select_cached(numel, kk, seed).to(device)
+        return _select_cached(numel, kk, seed, device)
 
     def indices_reference(self, numel: int, seed: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """:meth:`indices` by :func:`select_reference` (plain torch, one pass over ``[0, numel)``)."""
@@ -287,10 +296,10 @@ class RandKCodec(SummableCodec):
             if not is_summable(self.inner):
                 raise ValueError(f"scale= needs a summable inner codec, got {type(self.inner).__name__}")
             kw["scale"] = scale
-        ip = self.inner.encode(x[idx], **kw)
+        ip = self.inner.encode(x.index_select(0, idx), **kw)
         if self.send_indices:
             header = pack_header("i", n, device=x.device)
-            data = torch.cat([pack_wide(idx, self._index_bits(n)), ip.data.to(x.device)])
+            data = torch.cat([pack_wide(idx.to(torch.int64), self._index_bits(n)), ip.data.to(x.device)])
         else:
             header = pack_header("iq", n, seed, device=x.device)
             data = ip.data
@@ -346,7 +355,7 @@ class RandKCodec(SummableCodec):
 
     def _kept_values(self, x: torch.Tensor) -> torch.Tensor:
         check_flat(x)
-        return x[self._indices(check_numel(x), self._need_seed(), x.device)]
+        return x.index_select(0, self._indices(check_numel(x), self._need_seed(), x.device))
 
     @property
     def scale_reduce_ops(self) -> tuple:  # type: ignore[override]
