@@ -339,7 +339,7 @@ def test_randk_cases_and_a_new_selection_per_encode():
         with pytest.raises(ValueError, match=r"randk_k: each kept count must be an integer in \[1, size=1000\]"):
             randk_cases(1000, [bad])
     x, ref = bench_data(1000, torch.device("cpu"))
-    enc, dec, payload = codec_calls(randk_cases(1000)[1].make(), x, ref, 0, torch.device("cpu"))
+    enc, dec, _ = codec_calls(randk_cases(1000)[1].make(), x, ref, 0, torch.device("cpu"))
     seeds = {bytes(enc().header[4:12].tolist()) for _ in range(3)}  # the header's selection seed
     assert len(seeds) == 3 and torch.equal(dec(), dec())
     report = bench_codecs(size=1000, rounds=1, codecs="randk", min_run_time=FAST, randk_k=[7])
