@@ -58,3 +58,16 @@ def test_codec_fast_path_is_the_reference_bytes(k, send_indices):
         idx = c.indices(100_003)
         assert idx.dtype == torch.int64 and torch.equal(idx, select_reference(100_003, k, 11))
         assert torch.equal(y != 0, torch.zeros(100_003, dtype=torch.bool).index_fill_(0, idx, True) & (y != 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("d,k", [(70_001, 35_000), (70_001, 100), (1000, 500)])
+def test_selection_with_the_gather(dtype, d, k):
+    """With x, the selection also returns x's kept values (gathered in the same pass by the
+    32-bit kernel for float32/float64, by index_select otherwise)."""
+    a, hb = feistel_params(d)
+    x = torch.randn(d, generator=torch.Generator().manual_seed(4)).to(dtype)
+    keys = round_keys(8, d).numpy().astype("uint64")
+    idx, vals = KR.select(d, k, a, hb, keys, k * 8 >= d, x=x)
+    assert torch.equal(idx.long(), select_reference(d, k, 8))
+    assert vals.dtype == dtype and torch.equal(vals, x[idx.long()])

@@ -55,7 +55,8 @@ is unchanged, but a seed now selects a different set.)
 from __future__ import annotations
 
 import dataclasses
-import functools
+import collections
+import threading
 import inspect
 from dataclasses import dataclass
 
@@ -150,13 +151,38 @@ def _selector(device: torch.device | str):
     return kernels_for(torch.empty(0, device=device), _SELECT_FAMILY)
 
 
-@functools.lru_cache(maxsize=2)
-def _select_cached(d: int, k: int, seed: int, device: torch.device) -> torch.Tensor:
-    """The fast selection on ``device``, cached: a global random-k step selects once per
-    process for its encode and every decode of that step (read-only tensors)."""
+_CACHE_SIZE = 2
+_cache: collections.OrderedDict = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def clear_selection_cache() -> None:
+    """Forget the cached selections (see :func:`_select`)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _select(d: int, k: int, seed: int, device: torch.device, x: torch.Tensor | None = None):
+    """The fast selection on ``device``, cached (the last :data:`_CACHE_SIZE`, shared by the
+    process's threads): a global random-k step selects once per process for its encode and
+    every decode of that step (read-only tensors). With ``x``: ``(indices, x's kept values)``,
+    gathered in the selection's pass when the selection is computed here."""
+    key = (d, k, seed, device)
+    with _cache_lock:
+        idx = _cache.get(key)
+        if idx is not None:
+            _cache.move_to_end(key)
+    if idx is not None:
+        return idx if x is None else (idx, x.index_select(0, idx))
     a, hb = feistel_params(d)
     keys = round_keys(seed, d).numpy().astype("uint64")
-    return _selector(device).select(d, k, a, hb, keys, k * SPARSE_RATIO >= d, device)
+    got = _selector(device).select(d, k, a, hb, keys, k * SPARSE_RATIO >= d, device, x=x)
+    idx = got if x is None else got[0]
+    with _cache_lock:
+        _cache[key] = idx
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return got
 
 
 def _check_seed(seed, field: str = "seed") -> int:
@@ -256,10 +282,15 @@ class RandKCodec(SummableCodec):
     def _indices(self, numel: int, seed: int, device: torch.device) -> torch.Tensor:
         """:meth:`indices` for the codec's own use (read-only: may be the cached tensor; int32
         or int64), selected on ``device`` itself."""
+        return self._kept(numel, seed, device)
+
+    def _kept(self, numel: int, seed: int, device: torch.device, x: torch.Tensor | None = None):
+        """The kept indices (read-only), or with ``x`` ``(indices, x's kept values)``."""
         kk = self.kept(numel)
         if kk == numel or _selector(device) is None:
-            return self.indices_reference(numel, seed, device)
-        return _select_cached(numel, kk, seed, device)
+            idx = self.indices_reference(numel, seed, device)
+            return idx if x is None else (idx, x.index_select(0, idx))
+        return _select(numel, kk, seed, device, x)
 
     def indices_reference(self, numel: int, seed: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """:meth:`indices` by :func:`select_reference` (plain torch, one pass over ``[0, numel)``)."""
@@ -290,13 +321,13 @@ class RandKCodec(SummableCodec):
         check_flat(x)
         n = check_numel(x)
         seed = self.seed if self.seed is not None else self._draw_seed(generator)
-        idx = self._indices(n, seed, x.device)
+        idx, vals = self._kept(n, seed, x.device, x.detach())
         kw = {"generator": generator}
         if scale is not None:
             if not is_summable(self.inner):
                 raise ValueError(f"scale= needs a summable inner codec, got {type(self.inner).__name__}")
             kw["scale"] = scale
-        ip = self.inner.encode(x.index_select(0, idx), **kw)
+        ip = self.inner.encode(vals, **kw)
         if self.send_indices:
             header = pack_header("i", n, device=x.device)
             data = torch.cat([pack_wide(idx.to(torch.int64), self._index_bits(n)), ip.data.to(x.device)])
@@ -355,7 +386,7 @@ class RandKCodec(SummableCodec):
 
     def _kept_values(self, x: torch.Tensor) -> torch.Tensor:
         check_flat(x)
-        return x.index_select(0, self._indices(check_numel(x), self._need_seed(), x.device))
+        return self._kept(check_numel(x), self._need_seed(), x.device, x.detach())[1]
 
     @property
     def scale_reduce_ops(self) -> tuple:  # type: ignore[override]

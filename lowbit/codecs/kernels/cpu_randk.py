@@ -12,7 +12,8 @@ exactly the integers of :func:`lowbit.codecs.randk.select_reference` and of the
 it a block at a time, then walks the rare cycle (values ``>= d``) and compacts
 the kept indices in order: one pass over ``[0, d)``, already sorted
 (:func:`select`; sparse selections and small domains take the 64-bit kernels of
-:mod:`.cpu_maxnorm`).
+:mod:`.cpu_maxnorm`); an encode's gather of the kept values rides on the
+compaction (one sequential read of ``x``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from ..rng import MIX_C1, MIX_C2
-from .cpu import _jit
+from .cpu import _jit, np_view
 
 __all__ = ["select", "FAST_MIN_HALF_BITS"]
 
@@ -85,10 +86,11 @@ def _walk(v, D, A, HB, keys):
 
 
 @_jit
-def _select_dense(d, k, a, hb, keys, out):
-    """``out[:c]`` = the sorted ``i < d`` with ``sigma(i) < k``; returns ``c`` (= k). Per block:
-    the permutation (vectorised), the rare cycle walks (values ``>= d``, only in a block that
-    has one), then a branch-free compaction."""
+def _select_dense(d, k, a, hb, keys, out, gather, x, vals):
+    """``out[:c]`` = the sorted ``i < d`` with ``sigma(i) < k``; returns ``c`` (= k). With
+    ``gather``, also ``vals[:c] = x[out[:c]]`` in the same pass. Per block: the permutation
+    (vectorised), the rare cycle walks (values ``>= d``, only in a block that has one),
+    then a branch-free compaction."""
     D = np.uint32(d)
     K = np.uint32(k)
     A = np.uint32(a)
@@ -106,24 +108,39 @@ def _select_dense(d, k, a, hb, keys, out):
             for t in range(m):
                 if buf[t] >= D:
                     buf[t] = _walk(buf[t], D, A, HB, keys)
-        for t in range(m):
-            out[c] = base + t
-            c += 1 if buf[t] < K else 0
+        if gather:
+            for t in range(m):
+                out[c] = base + t
+                vals[c] = x[base + t]
+                c += 1 if buf[t] < K else 0
+        else:
+            for t in range(m):
+                out[c] = base + t
+                c += 1 if buf[t] < K else 0
     return c
 
 
-def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool, device=None) -> torch.Tensor:
+def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool, device=None, x: torch.Tensor | None = None):
     """The sorted indices ``{i < d : sigma(i) < k}`` on the CPU (see :mod:`lowbit.codecs.randk`;
-    int32 from the 32-bit kernel, int64 otherwise): the 32-bit kernel for a dense selection of a domain with
-    halves of at least :data:`FAST_MIN_HALF_BITS` bits, else :func:`.cpu_maxnorm.select`
-    (``sigma^-1`` on ``j < k`` and a sort when ``k`` is small, or small domains)."""
+    int32 from the 32-bit kernel, int64 otherwise): the 32-bit kernel for a dense selection
+    of a domain with halves of at least :data:`FAST_MIN_HALF_BITS` bits, else
+    :func:`.cpu_maxnorm.select` (``sigma^-1`` on ``j < k`` and a sort when ``k`` is small,
+    or small domains). With ``x`` (``d`` elements): ``(indices, x's kept values)``, gathered
+    in the selection's pass when the 32-bit kernel runs on a float32/float64 ``x``."""
     if not dense or hb < FAST_MIN_HALF_BITS:
         from .cpu_maxnorm import select as select64
 
-        return select64(d, k, a, hb, round_keys, dense)
+        idx = select64(d, k, a, hb, round_keys, dense)
+        return idx if x is None else (idx, x.index_select(0, idx))
     keys = tuple(np.uint32(int(v)) for v in round_keys)
     out = torch.empty(k + 1, dtype=torch.int32)  # d < 2^31; half the bytes of int64 to write and read
-    c = _select_dense(d, k, a, hb, keys, out.numpy())
+    gather = x is not None and x.dtype in (torch.float32, torch.float64)
+    xs = np_view(x) if gather else np.empty(0, dtype=np.float32)
+    vals = torch.empty(k + 1, dtype=x.dtype) if gather else torch.empty(0)
+    c = _select_dense(d, k, a, hb, keys, out.numpy(), gather, xs, vals.numpy())
     if c != k:
         raise RuntimeError(f"the Feistel selection kept {c} of {d} coordinates instead of {k}")
-    return out[:k]
+    idx = out[:k]
+    if x is None:
+        return idx
+    return idx, (vals[:k] if gather else x.index_select(0, idx))

@@ -59,10 +59,12 @@ def _flags_kernel(keys_ptr, flags_ptr, d, k, a, hb, NKEYS: tl.constexpr, BLOCK_:
     tl.store(flags_ptr + offs, (v < k.to(tl.uint32)).to(tl.int8), mask=mask)
 
 
-def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool = True, device=None) -> torch.Tensor:
+def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool = True, device=None,
+           x: torch.Tensor | None = None):
     """The sorted int64 indices ``{i < d : sigma(i) < k}`` on ``device`` (CUDA; any device
     Triton runs on, the CPU under ``TRITON_INTERPRET=1``). Every coordinate is tested
-    (``dense`` is accepted for the CPU module's signature)."""
+    (``dense`` is accepted for the CPU module's signature). With ``x``: ``(indices, x's
+    kept values)``."""
     if d >= 2**31:
         raise ValueError(f"d must be below 2^31 (int32 headers), got {d}")
     keys = torch.tensor([int(v) for v in round_keys], dtype=torch.int64).to(torch.int32).to(device)
@@ -73,4 +75,5 @@ def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool = True, devi
     slot = torch.where(flags.bool(), pos, k)  # the unkept all land in a spare slot k
     out = torch.empty(k + 1, dtype=torch.int64, device=device)
     out.scatter_(0, slot, torch.arange(d, dtype=torch.int64, device=device))
-    return out[:k]
+    idx = out[:k]
+    return idx if x is None else (idx, x.index_select(0, idx))
