@@ -355,3 +355,14 @@ def test_cli_codec_bench_options(capsys):
     assert "--randk-k must be comma-separated integers, got 'd/2'" in capsys.readouterr().err
     assert main(["bench", "codecs", "--against", "references", "--path", "both"]) == 2
     assert "--path and --randk-k apply to --against memcpy only" in capsys.readouterr().err
+
+
+def test_decode_out_case_reuses_one_buffer():
+    from lowbit.bench.codecs import bench_data, codec_calls
+    from lowbit.codecs import HalfCodec
+
+    x, ref = bench_data(1000, torch.device("cpu"))
+    _, dec, _ = codec_calls(HalfCodec("fp16"), x, ref, 0, torch.device("cpu"), decode_out=True)
+    first = dec()
+    assert dec() is first and torch.equal(first, x.half().float())
+    assert [c.label for c in default_cases() if c.decode_out] == ["fp16 out="]

@@ -52,10 +52,12 @@ CLOCK_NAMES = {"cpu": "the thread's CPU time", "wall": "wall time (CUDA: after s
 @dataclass(frozen=True)
 class BenchCase:
     """``label``: shown in the table; its first word is the codec's family (what
-    ``--codecs`` selects). ``make``: builds the codec."""
+    ``--codecs`` selects). ``make``: builds the codec. ``decode_out``: decode into one
+    float32 buffer kept between calls (``decode(..., out=buffer)``)."""
 
     label: str
     make: Callable[[], Codec]
+    decode_out: bool = False
 
     @property
     def family(self) -> str:
@@ -102,6 +104,7 @@ def default_cases(size: int = 1_000_000, randk_k: list[int] | None = None) -> li
     from .. import codecs as c
 
     cases = [BenchCase("fp32", c.IdentityCodec), BenchCase("fp16", lambda: c.HalfCodec("fp16")),
+             BenchCase("fp16 out=", lambda: c.HalfCodec("fp16"), decode_out=True),
              BenchCase("bf16", lambda: c.HalfCodec("bf16"))]
     for b in (1, 2, 4, 8):
         if b >= 2:
@@ -183,17 +186,20 @@ def _reference_generator(seed: int, device: torch.device) -> torch.Generator:
 
 
 def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device,
-                path: str = "fast"):
+                path: str = "fast", decode_out: bool = False):
     """(encode, decode, payload): the two timed calls on ``path`` ("fast" or "reference"),
     each with a fresh shared generator (as one message's sender and receiver derive it),
-    and a payload to decode. A RandK codec with a seed encodes with a new seed at every
-    call (a new selection, as at every training step)."""
+    and a payload to decode (with ``decode_out``, into one float32 buffer kept between
+    calls). A RandK codec with a seed encodes with a new seed at every call (a new
+    selection, as at every training step)."""
     from ..codecs import RandKCodec
 
     on_path = lambda: codec_path(path) if path == "reference" else contextlib.nullcontext()  # noqa: E731
     with on_path():
         payload = codec.encode(x, generator=_generator(seed))
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
+    if decode_out:
+        kw["out"] = torch.empty(x.numel(), dtype=torch.float32, device=device)
     if isinstance(codec, RandKCodec) and codec.seed is not None:
         seeds = itertools.count(codec.seed + 1)
         encoder = lambda: codec.with_seed(next(seeds))  # noqa: E731
@@ -300,7 +306,7 @@ def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] 
             calls = {}
             for p, (e, d) in (("fast", ("encode", "decode")), ("reference", ("ref_encode", "ref_decode"))):
                 if path in (p, "both"):
-                    enc, dec, payload = codec_calls(codec, x, ref, seed, dev, p)
+                    enc, dec, payload = codec_calls(codec, x, ref, seed, dev, p, case.decode_out)
                     calls.update({e if path == "both" else "encode": enc, d if path == "both" else "decode": dec})
             prepared.append((case, calls, payload.nbytes))
         timings: dict[str, list[dict]] = {case.label: [] for case in cases}

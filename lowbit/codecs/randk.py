@@ -79,7 +79,7 @@ from .quantize import INT32_MAX, check_int_range, check_numel
 from .rng import counter_hash, derive_seed, mix32
 
 __all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM", "FEISTEL_ROUNDS", "feistel_params",
-           "round_keys", "select_reference"]
+           "round_keys", "select_reference", "clear_selection_cache"]
 
 #: Rounds of the selection's Feistel network (even: the halves end where they started):
 #: 6 when the halves have >= 8 bits, 16 for smaller domains (halves of a few bits
