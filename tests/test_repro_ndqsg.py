@@ -191,3 +191,30 @@ def test_probe_counts_what_training_counts():
     rows = [w.ledger_rows for w in sorted(run.workers, key=lambda w: w.rank)]
     assert ndqsg.ledger_kbits(opts, rows, cfg.steps) == {k: probe[k] for k in ("raw_kbits", "wire_kbits")}
     assert run.summary["bytes_sent"] == sum(r[3] for rr in rows for r in rr)
+
+
+@pytest.mark.slow
+def test_full_tables_use_the_papers_models(tmp_path):
+    """The full ``lowbit repro ndqsg-tables`` (tens of minutes on 2 cores): FC-300-100, the paper's LeNet
+    and CifarNet, each fp32 cell equal to the paper's baseline, every paper cell with its difference."""
+    from lowbit.data import find_dataset_dir
+
+    try:
+        find_dataset_dir("fashion-mnist")
+    except FileNotFoundError:
+        pytest.skip("needs Fashion-MNIST (apt-get install dataset-fashion-mnist)")
+    torch.set_num_threads(1)
+    res = ndqsg.run(tmp_path, quick=False)
+    d = {r["paper_model"]: r["d"] for r in res["bits"]}
+    assert d == {"FC300-100": 266_610, "Lenet": 1_663_370, "CifarNet": 1_068_298}
+    for r in res["bits"]:
+        if r["label"] == "Baseline (fp32)":
+            assert r["raw_vs_paper"] == pytest.approx(0, abs=1e-5)
+        if r["paper_raw_kbits"] is not None:
+            assert r["raw_vs_paper"] == pytest.approx(r["raw_kbits"] / r["paper_raw_kbits"] - 1)
+        assert r["trained"] or r["paper_model"] == "CifarNet"
+    trained = [r for r in res["bits"] if r["trained"] and r["options"]["algorithm"] != "allreduce"]
+    assert all(r["ledger_matches_payloads"] and r["paper_entropy_kbits"] is None or r["coded_vs_paper"] is not None
+               for r in trained)
+    table = (tmp_path / "table.md").read_text()
+    assert "LeNet (fashion-lenet-tf)" in table and "vs paper" in table and "QSGD s=1 scales by the L2 norm" in table
