@@ -262,8 +262,11 @@ class NDQSG(DQSG):
         return rank >= self.n1
 
     def nominal_bits_per_element(self):
-        """P2: ``ceil(log2 k)`` (the auto setting's first step, which sends DQSG, is not counted)."""
-        return float((self.k - 1).bit_length() if self.in_p2(self.rank) else self.codec.bits)
+        """P2: the nested codec's bits per element, which depend on ``k`` alone (the auto setting's
+        first step, which sends DQSG, is not counted)."""
+        if not self.in_p2(self.rank):
+            return float(self.codec.bits)
+        return float((self.nested or NestedDitheredCodec(delta1=1.0, k=self.k)).bits)
 
     # --- P2 encode ----------------------------------------------------------------------------
     def _encode_nested(self, k, g, codec: NestedDitheredCodec) -> Payload:
