@@ -210,8 +210,9 @@ def test_full_tables_use_the_papers_models(tmp_path):
     for r in res["bits"]:
         if r["label"] == "Baseline (fp32)":
             assert r["raw_vs_paper"] == pytest.approx(0, abs=1e-5)
-        if r["paper_raw_kbits"] is not None:
-            assert r["raw_vs_paper"] == pytest.approx(r["raw_kbits"] / r["paper_raw_kbits"] - 1)
+        if r["paper_raw_kbits"] is not None:  # Figure 6's NDQSG figure is one nested worker's
+            mine = r["p2_raw_kbits"] if r["label"] == "NDQSG (Fig. 6)" else r["raw_kbits"]
+            assert r["raw_vs_paper"] == pytest.approx(mine / r["paper_raw_kbits"] - 1)
         assert r["trained"] or r["paper_model"] == "CifarNet"
     trained = [r for r in res["bits"] if r["trained"] and r["options"]["algorithm"] != "allreduce"]
     assert all(r["ledger_matches_payloads"] for r in trained)
