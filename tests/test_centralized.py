@@ -194,7 +194,7 @@ def _f32(v):
 
 def _ndqsg_auto_reference(n, n2, M, server, failure=0.001, k=2):
     """Algorithm 2 with the auto setting, written out: P2 sends DQSG until it has a measured
-    sigma_z, then the nested codec of Theorem 6 (matched alpha, Gaussian failure ``failure``,
+    sigma_z, then the nested codec of Theorem 6 (alpha = 1, Gaussian failure ``failure``,
     Delta1 and alpha as float32); sigma_z^2 = (m^2 / alpha^2 - Delta1^2 / 12) / alpha^2 with m^2
     the mean square of (g_hat - g_bar) / kappa; with ``ps`` it reaches the worker as float32."""
     from lowbit.codecs.nested import choose_nested_parameters
@@ -215,7 +215,7 @@ def _ndqsg_auto_reference(n, n2, M, server, failure=0.001, k=2):
                 g_hat, kappa = dqsg(g, step, p)
                 d1, al = 1 / M, 1.0
             else:
-                par = choose_nested_parameters(sigma[p], failure, k=k, alpha="matched", method="gaussian")
+                par = choose_nested_parameters(sigma[p], failure, k=k, alpha=1.0, method="gaussian")
                 d1, al = _f32(par.delta1), _f32(par.alpha)
                 d2 = k * d1
                 kappa = _f32_up(float(g.abs().max()))
@@ -275,7 +275,7 @@ def test_measured_sigma_recovers_the_side_information_noise():
     for sigma in (0.02, 0.1, 0.3):
         z = torch.randn(n, generator=gen, dtype=torch.float64) * sigma
         codec = theorem6_codec(sigma, 2, 0.001)
-        assert codec.k == 2 and 0 < codec.alpha < 1
+        assert codec.k == 2 and codec.alpha == 1
         assert codec.failure_probability(sigma) == pytest.approx(0.001, rel=1e-3)
         xh = codec.roundtrip(x, generator=shared_generator(1, 2, 3), ref=x - z)
         assert measured_sigma(xh, x - z, 1.0, codec.delta1, codec.alpha) == pytest.approx(sigma, rel=0.02)

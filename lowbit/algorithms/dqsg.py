@@ -39,13 +39,17 @@ information's noise ``sigma_z``. So:
   ``--algorithm dqsg`` sends by default); half the workers are in ``P2``.
 * ``k = 2`` (one bit): with 3 DQSG levels, ``k = 2`` is the only nested quantizer
   that sends fewer bits than DQSG.
-* ``Delta1``, ``Delta2 = k Delta1`` and ``alpha`` come from Theorem 6 at every
-  step: ``alpha = sqrt(1 - Delta1^2 / (12 sigma_z^2))`` (the remark after Theorem
-  6: eq. (9) is then ``Delta1^2 / 12``, DQSG's variance at step ``Delta1``), and
-  the smallest ``Delta1`` whose decoding-failure probability ``Pr(|alpha z + u| >
-  Delta2 / 2)`` is ``nested_failure`` (0.001) for Gaussian ``z`` (the paper's
-  model of SG noise, its footnote 2; the Chebyshev bound (8) cannot go below
-  ``1 / (3 k^2) = 1/12`` at ``k = 2``). :func:`theorem6_codec`.
+* ``Delta1`` and ``Delta2 = k Delta1`` come from Theorem 6 at every step, with
+  ``alpha = 1``: the remark after Theorem 6 gives DQSG's variance at step
+  ``Delta1`` (eq. (9)) for ``alpha = 1`` and for the matched ``alpha = sqrt(1 -
+  Delta1^2 / (12 sigma_z^2))`` alike; ``alpha = 1`` keeps each correctly decoded
+  gradient unbiased (``g^_p = g_p - e``), where the matched one shrinks it towards
+  ``g_bar`` by ``(1 - alpha^2) z``, which cost 4 points of accuracy on
+  fashion-fc300 with 4 workers (docs/RESULTS.md). ``Delta1`` is the smallest whose
+  decoding-failure probability ``Pr(|z + u| > Delta2 / 2)`` is ``nested_failure``
+  (0.001) for Gaussian ``z`` (the paper's model of SG noise, its footnote 2; the
+  Chebyshev bound (8) cannot go below ``1 / (3 k^2) = 1/12`` at ``k = 2``).
+  :func:`theorem6_codec`.
 * ``sigma_z`` is measured, not assumed: after decoding a ``P2`` payload against
   ``g_bar``, the decoder knows ``g^_p - g_bar = alpha (alpha z - e)`` and inverts
   its mean square for ``sigma_z`` (:func:`measured_sigma`); the worker uses the
@@ -183,12 +187,12 @@ def _f32(v: float) -> float:
 
 def theorem6_codec(sigma_z: float, k: int, failure: float) -> NestedDitheredCodec:
     """The auto setting's codec for side-information noise of std ``sigma_z`` (relative to
-    kappa): Theorem 6 with matched ``alpha = sqrt(1 - Delta1^2 / (12 sigma_z^2))`` (eq. (9)
-    is then ``Delta1^2 / 12``, DQSG's variance at step ``Delta1``) and the smallest ``Delta1``
-    whose failure probability ``Pr(|alpha z + u| > Delta2 / 2)`` is ``failure`` for Gaussian
-    ``z`` (the paper's model of the SG noise, footnote 2). ``Delta1`` and ``alpha`` are
-    rounded to float32, as they travel in the payload's header."""
-    par = choose_nested_parameters(sigma_z, failure, k=k, alpha="matched", method="gaussian")
+    kappa): Theorem 6 with ``alpha = 1`` (eq. (9) is then ``Delta1^2 / 12``, DQSG's variance at
+    step ``Delta1``, and a correctly decoded ``g^_p = g_p - e`` is unbiased) and the smallest
+    ``Delta1`` whose failure probability ``Pr(|z + u| > Delta2 / 2)`` is ``failure`` for
+    Gaussian ``z`` (the paper's model of the SG noise, footnote 2). ``Delta1`` (and ``alpha``)
+    are rounded to float32, as they travel in the payload's header."""
+    par = choose_nested_parameters(sigma_z, failure, k=k, alpha=1.0, method="gaussian")
     return NestedDitheredCodec(delta1=_f32(par.delta1), k=k, alpha=_f32(par.alpha))
 
 
