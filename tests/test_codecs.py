@@ -22,7 +22,9 @@ from lowbit.codecs import (
     unpack_bits,
     unpack_wide,
 )
+from lowbit.codecs.kernels import codec_path
 from lowbit.codecs.quantize import error_bound, round_to_int
+from lowbit.codecs.radix import levels_nbytes
 
 LENGTHS = [0, 1, 7, 13, 1001]
 
@@ -135,9 +137,9 @@ CODEC_CASES = [
 def _data_bytes(codec, payload, n):
     if isinstance(codec, IdentityCodec):
         return 4 * n
-    if isinstance(codec, UniformCodec):
-        b = int(payload.header[-1])
-        return math.ceil(n * b / 8)
+    if isinstance(codec, UniformCodec):  # the header's last field: the codes' span
+        top = int.from_bytes(bytes(payload.header[-4:].tolist()), "little")
+        return levels_nbytes(n, max(2, top + 1))
     return math.ceil(n * codec.bits / 8)
 
 
@@ -185,13 +187,19 @@ def test_uniform_error_bound(rounding, scale):
     assert c.unbiased == (rounding == "stochastic")
 
 
-def test_uniform_width_follows_range():
+def test_uniform_packs_at_its_number_of_levels():
     c = UniformCodec(step=1.0, rounding="nearest")
     p = c.encode(torch.tensor([5.0, 6.0, 8.0]))
-    assert tuple(p.header.tolist()[-1:]) == (2,)  # range 3 -> 2 bits
+    assert p.header.tolist()[-4:] == [3, 0, 0, 0]  # span 3: 4 levels, 2 bits
     assert p.data.numel() == 1
     p = c.encode(torch.full((9,), -7.0))
-    assert int(p.header[-1]) == 1 and torch.equal(c.decode(p), torch.full((9,), -7.0))
+    assert p.header.tolist()[-4:] == [0, 0, 0, 0] and torch.equal(c.decode(p), torch.full((9,), -7.0))
+    # 3 levels: 5 per byte (mixed radix), on both paths, at 1.6 bits per element for long vectors
+    x = torch.randint(-1, 2, (100_000,), generator=_gen(3)).double()
+    for path in ("fast", "reference"):
+        with codec_path(path):
+            p = c.encode(x)
+            assert p.data.numel() == 20_000 and torch.equal(c.decode(p, dtype=torch.float64), x)
     with pytest.raises(ValueError, match="step"):
         UniformCodec(step=1e-12).encode(torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match="step"):

@@ -210,7 +210,7 @@ def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
 # More than 255 levels: plain bit packing at ceil(log2 L) bits (< 12.5% over log2 L for L > 256).
 
 
-def _radix_applies(L: int) -> bool:
+def radix_applies(L: int) -> bool:
     """Mixed radix saves bits: not a power of two, at most 255 levels, and groups of more than
     one code (``g = 1``, e.g. 127 or 255 levels, is plain packing at ``b`` bits: the core's kernels)."""
     return L <= MAX_LEVELS and L & (L - 1) != 0 and radix_group(L)[0] > 1
@@ -231,7 +231,7 @@ def level_bits(L: int) -> float:
     ``b / g`` in mixed radix (e.g. 1.6 for L = 3), ``ceil(log2 L)`` otherwise. The
     codecs' ``bits`` (the nominal bits of a run's summary) is this count."""
     L = _check_any_levels(L)
-    if _radix_applies(L):
+    if radix_applies(L):
         g, b = radix_group(L)
         return b / g
     return float(_width(L))
@@ -241,14 +241,14 @@ def levels_nbytes(n: int, L: int) -> int:
     """Bytes taken by ``n`` codes of ``L`` levels (:func:`radix_nbytes` where mixed radix
     applies, else ``ceil(n ceil(log2 L) / 8)``)."""
     L = _check_any_levels(L)
-    return radix_nbytes(n, L) if _radix_applies(L) else packed_nbytes(_check_n(n), _width(L))
+    return radix_nbytes(n, L) if radix_applies(L) else packed_nbytes(_check_n(n), _width(L))
 
 
 def check_levels_packed(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
     """``data`` is a 1-D uint8 tensor of exactly :func:`levels_nbytes` ``(n, L)`` bytes
     (TypeError / ValueError otherwise)."""
     L = _check_any_levels(L)
-    return _check_data(data, n, L) if _radix_applies(L) else check_packed(data, _width(L), n)
+    return _check_data(data, n, L) if radix_applies(L) else check_packed(data, _width(L), n)
 
 
 def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
@@ -256,19 +256,19 @@ def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
     where mixed radix applies, else :func:`~lowbit.codecs.packing.pack_wide` at ``ceil(log2 L)``
     bits. ValueError for codes outside ``[0, L)`` (outside ``[0, 2^ceil(log2 L))`` beyond 255 levels)."""
     L = _check_any_levels(L)
-    return pack_radix_reference(codes, L) if _radix_applies(L) else pack_wide(codes, _width(L))
+    return pack_radix_reference(codes, L) if radix_applies(L) else pack_wide(codes, _width(L))
 
 
 def unpack_levels(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_levels` (int64 codes)."""
     L = _check_any_levels(L)
-    return unpack_radix_reference(data, L, n) if _radix_applies(L) else unpack_wide(data, _width(L), n)
+    return unpack_radix_reference(data, L, n) if radix_applies(L) else unpack_wide(data, _width(L), n)
 
 
 def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
     """The fast path's :func:`pack_levels` for codes a fast-path kernel made (uint8 below 256
     levels, trusted to lie in ``[0, L)``): numba on the CPU, Triton on CUDA, the same bytes."""
-    if _radix_applies(L):
+    if radix_applies(L):
         return kernels_for(codes, "radix").pack(codes, L, *radix_group(L))
     return kernels_for(codes).pack(codes, _width(L))
 
@@ -278,7 +278,7 @@ def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = 
     ``L - 1``). ``data`` must be exactly :func:`levels_nbytes` bytes (ValueError otherwise, and
     for group values that their digits cannot hold)."""
     data = check_levels_packed(data, L, n)
-    if not _radix_applies(L):
+    if not radix_applies(L):
         return kernels_for(data).unpack(data, _width(L), n, dtype)
     g, b = radix_group(L)
     out, bad = kernels_for(data, "radix").unpack(data, L, g, b, n)

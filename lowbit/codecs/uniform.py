@@ -23,8 +23,10 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import check_packed, pack_wide, unpack_wide
+from .packing import check_packed
 from .quantize import INT32_MAX, check_numel, check_positive, check_rounding, error_bound, round_to_int
+from .radix import check_levels_packed, level_bits, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
+    unpack_levels_fast
 from .rng import draw_key
 
 __all__ = ["UniformCodec"]
@@ -32,13 +34,18 @@ __all__ = ["UniformCodec"]
 _MAX_SPAN = 2**32 - 1
 
 
+def _width(L: int) -> int:
+    return (L - 1).bit_length()
+
+
 @dataclass(frozen=True)
 class UniformCodec(Codec):
-    """``x -> n = round(x / step)`` (integers), sent with a variable width.
+    """``x -> n = round(x / step)`` (integers), sent at ``log2`` of their number of levels.
 
-    Header ``<iiB``: (numel, offset = min n, width b); data: ``n - offset``
-    packed with :func:`pack_wide` in ``b = max(1, ceil(log2(max n - min n + 1)))``
-    bits. The width is per message, so ``bits`` is only the worst case (32);
+    Header ``<iiI``: (numel, offset = min n, top = max n - min n); data: ``n - offset``,
+    ``L = max(2, top + 1)`` levels, packed by :func:`~lowbit.codecs.radix.pack_levels`
+    (mixed radix for L <= 255 not a power of two, e.g. 1.6 bits for 3 levels; else
+    ``ceil(log2 L)`` bits). L is per message, so ``bits`` is only the worst case (32);
     ``payload.nbytes`` is the honest size. Raises ValueError when the codes do
     not fit (offset outside int32, or a range wider than 32 bits), i.e. when
     ``step`` is too small for the data.
@@ -53,7 +60,7 @@ class UniformCodec(Codec):
 
     name = "uniform"
     kind = CodecKind.PLAIN
-    header_format = "iiB"
+    header_format = "iiI"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "step", check_positive(self.step, "step"))
@@ -71,17 +78,17 @@ class UniformCodec(Codec):
     def error_bound(self) -> float:
         return error_bound(self.step, self.rounding)
 
-    def _offset_and_width(self, lo: float, hi: float) -> tuple[int, int]:
-        """The header's offset (the smallest code) and width from the codes' range."""
+    def _offset_and_top(self, lo: float, hi: float) -> tuple[int, int]:
+        """The header's offset (the smallest code) and top (the codes' span) from their range."""
         if not (-INT32_MAX - 1 <= lo <= INT32_MAX and hi - lo <= _MAX_SPAN):
             raise ValueError(
                 f"step={self.step} is too small for x (or x is not finite): the codes span "
                 f"[{lo:.6g}, {hi:.6g}], but the offset must fit int32 and the range 32 bits"
             )
-        return int(lo), max(1, int(hi - lo).bit_length())
+        return int(lo), int(hi - lo)
 
     def _empty(self, x: torch.Tensor) -> Payload:
-        return Payload(header=pack_header(self.header_format, 0, 0, 1, device=x.device),
+        return Payload(header=pack_header(self.header_format, 0, 0, 0, device=x.device),
                        data=torch.empty(0, dtype=torch.uint8, device=x.device))
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
@@ -100,18 +107,26 @@ class UniformCodec(Codec):
         codes, base, lo, hi, finite = K.uniform_codes(x, self.step, stochastic, key)
         if not finite:
             raise ValueError(f"x must be finite for the uniform codec (step={self.step}): it holds NaN or inf")
-        offset, b = self._offset_and_width(lo, hi)
-        data = K.uniform_pack(codes, offset - base, b)
-        return Payload(header=pack_header(self.header_format, n, offset, b, device=x.device), data=data)
+        offset, top = self._offset_and_top(lo, hi)
+        L = max(2, top + 1)
+        if radix_applies(L):  # the re-based codes one per byte, then mixed radix
+            data = pack_levels_fast(K.uniform_pack(codes, offset - base, 8), L)
+        else:
+            data = K.uniform_pack(codes, offset - base, _width(L))
+        return Payload(header=pack_header(self.header_format, n, offset, top, device=x.device), data=data)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        n, offset, b = unpack_header(self.header_format, payload.header)
+        n, offset, top = unpack_header(self.header_format, payload.header)
         K = kernels_for(payload.data, "plain")
-        if K is None or not 1 <= b <= 32:
+        if K is None or top > _MAX_SPAN:
             return self.decode_reference(payload, dtype=dtype)
-        check_packed(payload.data, b, n)
-        return K.uniform_decode(payload.data, b, n, offset, self.step, torch.float32 if dtype is None else dtype)
+        L = max(2, top + 1)
+        out = torch.float32 if dtype is None else dtype
+        if radix_applies(L):  # the codes one per byte: the 8-bit packing
+            return K.uniform_decode(unpack_levels_fast(payload.data, L, n), 8, n, offset, self.step, out)
+        check_packed(payload.data, _width(L), n)
+        return K.uniform_decode(payload.data, _width(L), n, offset, self.step, out)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
@@ -121,14 +136,17 @@ class UniformCodec(Codec):
             return self._empty(x)
         codes = round_to_int(x.detach().to(torch.float64) / self.step, self.rounding, generator)
         lo, hi = torch.aminmax(codes)
-        lo_i, b = self._offset_and_width(float(lo), float(hi))
-        data = pack_wide(codes.to(torch.int64) - lo_i, b)
-        return Payload(header=pack_header(self.header_format, n, lo_i, b, device=x.device), data=data)
+        lo_i, top = self._offset_and_top(float(lo), float(hi))
+        data = pack_levels(codes.to(torch.int64) - lo_i, max(2, top + 1))
+        return Payload(header=pack_header(self.header_format, n, lo_i, top, device=x.device), data=data)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        n, offset, b = unpack_header(self.header_format, payload.header)
-        codes = unpack_wide(payload.data, b, n)
+        n, offset, top = unpack_header(self.header_format, payload.header)
+        if top > _MAX_SPAN:
+            raise ValueError(f"uniform: a header's code span {top} is beyond 32 bits")
+        L = max(2, top + 1)
+        codes = unpack_levels(check_levels_packed(payload.data, L, n), L, n)
         x = (codes + offset).to(torch.float64) * self.step
         return x.to(torch.float32 if dtype is None else dtype)
