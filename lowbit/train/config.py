@@ -16,7 +16,7 @@ import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.compressed import SERVERS
-from ..algorithms.moniqua import THETA_SCHEDULES, VERIFY_BLOCK
+from ..algorithms.moniqua import THETA_EVERY, THETA_SCHEDULES, VERIFY_BLOCK
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
 from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..comm.netmodel import NetworkModel
@@ -141,7 +141,7 @@ class TrainConfig:
     theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (Theorem 2 from "
                                      "tracked gradient norms)", type=_theta)
     theta_schedule: str = _opt("constant", "constant, or lr (theta_k ~ lr_k)")
-    theta_warmup: int = _opt(20, "steps over which --theta auto tracks ||g||_inf")
+    theta_every: int = _opt(THETA_EVERY, "--theta auto: steps between two theta agreements (from the distances measured)")
     verify: bool = _opt(True, "Moniqua: send a hash of the quantized model; the receiver checks what it recovered")
     verify_block: int = _opt(VERIFY_BLOCK, "Moniqua verification: elements per hashed block (a failed block is repaired alone)")
     entropy: str | None = _opt(None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans")
@@ -213,7 +213,7 @@ class TrainConfig:
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {self.bits}")
         for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1),
-                         ("theta_warmup", 1), ("powersgd_rank", 1), ("verify_block", 1)):
+                         ("theta_every", 1), ("powersgd_rank", 1), ("verify_block", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
