@@ -193,7 +193,7 @@ THETA_START = 2.0
 # K of default_gamma: measured on digits-mlp, 8 workers, ring, 300 steps (see the module docstring)
 GAMMA_K = 2.5
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
-VERIFY_BLOCK = 64
+VERIFY_BLOCK = 256
 _log = logging.getLogger(__name__)
 
 
@@ -250,7 +250,7 @@ class Moniqua(GossipAlgorithm):
 
     @classmethod
     def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, bits=cfg.bits, theta=0.5 if cfg.theta is None else cfg.theta,
+        return cls(transport, topology, bits=cfg.bits, theta="auto" if cfg.theta is None else cfg.theta,
                    rounding=cfg.rounding, theta_schedule=cfg.theta_schedule, theta_every=cfg.theta_every,
                    shared_randomness=cfg.shared_randomness, gamma=cfg.gamma, verify=cfg.verify,
                    entropy=cfg.entropy, weights=cfg.weights, seed=cfg.seed,
@@ -259,7 +259,7 @@ class Moniqua(GossipAlgorithm):
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def __init__(self, transport, topology, *, bits: int = 2, theta: float | str = 0.5,
+    def __init__(self, transport, topology, *, bits: int = 2, theta: float | str = "auto",
                  rounding: str | None = None, theta_schedule: str = "constant", theta_every: int = THETA_EVERY,
                  shared_randomness: bool = True, gamma: float | None = None, verify: bool = True,
                  entropy: str | None = None, dither: bool | None = None, grow_theta: bool = False,
@@ -287,7 +287,8 @@ class Moniqua(GossipAlgorithm):
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False, got {verify!r}")
         if self.auto_theta and not verify:
-            raise ValueError("theta='auto' follows the blocks verification finds wrong: it needs verify=True")
+            raise ValueError("theta='auto' (the default) follows the blocks verification finds wrong: it needs "
+                             "verify=True; without verification give theta a number (--theta)")
         if isinstance(verify_block, bool) or not isinstance(verify_block, int) or verify_block < 1:
             raise ValueError(f"verify_block must be an integer >= 1 (elements per hashed block), got {verify_block!r}")
         self.verify_block = verify_block
