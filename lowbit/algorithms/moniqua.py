@@ -79,7 +79,7 @@ at theta 0.026 with 252 wrong blocks, 4.23 wire bits per element per step
 
 **Verification** (``verify``, section 6), per block: the flat vector of d
 elements is split into nb = ceil(d / ``verify_block``) blocks of
-``verify_block`` consecutive elements (default :data:`VERIFY_BLOCK` = 64,
+``verify_block`` consecutive elements (default :data:`VERIFY_BLOCK` = 256,
 see below; the last block may be shorter). The message is::
 
     codes | [requests] | nb x uint16 block hashes | control byte
@@ -94,7 +94,7 @@ one entry per neighbour asked, ``uint16`` rank then a bit mask of the blocks
 asked (ceil(nb / 8) bytes, bit b of byte b // 8 is block b), then a
 ``uint16`` count of entries. The codec's 4-byte length header is not sent
 (every worker knows d), so verification costs 2 nb + 1 bytes over the codes
-(303 bytes per message at d = 9610 and 64-element blocks, 21 at 1024).
+(77 bytes per message at d = 9610 and 256-element blocks, 21 at 1024).
 The receiver hashes each block of the grid
 integers of what it recovered (line 5); a block's hashes agree exactly when
 its recovery is right, and a wrong block goes undetected with probability
@@ -105,7 +105,9 @@ its recovery is right, and a wrong block goes undetected with probability
   left out for the coordinates of that block only, the neighbour's other
   blocks mix normally. :attr:`Moniqua.mismatches` counts wrong *blocks*
   (:attr:`Moniqua.mismatched_messages` the messages with at least one; both
-  in ``extra_state``); a warning is issued once per process;
+  in ``extra_state``); ``lowbit train`` logs one warning per run with the
+  totals (:meth:`Moniqua.run_warning`, logger ``lowbit``), each mismatch is a
+  DEBUG record of ``lowbit.algorithms.moniqua``;
 * repair of only the failed blocks: in its next message the receiver lists
   (neighbour, failed blocks). After that step's regular exchange both ends
   of an edge know the union R of the blocks either of them asked of the
@@ -132,20 +134,23 @@ its recovery is right, and a wrong block goes undetected with probability
   theta grows and theta ran away (0.05 -> 1e5 in 300 steps).
 
 **Block size.** Smaller blocks repair fewer fp32 values but send more hashes
-(2 bytes per block on every message, mismatch or not). On digits-mlp (d =
-9610, 8 workers, ring, theta 0.05, 300 steps; ``--no-verify`` sends 38.5K
-bytes/step at 2 bits, 19.2K at 1 bit) bytes/step with verification were
+(2 bytes per block on every message, mismatch or not). With theta fixed at
+0.05 and gamma = 1 (wrong blocks in most messages) 32-64 were best, at 60-65K
+bytes per step against 38.5K unverified. Once theta and gamma keep wrong blocks
+rare (the defaults), the hashes dominate. On digits-mlp (d = 9610, 8
+workers, ring, 300 steps, defaults, ``lowbit train --task digits-mlp
+--workers 8 --steps 300 --algorithm moniqua --bits B --verify-block V``)
+the wire bits per element per step (nominal 4 at 2 bits, 2 at 1 bit, to two
+neighbours) were
 
-    verify_block   9610 (one block)  4096   1024   256    128    64     32
-    2 bits         208K              197K   173K   108K   81.7K  65.4K  60.6K
-    1 bit          498K              437K   304K   150K   106K   78.0K  66.0K
+    verify_block        64      256     1024
+    2 bits              4.54    4.23    4.22     (98.3 / 98.1 / 98.1 %)
+    1 bit               2.63    2.45    2.56     (98.3 % each)
 
-at the same test accuracy (98.3-98.6 % at 2 bits, 97.5 % at 1 bit). Wrong
-coordinates are isolated (halving the block from 64 to 32 adds 2-20 % more
-wrong blocks), so repairs shrink with the block until the hashes dominate; 64
-is the default (a 12.6 % / 25 % tax on the 2-bit / 1-bit codes when nothing
-fails). More hashed blocks also mean more chances of a collision: the 1-bit
-run at 64 had 24.7K wrong blocks, ~0.4 expected to pass the 16-bit hash.
+so 256 is the default :data:`VERIFY_BLOCK` (hashes cost 1/16 bit per
+element; 77 bytes of trailer per message at d = 9610). More hashed blocks
+also mean more chances of a collision: each wrong block passes the 16-bit
+hash with probability ~2^-16 (590 wrong blocks in the 1-bit run).
 
 Pending requests (neighbour -> blocks) are part of ``extra_state``
 (``nack``, with the ``verify_block`` they refer to; a checkpoint with another
