@@ -488,7 +488,9 @@ class Moniqua(GossipAlgorithm):
         # same rounding offsets u at step k, so nearby models round alike.
         sender = 0 if self.shared_randomness else self.rank + 1
         gen = shared_generator(self.seed, k, sender)
-        y = x.detach().to(torch.float64)  # decode in float64 so the grid integers are exact
+        # the codec computes in float64 whatever y's dtype (the grid integers are exact); the
+        # dither is added in float64
+        y = x.detach().to(torch.float64) if self.dither else x.detach()
         step = codec.B_theta / codec.levels
         d = x.numel()
         nb = self._blocks(d)

@@ -161,8 +161,7 @@ class ModuloCodec(Codec):
         K = kernels_for(ref)
         if K is None or not hasattr(K, "modulo_decode_hash"):
             return self.decode_hashed_reference(payload, ref=ref, block=block)
-        codes = K.unpack(payload.data.to(ref.device), self.bits, n)
-        return K.modulo_decode_hash(codes, self.B_theta, self.levels, ref, block)
+        return K.modulo_decode_hash(payload.data.to(ref.device), self.bits, n, self.B_theta, self.levels, ref, block)
 
     def decode_hashed_reference(self, payload: Payload, *, ref: torch.Tensor,
                                 block: int) -> tuple[torch.Tensor, torch.Tensor]:

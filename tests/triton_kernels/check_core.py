@@ -63,10 +63,10 @@ def test_modulo_decode_hash_matches_the_reference(block, dtype):
     x = torch.randn(1031, dtype=torch.float64, generator=g)
     y = (x + (torch.rand(1031, dtype=torch.float64, generator=g) - 0.5) * 0.2).to(dtype)  # some blocks wrong
     payload = codec.encode_reference(x, generator=torch.Generator().manual_seed(3))
-    codes = cpu.unpack(payload.data, codec.bits, x.numel())
-    out, hashes = gpu.modulo_decode_hash(codes, codec.B_theta, codec.levels, y, block)
+    out, hashes = gpu.modulo_decode_hash(payload.data, codec.bits, x.numel(), codec.B_theta, codec.levels, y, block)
     ref_out, ref_hashes = codec.decode_hashed_reference(payload, ref=y, block=block)
     assert torch.equal(hashes, ref_hashes) and hashes.dtype == torch.int32
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     with pytest.raises(OverflowError, match="2\\^53"):
-        gpu.modulo_decode_hash(codes[:4], codec.B_theta, codec.levels, torch.full((4,), 1e17, dtype=dtype), block)
+        gpu.modulo_decode_hash(payload.data[:1], codec.bits, 4, codec.B_theta, codec.levels,
+                               torch.full((4,), 1e17, dtype=dtype), block)

@@ -185,14 +185,14 @@ def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n
     tl.store(reach_ptr + b, tl.max(reach, axis=0))
 
 
-def modulo_decode_hash(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor,
+def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: int, ref: torch.Tensor,
                        block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`modulo_decode` in float64 arithmetic (the grid integers must be exact) and the
-    16-bit hash of each block of ``block`` grid integers, as the numba kernel: the hashes come
-    back as an int32 CPU tensor (they go into the message), with the overflow check in the same
-    host read."""
+    """:func:`modulo_decode` of the ``n`` codes packed ``bits`` each in ``data``, in float64
+    arithmetic (the grid integers must be exact), and the 16-bit hash of each block of ``block``
+    grid integers, as the numba kernel: the hashes come back as an int32 CPU tensor (they go into
+    the message), with the overflow check in the same host read."""
     y = ref.detach().contiguous()
-    n = codes.numel()
+    codes = unpack(data, bits, n)
     out = torch.empty(n, dtype=y.dtype, device=y.device)
     nb = -(-n // block)
     hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
