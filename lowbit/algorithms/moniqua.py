@@ -180,6 +180,7 @@ import logging
 import struct
 from collections import deque
 
+import numpy as np
 import torch
 
 from ..codecs import ModuloCodec
@@ -439,8 +440,8 @@ class Moniqua(GossipAlgorithm):
         tail = nb * 2 + 1
         if buf.numel() < tail:
             raise bad(f"{buf.numel()} bytes, shorter than its {tail}-byte verification trailer")
-        raw = buf[-tail:].cpu().numpy().tobytes()
-        *hashes, ctrl = struct.unpack(f"<{nb}HB", raw)
+        raw = buf[-tail:].cpu().numpy()
+        hashes, ctrl = raw[:-1].view("<u2"), int(raw[-1])
         buf = buf[:-tail]
         if ctrl & ~7:
             raise bad(f"control byte {ctrl:#04x} has unknown bits set")
@@ -512,7 +513,7 @@ class Moniqua(GossipAlgorithm):
                 ctrl |= 4
                 trailer = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
                 trailer += struct.pack("<H", len(asked_of))
-            trailer += struct.pack(f"<{nb}HB", *hashes.tolist(), ctrl)
+            trailer += hashes.numpy().astype("<u2").tobytes() + bytes([ctrl])
             wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         x_hat_i = (x_hat_i64 if v is None else x_hat_i64 - v).to(x.dtype)
@@ -531,7 +532,7 @@ class Moniqua(GossipAlgorithm):
             x_hat_j64, mine = self._decode(codec, self._unpack(buf, d, x.device, j), y)  # line 5
             good[j] = None
             if self.verify:
-                bad = (mine != torch.tensor(sent_hashes, dtype=mine.dtype)).nonzero().flatten().tolist()
+                bad = np.flatnonzero(mine.numpy() != sent_hashes).tolist()
                 self._window[1] += nb
                 if bad:  # never use a wrong block: leave it out of this step's mix
                     self._mismatch(k, j, len(bad), nb)

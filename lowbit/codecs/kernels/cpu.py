@@ -19,6 +19,9 @@ import numpy as np
 import torch
 
 from ..modulo import GRID_LIMIT, grid_overflow_message
+from ..modulo import HASH_HIGH as MODULO_HASH_HIGH
+from ..modulo import HASH_SALT as MODULO_HASH_SALT
+from ..modulo import HASH_STEP as MODULO_HASH_STEP
 from ..rng import MIX_C1, MIX_C2, UNIFORM_SCALE, split_key
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -314,16 +317,17 @@ def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor)
 
 # --- Moniqua's decode with the block hashes of its grid integers ---------------------------------
 
-HASH_SALT = np.uint64(0x9E3779B9)  # as lowbit.codecs.modulo.HASH_SALT
+HASH_SALT = np.uint64(MODULO_HASH_SALT)
+HASH_STEP = np.uint64(MODULO_HASH_STEP)
+HASH_HIGH = np.uint64(MODULO_HASH_HIGH)
 
 
 @_jit
 def grid_element_hash(m, i):
-    """The 32-bit hash of grid integer ``m`` (int64) at position ``i``."""
+    """Element ``i``'s term of :func:`lowbit.codecs.modulo.grid_hashes` (grid integer ``m``, int64)."""
     u = np.uint64(m)
-    lo = u & M32
-    hi = (u >> np.uint64(32)) & M32
-    return mix32((mix32(lo ^ mix32(np.uint64(i) ^ HASH_SALT)) + hi) & M32)
+    key = (((np.uint64(i) * HASH_STEP) & M32) ^ HASH_SALT) | np.uint64(1)
+    return (((u & M32) * key) & M32) + (((u >> np.uint64(32)) * HASH_HIGH) & M32)
 
 
 @_jit
@@ -355,8 +359,8 @@ def _modulo_decode_hash(data, b, n, B, levels, y, block, out, hashes):
             k = k + 1.0 if up else (k - 1.0 if down else k)
             reach = max(reach, abs(k))
             out[i] = r + yv
-            acc = (acc + grid_element_hash(code - L * np.int64(k), i)) & M32
-        hashes[blk] = np.int32(mix32(acc) & np.uint64(0xFFFF))
+            acc += grid_element_hash(code - L * np.int64(k), i)
+        hashes[blk] = np.int32(mix32(acc & M32) & np.uint64(0xFFFF))
     return reach * float(levels)
 
 

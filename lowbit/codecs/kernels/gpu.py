@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..modulo import GRID_LIMIT, HASH_SALT, grid_overflow_message
+from ..modulo import GRID_LIMIT, HASH_HIGH, HASH_SALT, HASH_STEP, grid_overflow_message
 from ..rng import MIX_C1, MIX_C2, split_key
 
 BLOCK = 1024
@@ -177,9 +177,8 @@ def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n
         m = code.to(tl.int64) - LEVELS * k.to(tl.int64)
         lo = (m & 0xFFFFFFFF).to(tl.uint32)
         hi = ((m >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        i = offs.to(tl.uint32) ^ HASH_SALT
-        e = _mix32(_mix32(lo ^ _mix32(i)) + hi)
-        acc += tl.where(mask, e, 0).to(tl.uint32)
+        key = ((offs.to(tl.uint32) * HASH_STEP) ^ HASH_SALT) | 1
+        acc += tl.where(mask, lo * key + hi * HASH_HIGH, 0).to(tl.uint32)
     total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
     tl.store(hash_ptr + b, (_mix32(total.to(tl.uint32)) & 0xFFFF).to(tl.int32))
     tl.store(reach_ptr + b, tl.max(reach, axis=0))
