@@ -295,6 +295,7 @@ class Moniqua(GossipAlgorithm):
             rounding = default_rounding(bits)
         # validates bits, rounding and delta < 1/2
         self.codec = ModuloCodec(bits=bits, theta=1.0 if self.auto_theta else float(theta), rounding=rounding)
+        self._codec_at = self.codec  # the codec of the last theta_k used
         if gamma is None:
             gamma = default_gamma(self.codec, self.W)
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
@@ -484,7 +485,10 @@ class Moniqua(GossipAlgorithm):
             raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
 
     def _modulo_gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
-        codec = dataclasses.replace(self.codec, theta=self.theta_at(lr))
+        theta = self.theta_at(lr)
+        if self._codec_at.theta != theta:  # a new theta_k: a new codec (validated once)
+            self._codec_at = dataclasses.replace(self.codec, theta=theta)
+        codec = self._codec_at
         # Shared randomness ("More efficient Moniqua", section 6): every worker draws the
         # same rounding offsets u at step k, so nearby models round alike.
         sender = 0 if self.shared_randomness else self.rank + 1
@@ -564,13 +568,15 @@ class Moniqua(GossipAlgorithm):
                 exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
         delta = torch.zeros_like(x)
         for j in self.neighbors:
-            term = recovered[j].to(x.dtype) - x_hat_i
             keep = good[j]
             if j in exact:
                 m, ex = exact[j]
                 keep = ~m if keep is None else keep & ~m
                 delta.add_(ex, alpha=self.w[j])
-            delta.add_(term if keep is None else term * keep, alpha=self.w[j])
+            if keep is None:  # every block right: w_j (xh_j - xh_i)
+                delta.add_(recovered[j].to(x.dtype), alpha=self.w[j]).sub_(x_hat_i, alpha=self.w[j])
+            else:
+                delta.add_((recovered[j].to(x.dtype) - x_hat_i) * keep, alpha=self.w[j])
         self._nack = nack
         if self.grow_theta and self.neighbors and len(nack) == len(self.neighbors):
             self._pending.add(k // self.period)  # no neighbour's message was right: theta is far too small
