@@ -33,5 +33,5 @@ def data():
 @pytest.mark.parametrize("pair", PAIRS, ids=[p.label for p in PAIRS])
 def test_roundtrip(benchmark, data, pair, side):
     x, ref = data
-    lowbit, reference = roundtrip_calls(pair.make(), pair.make_reference(), x, ref, 0, DEVICE)
+    lowbit, reference = roundtrip_calls(pair.make(), pair.make_reference(), x, ref, 0, DEVICE, pair.decode_out)
     benchmark(lowbit if side == "lowbit" else reference)

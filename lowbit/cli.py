@@ -49,6 +49,10 @@ def _add_bench(sub) -> None:
                    "synchronizing), cpu or wall")
     c.add_argument("--codecs", default=None, help="comma-separated codec families or labels (default: all)")
     c.add_argument("--against", default="memcpy", help="memcpy (default) or references")
+    c.add_argument("--path", default="fast", help="against memcpy: fast (default), reference (the float64 reference "
+                   "implementations) or both")
+    c.add_argument("--randk-k", default=None, help="comma-separated kept counts of the RandK cases "
+                   "(default: 1%% of --size and half of it)")
     c.add_argument("--json", default=None, help="also write the report to this JSON file")
     s = what.add_parser("step", help="per-step wall time of each algorithm against D-PSGD and AllReduce",
                         description="Short training runs on thread workers, interleaved rounds; each algorithm's "
@@ -116,9 +120,20 @@ def _bench(args) -> int:
     if args.bench_what == "codecs":
         if args.against not in AGAINST:
             raise ValueError(f"against={args.against!r} is unknown; choose one of: {', '.join(AGAINST)}")
+        kw = {}
+        if args.against == "memcpy":
+            randk_k = None
+            if args.randk_k is not None:
+                try:
+                    randk_k = [int(k) for k in args.randk_k.split(",") if k.strip()]
+                except ValueError:
+                    raise ValueError(f"--randk-k must be comma-separated integers, got {args.randk_k!r}") from None
+            kw = {"path": args.path, "randk_k": randk_k}
+        elif args.path != "fast" or args.randk_k is not None:
+            raise ValueError("--path and --randk-k apply to --against memcpy only")
         run = bench_codecs if args.against == "memcpy" else bench_references
         report = run(size=args.size, rounds=args.rounds, device=args.device, codecs=args.codecs,
-                     min_run_time=args.min_run_time, clock=args.clock)
+                     min_run_time=args.min_run_time, clock=args.clock, **kw)
         print(format_report(report))
     elif args.bench_what == "step":
         report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,

@@ -114,7 +114,8 @@ def test_clocks():
 
 def test_select_by_family_or_label_and_rejects_unknown():
     cases = default_cases()
-    assert [c.label for c in select(cases, "qsgd_maxnorm b=4,sign")] == ["qsgd_maxnorm b=4", "sign"]
+    assert [c.label for c in select(cases, "qsgd_maxnorm b=4,sign")] == ["qsgd_maxnorm b=4", "sign", "sign rms", "sign none"]
+    assert [c.label for c in select(cases, "qsgd_maxnorm b=4,sign rms")] == ["qsgd_maxnorm b=4", "sign rms"]
     assert all(c.family == "qsgd" for c in select(cases, ["qsgd"]))  # not qsgd_maxnorm
     with pytest.raises(ValueError, match="unknown 'nope'; choose from: .*qsgd"):
         select(cases, "sign,nope")
@@ -306,9 +307,62 @@ def test_bad_arguments_are_clear_errors(argv, match, capsys):
 
 def test_cli_prints_thread_pin_and_writes_json(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert main(["bench", "codecs", "--size", "1024", "--rounds", "1", "--codecs", "sign", "--min-run-time", "0.001",
+    assert main(["bench", "codecs", "--size", "1024", "--rounds", "1", "--codecs", "terngrad", "--min-run-time", "0.001",
                  "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "torch.set_num_threads(1)" in text and "dst.copy_(src)" in text and "median" in text
     report = json.loads(out.read_text())
-    assert report["threads"] == 1 and [r["codec"] for r in report["rows"]] == ["sign"]
+    assert report["threads"] == 1 and [r["codec"] for r in report["rows"]] == ["terngrad"]
+
+
+# --- the codec bench's options: the reference path, RandK's kept counts ------------------------
+
+def test_codec_bench_times_the_reference_path_too():
+    report = bench_codecs(size=2048, rounds=2, codecs="fp16,qsgd_maxnorm b=2", min_run_time=FAST, path="both")
+    assert report["path"] == "both" and report["fresh_buffer_x_memcpy"] > 0
+    for r in report["rows"]:
+        assert set(r["rounds"][0]) == {"memcpy", "encode", "decode", "ref_encode", "ref_decode"}
+        assert r["ref_encode_x_memcpy"] == pytest.approx(median_ratio(r["rounds"], "ref_encode", "memcpy"))
+    only = bench_codecs(size=2048, rounds=1, codecs="sign", min_run_time=FAST, path="reference")
+    assert set(only["rows"][0]["rounds"][0]) == {"memcpy", "encode", "decode"}
+    with pytest.raises(ValueError, match="path='slow' is unknown; choose one of: fast, reference, both"):
+        bench_codecs(size=2048, rounds=1, codecs="sign", min_run_time=FAST, path="slow")
+
+
+def test_randk_cases_and_a_new_selection_per_encode():
+    from lowbit.bench.codecs import bench_data, codec_calls, randk_cases
+
+    assert [c.label for c in randk_cases(1000)] == ["globalrandk 1% maxnorm b=8", "randk k=d/2 maxnorm b=8"]
+    assert [c.make().k for c in randk_cases(1000)] == [10, 500]
+    assert [c.make().k for c in randk_cases(1000, [3, 1000])] == [3, 1000]
+    for bad in (0, 1001, 2.5):
+        with pytest.raises(ValueError, match=r"randk_k: each kept count must be an integer in \[1, size=1000\]"):
+            randk_cases(1000, [bad])
+    x, ref = bench_data(1000, torch.device("cpu"))
+    enc, dec, _ = codec_calls(randk_cases(1000)[1].make(), x, ref, 0, torch.device("cpu"))
+    seeds = {bytes(enc().header[4:12].tolist()) for _ in range(3)}  # the header's selection seed
+    assert len(seeds) == 3 and torch.equal(dec(), dec())
+    report = bench_codecs(size=1000, rounds=1, codecs="randk", min_run_time=FAST, randk_k=[7])
+    assert [r["codec"] for r in report["rows"]] == ["randk k=7 maxnorm b=8"]
+
+
+def test_cli_codec_bench_options(capsys):
+    assert main(["bench", "codecs", "--size", "1024", "--rounds", "1", "--codecs", "randk,sign", "--min-run-time",
+                 "0.001", "--path", "both", "--randk-k", "10,512"]) == 0
+    text = capsys.readouterr().out
+    assert "randk k=10 maxnorm b=8" in text and "randk k=512" in text and "ref enc" in text and "fresh buffer" in text
+    assert main(["bench", "codecs", "--randk-k", "d/2"]) == 2
+    assert "--randk-k must be comma-separated integers, got 'd/2'" in capsys.readouterr().err
+    assert main(["bench", "codecs", "--against", "references", "--path", "both"]) == 2
+    assert "--path and --randk-k apply to --against memcpy only" in capsys.readouterr().err
+
+
+def test_decode_out_case_reuses_one_buffer():
+    from lowbit.bench.codecs import bench_data, codec_calls
+    from lowbit.codecs import HalfCodec
+
+    x, ref = bench_data(1000, torch.device("cpu"))
+    _, dec, _ = codec_calls(HalfCodec("fp16"), x, ref, 0, torch.device("cpu"), decode_out=True)
+    first = dec()
+    assert dec() is first and torch.equal(first, x.half().float())
+    assert [c.label for c in default_cases() if c.decode_out] == ["fp16 out="]

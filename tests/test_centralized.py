@@ -12,6 +12,7 @@ from lowbit.algorithms import (DQSG, NDQSG, QSGD, GlobalRandKMaxNormMultiScaleSG
 from lowbit.algorithms.dqsg import nested_codec
 from lowbit.codecs import (DitheredCodec, MultiScaleMaxNormCodec, NestedDitheredCodec, QSGDCodec,
                            QSGDMaxNormCodec, RandKCodec, SignCodec, TernGradCodec, agree_scale, global_index_seed)
+from lowbit.codecs.radix import level_bits, radix_nbytes
 from lowbit.codecs.randk import select_reference
 from lowbit.codecs.rng import counter_uniforms, draw_key, shared_generator  # the codecs' counter draws
 from lowbit.comm import run_threads
@@ -132,15 +133,16 @@ def _ndqsg_reference(n, n2, M, nested: NestedDitheredCodec):
 def test_ndqsg_is_algorithm_2(server, n, frac):
     M = 2
     nested = nested_codec()  # the paper's Figure 6: Delta1 = 1/3, Delta2 = 1, alpha = 1
-    assert (nested.delta1, nested.delta2, nested.alpha, nested.bits) == (1 / 3, 1.0, 1.0, 2)
+    assert (nested.delta1, nested.delta2, nested.alpha, nested.k) == (1 / 3, 1.0, 1.0, 3)
+    assert nested.bits == level_bits(3) == 1.6  # 5 trits per byte
     x0, A, b = _problem(n, spread=0.05)
     traj, sent = _run(n, lambda t: NDQSG(t, levels=M, nested=nested, nested_fraction=frac, server=server,
                                          seed=SEED), x0, A, b)
     n2 = min(n - 1, int(math.floor(frac * n + 0.5)))
     assert n2 >= 1
     torch.testing.assert_close(traj, _reference(n, x0, A, b, _ndqsg_reference(n, n2, M, nested)), atol=1e-6, rtol=0)
-    p1_bytes = 8 + math.ceil(D * 3 / 8)
-    p2_bytes = 4 + 4 + math.ceil(D * 2 / 8)  # kappa + nested header (numel) + ceil(log2 3) = 2 bits
+    p1_bytes = 8 + radix_nbytes(D, 2 * M + 1)  # 5 levels in mixed radix
+    p2_bytes = 4 + 4 + radix_nbytes(D, 3)  # kappa + nested header (numel) + 3 levels in mixed radix
     for p in range(n):
         own = p2_bytes if p >= n - n2 else p1_bytes
         if server == "allgather":
@@ -418,7 +420,9 @@ def test_end_to_end_train_config(name):
     assert s["final_consensus_distance"] < 1e-10  # one aggregate: every worker holds the same model
     d = s["parameters"]
     assert s["wire_bits_per_element"] == pytest.approx(8 * s["bytes_sent"] / (4 * 30 * d))
-    nominal = {"dqsg": 2, "ndqsg": 2, "qsgd": 4, "terngrad": 2, "onebit-ef": 1, "maxnorm": 2,
+    # the wire's bits per element: mixed radix for 3 levels (DQSG M=1, NDQSG k=3, TernGrad) and QSGD's 2s+1 = 15
+    nominal = {"dqsg": level_bits(3), "ndqsg": level_bits(3), "qsgd": level_bits(15), "terngrad": level_bits(3),
+               "onebit-ef": 1, "maxnorm": 2,
                "maxnorm-multiscale": 2, "grandk-maxnorm": 2 * (d // 2) / d,
                "grandk-maxnorm-multiscale": 2 * (d // 2) / d}
     if name in nominal:

@@ -9,7 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-from lowbit.codecs import CodecKind, Payload, shared_generator, unpack_wide
+from lowbit.codecs import CodecKind, Payload, shared_generator
+from lowbit.codecs.radix import level_bits, levels_nbytes, radix_group, unpack_levels
 from lowbit.codecs.dithered import DitheredCodec, partition_sizes
 from lowbit.codecs.rng import counter_uniforms, draw_key
 from lowbit.codecs.nested import (
@@ -32,17 +33,24 @@ def _x(n, seed=0, scale=1.0):
 def _codes(codec, payload, n):
     """The packed indices q + M of a DitheredCodec payload."""
     skip = 4 * (min(codec.partitions, n) - 1)
-    return unpack_wide(payload.data[skip:], codec.bits, n)
+    return unpack_levels(payload.data[skip:], codec.num_codes, n)
 
 
 # --- wire size ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("levels,bits", [(1, 2), (2, 3), (3, 3), (4, 4), (7, 4), (8, 5), (100, 8), (2**20, 22)])
-def test_dithered_bits(levels, bits):
+@pytest.mark.parametrize("levels,code_bits", [(1, 2), (2, 3), (3, 3), (4, 4), (7, 4), (8, 5), (100, 8), (2**20, 22)])
+def test_dithered_bits(levels, code_bits):
     c = DitheredCodec(levels=levels)
-    assert c.bits == bits == math.ceil(math.log2(2 * levels + 1))
-    assert c.num_codes == 2 * levels + 1 and c.step == 1 / levels
+    L = 2 * levels + 1
+    assert c.code_bits == code_bits == math.ceil(math.log2(L))
+    assert c.num_codes == L and c.step == 1 / levels
+    if L <= 255:  # mixed radix: g codes in b bits, within 2% of log2(2M + 1) (1% for most M)
+        g, b = radix_group(L)
+        assert c.bits == b / g <= 1.02 * math.log2(L)
+    else:  # plain packing beyond 255 levels
+        assert c.bits == code_bits
+    assert DitheredCodec(levels=1).bits == 1.6  # 5 trits per byte
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 1001])
@@ -54,7 +62,7 @@ def test_dithered_wire_size(n, levels, partitions, subtractive):
     p = c.encode(x, generator=shared_generator(1, 2, 3))
     assert c.header_nbytes == p.header.numel() == 8 <= 32
     scales = min(partitions, n) - 1 if n else 0
-    assert p.data.numel() == 4 * scales + math.ceil(n * c.bits / 8) == c.data_nbytes(n)
+    assert p.data.numel() == 4 * scales + levels_nbytes(n, 2 * levels + 1) == c.data_nbytes(n)
     assert p.nbytes == 8 + p.data.numel()
     wire = p.to_wire()
     assert len(wire) == p.nbytes
@@ -62,7 +70,7 @@ def test_dithered_wire_size(n, levels, partitions, subtractive):
     a = c.decode(p, generator=shared_generator(1, 2, 3))
     b = c.decode(q, generator=shared_generator(1, 2, 3))
     assert a.shape == (n,) and a.dtype == torch.float32 and torch.equal(a, b)
-    assert isinstance(c.bits, int) and c.unbiased is True and c.kind is CodecKind.PLAIN
+    assert c.unbiased is True and c.kind is CodecKind.PLAIN
     if n:
         codes = _codes(c, p, n)
         assert int(codes.min()) >= 0 and int(codes.max()) <= 2 * levels
@@ -102,19 +110,19 @@ def test_partition_sizes_and_scales():
 @pytest.mark.parametrize("k", [2, 3, 4, 5, 16, 17, 256, 1000])
 def test_nested_wire_size(n, k):
     c = NestedDitheredCodec(delta1=0.01, k=k, alpha=0.9)
-    assert c.bits == math.ceil(math.log2(k)) and c.delta2 == pytest.approx(k * 0.01)
+    assert c.bits == level_bits(k) and c.code_bits == math.ceil(math.log2(k)) and c.delta2 == pytest.approx(k * 0.01)
     x = _x(n, seed=n).to(torch.float32)
     y = x + 0.001 * _x(n, seed=n + 1).to(torch.float32)
     p = c.encode(x, generator=shared_generator(4, 0, 1))
     assert c.header_nbytes == p.header.numel() == 4 <= 32
-    assert p.data.numel() == math.ceil(n * c.bits / 8)
+    assert p.data.numel() == levels_nbytes(n, k)
     assert p.nbytes == 4 + p.data.numel()
     q = c.payload_from_wire(p.to_wire())
     a = c.decode(p, ref=y, generator=shared_generator(4, 0, 1))
     b = c.decode(q, ref=y, generator=shared_generator(4, 0, 1))
     assert a.shape == (n,) and a.dtype == torch.float32 and torch.equal(a, b)
     if n:
-        codes = unpack_wide(p.data, c.bits, n)
+        codes = unpack_levels(p.data, k, n)
         assert int(codes.min()) >= 0 and int(codes.max()) < k
     assert c.kind is CodecKind.SIDE_INFO
 

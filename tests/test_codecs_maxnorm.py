@@ -22,6 +22,7 @@ from lowbit.codecs.maxnorm import MultiScaleMaxNormCodec, QSGDMaxNormCodec
 from lowbit.codecs.minmax import MinMaxCodec
 from lowbit.codecs.modulo import ModuloCodec
 from lowbit.codecs.packing import pack_wide, packed_nbytes, unpack_wide
+from lowbit.codecs.radix import level_bits, levels_nbytes
 from lowbit.codecs.randk import RandKCodec, global_index_seed
 
 LENGTHS = [0, 1, 2, 7, 13, 1001]
@@ -89,8 +90,13 @@ def test_wire_size_and_roundtrip(codec, n):
     x = _vec(n, n, torch.float32)
     p = codec.encode(x, generator=_gen(1))
     assert codec.header_nbytes <= 32 and p.header.numel() == codec.header_nbytes
-    assert p.data.numel() == math.ceil(n * codec.bits / 8)
-    assert p.nbytes == codec.header_nbytes + math.ceil(n * codec.bits / 8)
+    if isinstance(codec, QSGDMaxNormCodec):  # 2s + 1 = 2^bits - 1 levels, mixed radix (plain from 7 bits on)
+        data = levels_nbytes(n, codec.num_codes)
+        assert codec.num_codes == 2 ** codec.bits - 1 and codec.wire_bits == level_bits(codec.num_codes) <= codec.bits
+    else:  # multi-scale words: index and code, plain packing
+        data = math.ceil(n * codec.bits / 8)
+    assert p.data.numel() == data
+    assert p.nbytes == codec.header_nbytes + data
     wire = p.to_wire()
     assert len(wire) == p.nbytes
     y = codec.decode(codec.payload_from_wire(wire))

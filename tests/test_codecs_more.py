@@ -17,6 +17,7 @@ from lowbit.codecs.entropy import (
 from lowbit.codecs.lowp import HalfCodec
 from lowbit.codecs.powersgd import PowerSGDCodec
 from lowbit.codecs.qsgd import QSGDCodec
+from lowbit.codecs.radix import radix_group
 from lowbit.codecs.sign import SignCodec
 from lowbit.codecs.terngrad import TernGradCodec
 
@@ -55,13 +56,18 @@ def _near_square(N):
 def _expected(codec, n):
     """(header bytes, data bytes), computed independently of the codec."""
     if isinstance(codec, QSGDCodec):
-        b = math.ceil(math.log2(2 * codec.levels + 1))
-        codes = math.ceil(n * b / 8)
+        L = 2 * codec.levels + 1
+        if L > 255:  # plain packing at ceil(log2 L) bits
+            codes = math.ceil(n * math.ceil(math.log2(L)) / 8)
+        else:  # mixed radix: groups of g codes in b bits, a last group of r codes in ceil(r log2 L) bits
+            g, b = radix_group(L)
+            q, r = divmod(n, g)
+            codes = math.ceil((q * b + (L ** r - 1).bit_length()) / 8)
         if codec.bucket is None:
             return 8, codes  # numel + float32 norm
         return 4, 4 * math.ceil(n / codec.bucket) + codes
     if isinstance(codec, TernGradCodec):
-        return 8, math.ceil(2 * n / 8)
+        return 8, math.ceil(n / 5)  # 5 trits per byte
     if isinstance(codec, SignCodec):
         return (4 if codec.scale == "none" else 8), math.ceil(n / 8)
     if isinstance(codec, HalfCodec):
@@ -134,7 +140,8 @@ def test_qsgd_codes_are_sign_and_level():
         assert set(y.tolist()) <= {0.0, 2.5, 5.0, -2.5, -5.0}
         assert y[0] >= 0 and y[1] <= 0 and y[2] == 0
     assert c.code_bits == 3 and QSGDCodec(levels=1).code_bits == 2 and QSGDCodec(levels=4).code_bits == 4
-    assert QSGDCodec(levels=1, bucket=64).bits == 2.5
+    g, b = radix_group(3)  # 3 codes for s = 1: 5 trits per byte, plus a 32-bit norm per 64 elements
+    assert QSGDCodec(levels=1, bucket=64).bits == b / g + 32 / 64 == 2.1
 
 
 # --- unbiasedness -------------------------------------------------------------------
@@ -163,7 +170,7 @@ def test_qsgd_bucketed_unbiased():
 def test_terngrad_unbiased():
     x = torch.randn(64, generator=_gen(6), dtype=torch.float64)
     c = TernGradCodec()
-    assert c.unbiased and c.bits == 2
+    assert c.unbiased and c.bits == 8 / 5  # 5 trits per byte
     k = 4000
     y = c.decode(c.encode(x.repeat(k), generator=_gen(7)), dtype=torch.float64).view(k, -1)
     scale = float(x.abs().max())

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lowbit.codecs import ModuloCodec, QSGDCodec, QSGDMaxNormCodec, RandKCodec
+from lowbit.codecs.radix import radix_nbytes
 from lowbit.comm import launch
 from lowbit.integrations.ddp_hooks import (HOOKS, LowbitHookState, hook_table, lowbit_hook, make_hook,
                                            wire_method)
@@ -254,10 +255,10 @@ def _expected_bucket_bytes(name: str, n: int, world: int) -> int:
         return _ring(4, world) + _ring(math.ceil(kk / 8), world) + _ring(kk, world)
     if name == "grandk_fp32":
         return _ring(4 * kk, world)
-    if name == "qsgd":  # levels 4: 4-bit codes, header numel + norm
-        return gather * (8 + math.ceil(4 * n / 8))
-    if name in ("terngrad", "dithered"):  # 2-bit codes (dithered levels 1: 3 codes)
-        return gather * (8 + math.ceil(2 * n / 8))
+    if name == "qsgd":  # levels 4: 9 codes in mixed radix (5 in 16 bits), header numel + norm
+        return gather * (8 + radix_nbytes(n, 9))
+    if name in ("terngrad", "dithered"):  # 3 codes (dithered levels 1) in mixed radix: 5 per byte
+        return gather * (8 + radix_nbytes(n, 3))
     if name == "sign":
         return gather * (8 + math.ceil(n / 8))
     if name == "powersgd":  # rank 1, per tensor; the buckets are [W2 (4x32), b2, b1] and [W1 (32x16)]

@@ -205,10 +205,13 @@ def test_range_errors_match_the_reference():
 
 
 def test_bad_payloads_are_clear_errors():
-    p = TernGradCodec().encode(torch.randn(9))
-    bad = Payload(header=p.header, data=torch.full_like(p.data, 0xFF))
-    with pytest.raises(ValueError, match="code 3"):
-        TernGradCodec().decode(bad)
+    p = TernGradCodec().encode(torch.randn(9))  # 5 + 4 trits: 2 bytes
+    for data in (torch.tensor([243, 0], dtype=torch.uint8), torch.tensor([0, 81], dtype=torch.uint8)):
+        bad = Payload(header=p.header, data=data)  # a byte above 3^5 - 1, a last byte of 4 trits above 3^4 - 1
+        with pytest.raises(ValueError, match="not 5 ternary digits"):
+            TernGradCodec().decode(bad)
+        with pytest.raises(ValueError, match="not a radix-3 packing"):
+            TernGradCodec().decode_reference(bad)
     for codec in (MinMaxCodec(bits=3), UniformCodec(step=0.1), SignCodec(), TernGradCodec()):
         p = codec.encode(torch.randn(50))
         short = Payload(header=p.header, data=p.data[:-1])

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from lowbit.codecs.kernels import codec_path, cpu_kernels
-from lowbit.codecs.radix import (MAX_GROUP_BITS, pack_radix, pack_radix_reference, radix_group, radix_nbytes,
+from lowbit.codecs.packing import pack_wide, packed_nbytes
+from lowbit.codecs.radix import (MAX_GROUP_BITS, level_bits, levels_nbytes, pack_levels, pack_levels_fast, pack_radix,
+                                 pack_radix_reference, radix_group, radix_nbytes, unpack_levels, unpack_levels_fast,
                                  unpack_radix, unpack_radix_reference)
 
 ALL_LEVELS = range(2, 256)
@@ -54,7 +56,10 @@ def test_one_percent_reached_for_the_codecs_level_counts():
 def test_exact_byte_counts(L):
     g, b = radix_group(L)
     for n in (0, 1, g - 1, g, g + 1, 7 * g + 3, 100_001):
-        assert radix_nbytes(n, L) == math.ceil(math.ceil(n / g) * b / 8)
+        q, r = divmod(n, g)
+        last = math.ceil(r * math.log2(L)) if r else 0  # a last partial group of r digits
+        assert radix_nbytes(n, L) == math.ceil((q * b + last) / 8)
+        assert radix_nbytes(n, L) <= packed_nbytes(n, math.ceil(math.log2(L)))  # never above plain packing
         c = torch.randint(0, L, (n,))
         assert pack_radix(c, L).numel() == radix_nbytes(n, L)
     assert radix_nbytes(100_000, 3) == 20_000  # 1.6 bits per trit
@@ -139,4 +144,55 @@ def test_bad_input(path):
         with pytest.raises(ValueError, match="1 of its 2 group values"):
             unpack_radix(torch.tensor([0, 5], dtype=torch.uint8), 3, 6)
         with pytest.raises(ValueError, match="not a radix-129 packing"):  # 50-bit groups
-            unpack_radix(torch.full((7,), 255, dtype=torch.uint8), 129, 7)
+            unpack_radix(torch.full((radix_nbytes(7, 129),), 255, dtype=torch.uint8), 129, 7)
+
+
+@needs_numba
+@pytest.mark.parametrize("L", [3, 5, 6, 7, 9, 15, 60, 100, 129, 255])
+def test_specialised_kernels_match_reference(L, monkeypatch):
+    """The per-level-count numba kernels (blocks of 8 groups, then the run-time kernel for
+    the tail) give the reference's bytes, and refuse a group value above L^g - 1."""
+    monkeypatch.setattr(cpu_kernels("radix"), "SPECIALISE_FROM", 0)
+    g, _ = radix_group(L)
+    for n in (8 * g, 8 * g + 1, 16 * g + g - 1, 24 * g + 5, 5001):
+        c = _symbols(L, n, seed=L + n)
+        data = pack_radix(c, L)
+        assert torch.equal(data, pack_radix_reference(c, L)), n
+        assert torch.equal(unpack_radix(data, L, n), c), n
+    if L ** g < 2 ** radix_group(L)[1]:
+        bad = torch.full((radix_nbytes(8 * g, L),), 255, dtype=torch.uint8)
+        with pytest.raises(ValueError, match=f"not a radix-{L} packing: 8 of its 8 group values"):
+            unpack_radix(bad, L, 8 * g)
+
+
+@pytest.mark.parametrize("L", [2, 3, 4, 5, 16, 17, 255, 256, 257, 401, 2 ** 20 + 1])
+def test_levels_api_routes_by_level_count(L):
+    """Mixed radix for non-powers of two up to 255, plain packing at ceil(log2 L) bits
+    otherwise; level_bits is the bits per element of long vectors."""
+    width = math.ceil(math.log2(L))
+    plain = L & (L - 1) == 0 or L > 255
+    g, b = radix_group(L) if L <= 255 else (1, width)
+    assert level_bits(L) == (float(width) if plain else b / g)
+    n = 1003
+    c = torch.randint(0, L, (n,))
+    c[0] = L - 1
+    data = pack_levels(c, L)
+    assert data.numel() == levels_nbytes(n, L) == (packed_nbytes(n, width) if plain else radix_nbytes(n, L))
+    if plain:
+        assert torch.equal(data, pack_wide(c, width))  # today's packing, exactly
+    assert torch.equal(unpack_levels(data, L, n), c)
+    if L <= 255:  # the fast path's codes are uint8 below 256 levels
+        fast = pack_levels_fast(c.to(torch.uint8), L)
+        assert torch.equal(fast, data)
+        assert torch.equal(unpack_levels_fast(fast, L, n), c.to(torch.uint8))
+    assert 8 * levels_nbytes(100_000, L) / 100_000 <= level_bits(L) + 1e-3
+    with pytest.raises(ValueError, match="exactly"):
+        unpack_levels_fast(data[:-1], L, n)
+
+
+def test_levels_api_bad_level_counts():
+    for bad in (1, 0, 2 ** 32 + 1, 2.0, True):
+        with pytest.raises(ValueError, match=r"levels must be an int in 2..2\^32"):
+            level_bits(bad)
+        with pytest.raises(ValueError, match=r"levels must be an int in 2..2\^32"):
+            levels_nbytes(4, bad)

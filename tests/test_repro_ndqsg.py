@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lowbit.codecs import DitheredCodec, TernGradCodec
+from lowbit.codecs.radix import level_bits, radix_nbytes
 from lowbit.codecs.rng import shared_generator
 from lowbit.repro import EXPERIMENTS, ndqsg
 from lowbit.train.config import TrainConfig
@@ -56,8 +57,8 @@ def test_ledger_kbits_are_d_times_bits_plus_header(quick):
             # a float32 scale and an int32 count per payload, plus the padding of the last byte
             assert 0 < extra_bits <= 8 * 8 + 8, (r["label"], extra_bits)
             assert r["header_bits"] == 64
-    assert _bits(res, "DQSG M=1")["nominal_bits"] == 2  # 3 levels packed in 2 bits
-    assert _bits(res, "DQSG M=2")["nominal_bits"] == 3  # 5 levels in 3 bits
+    assert _bits(res, "DQSG M=1")["nominal_bits"] == level_bits(3) == 1.6  # 3 levels: 5 per byte (mixed radix)
+    assert _bits(res, "DQSG M=2")["nominal_bits"] == level_bits(5) == 7 / 3  # 5 levels: 3 in 7 bits
     assert _bits(res, "One-Bit (EF)")["nominal_bits"] == 1
 
 
@@ -71,10 +72,13 @@ def test_entropy_coding_of_skewed_codes_saves(quick):
         assert r["entropy_kbits"] <= r["coded_kbits"] <= r["entropy_kbits"] * 1.05 + 1.5
         # at most the raw size plus the coder's model/header overhead, for any code
         assert r["coded_kbits"] <= r["raw_kbits"] + 0.2
-    # the max-scaled 3- and 5-level codes are mostly zeros: far below raw
-    for label in ("DQSG M=1", "DQSG M=2", "TernGrad", "QSGD s=1", "NDQSG (Fig. 6)"):
+    # the max-scaled 3- and 5-level codes are mostly zeros: far below raw. The payloads are mixed radix,
+    # coded as bytes: 5 trits per byte for 3 levels; for 5 levels a byte straddles groups of 3 codes in 7
+    # bits, which the byte model captures less well (and raw is 7/3 bits per code, no longer 3)
+    for label, most in (("DQSG M=1", 0.5), ("DQSG M=2", 0.6), ("TernGrad", 0.5), ("QSGD s=1", 0.5),
+                        ("NDQSG (Fig. 6)", 0.5)):
         r = _bits(res, label)
-        assert r["coded_kbits"] < 0.5 * r["raw_kbits"], label
+        assert r["coded_kbits"] < most * r["raw_kbits"], label
     # sign bits are close to incompressible
     ob = _bits(res, "One-Bit (EF)")
     assert ob["coded_kbits"] > 0.9 * ob["raw_kbits"]
@@ -86,7 +90,8 @@ def test_ndqsg_sends_fewer_bits_than_dqsg_at_figure6_setting(quick):
     assert nd["raw_kbits"] < dq["raw_kbits"]
     assert nd["p2_raw_kbits"] < nd["p1_raw_kbits"] == pytest.approx(dq["raw_kbits"])
     d = nd["d"]
-    assert 1000 * nd["p2_raw_kbits"] == pytest.approx(2 * d + 64, abs=8)  # 2-bit nested codes (k = 3), kappa + count
+    # nested codes (k = 3) 5 per byte in mixed radix, kappa + count
+    assert 1000 * nd["p2_raw_kbits"] == pytest.approx(8 * radix_nbytes(d, 3) + 64, abs=1e-6)
     for w in (4, 8):
         rows = {r["label"]: r for r in res["accuracy"] if r["workers"] == w}
         assert rows["NDQSG (Fig. 6)"]["raw_kbits"] < rows["DQSG M=2"]["raw_kbits"]
@@ -100,9 +105,10 @@ def test_ndqsg_sends_fewer_bits_than_dqsg_at_figure6_setting(quick):
 
 def test_entropy_coded_size_round_trips_and_counts_header():
     g = torch.randn(5000, dtype=torch.float64) ** 3
-    for codec, bits in ((DitheredCodec(levels=2), 3), (TernGradCodec(), 2)):
-        wire = codec.encode(g, generator=shared_generator(1, 2, 3)).to_wire()
-        s = ndqsg.entropy_coded_size(wire, bits, g.numel())
+    for codec in (DitheredCodec(levels=2), TernGradCodec()):  # mixed-radix codes: coded as bytes, as the probe does
+        p = codec.encode(g, generator=shared_generator(1, 2, 3))
+        wire = p.to_wire()
+        s = ndqsg.entropy_coded_size(wire, 8, p.data.numel())
         assert s["raw_bits"] == 8 * wire.numel() and s["header_bits"] == 64
         assert s["entropy_bits"] < s["coded_bits"] < s["raw_bits"]
     # uniform random 8-bit codes: incompressible, coded size = raw + model and coder state only

@@ -3,10 +3,10 @@ against memcpy, or ``--against references`` against plain-torch reference codecs
 ``lowbit bench step`` (the per-step wall time of each algorithm against D-PSGD and
 AllReduce). How they measure: :mod:`lowbit.bench.timing`."""
 
-from .codecs import (AGAINST, MEMCPY_DEFINITION, BenchCase, ReferencePair, bench_codecs, bench_references,
-                     codec_row, default_cases, format_report, pair_row, reference_pairs, select)
+from .codecs import (AGAINST, MEMCPY_DEFINITION, PATHS, BenchCase, ReferencePair, bench_codecs, bench_references,
+                     codec_row, default_cases, format_report, pair_row, randk_cases, reference_pairs, select)
 from .timing import median_ratio, spread
 
-__all__ = ["AGAINST", "MEMCPY_DEFINITION", "BenchCase", "ReferencePair", "bench_codecs", "bench_references",
-           "codec_row", "default_cases", "format_report", "median_ratio", "pair_row", "reference_pairs", "select",
+__all__ = ["AGAINST", "MEMCPY_DEFINITION", "PATHS", "BenchCase", "ReferencePair", "bench_codecs", "bench_references",
+           "codec_row", "default_cases", "format_report", "median_ratio", "pair_row", "randk_cases", "reference_pairs", "select",
            "spread"]

@@ -10,6 +10,17 @@ other, and the reported ratios (encode / memcpy, decode / memcpy,
 (encode + decode) / memcpy) are medians of the per-round ratios. GB/s is fp32
 input bytes (``4 * size``) over the median seconds of the operation.
 
+``path="both"`` also times each codec's reference implementation
+(``encode``/``decode`` under ``codec_path("reference")``: the float64 code the
+fast path is tested against) in the same rounds; ``path="reference"`` times
+only that. RandK cases select anew at every encode (a new seed, as at every
+training step); a decode finds its step's selection in the per-process cache,
+as a global random-k step's decodes do. ``randk_k`` sets the kept counts of the
+RandK cases (default: 1% of the size, and half of it). Each round also times a
+copy into a fresh buffer (``torch.empty_like(x).copy_(x)``): what the
+allocation and first touch of a decode's new output cost, as a multiple of the
+memcpy (a decode given ``out=`` avoids it).
+
 ``against="references"`` times, in each round, lowbit's encode + decode and a
 reference codec's (:mod:`lowbit.bench.references`) side by side, and reports
 the median of the per-round ratios lowbit / reference, with both wire sizes.
@@ -17,6 +28,8 @@ the median of the per-round ratios lowbit / reference, with both wire sizes.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -24,6 +37,7 @@ from typing import Callable
 import torch
 
 from ..codecs import Codec, CodecKind, make_generator, shared_generator
+from ..codecs.kernels import codec_path
 from . import references as refs
 from .timing import (check_positive_float, check_positive_int, measure, median_ratio, pinned_threads, resolve_clock,
                      spread)
@@ -31,16 +45,19 @@ from .timing import (check_positive_float, check_positive_int, measure, median_r
 MEMCPY_DEFINITION = ("memcpy = dst.copy_(src), dst a preallocated fp32 tensor of src's size; "
                      "GB/s = 4 * size bytes of fp32 input / seconds")
 AGAINST = ("memcpy", "references")
+PATHS = ("fast", "reference", "both")
 CLOCK_NAMES = {"cpu": "the thread's CPU time", "wall": "wall time (CUDA: after synchronizing the device)"}
 
 
 @dataclass(frozen=True)
 class BenchCase:
     """``label``: shown in the table; its first word is the codec's family (what
-    ``--codecs`` selects). ``make``: builds the codec."""
+    ``--codecs`` selects). ``make``: builds the codec. ``decode_out``: decode into one
+    float32 buffer kept between calls (``decode(..., out=buffer)``)."""
 
     label: str
     make: Callable[[], Codec]
+    decode_out: bool = False
 
     @property
     def family(self) -> str:
@@ -49,11 +66,14 @@ class BenchCase:
 
 @dataclass(frozen=True)
 class ReferencePair:
-    """A lowbit codec and the reference computing the same thing."""
+    """A lowbit codec and the reference computing the same thing. ``decode_out``: the
+    reference decodes into a buffer kept between calls, so lowbit's decode is given one
+    too (``decode(..., out=buffer)``)."""
 
     label: str
     make: Callable[[], Codec]
     make_reference: Callable[[], refs.Reference]
+    decode_out: bool = False
 
     @property
     def family(self) -> str:
@@ -63,27 +83,51 @@ class ReferencePair:
 THETA = 0.1  # Moniqua's bound in the benchmark; the data keeps |x - ref| < 0.005 < theta
 
 
-def default_cases() -> list[BenchCase]:
+def randk_cases(size: int, ks: list[int] | None = None) -> list[BenchCase]:
+    """RandK around QSGDMaxNorm 8 bits: ``ks`` (kept counts, each in ``1..size``), or by
+    default 1% and half of ``size``."""
+    from .. import codecs as c
+
+    inner = lambda: c.QSGDMaxNormCodec(bits=8)  # noqa: E731
+    if ks is None:
+        return [BenchCase("globalrandk 1% maxnorm b=8", lambda: c.RandKCodec(inner(), k=max(1, size // 100), seed=1)),
+                BenchCase("randk k=d/2 maxnorm b=8", lambda: c.RandKCodec(inner(), k=max(1, size // 2), seed=1))]
+    for k in ks:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= size:
+            raise ValueError(f"randk_k: each kept count must be an integer in [1, size={size}], got {k!r}")
+    return [BenchCase(f"randk k={k} maxnorm b=8", lambda k=k: c.RandKCodec(inner(), k=k, seed=1)) for k in ks]
+
+
+def default_cases(size: int = 1_000_000, randk_k: list[int] | None = None) -> list[BenchCase]:
+    """Every codec, with variants; the RandK cases from :func:`randk_cases` (``size``,
+    ``randk_k``)."""
     from .. import codecs as c
 
     cases = [BenchCase("fp32", c.IdentityCodec), BenchCase("fp16", lambda: c.HalfCodec("fp16")),
+             BenchCase("fp16 out=", lambda: c.HalfCodec("fp16"), decode_out=True),
              BenchCase("bf16", lambda: c.HalfCodec("bf16"))]
     for b in (1, 2, 4, 8):
         if b >= 2:
             cases.append(BenchCase(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA)))
         cases.append(BenchCase(f"minmax b={b}", lambda b=b: c.MinMaxCodec(bits=b)))
+    cases.append(BenchCase("minmax b=4 stochastic", lambda: c.MinMaxCodec(bits=4, rounding="stochastic")))
     cases.append(BenchCase("uniform step=0.01", lambda: c.UniformCodec(step=0.01)))
+    cases.append(BenchCase("uniform step=0.01 nearest", lambda: c.UniformCodec(step=0.01, rounding="nearest")))
     for m in (1, 3, 7):  # 2, 3, 4 bits
         cases.append(BenchCase(f"dithered M={m}", lambda m=m: c.DitheredCodec(levels=m)))
+    cases.append(BenchCase("dithered M=3 half", lambda: c.DitheredCodec(levels=3, subtractive=False)))
+    cases.append(BenchCase("dithered M=7 K=64", lambda: c.DitheredCodec(levels=7, partitions=64)))
     cases.append(BenchCase("nested k=4", lambda: c.NestedDitheredCodec(delta1=0.005, k=4)))
+    cases.append(BenchCase("nested k=8 alpha=0.9", lambda: c.NestedDitheredCodec(delta1=0.005, k=8, alpha=0.9)))
     for s in (1, 7, 127):
         cases.append(BenchCase(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s)))
-    for b in (2, 4, 8):
+    cases.append(BenchCase("qsgd s=7 bucket=512", lambda: c.QSGDCodec(levels=7, bucket=512)))
+    for b in (2, 3, 4, 8):
         cases.append(BenchCase(f"qsgd_maxnorm b={b}", lambda b=b: c.QSGDMaxNormCodec(bits=b)))
     cases.append(BenchCase("multiscale (2,6)", lambda: c.MultiScaleMaxNormCodec(scales=(2, 6))))
-    cases.append(BenchCase("globalrandk 1% maxnorm b=8",
-                           lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=10_000, seed=1)))
+    cases += randk_cases(size, randk_k)
     cases += [BenchCase("terngrad", c.TernGradCodec), BenchCase("sign", c.SignCodec),
+              BenchCase("sign rms", lambda: c.SignCodec("rms")), BenchCase("sign none", lambda: c.SignCodec("none")),
               BenchCase("powersgd r=2", lambda: c.PowerSGDCodec(rank=2))]
     return cases
 
@@ -100,7 +144,7 @@ def reference_pairs() -> list[ReferencePair]:
                             lambda b=b: refs.QSGDMaxNormReference(b)) for b in (2, 4, 8)]
     pairs += [ReferencePair(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA),
                             lambda b=b: refs.MoniquaReference(b, THETA)) for b in (2, 4)]
-    pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference))
+    pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference, decode_out=True))
     pairs.append(ReferencePair("powersgd r=2", lambda: c.PowerSGDCodec(rank=2), lambda: refs.PowerSGDReference(2)))
     return pairs
 
@@ -141,19 +185,45 @@ def _reference_generator(seed: int, device: torch.device) -> torch.Generator:
     return make_generator(seed, device)
 
 
-def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device):
-    """(encode, decode, payload): the two timed calls, each with a fresh shared generator
-    (as one message's sender and receiver derive it), and a payload to decode."""
-    payload = codec.encode(x, generator=_generator(seed))
+def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device,
+                path: str = "fast", decode_out: bool = False):
+    """(encode, decode, payload): the two timed calls on ``path`` ("fast" or "reference"),
+    each with a fresh shared generator (as one message's sender and receiver derive it),
+    and a payload to decode (with ``decode_out``, into one float32 buffer kept between
+    calls). A RandK codec with a seed encodes with a new seed at every call (a new
+    selection, as at every training step)."""
+    from ..codecs import RandKCodec
+
+    on_path = lambda: codec_path(path) if path == "reference" else contextlib.nullcontext()  # noqa: E731
+    with on_path():
+        payload = codec.encode(x, generator=_generator(seed))
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
-    return (lambda: codec.encode(x, generator=_generator(seed)),
-            lambda: codec.decode(payload, generator=_generator(seed), **kw), payload)
+    if decode_out:
+        kw["out"] = torch.empty(x.numel(), dtype=torch.float32, device=device)
+    if isinstance(codec, RandKCodec) and codec.seed is not None:
+        seeds = itertools.count(codec.seed + 1)
+        encoder = lambda: codec.with_seed(next(seeds))  # noqa: E731
+    else:
+        encoder = lambda: codec  # noqa: E731
+
+    def encode():
+        with on_path():
+            return encoder().encode(x, generator=_generator(seed))
+
+    def decode():
+        with on_path():
+            return codec.decode(payload, generator=_generator(seed), **kw)
+
+    return encode, decode, payload
 
 
 def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, ref: torch.Tensor, seed: int,
-                    device: torch.device):
-    """(lowbit, reference): the two timed encode + decode calls of a pair."""
+                    device: torch.device, decode_out: bool = False):
+    """(lowbit, reference): the two timed encode + decode calls of a pair; with
+    ``decode_out`` lowbit decodes into one float32 buffer kept between calls."""
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
+    if decode_out:
+        kw["out"] = torch.empty(x.numel(), dtype=torch.float32, device=device)
     rkw = {"ref": ref} if reference.needs_ref else {}
 
     def lowbit():
@@ -180,16 +250,21 @@ def _setup(size, rounds, min_run_time, device, seed, clock):
 
 
 def codec_row(label: str, rounds: list[dict], size: int, nbytes: int) -> dict:
-    """One codec's row from its per-round timings (seconds; keys memcpy, encode, decode)."""
+    """One codec's row from its per-round timings (seconds; keys memcpy, encode, decode, and
+    with the reference path timed also ref_encode, ref_decode)."""
     gb = 4 * size / 1e9
     med = {k: statistics.median(r[k] for r in rounds) for k in ("memcpy", "encode", "decode")}
-    return {"codec": label, "bytes_per_element": nbytes / size,
-            "encode_x_memcpy": median_ratio(rounds, "encode", "memcpy"),
-            "decode_x_memcpy": median_ratio(rounds, "decode", "memcpy"),
-            "roundtrip_x_memcpy": median_ratio(rounds, ("encode", "decode"), "memcpy"),
-            "roundtrip_x_memcpy_range": spread(rounds, ("encode", "decode"), "memcpy"),
-            "memcpy_gbps": gb / med["memcpy"], "encode_gbps": gb / med["encode"], "decode_gbps": gb / med["decode"],
-            "rounds": rounds}
+    row = {"codec": label, "bytes_per_element": nbytes / size,
+           "encode_x_memcpy": median_ratio(rounds, "encode", "memcpy"),
+           "decode_x_memcpy": median_ratio(rounds, "decode", "memcpy"),
+           "roundtrip_x_memcpy": median_ratio(rounds, ("encode", "decode"), "memcpy"),
+           "roundtrip_x_memcpy_range": spread(rounds, ("encode", "decode"), "memcpy"),
+           "memcpy_gbps": gb / med["memcpy"], "encode_gbps": gb / med["encode"], "decode_gbps": gb / med["decode"],
+           "rounds": rounds}
+    if "ref_encode" in rounds[0]:
+        row.update(ref_encode_x_memcpy=median_ratio(rounds, "ref_encode", "memcpy"),
+                   ref_decode_x_memcpy=median_ratio(rounds, "ref_decode", "memcpy"))
+    return row
 
 
 def pair_row(label: str, reference: str, rounds: list[dict], size: int, lowbit_nbytes: int,
@@ -208,30 +283,45 @@ def pair_row(label: str, reference: str, rounds: list[dict], size: int, lowbit_n
 
 def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] | None = None,
                  device: str = "cpu", seed: int = 0, codecs: str | list[str] | None = None,
-                 min_run_time: float = 0.05, clock: str = "auto") -> dict:
+                 min_run_time: float = 0.05, clock: str = "auto", path: str = "fast",
+                 randk_k: list[int] | None = None) -> dict:
     """Each codec's encode and decode on ``size`` fp32 elements on ``device`` (``cpu``,
     ``cuda``, ``cuda:N`` or ``auto``) against memcpy, ``rounds`` interleaved rounds
-    (module doc). Returns the report: settings plus one row per codec."""
+    (module doc). ``path``: "fast" (default), "reference" (the reference implementation
+    only, its ratios in the encode/decode columns) or "both" (also ``ref_encode_x_memcpy``,
+    ``ref_decode_x_memcpy``). ``randk_k``: the RandK cases' kept counts. Returns the
+    report: settings plus one row per codec."""
     dev, clock = _setup(size, rounds, min_run_time, device, seed, clock)
-    cases = select(cases if cases is not None else default_cases(), codecs)
+    if path not in PATHS:
+        raise ValueError(f"path={path!r} is unknown; choose one of: {', '.join(PATHS)}")
+    cases = select(cases if cases is not None else default_cases(size, randk_k), codecs)
     with pinned_threads(1) as threads:
         x, ref = bench_data(size, dev, seed)
         out = torch.empty_like(x)
         memcpy = lambda: out.copy_(x)  # noqa: E731
+        fresh = lambda: torch.empty_like(x).copy_(x)  # noqa: E731
         prepared = []
         for case in cases:
             codec = case.make()
-            enc, dec, payload = codec_calls(codec, x, ref, seed, dev)
-            prepared.append((case, enc, dec, payload.nbytes))
+            calls = {}
+            for p, (e, d) in (("fast", ("encode", "decode")), ("reference", ("ref_encode", "ref_decode"))):
+                if path in (p, "both"):
+                    enc, dec, payload = codec_calls(codec, x, ref, seed, dev, p, case.decode_out)
+                    calls.update({e if path == "both" else "encode": enc, d if path == "both" else "decode": dec})
+            prepared.append((case, calls, payload.nbytes))
         timings: dict[str, list[dict]] = {case.label: [] for case in cases}
+        fresh_rounds = []
         for _ in range(rounds):
-            for case, enc, dec, _nb in prepared:
-                timings[case.label].append({"memcpy": measure(memcpy, dev, min_run_time, threads, clock),
-                                            "encode": measure(enc, dev, min_run_time, threads, clock),
-                                            "decode": measure(dec, dev, min_run_time, threads, clock)})
-    rows = [codec_row(case.label, timings[case.label], size, nb) for case, _e, _d, nb in prepared]
-    return {"benchmark": "codecs", "against": "memcpy", "device": str(dev), "threads": threads, "size": size,
-            "rounds": rounds, "min_run_time": min_run_time, "clock": clock, "memcpy": MEMCPY_DEFINITION, "rows": rows}
+            fresh_rounds.append({"memcpy": measure(memcpy, dev, min_run_time, threads, clock),
+                                 "fresh": measure(fresh, dev, min_run_time, threads, clock)})
+            for case, calls, _nb in prepared:
+                t = {"memcpy": measure(memcpy, dev, min_run_time, threads, clock)}
+                t.update({k: measure(fn, dev, min_run_time, threads, clock) for k, fn in calls.items()})
+                timings[case.label].append(t)
+    rows = [codec_row(case.label, timings[case.label], size, nb) for case, _c, nb in prepared]
+    return {"benchmark": "codecs", "against": "memcpy", "path": path, "device": str(dev), "threads": threads,
+            "size": size, "rounds": rounds, "min_run_time": min_run_time, "clock": clock, "memcpy": MEMCPY_DEFINITION,
+            "fresh_buffer_x_memcpy": median_ratio(fresh_rounds, "fresh", "memcpy"), "rows": rows}
 
 
 def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu", seed: int = 0,
@@ -248,7 +338,7 @@ def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu"
         prepared = []
         for pair in pairs:
             codec, reference = pair.make(), pair.make_reference()
-            lowbit, reference_rt = roundtrip_calls(codec, reference, x, ref, seed, dev)
+            lowbit, reference_rt = roundtrip_calls(codec, reference, x, ref, seed, dev, pair.decode_out)
             payload = codec.encode(x, generator=_generator(seed))
             wire = reference.encode(x, generator=_reference_generator(seed, dev))
             prepared.append((pair, reference.name, lowbit, reference_rt, payload.nbytes, refs.wire_nbytes(wire)))
@@ -279,12 +369,22 @@ def format_report(report: dict) -> str:
                          f"{f'{lo:.2f}-{hi:.2f}':>13} {r['lowbit_x_memcpy']:>13.1f} {r['reference_x_memcpy']:>10.1f} "
                          f"{r['lowbit_bytes']:>10} {r['reference_bytes']:>10}")
         return "\n".join(lines)
-    lines = ["codec throughput against memcpy (times as multiples of memcpy: lower is better)", head,
-             f"{'codec':<27} {'enc/memcpy':>10} {'dec/memcpy':>10} {'(e+d)/memcpy':>12} {'range':>13} "
-             f"{'enc GB/s':>9} {'dec GB/s':>9} {'memcpy GB/s':>11} {'B/elem':>7}"]
+    both = report.get("path") == "both"
+    title = "codec throughput against memcpy (times as multiples of memcpy: lower is better)"
+    if report.get("path") == "reference":
+        title += "; the REFERENCE implementations (codec_path('reference'))"
+    fresh = report.get("fresh_buffer_x_memcpy")
+    lines = [title, head]
+    if fresh is not None:
+        lines.append(f"a copy into a fresh buffer (torch.empty_like(x).copy_(x), what a decode's new output costs "
+                     f"to allocate and first touch): {fresh:.1f}x memcpy")
+    lines.append(f"{'codec':<27} {'enc/memcpy':>10} {'dec/memcpy':>10} {'(e+d)/memcpy':>12} {'range':>13} "
+                 f"{'enc GB/s':>9} {'dec GB/s':>9} {'memcpy GB/s':>11} {'B/elem':>7}"
+                 + (f" {'ref enc':>8} {'ref dec':>8}" if both else ""))
     for r in report["rows"]:
         lo, hi = r["roundtrip_x_memcpy_range"]
         lines.append(f"{r['codec']:<27} {r['encode_x_memcpy']:>10.1f} {r['decode_x_memcpy']:>10.1f} "
                      f"{r['roundtrip_x_memcpy']:>12.1f} {f'{lo:.1f}-{hi:.1f}':>13} {r['encode_gbps']:>9.3f} "
-                     f"{r['decode_gbps']:>9.3f} {r['memcpy_gbps']:>11.2f} {r['bytes_per_element']:>7.4f}")
+                     f"{r['decode_gbps']:>9.3f} {r['memcpy_gbps']:>11.2f} {r['bytes_per_element']:>7.4f}"
+                     + (f" {r['ref_encode_x_memcpy']:>8.1f} {r['ref_decode_x_memcpy']:>8.1f}" if both else ""))
     return "\n".join(lines)

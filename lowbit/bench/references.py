@@ -21,8 +21,12 @@ beyond what torch does, and all compute in the input's dtype (float32 here).
   delta)``, ``delta = 2^-bits``; codes ``floor(L ((x / B) mod 1) + u) mod L`` with
   ``L = 2^bits`` as uint8; the receiver with ``y`` returns
   ``y + ((q B / L - y + B/2) mod B) - B/2``.
-* :class:`HalfReference` -- torch's ``fp16_compress_hook`` compute: ``x.to(float16)``
-  and back.
+* :class:`HalfReference` -- torch's ``fp16_compress_hook`` compute: ``x.to(float16)``,
+  and back with ``buffer.copy_(h)`` into a buffer kept from call to call (the hook
+  decompresses in place into the bucket's buffer). The hook also divides the fp16
+  tensor by the world size (``div_``): that is the averaging, which lowbit does
+  outside its codec (its DDP hook divides ``x`` before encoding), so it is left out
+  of both sides.
 * :class:`PowerSGDReference` -- torch's ``powerSGD_hook`` compute for one worker:
   ``M`` the ``n x m`` matrix view (lowbit's layout), ``P = M Q``, orthogonalize
   ``P`` with torch's own ``_orthogonalize`` helper, ``Q = M^T P``, decode
@@ -186,16 +190,21 @@ class MoniquaReference(Reference):
         return torch.remainder(q - ref + B / 2, B).sub_(B / 2).add_(ref)
 
 
-@dataclass(frozen=True)
+@dataclass
 class HalfReference(Reference):
+    """Decodes into a float32 buffer kept between calls (the hook's bucket buffer)."""
+
     name = "torch fp16_compress_hook"
+    _buffer: torch.Tensor | None = field(default=None, repr=False)
 
     def encode(self, x, *, generator=None):
         return (x.to(torch.float16),)
 
     def decode(self, wire, *, ref=None):
         (h,) = wire
-        return h.to(torch.float32)
+        if self._buffer is None or self._buffer.shape != h.shape or self._buffer.device != h.device:
+            self._buffer = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        return self._buffer.copy_(h)
 
 
 @dataclass

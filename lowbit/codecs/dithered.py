@@ -16,7 +16,8 @@ Index range. ``|x / kappa| <= 1`` and ``u / Delta`` lies in ``[-1/2, 1/2)``, so
 with rounding half up (``round(w) = floor(w + 1/2)``) the index is
 ``floor(x / (kappa Delta) + r)`` with ``r = u / Delta + 1/2`` in ``[0, 1)``, which
 lies in ``{-M, ..., M}``: exactly the paper's ``2M + 1`` levels, sent as
-``q + M`` in ``bits = ceil(log2(2M + 1))`` bits. (Float rounding of
+``q + M`` at about ``log2(2M + 1)`` bits each (mixed radix, :mod:`lowbit.codecs.radix`;
+see Wire format). (Float rounding of
 ``x/kappa*M + r`` can reach ``M + 1`` when ``r`` is within ``2^-52`` of 1; those
 indices are clamped to ``M``, an event of probability about ``2^-52``.)
 
@@ -45,9 +46,14 @@ dithers, not bounded by ``kappa Delta / 2``).
 Wire format. Header ``<if``: (numel, kappa_1) with kappa_1 the first part's
 scale as float32 (8 bytes, whatever ``K``). Data: the other ``min(K, n) - 1``
 scales as little-endian float32 (4 bytes each; empty for ``K = 1``), then the
-``n`` codes ``q + M`` packed ``bits`` each (:func:`pack_wide` layout). So
-``nbytes = 8 + 4 (min(K, n) - 1) + ceil(n bits / 8)`` for ``n >= 1`` and 8
-for ``n = 0``. When ``K > n`` there are ``n`` parts of one element each.
+``n`` codes ``q + M`` of ``2M + 1`` levels packed by
+:func:`~lowbit.codecs.radix.pack_levels`: mixed radix for ``2M + 1 <= 255`` (e.g.
+5 trits per byte for ``M = 1``, 1.6 bits; within 1% of ``log2(2M + 1)`` bits but
+for ``M`` in 30, 32, 59, 60, 64-66, 116-120, within 2% there), ``ceil(log2(2M + 1))``
+bits each beyond. So ``nbytes = 8 + 4 (min(K, n) - 1) + levels_nbytes(n, 2M + 1)``
+for ``n >= 1`` and 8 for ``n = 0``; ``bits`` is
+:func:`~lowbit.codecs.radix.level_bits` ``(2M + 1)``, the same count. When ``K > n``
+there are ``n`` parts of one element each.
 
 Scales are rounded *up* to float32 on the sender, and both ends use the
 float32 value. The index is ``q = clamp(floor(x s + r), -M, M)`` with
@@ -79,7 +85,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import pack_wide, unpack_wide
+from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .qsgd import exact_ratio, float32_header, round_up_float32, scale_bytes
 from .quantize import INT32_MAX, check_int_range, check_numel
 from .rng import counter_uniforms, draw_key
@@ -166,16 +172,22 @@ class DitheredCodec(Codec):
         return 2 * self.levels + 1
 
     @property
-    def bits(self) -> int:
-        """Packed width of one index: ``ceil(log2(2M + 1))`` (the scales, 32 bits per
-        part, come on top: see the module docstring)."""
+    def bits(self) -> float:
+        """Bits per index on the wire, :func:`~lowbit.codecs.radix.level_bits` ``(2M + 1)``:
+        ``log2(2M + 1)`` within 1% where mixed radix applies (1.6 for ``M = 1``), else
+        ``ceil(log2(2M + 1))`` (the scales, 32 bits per part, come on top)."""
+        return level_bits(self.num_codes)
+
+    @property
+    def code_bits(self) -> int:
+        """Width of one unpacked index, ``ceil(log2(2M + 1))`` (the kernels' code dtype)."""
         return (2 * self.levels).bit_length()
 
     def data_nbytes(self, n: int) -> int:
         """Bytes of ``payload.data`` for ``n`` elements."""
         if n == 0:
             return 0
-        return 4 * (min(self.partitions, n) - 1) + (n * self.bits + 7) // 8
+        return 4 * (min(self.partitions, n) - 1) + levels_nbytes(n, self.num_codes)
 
     def dither(self, n: int, generator: torch.Generator | None, device=None) -> torch.Tensor:
         """The dither ``u / kappa`` in ``[-Delta/2, Delta/2)`` that ``encode`` draws from
@@ -272,9 +284,9 @@ class DitheredCodec(Codec):
         finite, kmax = K.host_values(finite, k32.max())  # the one host read on CUDA
         if not finite or not math.isfinite(kmax):
             raise _scale_error(float(amax.max()) if finite else None)
-        codes = K.dithered_encode(x, K.ratio(self.levels, k32), self.levels, self.bits, draw_key(generator))
+        codes = K.dithered_encode(x, K.ratio(self.levels, k32), self.levels, self.code_bits, draw_key(generator))
         header, rest = float32_header(n, k32)
-        packed = K.pack(codes, self.bits)
+        packed = pack_levels_fast(codes, self.num_codes)
         return Payload(header=header, data=torch.cat([rest, packed]) if rest.numel() else packed)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
@@ -287,7 +299,7 @@ class DitheredCodec(Codec):
         if K is None or n == 0:
             return self.decode_reference(payload, generator=generator, dtype=dtype)
         extra, k32 = self._scales_of(payload, n)
-        codes = K.unpack(payload.data[extra:], self.bits, n, K.code_dtype(self.bits))
+        codes = unpack_levels_fast(payload.data[extra:], self.num_codes, n, K.code_dtype(self.code_bits))
         key = draw_key(generator) if self.subtractive else 0
         return K.dithered_decode(codes, k32.to(torch.float64) / self.levels, self.levels, self.subtractive, key,
                                  torch.float32 if dtype is None else dtype)
@@ -308,7 +320,7 @@ class DitheredCodec(Codec):
         q = torch.floor(x64 * s + r).clamp_(-self.levels, self.levels).to(torch.int64)
         k_host = k32.cpu()
         header = pack_header(self.header_format, n, float(k_host[0]), device=dev)
-        data = torch.cat([scale_bytes(k_host[1:]).to(dev), pack_wide(q + self.levels, self.bits)])
+        data = torch.cat([scale_bytes(k_host[1:]).to(dev), pack_levels(q + self.levels, self.num_codes)])
         return Payload(header=header, data=data)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
@@ -321,7 +333,7 @@ class DitheredCodec(Codec):
         if n == 0:
             return torch.empty(0, dtype=out_dtype, device=dev)
         extra, k32 = self._scales_of(payload, n)
-        q = (unpack_wide(payload.data[extra:], self.bits, n) - self.levels).to(torch.float64)
+        q = (unpack_levels(payload.data[extra:], self.num_codes, n) - self.levels).to(torch.float64)
         step = self._expand(k32.to(torch.float64) / self.levels, n)  # kappa Delta
         if self.subtractive:
             xt = step * (q - (_uniforms(n, generator, dev) - 0.5))

@@ -5,11 +5,15 @@ normal down to ``2^-14``, subnormal down to ``2^-24``. ``bf16`` (bfloat16):
 8 significant bits, float32's exponent range. Casting rounds to nearest
 (ties to even), a deterministic and hence biased rounding.
 
-``encode`` is one cast and one scan of the 16-bit result's exponent bits (an inf
-or NaN there is a non-finite input or an overflow, told apart only on that error
-path); ``decode`` is one cast of the payload, read in place when its bytes are
-aligned. ``encode_reference``/``decode_reference`` (a finiteness scan, the cast,
-an overflow scan, copies) give the same bytes and values on every device.
+``encode`` is one pass (:mod:`lowbit.codecs.kernels.cpu_lowp` on the CPU,
+:mod:`~lowbit.codecs.kernels.gpu_lowp` on CUDA): the cast, and in the same pass
+a flag on any all-ones exponent in the 16-bit result (an inf or NaN: a
+non-finite input or an overflow, told apart only on that error path);
+``decode`` is one cast of the payload into a fresh float32 tensor or into the
+caller's ``out=`` buffer (a codec that runs every step reuses one buffer and
+saves the allocation and first touch of a new one, see :meth:`HalfCodec.decode`).
+``encode_reference``/``decode_reference`` (a finiteness scan, the cast, an
+overflow scan, copies) give the same bytes and values on every device.
 """
 
 from __future__ import annotations
@@ -23,9 +27,27 @@ from .identity import bytes_as
 from .kernels import kernels_for
 from .quantize import check_numel
 
-__all__ = ["HalfCodec", "HALF_DTYPES"]
+__all__ = ["HalfCodec", "HALF_DTYPES", "check_out"]
 
+_FAMILY = "lowp"
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_out(out, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A decode's ``out=`` buffer: a contiguous 1-D torch tensor of ``n`` elements, of the
+    decode's ``dtype``, on ``device`` (the payload's); otherwise a ValueError or TypeError
+    that names ``out`` and what it must be."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dim() != 1 or out.numel() != n:
+        raise ValueError(f"out must be a 1-D tensor of the payload's {n} elements, got shape {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise ValueError(f"out must have the decode's dtype {dtype} (dtype=, default float32), got {out.dtype}")
+    if out.device != device:
+        raise ValueError(f"out must be on the payload's device {device}, got {out.device}")
+    if not out.is_contiguous():
+        raise ValueError("out must be contiguous")
+    return out
 
 
 @dataclass(frozen=True)
@@ -84,16 +106,16 @@ class HalfCodec(Codec):
         )
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        """One cast of ``x`` and one read of the 16-bit result's exponents: an inf or NaN
-        there is a non-finite input or an overflow (told apart only on that error path)."""
+        """One pass: the cast of ``x`` and a check of the 16-bit result's exponents: an inf
+        or NaN there is a non-finite input or an overflow (told apart only on that error path)."""
         check_flat(x)
         n = check_numel(x)
         x = x.detach()
-        K = kernels_for(x, "plain")
+        K = kernels_for(x, _FAMILY)
         if K is None:
             return self.encode_reference(x, generator=generator)
-        h = x.to(self.torch_dtype, copy=True)
-        if K.half_overflow(h):
+        h, flagged = K.half_encode(x, self.torch_dtype)
+        if flagged:
             raise self._overflow_error(x, h)
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=h.view(torch.uint8))
 
@@ -105,12 +127,21 @@ class HalfCodec(Codec):
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One cast of the payload's 16-bit floats (read in place when aligned)."""
-        if kernels_for(payload.data, "plain") is None:
-            return self.decode_reference(payload, dtype=dtype)
-        self._check(payload)
-        return bytes_as(payload.data, self.torch_dtype).to(torch.float32 if dtype is None else dtype, copy=True)
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """One cast of the payload's 16-bit floats (read in place when aligned) into a new
+        tensor, or into ``out`` (a contiguous 1-D tensor of ``numel`` elements of the decode's
+        dtype on the payload's device, checked), which is returned."""
+        K = kernels_for(payload.data, _FAMILY)
+        if K is None:
+            return self.decode_reference(payload, dtype=dtype, out=out)
+        n = self._check(payload)
+        dtype = torch.float32 if dtype is None else dtype
+        if out is None:
+            out = torch.empty(n, dtype=dtype, device=payload.data.device)
+        else:
+            check_out(out, n, dtype, payload.data.device)
+        return K.half_decode(bytes_as(payload.data, self.torch_dtype), out)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The plain reference of :meth:`encode` (a finiteness scan, the cast, an overflow scan)."""
@@ -126,8 +157,12 @@ class HalfCodec(Codec):
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The plain reference of :meth:`decode`."""
-        self._check(payload)
-        x = payload.data.clone().view(self.torch_dtype)
-        return x.to(torch.float32 if dtype is None else dtype)
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
+        """The plain reference of :meth:`decode` (with ``out``: the result copied into it)."""
+        n = self._check(payload)
+        dtype = torch.float32 if dtype is None else dtype
+        if out is not None:
+            check_out(out, n, dtype, payload.data.device)
+        x = payload.data.clone().view(self.torch_dtype).to(dtype)
+        return x if out is None else out.copy_(x)

@@ -33,9 +33,14 @@ can be summed; decoding divides element-wise by the coordinate's scale
 (eq. 13). Bits per coordinate: ``min_j p_j + 1 + ceil(log2 N)``.
 
 Wire form (``encode``/``decode``, one worker's message): header ``<if``
-(numel, W as float32); data: the offset codes ``code + s`` (multi-scale:
-``code + s_min`` with the scale index in the bits above) packed LSB-first with
-:func:`pack_wide`, exactly ``bits`` bits per coordinate. A single-scale
+(numel, W as float32); data: single scale, the offset codes ``code + s`` of
+``2s + 1 = 2^bits - 1`` levels packed by :func:`~lowbit.codecs.radix.pack_levels`
+(mixed radix, ``wire_bits`` = :func:`~lowbit.codecs.radix.level_bits` ``(2s + 1)``
+bits per coordinate: 1.6 for ``bits = 2``, ``17 / 6`` for 3, ``43 / 11`` for 4, ...,
+exactly ``bits`` from ``bits = 5`` on, where one code per ``bits`` bits is already
+within 1% of ``log2(2s + 1)``); multi-scale, ``code + s_min`` with the scale index in
+the bits above, packed LSB-first with :func:`pack_wide`, exactly ``bits`` bits per
+coordinate. A single-scale
 ``MultiScaleMaxNormCodec(scales=(p,))`` quantizes like
 ``QSGDMaxNormCodec(bits=p + 1)``. Without ``scale=``, ``encode`` uses the
 worker's own norm (and scale indices), i.e. ``M = 1``.
@@ -86,6 +91,7 @@ from .base import (
 )
 from .kernels import kernels_for
 from .packing import check_packed, pack_wide, unpack_wide
+from .radix import level_bits, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .quantize import check_int_range, check_numel, round_to_int
 from .rng import draw_key
 
@@ -279,6 +285,17 @@ class QSGDMaxNormCodec(SummableCodec):
     def max_code(self) -> int:
         return self.levels
 
+    @property
+    def num_codes(self) -> int:
+        """Codes of one message, ``2s + 1 = 2^bits - 1`` (offset codes ``code + s``)."""
+        return 2 * self.levels + 1
+
+    @property
+    def wire_bits(self) -> float:
+        """Bits per coordinate of a message on the wire, :func:`~lowbit.codecs.radix.level_bits`
+        ``(2s + 1)``: at most ``bits``, below it where mixed radix saves (1.6 for ``bits = 2``)."""
+        return level_bits(self.num_codes)
+
     def scale_nbytes(self, numel: int) -> int:
         return 4
 
@@ -327,7 +344,7 @@ class QSGDMaxNormCodec(SummableCodec):
         codes, flags = K.qsgd_encode(x, W, self.levels, self.levels, draw_key(generator), K.code_dtype(self.bits))
         _raise_flags(K, flags, x, W, self.norm)
         header = pack_header(self.header_format, x.numel(), W, device=x.device)
-        return Payload(header=header, data=kernels_for(x).pack(codes, self.bits))
+        return Payload(header=header, data=pack_levels_fast(codes, self.num_codes))
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -335,8 +352,7 @@ class QSGDMaxNormCodec(SummableCodec):
         if K is None:
             return self.decode_reference(payload, dtype=dtype)
         n, W = unpack_header(self.header_format, payload.header)
-        check_packed(payload.data, self.bits, n)
-        codes = kernels_for(payload.data).unpack(payload.data, self.bits, n, K.code_dtype(self.bits))
+        codes = unpack_levels_fast(payload.data, self.num_codes, n, K.code_dtype(self.bits))
         return K.qsgd_decode(codes, self.levels, W, self.levels, 1, _out_dtype(dtype))
 
     # --- the float64 references -------------------------------------------------------------
@@ -367,12 +383,12 @@ class QSGDMaxNormCodec(SummableCodec):
         W = _norm_value(scale)
         codes = self.encode_int_reference(x, W, generator)
         header = pack_header(self.header_format, codes.numel(), W, device=x.device)
-        return Payload(header=header, data=pack_wide(codes + self.levels, self.bits))
+        return Payload(header=header, data=pack_levels(codes + self.levels, self.num_codes))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         n, W = unpack_header(self.header_format, payload.header)
-        codes = unpack_wide(payload.data, self.bits, n) - self.levels
+        codes = unpack_levels(payload.data, self.num_codes, n) - self.levels
         return self.decode_sum_reference(codes, W, 1, dtype=dtype)
 
 

@@ -16,7 +16,10 @@ Sender, dither ``u ~ U[-Delta1/2, Delta1/2)`` from the shared generator:
     t = alpha x + u,    s = Q1(t) - Q2(t)                                    (6)
 
 ``s`` is a multiple of ``Delta1``; what is sent is ``c = round(t / Delta1) mod k``
-in ``0..k-1``, packed ``ceil(log2 k)`` bits each. ``Delta1 c`` differs from ``s``
+in ``0..k-1``, packed by :func:`~lowbit.codecs.radix.pack_levels`: ``log2 k`` bits for a
+power of two, mixed radix at about ``log2 k`` bits for other ``k <= 255`` (e.g. 1.6 bits for
+``k = 3``), ``ceil(log2 k)`` bits beyond; ``bits`` is that count
+(:func:`~lowbit.codecs.radix.level_bits`). ``Delta1 c`` differs from ``s``
 by a multiple of ``Delta2``, and the decoder below depends on ``s`` only modulo
 ``Delta2``, so this is the paper's scheme with exactly ``k`` levels (the
 ``log2(Delta2/Delta1)`` bits of the remark after Theorem 6).
@@ -76,7 +79,7 @@ import torch
 from .base import Codec, CodecKind, Payload, check_flat, check_ref, pack_header, unpack_header
 from .dithered import _uniforms
 from .kernels import kernels_for
-from .packing import pack_wide, unpack_wide
+from .radix import level_bits, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .quantize import check_int_range, check_numel, check_positive, finite_float64
 from .rng import draw_key
 
@@ -185,8 +188,9 @@ class NestedParameters:
     mse: float  # eq. (9), per element, given correct decoding
 
     @property
-    def bits(self) -> int:
-        return (self.k - 1).bit_length()
+    def bits(self) -> float:
+        """Bits per index on the wire, :func:`~lowbit.codecs.radix.level_bits` ``(k)``."""
+        return level_bits(self.k)
 
     def codec(self) -> "NestedDitheredCodec":
         return NestedDitheredCodec(delta1=self.delta1, k=self.k, alpha=self.alpha)
@@ -331,8 +335,14 @@ class NestedDitheredCodec(Codec):
         return self.k * self.delta1
 
     @property
-    def bits(self) -> int:
-        """Packed width of one index: ``ceil(log2 k)``."""
+    def bits(self) -> float:
+        """Bits per index on the wire, :func:`~lowbit.codecs.radix.level_bits` ``(k)``: ``log2 k``
+        for a power of two, about ``log2 k`` (mixed radix) for other ``k <= 255``, else ``ceil(log2 k)``."""
+        return level_bits(self.k)
+
+    @property
+    def code_bits(self) -> int:
+        """Width of one unpacked index, ``ceil(log2 k)`` (the kernels' code dtype)."""
         return (self.k - 1).bit_length()
 
     @property
@@ -406,11 +416,12 @@ class NestedDitheredCodec(Codec):
         K = kernels_for(x, "dither")
         if K is None:
             return self.encode_reference(x, generator=generator)
-        codes, finite, worst = K.nested_encode(x, self.alpha, self.delta1, self.k, self.bits, draw_key(generator))
+        codes, finite, worst = K.nested_encode(x, self.alpha, self.delta1, self.k, self.code_bits,
+                                               draw_key(generator))
         if not finite:
             raise ValueError("x must be finite for the nested dithered codec")
         self._check_index(worst, K.index_limit(x.dtype))
-        return Payload(header=pack_header(self.header_format, n, device=x.device), data=K.pack(codes, self.bits))
+        return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_levels_fast(codes, self.k))
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> torch.Tensor:
@@ -421,7 +432,7 @@ class NestedDitheredCodec(Codec):
         K = kernels_for(ref, "dither")
         if K is None:
             return self.decode_reference(payload, ref=ref, generator=generator)
-        codes = K.unpack(payload.data.to(ref.device), self.bits, n, K.code_dtype(self.bits))
+        codes = unpack_levels_fast(payload.data.to(ref.device), self.k, n, K.code_dtype(self.code_bits))
         return K.nested_decode(codes, ref, self.alpha, self.delta1, self.delta2, draw_key(generator))
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
@@ -429,7 +440,7 @@ class NestedDitheredCodec(Codec):
         self._need_generator(generator, "encode")
         n, x64 = finite_float64(x, "nested dithered")
         codes = self.indices(x64, self.dither(n, generator, device=x.device))
-        return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_wide(codes, self.bits))
+        return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_levels(codes, self.k))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None) -> torch.Tensor:
@@ -437,6 +448,6 @@ class NestedDitheredCodec(Codec):
         (n,) = unpack_header(self.header_format, payload.header)
         check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
         self._need_generator(generator, "decode")
-        codes = unpack_wide(payload.data.to(ref.device), self.bits, n)
+        codes = unpack_levels(payload.data.to(ref.device), self.k, n)
         u = self.dither(n, generator, device=ref.device)
         return self.reconstruct(codes, u, ref.detach()).to(ref.dtype)

@@ -43,7 +43,8 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import check_packed, pack_wide, packed_nbytes, unpack_wide
+from .radix import check_levels_packed, level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, \
+    unpack_levels_fast
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64, round_to_int
 from .rng import draw_key
 
@@ -108,8 +109,9 @@ class QSGDCodec(Codec):
     """QSGD with ``levels = s >= 1`` and an optional ``bucket`` size.
 
     Wire format. Each element becomes the code ``sign_i * xi_i + s`` in
-    ``0..2s``, packed with :func:`~lowbit.codecs.packing.pack_wide` in
-    ``code_bits = ceil(log2(2s + 1))`` bits.
+    ``0..2s``; the ``2s + 1`` levels are packed by :func:`~lowbit.codecs.radix.pack_levels`
+    (mixed radix at about ``log2(2s + 1)`` bits for ``2s + 1 <= 255``, e.g. 1.6 bits for
+    ``s = 1``; ``code_bits = ceil(log2(2s + 1))`` bits each beyond).
 
     * ``bucket=None`` (one norm for the whole vector): header ``<if``
       (numel, norm as float32); data = the packed codes.
@@ -120,7 +122,8 @@ class QSGDCodec(Codec):
     Each norm is rounded *up* to float32 before quantizing, and both ends use
     that float32 value, so the codec stays exactly unbiased (up to float64
     rounding) and every ``xi_i <= s``. A zero norm gives all-zero levels.
-    ``bits`` is ``code_bits`` plus ``32 / bucket`` for the per-bucket norms.
+    ``bits`` is :func:`~lowbit.codecs.radix.level_bits` ``(2s + 1)`` (the codes' bits per
+    element on the wire) plus ``32 / bucket`` for the per-bucket norms.
 
     Arithmetic is float64; ``decode`` returns float32 unless ``dtype`` is
     given. Non-finite inputs, and norms beyond float32, raise ValueError.
@@ -149,7 +152,12 @@ class QSGDCodec(Codec):
 
     @property
     def bits(self) -> float:
-        return float(self.code_bits) + (32.0 / self.bucket if self.bucket is not None else 0.0)
+        return level_bits(self.num_codes) + (32.0 / self.bucket if self.bucket is not None else 0.0)
+
+    @property
+    def num_codes(self) -> int:
+        """Number of codes, ``2s + 1``."""
+        return 2 * self.levels + 1
 
     def variance_bound(self, n: int) -> float:
         """Lemma 3.1's factor ``min(n / s^2, sqrt(n) / s)`` for vectors (or
@@ -167,10 +175,10 @@ class QSGDCodec(Codec):
         """``(float32 norms, packed codes)`` of a payload, on the data's device."""
         data = payload.data
         if self.bucket is None:
-            check_packed(data, self.code_bits, n)
+            check_levels_packed(data, self.num_codes, n)
             return payload.header[4:8].to(data.device).clone().view(torch.float32), data
         k = self._num_buckets(n)
-        need = 4 * k + packed_nbytes(n, self.code_bits)
+        need = 4 * k + levels_nbytes(n, self.num_codes)
         if data.numel() != need:
             raise ValueError(f"QSGD payload of {n} elements in {k} buckets needs {need} data bytes, got {data.numel()}")
         return data[: 4 * k].clone().view(torch.float32), data[4 * k:]
@@ -192,7 +200,7 @@ class QSGDCodec(Codec):
             raise ValueError(f"the norm {float(torch.sqrt(sq).max()):.6g} does not fit the float32 sent on the wire")
         codes = K.qsgd_encode(x, K.ratio(self.levels, norms32), bucket, self.levels, self.code_bits,
                               draw_key(generator))
-        packed = K.pack(codes, self.code_bits)
+        packed = pack_levels_fast(codes, self.num_codes)
         if self.bucket is None:
             header, _ = float32_header(n, norms32)
             return Payload(header=header, data=packed)
@@ -207,7 +215,7 @@ class QSGDCodec(Codec):
         if K is None or n == 0:
             return self.decode_reference(payload, dtype=dtype)
         norms32, data = self._norms_of(payload, n)
-        codes = K.unpack(data, self.code_bits, n, K.code_dtype(self.code_bits))
+        codes = unpack_levels_fast(data, self.num_codes, n, K.code_dtype(self.code_bits))
         return K.qsgd_decode(codes, norms32.to(torch.float64) / self.levels, self._bucket(n), self.levels,
                              torch.float32 if dtype is None else dtype)
 
@@ -221,7 +229,7 @@ class QSGDCodec(Codec):
         factor = exact_ratio(s, norms).repeat_interleave(bucket)[:n]  # s / norm, 0 for a zero bucket
         xi = round_to_int((x64.abs() * factor).clamp_(max=s), "stochastic", generator)
         codes = (torch.where(x64 < 0, -xi, xi) + s).to(torch.int64)
-        data = pack_wide(codes, self.code_bits) if n else torch.empty(0, dtype=torch.uint8, device=x.device)
+        data = pack_levels(codes, self.num_codes) if n else torch.empty(0, dtype=torch.uint8, device=x.device)
         if self.bucket is None:
             header = pack_header(self.header_format, n, float(norms[0]), device=x.device)
         else:
@@ -235,6 +243,7 @@ class QSGDCodec(Codec):
         n = unpack_header(self.header_format, payload.header)[0]
         norms32, data = self._norms_of(payload, n)
         step = (norms32.to(torch.float64) / self.levels).repeat_interleave(self._bucket(n))[:n]
-        codes = unpack_wide(data, self.code_bits, n) if n else torch.empty(0, dtype=torch.int64, device=data.device)
+        codes = unpack_levels(data, self.num_codes, n) if n else \
+            torch.empty(0, dtype=torch.int64, device=data.device)
         x = (codes - self.levels).to(torch.float64) * step
         return x.to(torch.float32 if dtype is None else dtype)

@@ -5,20 +5,29 @@ Symbols are taken in groups of ``g``; a group's value ``v = sum_k c_k L^k`` (sym
 ``k`` of the group is digit ``k``, least significant first) lies in ``[0, L^g)`` and
 takes ``b = ceil(g log2 L)`` bits (computed exactly: the bit length of ``L^g - 1``).
 The group values are then written with the layout of :mod:`lowbit.codecs.packing`
-(one little-endian bit stream, value ``j`` at stream bits ``[j b, (j + 1) b)``), so
-``n`` symbols take ``ceil(ceil(n / g) b / 8)`` bytes; a last partial group keeps the
-full width ``b`` with its missing digits 0.
+(one little-endian bit stream, value ``j`` at stream bits ``[j b, (j + 1) b)``), except
+that a last partial group of ``r < g`` symbols takes ``b_r = ceil(r log2 L)`` bits (the
+bit length of ``L^r - 1``: its value is below ``L^r``; its missing digits are 0). So
+``n = q g + r`` symbols take ``ceil((q b + b_r) / 8)`` bytes: never more than plain bit
+packing at ``ceil(log2 L)`` bits, since ``h`` digits take ``ceil(h log2 L) <=
+h ceil(log2 L)`` bits. (The stream is the one a full-width last group would give, with
+its zero top bits cut.)
 
 :func:`radix_group` picks the smallest ``g`` whose ``b / g`` is within 1% of
 ``log2 L`` with ``b <= 56`` (e.g. L = 3: 5 trits in 8 bits, 1.6 bits = 1.0095 x
 log2 3; L = 5: 3 symbols in 7 bits); where no such ``g`` exists (25 of the level
-counts, e.g. 60, 61, 119-121, 232-242, whose ``L`` lies just below a power of two)
+counts, e.g. 60, 61, 65, 119-121, 129-134, 232-242, near a power of two; within 2% there)
 the ``g`` with the fewest bits per symbol. A power of two takes ``g = 1``,
 ``b = log2 L``: plain bit packing.
 
-Two implementations with one format: a numba kernel (one pass, CPU tensors, the
-default where numba imports; see :mod:`lowbit.codecs.kernels`) and the plain torch
-reference (any device; forced with ``LOWBIT_CODEC_PATH=reference``).
+Three implementations with one format: numba kernels (:mod:`.kernels.cpu_radix`, CPU
+tensors, the default where numba imports; see :mod:`lowbit.codecs.kernels`), Triton
+kernels (:mod:`.kernels.gpu_radix`, CUDA tensors, used by the codecs' fast paths) and
+the plain torch reference (any device; forced with ``LOWBIT_CODEC_PATH=reference``).
+
+Codecs call the level-count API at the bottom (:func:`pack_levels`, :func:`levels_nbytes`,
+:func:`level_bits`, and their fast-path forms), which routes a power of two, a group of one
+code (``g = 1``: 127 or 255 levels, say) and more than 255 levels to plain bit packing.
 """
 
 from __future__ import annotations
@@ -28,10 +37,11 @@ import math
 
 import torch
 
-from .kernels import cpu_kernels, fast_backend
-from .packing import pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
+from .kernels import cpu_kernels, fast_backend, kernels_for
+from .packing import check_packed, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
-__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "pack_radix", "radix_group", "radix_nbytes", "unpack_radix"]
+__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "check_levels_packed", "level_bits", "levels_nbytes", "pack_levels", "pack_levels_fast",
+           "pack_radix", "radix_group", "radix_nbytes", "unpack_levels", "unpack_levels_fast", "unpack_radix"]
 
 MAX_LEVELS = 255
 MAX_GROUP_BITS = 56  # a group value plus the < 8 pending bits fits a 64-bit accumulator
@@ -73,9 +83,11 @@ def radix_group(L: int) -> tuple[int, int]:
 
 
 def radix_nbytes(n: int, L: int) -> int:
-    """Bytes taken by ``n`` symbols of ``L`` levels: ``ceil(ceil(n / g) b / 8)``."""
+    """Bytes taken by ``n = q g + r`` symbols of ``L`` levels: ``ceil((q b + b_r) / 8)``,
+    ``b_r`` the bit length of ``L^r - 1`` (0 for ``r = 0``)."""
     g, b = radix_group(L)
-    return (-(-_check_n(n) // g) * b + 7) // 8
+    q, r = divmod(_check_n(n), g)
+    return (q * b + (L ** r - 1).bit_length() + 7) // 8
 
 
 def _as_symbols(codes, L: int) -> torch.Tensor:
@@ -137,7 +149,8 @@ def pack_radix_reference(codes: torch.Tensor, L: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.uint8, device=c.device)
     m = -(-n // g)
     c = torch.nn.functional.pad(c, (0, m * g - n)).view(m, g)
-    return _pack_values((c * _powers(L, g, c.device)).sum(1), b)
+    # the last group's bits above b_r are zero: cut to radix_nbytes
+    return _pack_values((c * _powers(L, g, c.device)).sum(1), b)[:radix_nbytes(n, L)]
 
 
 def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
@@ -148,7 +161,7 @@ def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=data.device)
     m = -(-n // g)
-    v = _unpack_values(data, b, m)
+    v = _unpack_values(torch.nn.functional.pad(data, (0, (m * b + 7) // 8 - data.numel())), b, m)
     digits = (v.unsqueeze(1) // _powers(L, g, data.device)) % L
     # a value must fit its group's digits: < L^g, and < L^r for a last group of r symbols
     r = n - (m - 1) * g
@@ -173,12 +186,7 @@ def pack_radix(codes: torch.Tensor, L: int) -> torch.Tensor:
     if k is None:
         return pack_radix_reference(codes, L)
     L = _check_levels(L)
-    g, b = radix_group(L)
-    c = _as_symbols(codes, L).contiguous()
-    out = torch.zeros(radix_nbytes(c.numel(), L), dtype=torch.uint8)
-    if c.numel():
-        k.pack_radix(c.numpy(), L, g, b, out.numpy())
-    return out
+    return k.pack(_as_symbols(codes, L).contiguous(), L, *radix_group(L))
 
 
 def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
@@ -190,8 +198,89 @@ def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
         return unpack_radix_reference(data, L, n)
     L, n = _check_levels(L), _check_n(n)
     g, b = radix_group(L)
-    data = _check_data(data, n, L).contiguous()
-    out = torch.empty(n, dtype=torch.uint8)
-    if n:
-        _raise_bad(int(k.unpack_radix(data.numpy(), L, g, b, out.numpy())), L, -(-n // g))
+    out, bad = k.unpack(_check_data(data, n, L), L, g, b, n)
+    _raise_bad(bad, L, -(-n // g))
     return out.to(torch.int64)
+
+
+# --- codes of L levels, whatever L: what the codecs call -----------------------------------------
+#
+# L <= 255 levels, not a power of two, g > 1: mixed radix (above). A power of two, or g = 1: plain
+# bit packing at b = ceil(log2 L) bits (radix_group gives g = 1 there, so the two formats are one).
+# More than 255 levels: plain bit packing at ceil(log2 L) bits (< 12.5% over log2 L for L > 256).
+
+
+def _radix_applies(L: int) -> bool:
+    """Mixed radix saves bits: not a power of two, at most 255 levels, and groups of more than
+    one code (``g = 1``, e.g. 127 or 255 levels, is plain packing at ``b`` bits: the core's kernels)."""
+    return L <= MAX_LEVELS and L & (L - 1) != 0 and radix_group(L)[0] > 1
+
+
+def _check_any_levels(L) -> int:
+    if isinstance(L, bool) or not isinstance(L, int) or not 2 <= L <= 2 ** 32:
+        raise ValueError(f"levels must be an int in 2..2^32, got {L!r}")
+    return L
+
+
+def _width(L: int) -> int:
+    return (L - 1).bit_length()
+
+
+def level_bits(L: int) -> float:
+    """Bits per element that codes of ``L`` levels take on the wire (for long vectors):
+    ``b / g`` in mixed radix (e.g. 1.6 for L = 3), ``ceil(log2 L)`` otherwise. The
+    codecs' ``bits`` (the nominal bits of a run's summary) is this count."""
+    L = _check_any_levels(L)
+    if _radix_applies(L):
+        g, b = radix_group(L)
+        return b / g
+    return float(_width(L))
+
+
+def levels_nbytes(n: int, L: int) -> int:
+    """Bytes taken by ``n`` codes of ``L`` levels (:func:`radix_nbytes` where mixed radix
+    applies, else ``ceil(n ceil(log2 L) / 8)``)."""
+    L = _check_any_levels(L)
+    return radix_nbytes(n, L) if _radix_applies(L) else packed_nbytes(_check_n(n), _width(L))
+
+
+def check_levels_packed(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+    """``data`` is a 1-D uint8 tensor of exactly :func:`levels_nbytes` ``(n, L)`` bytes
+    (TypeError / ValueError otherwise)."""
+    L = _check_any_levels(L)
+    return _check_data(data, n, L) if _radix_applies(L) else check_packed(data, _width(L), n)
+
+
+def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
+    """The reference packing of integer ``codes`` in ``[0, L)``: :func:`pack_radix_reference`
+    where mixed radix applies, else :func:`~lowbit.codecs.packing.pack_wide` at ``ceil(log2 L)``
+    bits. ValueError for codes outside ``[0, L)`` (outside ``[0, 2^ceil(log2 L))`` beyond 255 levels)."""
+    L = _check_any_levels(L)
+    return pack_radix_reference(codes, L) if _radix_applies(L) else pack_wide(codes, _width(L))
+
+
+def unpack_levels(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_levels` (int64 codes)."""
+    L = _check_any_levels(L)
+    return unpack_radix_reference(data, L, n) if _radix_applies(L) else unpack_wide(data, _width(L), n)
+
+
+def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
+    """The fast path's :func:`pack_levels` for codes a fast-path kernel made (uint8 below 256
+    levels, trusted to lie in ``[0, L)``): numba on the CPU, Triton on CUDA, the same bytes."""
+    if _radix_applies(L):
+        return kernels_for(codes, "radix").pack(codes, L, *radix_group(L))
+    return kernels_for(codes).pack(codes, _width(L))
+
+
+def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """The fast path's :func:`unpack_levels`: the ``n`` codes as ``dtype`` (a dtype that holds
+    ``L - 1``). ``data`` must be exactly :func:`levels_nbytes` bytes (ValueError otherwise, and
+    for group values that their digits cannot hold)."""
+    data = check_levels_packed(data, L, n)
+    if not _radix_applies(L):
+        return kernels_for(data).unpack(data, _width(L), n, dtype)
+    g, b = radix_group(L)
+    out, bad = kernels_for(data, "radix").unpack(data, L, g, b, n)
+    _raise_bad(int(bad), L, -(-n // g))
+    return out if dtype == torch.uint8 else out.to(dtype)

@@ -39,18 +39,24 @@ That is a bijection of ``[0, a 2^hb)``, a domain at most ``2^hb - 1 < 2 sqrt(d) 
 larger than ``d``; cycle walking (apply it again while the value is ``>= d``)
 restricts it to a bijection of ``[0, d)``, so the kept set has exactly
 ``min(k, d)`` distinct elements, each coordinate kept with probability ``k / d``
-over seeds (tested). The fast path (numba, :mod:`lowbit.codecs.kernels.cpu_maxnorm`)
-evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small against ``d``
-(``O(k log k)``), else tests ``sigma(i) < k`` for every ``i`` in one pass, already
-sorted; :meth:`RandKCodec.indices_reference` is the plain-torch version of the
-one-pass definition. (Earlier versions used ``torch.randperm``: the wire format
+over seeds (tested). The fast path runs on the data's device. On the CPU
+(numba) it evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small
+against ``d`` (``O(k log k)``, :mod:`lowbit.codecs.kernels.cpu_maxnorm`), else
+tests ``sigma(i) < k`` for every ``i`` in one pass, already sorted, in 32-bit
+vector lanes (:mod:`lowbit.codecs.kernels.cpu_randk`). On CUDA a Triton kernel
+tests every ``i`` and torch ops compact the flags on the device
+(:mod:`lowbit.codecs.kernels.gpu_randk`; no copy from the CPU, no host
+synchronisation). :func:`select_reference` (:meth:`RandKCodec.indices_reference`)
+is the plain-torch version of the one-pass definition; every path gives its
+indices exactly (integer arithmetic only). (Earlier versions used ``torch.randperm``: the wire format
 is unchanged, but a seed now selects a different set.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+import collections
+import threading
 import inspect
 from dataclasses import dataclass
 
@@ -73,7 +79,7 @@ from .quantize import INT32_MAX, check_int_range, check_numel
 from .rng import counter_hash, derive_seed, mix32
 
 __all__ = ["RandKCodec", "global_index_seed", "GLOBAL_RANDK_STREAM", "FEISTEL_ROUNDS", "feistel_params",
-           "round_keys", "select_reference"]
+           "round_keys", "select_reference", "clear_selection_cache"]
 
 #: Rounds of the selection's Feistel network (even: the halves end where they started):
 #: 6 when the halves have >= 8 bits, 16 for smaller domains (halves of a few bits
@@ -84,7 +90,8 @@ FEISTEL_ROUNDS_SMALL = 16
 #: The fast path tests every coordinate (one pass) when ``k * SPARSE_RATIO >= d``, else
 #: inverts the permutation on ``j < k`` and sorts.
 SPARSE_RATIO = 8
-_FAMILY = "maxnorm"
+_FAMILY = "maxnorm"  # the scatter of the decode
+_SELECT_FAMILY = "randk"
 
 #: The ``stream`` of :func:`lowbit.codecs.rng.derive_seed` reserved for global random-k selections.
 GLOBAL_RANDK_STREAM = 0x52414E444B  # "RANDK"
@@ -138,13 +145,44 @@ def select_reference(d: int, k: int, seed: int) -> torch.Tensor:
     return torch.nonzero(s < k).view(-1)
 
 
-@functools.lru_cache(maxsize=2)
-def _select_cached(d: int, k: int, seed: int) -> torch.Tensor:
-    """The fast selection on the CPU (numba), cached: a global random-k step selects once
-    per process for its encode and every decode of that step (read-only tensors)."""
-    K = kernels_for(torch.empty(0), _FAMILY)
+def _selector(device: torch.device | str):
+    """The kernel module that selects on ``device`` (numba on the CPU, Triton on CUDA), or
+    None: take :func:`select_reference`."""
+    return kernels_for(torch.empty(0, device=device), _SELECT_FAMILY)
+
+
+_CACHE_SIZE = 2
+_cache: collections.OrderedDict = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def clear_selection_cache() -> None:
+    """Forget the cached selections (see :func:`_select`)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _select(d: int, k: int, seed: int, device: torch.device, x: torch.Tensor | None = None):
+    """The fast selection on ``device``, cached (the last :data:`_CACHE_SIZE`, shared by the
+    process's threads): a global random-k step selects once per process for its encode and
+    every decode of that step (read-only tensors). With ``x``: ``(indices, x's kept values)``,
+    gathered in the selection's pass when the selection is computed here."""
+    key = (d, k, seed, device)
+    with _cache_lock:
+        idx = _cache.get(key)
+        if idx is not None:
+            _cache.move_to_end(key)
+    if idx is not None:
+        return idx if x is None else (idx, x.index_select(0, idx))
     a, hb = feistel_params(d)
-    return K.select(d, k, a, hb, round_keys(seed, d).numpy().astype("uint64"), k * SPARSE_RATIO >= d)
+    keys = round_keys(seed, d).numpy().astype("uint64")
+    got = _selector(device).select(d, k, a, hb, keys, k * SPARSE_RATIO >= d, device, x=x)
+    idx = got if x is None else got[0]
+    with _cache_lock:
+        _cache[key] = idx
+        while len(_cache) > _CACHE_SIZE:
+            _cache.popitem(last=False)
+    return got
 
 
 def _check_seed(seed, field: str = "seed") -> int:
@@ -239,18 +277,20 @@ class RandKCodec(SummableCodec):
         if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
             raise ValueError(f"numel must be a non-negative int, got {numel!r}")
         seed = self._need_seed() if seed is None else _check_seed(seed)
-        kk = self.kept(numel)
-        K = kernels_for(torch.empty(0), _FAMILY)
-        if K is None or kk == numel:
-            return self.indices_reference(numel, seed, device)
-        return _select_cached(numel, kk, seed).clone().to(device)
+        return self._indices(numel, seed, torch.device(device)).to(torch.int64, copy=True)
 
-    def _indices(self, numel: int, seed: int, device) -> torch.Tensor:
-        """:meth:`indices` for the codec's own use (read-only: may be the cached tensor)."""
+    def _indices(self, numel: int, seed: int, device: torch.device) -> torch.Tensor:
+        """:meth:`indices` for the codec's own use (read-only: may be the cached tensor; int32
+        or int64), selected on ``device`` itself."""
+        return self._kept(numel, seed, device)
+
+    def _kept(self, numel: int, seed: int, device: torch.device, x: torch.Tensor | None = None):
+        """The kept indices (read-only), or with ``x`` ``(indices, x's kept values)``."""
         kk = self.kept(numel)
-        if kk == numel or kernels_for(torch.empty(0), _FAMILY) is None:
-            return self.indices_reference(numel, seed, device)
-        return _select_cached(numel, kk, seed).to(device)
+        if kk == numel or _selector(device) is None:
+            idx = self.indices_reference(numel, seed, device)
+            return idx if x is None else (idx, x.index_select(0, idx))
+        return _select(numel, kk, seed, device, x)
 
     def indices_reference(self, numel: int, seed: int | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
         """:meth:`indices` by :func:`select_reference` (plain torch, one pass over ``[0, numel)``)."""
@@ -281,16 +321,16 @@ class RandKCodec(SummableCodec):
         check_flat(x)
         n = check_numel(x)
         seed = self.seed if self.seed is not None else self._draw_seed(generator)
-        idx = self._indices(n, seed, x.device)
+        idx, vals = self._kept(n, seed, x.device, x.detach())
         kw = {"generator": generator}
         if scale is not None:
             if not is_summable(self.inner):
                 raise ValueError(f"scale= needs a summable inner codec, got {type(self.inner).__name__}")
             kw["scale"] = scale
-        ip = self.inner.encode(x[idx], **kw)
+        ip = self.inner.encode(vals, **kw)
         if self.send_indices:
             header = pack_header("i", n, device=x.device)
-            data = torch.cat([pack_wide(idx, self._index_bits(n)), ip.data.to(x.device)])
+            data = torch.cat([pack_wide(idx.to(torch.int64), self._index_bits(n)), ip.data.to(x.device)])
         else:
             header = pack_header("iq", n, seed, device=x.device)
             data = ip.data
@@ -346,7 +386,7 @@ class RandKCodec(SummableCodec):
 
     def _kept_values(self, x: torch.Tensor) -> torch.Tensor:
         check_flat(x)
-        return x[self._indices(check_numel(x), self._need_seed(), x.device)]
+        return self._kept(check_numel(x), self._need_seed(), x.device, x.detach())[1]
 
     @property
     def scale_reduce_ops(self) -> tuple:  # type: ignore[override]

@@ -25,7 +25,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import check_packed, pack_bits, unpack_bits
+from .radix import check_levels_packed, level_bits, pack_levels, unpack_levels
 from .qsgd import float32_up
 from .quantize import check_numel, finite_float64, round_to_int
 from .rng import draw_key
@@ -40,7 +40,10 @@ class TernGradCodec(Codec):
     Header ``<if``: (numel, scale) with ``scale = max|x|`` rounded *up* to
     float32 (so ``|x_i| / scale <= 1`` at the receiver's precision and the
     codec stays exactly unbiased); data: codes ``sign_i * b_i + 1`` in
-    ``{0, 1, 2}`` packed 2 bits each. ``decode = (code - 1) * scale``.
+    ``{0, 1, 2}`` packed 5 per byte in radix 3 (:mod:`lowbit.codecs.radix`: byte ``j``
+    is ``sum_k code[5 j + k] 3^k``, ``ceil(n / 5)`` bytes), so ``bits`` is 1.6
+    (``1.0095 log2 3``). ``decode = (code - 1) * scale``; a byte above 242 (more
+    than 5 trits hold) is refused with ValueError.
 
     Arithmetic is float64; ``decode`` returns float32 unless ``dtype`` is
     given. Non-finite inputs and scales beyond float32 raise ValueError.
@@ -53,7 +56,7 @@ class TernGradCodec(Codec):
 
     @property
     def bits(self) -> float:
-        return 2.0
+        return level_bits(3)
 
     @staticmethod
     def _scale(max_abs: float) -> float:
@@ -81,10 +84,11 @@ class TernGradCodec(Codec):
         K = kernels_for(payload.data, "plain")
         if K is None:
             return self.decode_reference(payload, dtype=dtype)
-        check_packed(payload.data, 2, n)
+        check_levels_packed(payload.data, 3, n)
         x, valid = K.terngrad_decode(payload.data, n, scale, torch.float32 if dtype is None else dtype)
         if not valid:
-            raise ValueError("TernGrad payload holds the code 3, which is not a ternary value")
+            raise ValueError("TernGrad payload holds a byte that is not 5 ternary digits (a value above 242, "
+                             "or above 3^r - 1 in a last byte of r digits)")
         return x
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
@@ -94,14 +98,12 @@ class TernGradCodec(Codec):
         ratio = (x64.abs() / scale).clamp_(max=1.0) if scale > 0 else torch.zeros_like(x64)
         b = round_to_int(ratio, "stochastic", generator).clamp_(0, 1)
         codes = (torch.where(x64 < 0, -b, b) + 1).to(torch.int64)
-        return Payload(header=pack_header(self.header_format, n, scale, device=x.device), data=pack_bits(codes, 2))
+        return Payload(header=pack_header(self.header_format, n, scale, device=x.device), data=pack_levels(codes, 3))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
         n, scale = unpack_header(self.header_format, payload.header)
-        codes = unpack_bits(payload.data, 2, n)
-        if n and int(codes.max()) > 2:
-            raise ValueError("TernGrad payload holds the code 3, which is not a ternary value")
+        codes = unpack_levels(payload.data, 3, n)
         x = (codes - 1).to(torch.float64) * scale
         return x.to(torch.float32 if dtype is None else dtype)

@@ -199,11 +199,12 @@ def _probe_worker(transport, cfg: TrainConfig, capture_from: int):
     d, bits = res.params.numel(), res.nominal_bits_per_element
     coded = []
     if captured:
-        if bits != int(bits):
-            raise ValueError(f"{cfg.algorithm}: nominal bits {bits} are not a whole code width")
         for k in range(capture_from, cfg.steps):
             p = captured[k]
-            coded.append({"step": k, "payload_bits": 8 * p.nbytes, **entropy_coded_size(p.to_wire(), int(bits), d)})
+            # mixed-radix codes (fractional bits, lowbit.codecs.radix) are coded as bytes: all data after the header
+            size = entropy_coded_size(p.to_wire(), int(bits), d) if bits == int(bits) else \
+                entropy_coded_size(p.to_wire(), 8, p.data.numel())
+            coded.append({"step": k, "payload_bits": 8 * p.nbytes, **size})
     return {"rank": res.rank, "d": d, "nominal_bits": float(bits), "ledger_rows": res.ledger_rows, "coded": coded}
 
 

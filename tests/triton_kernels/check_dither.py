@@ -44,9 +44,9 @@ def test_dithered_matches_the_reference_within_float32(levels, parts, subtractiv
     ref_amax, _ = cpu_dither.dithered_scales(x, parts)
     assert bool(finite) and torch.equal(amax, ref_amax)
     k32 = round_up_float32(amax)
-    codes = gpu_dither.dithered_encode(x, gpu_dither.ratio(levels, k32), levels, codec.bits, KEY)
-    ref = cpu_dither.dithered_encode(x, exact_ratio(levels, k32), levels, codec.bits, KEY)
-    assert codes.dtype == gpu_dither.code_dtype(codec.bits)
+    codes = gpu_dither.dithered_encode(x, gpu_dither.ratio(levels, k32), levels, codec.code_bits, KEY)
+    ref = cpu_dither.dithered_encode(x, exact_ratio(levels, k32), levels, codec.code_bits, KEY)
+    assert codes.dtype == gpu_dither.code_dtype(codec.code_bits)
     _close_codes(codes, ref, dtype)
     step = k32.double() / levels
     xt = gpu_dither.dithered_decode(codes, step, levels, subtractive, KEY, torch.float32)
@@ -72,8 +72,8 @@ def test_nested_matches_the_reference_within_float32(k, alpha, delta1, dtype):
     x = _x(n, k, dtype, scale=2.0)
     z = (torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2 - 1) * 0.9 * codec.safe_radius
     y = (x.double() - z).to(dtype)
-    codes, finite, worst = gpu_dither.nested_encode(x, alpha, delta1, k, codec.bits, KEY)
-    ref, _, _ = cpu_dither.nested_encode(x, alpha, delta1, k, codec.bits, KEY)
+    codes, finite, worst = gpu_dither.nested_encode(x, alpha, delta1, k, codec.code_bits, KEY)
+    ref, _, _ = cpu_dither.nested_encode(x, alpha, delta1, k, codec.code_bits, KEY)
     assert finite and worst < 2.0**24
     _close_codes(codes, ref, dtype, modulus=k)
     xh = gpu_dither.nested_decode(codes, y, alpha, delta1, codec.delta2, KEY)
@@ -137,13 +137,17 @@ def triton_route(monkeypatch):
     import lowbit.codecs.dithered as dithered
     import lowbit.codecs.nested as nested
     import lowbit.codecs.qsgd as qsgd
+    import lowbit.codecs.radix as radix
+    from lowbit.codecs.kernels import gpu, gpu_radix
     for mod in (dithered, nested, qsgd):
         monkeypatch.setattr(mod, "kernels_for", lambda x, family="core": gpu_dither)
+    # the codes are packed by the Triton radix kernels (the core's for a power of two / > 255 levels)
+    monkeypatch.setattr(radix, "kernels_for", lambda x, family="core": gpu_radix if family == "radix" else gpu)
 
 
-def _codes_of(payload_data, skip, bits, n):
-    from lowbit.codecs.packing import unpack_wide
-    return unpack_wide(payload_data[skip:], bits, n)
+def _codes_of(payload_data, skip, levels, n):
+    from lowbit.codecs.radix import unpack_levels
+    return unpack_levels(payload_data[skip:], levels, n)
 
 
 @pytest.mark.parametrize("codec", [DitheredCodec(levels=2), DitheredCodec(levels=3, subtractive=False, partitions=3),
@@ -157,7 +161,8 @@ def test_dithered_codec_on_the_triton_path(triton_route, codec):
     assert torch.equal(fast.header, ref.header) and fast.data.numel() == ref.data.numel()
     skip = 4 * (min(codec.partitions, n) - 1)
     assert torch.equal(fast.data[:skip], ref.data[:skip])  # the other parts' scales
-    _close_codes(_codes_of(fast.data, skip, codec.bits, n), _codes_of(ref.data, skip, codec.bits, n), x.dtype)
+    _close_codes(_codes_of(fast.data, skip, codec.num_codes, n), _codes_of(ref.data, skip, codec.num_codes, n),
+                 x.dtype)
     xt = codec.decode(fast, generator=shared_generator(1, 2, 3))
     assert torch.allclose(xt, codec.decode_reference(fast, generator=shared_generator(1, 2, 3)), rtol=1e-6, atol=1e-7)
     bad = x.clone()
@@ -176,7 +181,7 @@ def test_qsgd_codec_on_the_triton_path(triton_route, codec):
     assert torch.equal(fast.header, ref.header) and fast.data.numel() == ref.data.numel()
     skip = 0 if codec.bucket is None else 4 * -(-n // codec.bucket)
     assert torch.equal(fast.data[:skip], ref.data[:skip])  # the norms (float64 sums, rounded up to float32)
-    _close_codes(_codes_of(fast.data, skip, codec.code_bits, n), _codes_of(ref.data, skip, codec.code_bits, n),
+    _close_codes(_codes_of(fast.data, skip, codec.num_codes, n), _codes_of(ref.data, skip, codec.num_codes, n),
                  x.dtype)
     assert torch.allclose(codec.decode(fast), codec.decode_reference(fast), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="finite for the QSGD codec"):
@@ -192,7 +197,7 @@ def test_nested_codec_on_the_triton_path(triton_route):
     fast = codec.encode(x, generator=shared_generator(0, 0, 1))
     ref = codec.encode_reference(x, generator=shared_generator(0, 0, 1))
     assert torch.equal(fast.header, ref.header)
-    _close_codes(_codes_of(fast.data, 0, codec.bits, n), _codes_of(ref.data, 0, codec.bits, n), x.dtype, codec.k)
+    _close_codes(_codes_of(fast.data, 0, codec.k, n), _codes_of(ref.data, 0, codec.k, n), x.dtype, codec.k)
     xh = codec.decode(fast, ref=y, generator=shared_generator(0, 0, 1))
     eps = torch.finfo(torch.float32).eps / 2
     slack = 4 * eps * (x.abs() + y.abs() + codec.delta2)

@@ -15,7 +15,7 @@ from lowbit.codecs import (HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, Ter
                            UniformCodec, shared_generator)
 from lowbit.codecs import identity, lowp, minmax, sign, terngrad, uniform  # noqa: E402
 from lowbit.codecs.base import Payload  # noqa: E402
-from lowbit.codecs.kernels import gpu, gpu_plain  # noqa: E402
+from lowbit.codecs.kernels import gpu, gpu_lowp, gpu_plain  # noqa: E402
 
 EPS32 = 2.0**-24  # float32's unit roundoff
 N = 1500
@@ -24,7 +24,7 @@ N = 1500
 @pytest.fixture
 def triton_path(monkeypatch):
     """The codecs take the Triton kernels for CPU tensors (as they do for CUDA tensors)."""
-    pick = lambda x, family="core": gpu_plain if family == "plain" else gpu  # noqa: E731
+    pick = lambda x, family="core": {"plain": gpu_plain, "lowp": gpu_lowp}.get(family, gpu)  # noqa: E731
     for module in (identity, lowp, minmax, sign, terngrad, uniform):
         monkeypatch.setattr(module, "kernels_for", pick)
 
@@ -105,15 +105,22 @@ def test_terngrad(dtype, triton_path):
     p = codec.encode(x, generator=shared_generator(0, 9, 1))
     ref = codec.encode_reference(x, generator=shared_generator(0, 9, 1))
     assert torch.equal(p.header, ref.header)  # max |x| is exact
-    _codes_close(gpu.unpack(p.data, 2, N), gpu.unpack(ref.data, 2, N), dtype)
+    from lowbit.codecs.radix import unpack_levels
+    assert p.data.numel() == ref.data.numel() == -(-N // 5)  # 5 trits per byte
+    _codes_close(unpack_levels(p.data, 3, N), unpack_levels(ref.data, 3, N), dtype)
     y = codec.decode(p, dtype=torch.float64)
     assert torch.equal(y, codec.decode_reference(p, dtype=torch.float64))
     s = struct_scale(p)
     assert set((y / s).unique().tolist()) <= {-1.0, 0.0, 1.0}
     # unbiased: E[y] = x; 4099 draws of sd <= s/2 each
     assert abs(float((y - x.double()).mean())) < 5 * s / 2 / math.sqrt(N)
-    with pytest.raises(ValueError, match="code 3"):
-        codec.decode(Payload(header=p.header, data=torch.full_like(p.data, 0xFF)))
+    with pytest.raises(ValueError, match="not 5 ternary digits"):
+        codec.decode(Payload(header=p.header, data=torch.full_like(p.data, 243)))
+    p2 = codec.encode(_x(dtype, 9, n=N + 2), generator=shared_generator(0, 9, 1))
+    last = p2.data.clone()
+    last[-1] = 9  # the last byte holds 2 trits: at most 8
+    with pytest.raises(ValueError, match="not 5 ternary digits"):
+        codec.decode(Payload(header=p2.header, data=last))
 
 
 @pytest.mark.parametrize("codec", [HalfCodec("fp16"), HalfCodec("bf16"), IdentityCodec()], ids=repr)

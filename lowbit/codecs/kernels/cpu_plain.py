@@ -7,9 +7,10 @@ every kernel gives the float64 reference's bytes exactly; uniforms from the
 counter hash (:func:`.cpu.uniform`); codes of at most 8 bits as ``uint8``;
 a kernel that may meet a non-finite value returns a flag and its caller raises.
 
-Sign and TernGrad pack their 1- and 2-bit codes inside the encode loop and
-unpack inside the decode loop (``8 / b`` codes per byte, the layout of
-:mod:`lowbit.codecs.packing`); min-max and uniform use the core's
+Sign packs its 1-bit codes inside the encode loop and unpacks inside the decode
+loop (8 codes per byte, the layout of :mod:`lowbit.codecs.packing`); TernGrad
+likewise packs its trits 5 per byte in radix 3 (the layout of
+:mod:`lowbit.codecs.radix` for 3 levels); min-max and uniform use the core's
 :func:`.cpu.pack` / :func:`.cpu.unpack`.
 """
 
@@ -280,39 +281,46 @@ def _tern_code(v, scale, k0, k1, i):
 
 @_jit
 def _terngrad_encode(x, scale, k0, k1, out):
-    """TernGrad's codes packed 4 per byte into ``out``."""
+    """TernGrad's codes packed 5 per byte in radix 3 (:mod:`lowbit.codecs.radix`, ``L = 3``,
+    ``g = 5``, ``b = 8``: byte ``j`` is ``sum_k code[5 j + k] 3^k``) into ``out``."""
     n = x.shape[0]
-    full = n // 4
+    full = n // 5
     for j in range(full):
+        i = 5 * j  # five independent codes, then one sum (no dependency chain between them)
+        c0 = _tern_code(np.float64(x[i]), scale, k0, k1, i)
+        c1 = _tern_code(np.float64(x[i + 1]), scale, k0, k1, i + 1)
+        c2 = _tern_code(np.float64(x[i + 2]), scale, k0, k1, i + 2)
+        c3 = _tern_code(np.float64(x[i + 3]), scale, k0, k1, i + 3)
+        c4 = _tern_code(np.float64(x[i + 4]), scale, k0, k1, i + 4)
+        out[j] = np.uint8(c0 + 3 * c1 + 9 * c2 + 27 * c3 + 81 * c4)
+    if full * 5 < n:
         acc = 0
-        for k in range(4):
-            i = 4 * j + k
-            acc |= _tern_code(np.float64(x[i]), scale, k0, k1, i) << (2 * k)
-        out[j] = np.uint8(acc)
-    if full * 4 < n:
-        acc = 0
-        for k in range(n - full * 4):
-            i = 4 * full + k
-            acc |= _tern_code(np.float64(x[i]), scale, k0, k1, i) << (2 * k)
+        for i in range(n - 1, full * 5 - 1, -1):
+            acc = 3 * acc + _tern_code(np.float64(x[i]), scale, k0, k1, i)
         out[full] = np.uint8(acc)
 
 
 @_jit
 def _terngrad_decode(data, scale, out):
-    """``(code - 1) * scale``; returns 1 when a code 3 (not ternary) was met."""
+    """``(code - 1) * scale`` from 5 trits per byte; returns 1 when a byte holds more than
+    its trits can (a byte above 242, or above ``3^r - 1`` for a last byte of ``r`` trits)."""
     n = out.shape[0]
-    full = n // 4
+    full = n // 5
     bad = 0
     for j in range(full):
-        d = data[j]
-        for k in range(4):
-            c = (d >> (2 * k)) & 3
-            bad |= c == 3
-            out[4 * j + k] = (float(c) - 1.0) * scale
-    for i in range(full * 4, n):
-        c = (data[full] >> (2 * (i - full * 4))) & 3
-        bad |= c == 3
-        out[i] = (float(c) - 1.0) * scale
+        d = np.int64(data[j])
+        bad |= d > 242
+        for k in range(5):
+            q = d // 3
+            out[5 * j + k] = (float(d - 3 * q) - 1.0) * scale
+            d = q
+    if full * 5 < n:
+        d = np.int64(data[full])
+        for i in range(full * 5, n):
+            q = d // 3
+            out[i] = (float(d - 3 * q) - 1.0) * scale
+            d = q
+        bad |= d != 0
     return bad
 
 
@@ -325,13 +333,13 @@ def terngrad_max_abs(x: torch.Tensor) -> tuple[float, bool]:
 def terngrad_encode(x: torch.Tensor, scale: float, key: int) -> torch.Tensor:
     """Packed codes for ``scale`` = max|x| rounded up to float32 (``0``: every ``x_i`` is 0)."""
     xv = as_numba(x.detach())
-    out = torch.empty((xv.shape[0] + 3) // 4, dtype=torch.uint8)
+    out = torch.empty((xv.shape[0] + 4) // 5, dtype=torch.uint8)
     _terngrad_encode(xv, scale if scale > 0 else 1.0, *keys(key), out.numpy())
     return out
 
 
 def terngrad_decode(data: torch.Tensor, n: int, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """``(decoded, valid)``: valid is False when the payload holds the code 3."""
+    """``(decoded, valid)``: valid is False when a byte holds more than its trits can."""
     out = torch.empty(n, dtype=_out_dtype(dtype))
     bad = _terngrad_decode(np_view(data), scale, out.numpy()) if n else 0
     return out.to(dtype), not bad

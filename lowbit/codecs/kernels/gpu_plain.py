@@ -7,7 +7,7 @@ in that dtype, made with ``torch.full``: no host-to-device copy). The uniforms a
 the core's counter hash (:func:`.gpu.uniform`). Each encode reads back to the host
 once, the values its header needs together with the non-finite flag (the uniform
 codec twice: ``x``'s range, then the codes' range, which fixes the width); a
-TernGrad decode reads one flag (a code 3 in the payload). fp16/bf16 and fp32 use
+TernGrad decode reads one flag (a byte that is not 5 radix-3 trits). fp16/bf16 and fp32 use
 torch's casts and copies, which are already single kernels.
 """
 
@@ -245,30 +245,39 @@ def sign_decode(data: torch.Tensor, n: int, c: float, dtype: torch.dtype) -> tor
 
 @triton.jit
 def _terngrad_encode_kernel(x_ptr, out_ptr, n, nbytes, scale_ptr, k0, k1, BLOCK_: tl.constexpr):
+    """Byte ``j``: the radix-3 value ``sum_k code[5 j + k] 3^k`` of 5 trits (:mod:`lowbit.codecs.radix`)."""
     j = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     scale = tl.load(scale_ptr)
     acc = tl.zeros([BLOCK_], dtype=tl.int32)
-    for k in tl.static_range(4):
-        i = j * 4 + k
+    for k in tl.static_range(5):
+        i = j * 5 + k
         m = i < n
         v = _load(x_ptr, i, m)
         r = tl.minimum(tl.abs(v) / scale, 1.0)
         f = tl.floor(r)
         b = tl.minimum(f + (uniform(i, k0, k1) < (r - f)).to(r.dtype), 1.0)
         code = (1.0 + tl.where(v < 0.0, -b, b)).to(tl.int32)
-        acc = acc | (tl.where(m, code, 0) << (2 * k))
+        acc = acc + tl.where(m, code, 0) * (3 ** k)
     tl.store(out_ptr + j, acc.to(tl.uint8), mask=j < nbytes)
 
 
 @triton.jit
-def _terngrad_decode_kernel(data_ptr, out_ptr, bad_ptr, n, scale_ptr, BLOCK_: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
-    mask = offs < n
-    d = tl.load(data_ptr + (offs >> 2), mask=mask, other=0).to(tl.int32)
-    c = (d >> (2 * (offs & 3))) & 3
+def _terngrad_decode_kernel(data_ptr, out_ptr, bad_ptr, n, nbytes, scale_ptr, BLOCK_: tl.constexpr):
+    """5 trits per byte; flags a byte above ``3^r - 1`` for its ``r = min(5, n - 5 j)`` trits."""
+    j = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
+    jm = j < nbytes
+    d = tl.load(data_ptr + j, mask=jm, other=0).to(tl.int32)
     scale = tl.load(scale_ptr)
-    tl.store(out_ptr + offs, ((c - 1).to(scale.dtype) * scale).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.atomic_max(bad_ptr, tl.max(tl.where(mask & (c == 3), 1, 0), axis=0))
+    r = n - 5 * j
+    limit = tl.where(r >= 5, 243, tl.where(r == 4, 81, tl.where(r == 3, 27, tl.where(r == 2, 9, 3))))
+    bad = jm & (d >= limit)
+    for k in tl.static_range(5):
+        i = j * 5 + k
+        q = d // 3
+        c = d - 3 * q
+        d = q
+        tl.store(out_ptr + i, ((c - 1).to(scale.dtype) * scale).to(out_ptr.dtype.element_ty), mask=jm & (i < n))
+    tl.atomic_max(bad_ptr, tl.max(tl.where(bad, 1, 0), axis=0))
 
 
 def terngrad_max_abs(x: torch.Tensor) -> tuple[float, bool]:
@@ -281,7 +290,7 @@ def terngrad_max_abs(x: torch.Tensor) -> tuple[float, bool]:
 def terngrad_encode(x: torch.Tensor, scale: float, key: int) -> torch.Tensor:
     x = x.detach().contiguous()
     n = x.numel()
-    nbytes = (n + 3) // 4
+    nbytes = (n + 4) // 5
     out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     if n:
         k0, k1 = split_key(key)
@@ -295,9 +304,10 @@ def terngrad_decode(data: torch.Tensor, n: int, scale: float, dtype: torch.dtype
     if not n:
         return out, True
     flag = torch.zeros(1, dtype=torch.int32, device=data.device)
-    _terngrad_decode_kernel[_grid(n, BLOCK)](data, out, flag, n, _scalar(scale, _work_dtype(dtype), data.device),
-                                            BLOCK_=BLOCK)
-    return out, not flag.item()  # a payload's code 3 is an error: one host read
+    nbytes = data.numel()
+    _terngrad_decode_kernel[_grid(nbytes, BLOCK)](data, out, flag, n, nbytes,
+                                                  _scalar(scale, _work_dtype(dtype), data.device), BLOCK_=BLOCK)
+    return out, not flag.item()  # a byte that is not 5 trits is an error: one host read
 
 
 # --- fp16 / bf16 ---------------------------------------------------------------------------------

@@ -1,0 +1,146 @@
+"""numba kernel of the random-k selection (a keyed Feistel permutation, see
+:mod:`lowbit.codecs.randk`) in 32-bit lanes.
+
+numba widens every integer operation to 64 bits, and 64-bit multiplies vectorise
+poorly; the selection's values fit 32 bits (``d < 2^31``: ``hb <= 16``,
+``a <= 2^15``). :func:`feistel32` is therefore an LLVM intrinsic: the whole
+permutation (all rounds unrolled, ``mix32`` as 32-bit wrapping multiplies, the
+``mod a`` reduction as the high half of a 32x32-bit product) in ``i32``, which
+the loop vectoriser turns into 16-lane AVX-512 (8-lane AVX2) code. It computes
+exactly the integers of :func:`lowbit.codecs.randk.select_reference` and of the
+64-bit kernel in :mod:`.cpu_maxnorm` (tested). The dense selection evaluates
+it a block at a time, then walks the rare cycle (values ``>= d``) and compacts
+the kept indices in order: one pass over ``[0, d)``, already sorted
+(:func:`select`; sparse selections and small domains take the 64-bit kernels of
+:mod:`.cpu_maxnorm`); an encode's gather of the kept values rides on the
+compaction (one sequential read of ``x``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from ..rng import MIX_C1, MIX_C2
+from .cpu import _jit, np_view
+
+__all__ = ["select", "FAST_MIN_HALF_BITS"]
+
+#: the fast kernel serves domains whose halves have at least this many bits (the
+#: 6-round network; smaller domains take the 64-bit kernel of :mod:`.cpu_maxnorm`)
+FAST_MIN_HALF_BITS = 8
+_BLOCK = 1024
+
+
+@intrinsic
+def feistel32(typingctx, v, a, hb, keys):
+    """``sigma(v)`` (forward) on uint32 values: ``len(keys)`` rounds (even), see
+    :func:`lowbit.codecs.randk._feistel_torch`."""
+    if not (v == types.uint32 and a == types.uint32 and hb == types.uint32 and isinstance(keys, types.UniTuple)
+            and keys.dtype == types.uint32):
+        return None
+    nkeys = keys.count
+
+    def codegen(context, builder, sig, args):
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        vv, A, sb, ktup = args
+
+        def c(k):
+            return ir.Constant(i32, k)
+
+        def mix(h):
+            h = builder.xor(h, builder.lshr(h, c(16)))
+            h = builder.mul(h, c(MIX_C1))
+            h = builder.xor(h, builder.lshr(h, c(15)))
+            h = builder.mul(h, c(MIX_C2 - (1 << 32)))
+            return builder.xor(h, builder.lshr(h, c(16)))
+
+        st = builder.sub(c(32), sb)
+        bmask = builder.sub(builder.shl(c(1), sb), c(1))
+        A64 = builder.zext(A, i64)
+        L = builder.lshr(vv, sb)
+        R = builder.and_(vv, bmask)
+        for r in range(nkeys):
+            key = builder.extract_value(ktup, r)
+            h = mix(builder.xor(R, key))
+            if r % 2 == 0:  # (L, R) -> (R, (L + F(R)) mod a), F(R) = (h a) >> 32 < a
+                f = builder.trunc(builder.lshr(builder.mul(builder.zext(h, i64), A64), ir.Constant(i64, 32)), i32)
+                t = builder.add(L, f)
+                ge = builder.icmp_unsigned(">=", t, A)
+                L, R = R, builder.select(ge, builder.sub(t, A), t)
+            else:  # (L, R) -> (R, (L + F(R)) mod 2^hb), F(R) = h >> (32 - hb)
+                L, R = R, builder.and_(builder.add(L, builder.lshr(h, st)), bmask)
+        return builder.or_(builder.shl(L, sb), R)
+
+    return types.uint32(v, a, hb, keys), codegen
+
+
+@_jit
+def _walk(v, D, A, HB, keys):
+    while v >= D:
+        v = feistel32(v, A, HB, keys)
+    return v
+
+
+@_jit
+def _select_dense(d, k, a, hb, keys, out, gather, x, vals):
+    """``out[:c]`` = the sorted ``i < d`` with ``sigma(i) < k``; returns ``c`` (= k). With
+    ``gather``, also ``vals[:c] = x[out[:c]]`` in the same pass. Per block: the permutation
+    (vectorised), the rare cycle walks (values ``>= d``, only in a block that has one),
+    then a branch-free compaction."""
+    D = np.uint32(d)
+    K = np.uint32(k)
+    A = np.uint32(a)
+    HB = np.uint32(hb)
+    buf = np.empty(_BLOCK, dtype=np.uint32)
+    c = 0
+    for base in range(0, d, _BLOCK):
+        m = min(_BLOCK, d - base)
+        over = False
+        for t in range(m):
+            v = feistel32(np.uint32(base + t), A, HB, keys)
+            over |= v >= D
+            buf[t] = v
+        if over:
+            for t in range(m):
+                if buf[t] >= D:
+                    buf[t] = _walk(buf[t], D, A, HB, keys)
+        if gather:
+            for t in range(m):
+                out[c] = base + t
+                vals[c] = x[base + t]
+                c += 1 if buf[t] < K else 0
+        else:
+            for t in range(m):
+                out[c] = base + t
+                c += 1 if buf[t] < K else 0
+    return c
+
+
+def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool, device=None, x: torch.Tensor | None = None):
+    """The sorted indices ``{i < d : sigma(i) < k}`` on the CPU (see :mod:`lowbit.codecs.randk`;
+    int32 from the 32-bit kernel, int64 otherwise): the 32-bit kernel for a dense selection
+    of a domain with halves of at least :data:`FAST_MIN_HALF_BITS` bits, else
+    :func:`.cpu_maxnorm.select` (``sigma^-1`` on ``j < k`` and a sort when ``k`` is small,
+    or small domains). With ``x`` (``d`` elements): ``(indices, x's kept values)``, gathered
+    in the selection's pass when the 32-bit kernel runs on a float32/float64 ``x``."""
+    if not dense or hb < FAST_MIN_HALF_BITS:
+        from .cpu_maxnorm import select as select64
+
+        idx = select64(d, k, a, hb, round_keys, dense)
+        return idx if x is None else (idx, x.index_select(0, idx))
+    keys = tuple(np.uint32(int(v)) for v in round_keys)
+    out = torch.empty(k + 1, dtype=torch.int32)  # d < 2^31; half the bytes of int64 to write and read
+    gather = x is not None and x.dtype in (torch.float32, torch.float64)
+    xs = np_view(x) if gather else np.empty(0, dtype=np.float32)
+    vals = torch.empty(k + 1, dtype=x.dtype) if gather else torch.empty(0)
+    c = _select_dense(d, k, a, hb, keys, out.numpy(), gather, xs, vals.numpy())
+    if c != k:
+        raise RuntimeError(f"the Feistel selection kept {c} of {d} coordinates instead of {k}")
+    idx = out[:k]
+    if x is None:
+        return idx
+    return idx, (vals[:k] if gather else x.index_select(0, idx))

@@ -1,0 +1,119 @@
+"""The fp16/bf16 fast path (lowbit/codecs/kernels/cpu_lowp.py) against torch's casts and
+the reference: the same bits for every 16-bit pattern and for millions of float32
+patterns (subnormal, rounding ties, overflow boundary), the overflow and non-finite
+errors, and the decode's ``out=`` buffer."""
+
+import pytest
+import torch
+
+from lowbit.codecs import HalfCodec
+from lowbit.codecs.base import Payload
+from lowbit.codecs.kernels import codec_path, cpu_kernels
+
+K = cpu_kernels("lowp")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _float32_patterns() -> torch.Tensor:
+    """Random float32 bit patterns plus dense runs at fp16's subnormal range, its normal
+    boundary, its overflow boundary and bf16's rounding ties."""
+    g = torch.Generator().manual_seed(0)
+    rnd = torch.randint(-2**31, 2**31 - 1, (500_000,), generator=g, dtype=torch.int32)
+    runs = [torch.arange(0x33000000 - 64, 0x38800000 + 64, 5, dtype=torch.int32),  # fp16 subnormals
+            torch.arange(0x477FE000 - 4096, 0x47800000 + 4096, dtype=torch.int32),  # 65504 .. 65536
+            torch.arange(0x3F800000, 0x3F800000 + 0x40000, dtype=torch.int32),  # [1, 1 + 2^-5): all ties
+            torch.arange(0x7F7F0000, 0x7F800000, dtype=torch.int32)]  # bf16's overflow boundary
+    w = torch.cat([rnd, *runs])
+    return torch.cat([w, w | torch.tensor(-2**31, dtype=torch.int32)]).view(torch.float32)  # both signs
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_encode_is_torchs_cast_bit_for_bit(name):
+    x = _float32_patterns()
+    finite = torch.isfinite(x)
+    h, flagged = K.half_encode(x, DTYPES[name])
+    ref = x.to(DTYPES[name])
+    assert flagged  # the patterns hold NaN, inf and overflows
+    same = h.view(torch.int16) == ref.view(torch.int16)
+    assert bool(same[finite].all())
+    assert bool(torch.isnan(h[torch.isnan(x)]).all()) and torch.equal(h[torch.isinf(x)], ref[torch.isinf(x)])
+    xf = x[finite & (ref.float().abs() < float("inf"))]  # the values that fit: no flag
+    h2, flagged2 = K.half_encode(xf, DTYPES[name])
+    assert not flagged2 and torch.equal(h2.view(torch.int16), xf.to(DTYPES[name]).view(torch.int16))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_decode_every_16_bit_pattern(name):
+    h = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(DTYPES[name])
+    out = K.half_decode(h, torch.empty(h.numel()))
+    ref = h.float()
+    assert torch.equal(out.view(torch.int32)[~ref.isnan()], ref.view(torch.int32)[~ref.isnan()])
+    assert bool(out[ref.isnan()].isnan().all())
+    o64 = K.half_decode(h, torch.empty(h.numel(), dtype=torch.float64))
+    assert torch.equal(o64.view(torch.int64), h.double().view(torch.int64))
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_fast_equals_reference(name, xdtype):
+    c = HalfCodec(name)
+    x = (torch.randn(10_001, generator=torch.Generator().manual_seed(1)) * 100).to(xdtype)
+    p = c.encode(x)
+    assert torch.equal(p.to_wire(), c.encode_reference(x).to_wire())
+    for dtype in (None, torch.float64, torch.float16):
+        assert torch.equal(c.decode(p, dtype=dtype), c.decode_reference(p, dtype=dtype))
+
+
+def test_overflow_and_nonfinite_errors():
+    c = HalfCodec("fp16")
+    with pytest.raises(ValueError, match=r"overflows fp16: \|x\| reaches 70000"):
+        c.encode(torch.tensor([1.0, -7e4, 3.0]))
+    c.encode(torch.tensor([65519.0]))  # rounds to 65504: no error
+    with pytest.raises(ValueError, match="overflows fp16"):
+        c.encode(torch.tensor([65520.0]))  # rounds to inf
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for name in ("fp16", "bf16"):
+            x = torch.zeros(1000)
+            x[537] = bad
+            with pytest.raises(ValueError, match=f"x must be finite for the {name} codec"):
+                HalfCodec(name).encode(x)
+    with pytest.raises(ValueError, match="overflows bf16"):
+        HalfCodec("bf16").encode(torch.tensor([3.4e38]))  # rounds to inf in bf16
+
+
+def test_decode_into_out():
+    c = HalfCodec("fp16")
+    x = torch.randn(777)
+    p = c.encode(x)
+    out = torch.full((777,), 5.0)
+    assert c.decode(p, out=out) is out and torch.equal(out, x.half().float())
+    o64 = torch.empty(777, dtype=torch.float64)
+    assert c.decode(p, dtype=torch.float64, out=o64) is o64 and torch.equal(o64, x.half().double())
+    with codec_path("reference"):
+        out2 = torch.empty(777)
+        assert c.decode(p, out=out2) is out2 and torch.equal(out2, out)
+    # an unaligned payload (as read off a wire at an odd offset) decodes the same
+    wire = torch.cat([torch.zeros(1, dtype=torch.uint8), p.data])[1:]
+    assert torch.equal(c.decode(Payload(p.header, wire), out=torch.empty(777)), out)
+
+
+@pytest.mark.parametrize("out,match", [
+    (torch.empty(776), "1-D tensor of the payload's 777 elements"),
+    (torch.empty(777, 1), "1-D tensor of the payload's 777 elements"),
+    (torch.empty(777, dtype=torch.float64), "dtype torch.float32"),
+    (torch.empty(1554)[::2], "contiguous"),
+    ([0.0] * 777, "must be a torch.Tensor"),
+])
+@pytest.mark.parametrize("path", ["fast", "reference"])
+def test_decode_out_is_checked(out, match, path):
+    c = HalfCodec("fp16")
+    p = c.encode(torch.randn(777))
+    with codec_path(path), pytest.raises((ValueError, TypeError), match=match):
+        c.decode(p, out=out)
+
+
+def test_decode_out_on_another_device_is_an_error():
+    c = HalfCodec("fp16")
+    p = c.encode(torch.randn(10))
+    with pytest.raises(ValueError, match="payload's device cpu"):
+        c.decode(p, out=torch.empty(10, device="meta"))
