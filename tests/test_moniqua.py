@@ -340,6 +340,10 @@ def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_thet
     report = {k: sum(a.report()[k] for a in algos) if isinstance(v, int) else v for k, v in algos[0].report().items()}
     assert f"{sum(a.mismatches for a in algos)} blocks in" in Moniqua.run_warning(report)
     assert Moniqua.run_warning({**report, "mismatched_blocks": 0}) is None
+    # theta='auto' that ran away (the noise sets the distance) says so
+    runaway = Moniqua.run_warning({**report, "mismatched_blocks": 0, "theta_start": report["theta"] / 300})
+    assert "grew 300-fold" in runaway and "--gamma" in runaway
+    assert Moniqua.run_warning({**report, "mismatched_blocks": 0, "theta_start": report["theta"] / 200}) is None
     assert algos[0].extra_state()["mismatches"] == algos[0].mismatches
     # every byte counted: codes, block hashes, control byte, repair requests and the fp32 block repairs
     assert ledgers[0].bytes_sent == bytes0

@@ -75,9 +75,13 @@ taking the worst case:
 * follows alpha_k between agreements (theta_k = theta alpha_k / alpha_0, as in
   Theorem 2).
 
-It needs verification, and relies on the default gamma: were the quantization
-noise to keep the models' distance above theta whatever theta (gamma = 1 on a
-large ring, above), doubling would not stop the wrong blocks. Measured on
+It needs verification, and relies on the default gamma and on shared
+randomness: were the quantization noise to keep the models' distance above
+theta whatever theta, doubling would not stop the wrong blocks and theta
+runs away. On digits-mlp (same run) ``--gamma 1`` took theta to 667, with
+644 wrong blocks and 83.6 % accuracy, and ``--no-shared-randomness`` to 2.6
+(97.8 % for the average model, 78.6 % for the local ones). A run whose theta grew
+:data:`THETA_RUNAWAY` (256) times theta_0 says so in its warning. Measured on
 digits-mlp (8 workers, ring, 300 steps, the defaults: ``lowbit train --task
 digits-mlp --workers 8 --steps 300 --algorithm moniqua --bits B``): 2 bits
 ended at theta 0.027 with 87 wrong blocks, 4.18 wire bits per element per
@@ -203,6 +207,8 @@ THETA_EVERY = 10
 THETA_TARGET = 1e-3
 THETA_SHRINK = 0.8
 THETA_START = 2.0
+# theta="auto" grown this many times theta_0: the run's warning says the noise, not the gradients, sets the distance
+THETA_RUNAWAY = 256.0
 # K of default_gamma: measured on digits-mlp, 8 workers, ring, 300 steps (see the module docstring)
 GAMMA_K = 2.5
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
@@ -339,6 +345,7 @@ class Moniqua(GossipAlgorithm):
         self._nack: dict[int, set[int] | None] = {}  # neighbour -> its blocks recovered wrong (repaired next step)
         self._lr0: float | None = None
         self._window = [0, 0]  # theta="auto": blocks recovered wrong, and checked, since the last agreement
+        self.theta_start: float | None = None  # theta="auto": theta_0
 
     # ---- theta -----------------------------------------------------------------
     def theta_at(self, lr: float) -> float:
@@ -358,6 +365,7 @@ class Moniqua(GossipAlgorithm):
         g_inf = float(g.abs().max()) if g is not None and g.numel() else 0.0
         agreed = float(self.transport.all_reduce(torch.tensor([g_inf], dtype=torch.float64), "max")[0])
         self.theta = THETA_START * agreed * self._lr0 if agreed > 0 and math.isfinite(agreed) else 1.0
+        self.theta_start = self.theta
 
     def _agree_theta(self) -> None:
         """theta="auto", every ``theta_every`` steps: one all-reduce SUM (16 bytes, counted) of the
@@ -592,18 +600,27 @@ class Moniqua(GossipAlgorithm):
 
     @classmethod
     def run_warning(cls, report):
-        if not report.get("mismatched_blocks"):
-            return None
-        return (f"moniqua: {report['mismatched_blocks']} blocks in {report['mismatched_messages']} messages were "
-                f"recovered wrong (theta {report['theta']:g} was below the models' distance there); verification "
-                f"left them out of their step's mix and repaired them in fp32 the step after")
+        notes = []
+        if report.get("mismatched_blocks"):
+            notes.append(f"{report['mismatched_blocks']} blocks in {report['mismatched_messages']} messages were "
+                         f"recovered wrong (theta {report['theta']:g} was below the models' distance there); "
+                         f"verification left them out of their step's mix and repaired them in fp32 the step after")
+        start = report.get("theta_start")
+        if start and report["theta"] >= THETA_RUNAWAY * start:
+            notes.append(f"theta='auto' grew {report['theta'] / start:.3g}-fold from {start:.3g}: the quantization "
+                         f"noise keeps the models apart whatever theta (too large a --gamma for this topology, or "
+                         f"--no-shared-randomness); a smaller --gamma mixes less noise in")
+        return "moniqua: " + "; ".join(notes) if notes else None
 
     def report(self):
-        return {"theta": float(self.theta), "mismatched_blocks": int(self.mismatches),
-                "mismatched_messages": int(self.mismatched_messages), "theta_doublings": int(self.theta_doublings)}
+        out = {"theta": float(self.theta), "mismatched_blocks": int(self.mismatches),
+               "mismatched_messages": int(self.mismatched_messages), "theta_doublings": int(self.theta_doublings)}
+        if self.theta_start is not None:
+            out["theta_start"] = float(self.theta_start)
+        return out
 
     def extra_state(self) -> dict:
-        return {"theta": self.theta, "lr0": self._lr0, "window": list(self._window),
+        return {"theta": self.theta, "lr0": self._lr0, "window": list(self._window), "theta_start": self.theta_start,
                 "mismatches": self.mismatches, "theta_doublings": self.theta_doublings,
                 "pending_alarms": sorted(self._pending), "mismatched_messages": self.mismatched_messages,
                 "verify_block": self.verify_block,
@@ -615,6 +632,7 @@ class Moniqua(GossipAlgorithm):
         self.theta = extra["theta"]
         self._lr0 = extra["lr0"]
         self._window = list(extra["window"])
+        self.theta_start = extra["theta_start"]
         self.mismatches = extra["mismatches"]
         self.theta_doublings = extra["theta_doublings"]
         self._pending = set(extra["pending_alarms"])
