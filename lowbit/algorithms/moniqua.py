@@ -85,7 +85,7 @@ runs away. On digits-mlp (same run) ``--gamma 1`` took theta to 667, with
 digits-mlp (8 workers, ring, 300 steps, the defaults: ``lowbit train --task
 digits-mlp --workers 8 --steps 300 --algorithm moniqua --bits B``): 2 bits
 ended at theta 0.027 with 87 wrong blocks, 4.18 wire bits per element per
-step (4 nominal), 98.05 %; 1 bit at theta 0.068 with 81, 2.17 bits (2
+step (4 nominal), 98.05 %; 1 bit at theta 0.055 with 79, 2.17 bits (2
 nominal), 98.05 % (fp32 D-PSGD: 98.6 %).
 
 **Verification** (``verify``, section 6), per block: the flat vector of d
