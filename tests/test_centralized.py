@@ -132,7 +132,7 @@ def _ndqsg_reference(n, n2, M, nested: NestedDitheredCodec):
 @pytest.mark.parametrize("n,frac", [(2, 0.5), (4, 0.5), (6, 0.34)])
 def test_ndqsg_is_algorithm_2(server, n, frac):
     M = 2
-    nested = nested_codec()  # the paper's Figure 6: Delta1 = 1/3, Delta2 = 1, alpha = 1
+    nested = nested_codec(delta1=1 / 3, k=3)  # the paper's Figure 6: Delta1 = 1/3, Delta2 = 1, alpha = 1
     assert (nested.delta1, nested.delta2, nested.alpha, nested.k) == (1 / 3, 1.0, 1.0, 3)
     assert nested.bits == level_bits(3) == 1.6  # 5 trits per byte
     x0, A, b = _problem(n, spread=0.05)
@@ -158,7 +158,7 @@ def test_ndqsg_decodes_close_side_information_exactly():
     n, n2 = 4, 2
     x0, A, b = _problem(n, spread=0.001)
     A[:] = A[0]
-    nested = nested_codec()
+    nested = nested_codec(delta1=1 / 3, k=3)
     G = A * x0 - b
     agg = _ndqsg_reference(n, n2, 2, nested)(0, G)
     exact = G.mean(0)
@@ -173,13 +173,140 @@ def test_ndqsg_decodes_close_side_information_exactly():
 def test_ndqsg_theorem6_parameters_and_errors():
     c = TrainConfig(algorithm="ndqsg", workers=4, nested_sigma=0.1, nested_failure=0.05)
     codec = nested_codec(sigma=c.nested_sigma, failure=c.nested_failure, k=c.nested_k)
-    assert codec.failure_bound(0.1) == pytest.approx(0.05)
+    assert codec.k == 2 and codec.failure_probability(0.1) == pytest.approx(0.05)  # exact, Gaussian z
     with pytest.raises(ValueError, match="not both"):
         TrainConfig(algorithm="ndqsg", workers=4, nested_sigma=0.1, nested_delta1=0.2)
+    with pytest.raises(ValueError, match="not both"):
+        TrainConfig(algorithm="ndqsg", workers=4, nested_sigma="auto", nested_delta1=0.2)
+    with pytest.raises(ValueError, match="nested_sigma must be a number > 0 or 'auto'"):
+        TrainConfig(algorithm="ndqsg", workers=4, nested_sigma="often")
+    with pytest.raises(ValueError, match="nested_alpha"):
+        TrainConfig(algorithm="ndqsg", workers=4, nested_alpha=0.5)
+    with pytest.raises(ValueError, match="nested_failure"):
+        TrainConfig(algorithm="ndqsg", workers=4, nested_failure=1.0)
     with pytest.raises(ValueError, match="nested_fraction"):
         TrainConfig(algorithm="ndqsg", workers=4, nested_fraction=1.0)
     with pytest.raises(ValueError, match="k"):
         TrainConfig(algorithm="ndqsg", workers=4, nested_k=1)
+
+
+def _f32(v):
+    return float(np.float32(v))
+
+
+def _ndqsg_auto_reference(n, n2, M, server, failure=0.001, k=2):
+    """Algorithm 2 with the auto setting, written out: P2 sends DQSG until it has a measured
+    sigma_z, then the nested codec of Theorem 6 (alpha = 1, Gaussian failure ``failure``,
+    Delta1 and alpha as float32); sigma_z^2 = (m^2 / alpha^2 - Delta1^2 / 12) / alpha^2 with m^2
+    the mean square of (g_hat - g_bar) / kappa; with ``ps`` it reaches the worker as float32."""
+    from lowbit.codecs.nested import choose_nested_parameters
+
+    n1, sigma = n - n2, {}
+
+    def dqsg(g, k, p):
+        kappa = _f32_up(float(g.abs().max()))
+        u = (counter_uniforms(draw_key(shared_generator(SEED, k, p)), D) - 0.5) / M
+        return kappa * (torch.floor(g / kappa * M + u * M + 0.5) / M - u), kappa
+
+    def aggregate(step, G):
+        dec = [dqsg(G[p], step, p)[0] for p in range(n1)]
+        g_bar = torch.stack(dec).mean(0)
+        for p in range(n1, n):
+            g = G[p]
+            if p not in sigma:
+                g_hat, kappa = dqsg(g, step, p)
+                d1, al = 1 / M, 1.0
+            else:
+                par = choose_nested_parameters(sigma[p], failure, k=k, alpha=1.0, method="gaussian")
+                d1, al = _f32(par.delta1), _f32(par.alpha)
+                d2 = k * d1
+                kappa = _f32_up(float(g.abs().max()))
+                u = (counter_uniforms(draw_key(shared_generator(SEED, step, p)), D) - 0.5) * d1
+                t = al * g / kappa + u
+                s = d1 * torch.floor(t / d1 + 0.5) - d2 * torch.floor(t / d2 + 0.5)
+                y = g_bar / kappa
+                r = s - u - al * y
+                g_hat = kappa * (y + al * (r - d2 * torch.floor(r / d2 + 0.5)))
+            m2 = float((((g_hat - g_bar) / kappa) ** 2).mean())
+            sz = math.sqrt(max((m2 / al**2 - d1**2 / 12) / al**2, 1e-12))
+            sigma[p] = _f32(sz) if server == "ps" else sz
+            dec.append(g_hat)
+            g_bar = torch.stack(dec).mean(0)
+        return g_bar
+
+    return aggregate
+
+
+@pytest.mark.parametrize("server", ["ps", "allgather"])
+@pytest.mark.parametrize("n", [2, 5])
+def test_ndqsg_default_is_theorem6_on_the_measured_noise(server, n):
+    """The default NDQSG (no nested option) step by step against the reference above, and its bytes:
+    P2 sends one bit per element after a first DQSG step, with (Delta1, alpha) in front."""
+    M = 1
+    cfg = TrainConfig(algorithm="ndqsg", workers=n, server=server)
+    assert nested_codec(delta1=cfg.nested_delta1, k=cfg.nested_k, alpha=cfg.nested_alpha, sigma=cfg.nested_sigma,
+                        failure=cfg.nested_failure) is None  # the auto setting
+    assert (cfg.nested_k, cfg.nested_failure, cfg.nested_fraction) == (2, 0.001, 0.5)
+    x0, A, b = _problem(n, spread=0.05)
+    traj, sent = _run(n, lambda t: NDQSG(t, levels=M, server=server, seed=SEED), x0, A, b)
+    n2 = min(n - 1, int(math.floor(0.5 * n + 0.5)))
+    torch.testing.assert_close(traj, _reference(n, x0, A, b, _ndqsg_auto_reference(n, n2, M, server)),
+                               atol=1e-6, rtol=0)
+    p1_bytes = 8 + math.ceil(D * 2 / 8)  # numel, kappa, 3 levels in 2 bits
+    for p in range(n):
+        for step in range(STEPS):
+            if p < n - n2:
+                own = p1_bytes
+            else:  # (Delta1, alpha), then DQSG's payload, or kappa + numel + 1-bit codes
+                own = 8 + (p1_bytes if step == 0 else 4 + 4 + math.ceil(D / 8))
+            if server == "allgather":
+                expect = (n - 1) * own
+            else:  # the server broadcasts the average and the n2 measured noises, fp32
+                expect = math.ceil(math.log2(n)) * 4 * (D + n2) if p == 0 else own
+            assert sent[p][step] == expect, (p, step)
+
+
+def test_measured_sigma_recovers_the_side_information_noise():
+    """The inversion of appendix E: decode x against y = x - z with Theorem 6's codec for sigma_z,
+    and measured_sigma gives sigma_z back (few failures at 0.001; the rest is sampling)."""
+    from lowbit.algorithms.dqsg import measured_sigma, theorem6_codec
+
+    gen = torch.Generator().manual_seed(5)
+    n = 200_000
+    x = torch.rand(n, generator=gen, dtype=torch.float64) * 2 - 1
+    for sigma in (0.02, 0.1, 0.3):
+        z = torch.randn(n, generator=gen, dtype=torch.float64) * sigma
+        codec = theorem6_codec(sigma, 2, 0.001)
+        assert codec.k == 2 and codec.alpha == 1
+        assert codec.failure_probability(sigma) == pytest.approx(0.001, rel=1e-3)
+        xh = codec.roundtrip(x, generator=shared_generator(1, 2, 3), ref=x - z)
+        assert measured_sigma(xh, x - z, 1.0, codec.delta1, codec.alpha) == pytest.approx(sigma, rel=0.02)
+        # DQSG payload (alpha = 1, Delta1 = 1/M): m^2 = sigma^2 + Delta^2 / 12; the dither's share is
+        # sampled too, so this first estimate is coarse when sigma^2 is far below Delta^2 / 12
+        if sigma >= 0.1:
+            dq = DitheredCodec(levels=1).roundtrip(x, generator=shared_generator(1, 2, 4))
+            kappa = _f32_up(float(x.abs().max()))
+            assert measured_sigma(dq, x - z, kappa, 1.0, 1.0) == pytest.approx(sigma / kappa, rel=0.05)
+    assert measured_sigma(x, x, 0.0, 0.5, 1.0) is None  # a zero gradient says nothing
+
+
+def test_ndqsg_auto_checkpoints_its_measured_noise():
+    def worker(t):
+        algo = NDQSG(t, levels=1, seed=SEED)
+        x = torch.zeros(D)
+        algo.setup(x)
+        for k in range(2):
+            t.set_step(k)
+            algo.before_update(k, x, torch.randn(D, generator=torch.Generator().manual_seed(k + t.rank)), LR)
+        state = algo.state_dict()
+        fresh = NDQSG(t, levels=1, seed=SEED)
+        fresh.setup(x)
+        fresh.load_state_dict(state)
+        return algo.sigma_z, fresh.sigma_z
+
+    (s0, f0), (s1, f1) = run_threads(2, worker)
+    assert s0 is None and f0 is None  # rank 0 is in P1
+    assert s1 is not None and s1 > 0 and f1 == s1
 
 
 # ---- QSGD, TernGrad, 1-bit SGD with error feedback -----------------------------------------------
@@ -420,11 +547,13 @@ def test_end_to_end_train_config(name):
     assert s["final_consensus_distance"] < 1e-10  # one aggregate: every worker holds the same model
     d = s["parameters"]
     assert s["wire_bits_per_element"] == pytest.approx(8 * s["bytes_sent"] / (4 * 30 * d))
-    # the wire's bits per element: mixed radix for 3 levels (DQSG M=1, NDQSG k=3, TernGrad) and QSGD's 2s+1 = 15
-    nominal = {"dqsg": level_bits(3), "ndqsg": level_bits(3), "qsgd": level_bits(15), "terngrad": level_bits(3),
-               "onebit-ef": 1, "maxnorm": 2,
-               "maxnorm-multiscale": 2, "grandk-maxnorm": 2 * (d // 2) / d,
-               "grandk-maxnorm-multiscale": 2 * (d // 2) / d}
+    # the wire's bits per element: mixed radix for 3 levels (DQSG M=1, TernGrad) and QSGD's 2s+1 = 15;
+    # NDQSG's default: 2 of the 4 workers in P1 (DQSG M = 1), 2 in P2 (nested k = 2, 1 bit);
+    # multi-scale (2, 6): min p + 1 + ceil(log2 2) = 4 bits per coordinate, the paper's r
+    nominal = {"dqsg": level_bits(3), "ndqsg": (level_bits(3) + 1) / 2, "qsgd": level_bits(15),
+               "terngrad": level_bits(3), "onebit-ef": 1, "maxnorm": 2,
+               "maxnorm-multiscale": 4, "grandk-maxnorm": 2 * (d // 2) / d,
+               "grandk-maxnorm-multiscale": 4 * (d // 2) / d}
     if name in nominal:
         assert s["nominal_bits_per_element"] == pytest.approx(nominal[name])
     else:  # PowerSGD: float32 factors of the n x m matrix at rank 2
@@ -443,3 +572,25 @@ def test_dithered_codec_matches_reference_draws():
     u = (counter_uniforms(draw_key(shared_generator(SEED, 1, 2)), D) - 0.5) / 2
     q = torch.floor(x / kappa * 2 + u * 2 + 0.5)
     torch.testing.assert_close(y.double(), (kappa * (q / 2 - u)).float().double(), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("scales", [(2, 6), (1, 3, 5), (4,), (2, 4, 6, 8, 10)])
+def test_multiscale_nominal_bits_are_the_wire_bits_per_coordinate(scales):
+    """Paper 004, section 3.2: r = ceil(log2 s_min) + 1 + ceil(log2 N) bits per coordinate, which is
+    what one worker's encoded message carries (its packed data, the header apart)."""
+    n = 1000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    codec = MultiScaleMaxNormCodec(scales=scales)
+    payload = codec.encode(x, generator=shared_generator(SEED, 0, 0))
+    assert 8 * payload.data.numel() == n * codec.bits
+    s_min = (1 << min(scales)) - 1
+    r = math.ceil(math.log2(s_min)) + 1 + math.ceil(math.log2(len(scales))) if s_min > 1 else 2 + math.ceil(
+        math.log2(len(scales)))  # s_min = 1: the sign and one magnitude bit
+    assert codec.bits == r
+
+    def nominal(t):
+        algo = MaxNormMultiScaleSGD(t, scales=scales, seed=SEED)
+        algo.setup(x.float())
+        return algo.nominal_bits_per_element()
+
+    assert run_threads(1, nominal) == [float(codec.bits)]

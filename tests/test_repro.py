@@ -107,7 +107,8 @@ def test_maxnorm_quick_writes_curves_and_both_bit_counts(tmp_path):
         "AllReduce SGD (fp32)")
     for b in (8, 4, 2):
         assert rows[f"QSGD-MN {b} bits"]["nominal_bits_per_element"] == b
-    assert rows["QSGD-MN-TS (2, 6) bits"]["nominal_bits_per_element"] == 2
+    # two scales: the paper's r = ceil(log2 3) + 1 + ceil(log2 2) = 4 bits per coordinate
+    assert rows["QSGD-MN-TS (2, 6) bits"]["nominal_bits_per_element"] == 4
     # integer codes travel in int8 at least; two scales need int16 codes and the scale-index round
     assert rows["QSGD-MN 2 bits"]["wire_bits_per_element"] == rows["QSGD-MN 4 bits"]["wire_bits_per_element"]
     assert rows["QSGD-MN-TS (2, 6) bits"]["wire_bits_per_element"] > rows["QSGD-MN 2 bits"]["wire_bits_per_element"]

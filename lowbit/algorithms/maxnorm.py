@@ -28,7 +28,10 @@ fraction of ``d`` when below 1.
 Bits: ``bits`` is the paper's precision ``p = log2(s + 1)`` ("QSGD-MN 2"), so
 the codec is ``QSGDMaxNormCodec(bits=p + 1)`` with ``s = 2^p - 1`` levels;
 ``scales=(2, 6)`` is the paper's two-scale "(2, 6)". The nominal bits per
-element are ``p`` (``min p_j`` for multi-scale), as the paper's legends count.
+element are ``p`` for one scale, as the paper's legends count; for multi-scale
+they are what the wire carries per coordinate, the paper's own count (section
+3.2) ``r = ceil(log2 s_min) + 1 + ceil(log2 N)`` = ``min p_j + 1 + ceil(log2 N)``
+(``MultiScaleMaxNormCodec.bits``: 4 for (2, 6)).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class MaxNormSGD(CentralizedAlgorithm):
         return RandKCodec(self.inner, k=self.K).with_seed(global_index_seed(self.seed, step))
 
     def nominal_bits_per_element(self):
-        p = self.inner.scales[0] if self.multiscale else self.inner.precision
+        p = self.inner.bits if self.multiscale else self.inner.precision
         if self.randk and getattr(self, "d", 0):
             return float(p) * min(self.K, self.d) / self.d
         return float(p)

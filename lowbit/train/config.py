@@ -16,6 +16,7 @@ import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.compressed import SERVERS
+from ..algorithms.dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
 from ..algorithms.moniqua import THETA_EVERY, THETA_SCHEDULES, VERIFY_BLOCK
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
 from ..codecs.bagua_minmax import BaguaMinMaxCodec
@@ -168,13 +169,17 @@ class TrainConfig:
     levels: int | None = _opt(None, "DQSG/NDQSG: M (2M+1 indices, Delta = 1/M); default the largest M with "
                               "2M+1 <= 2^bits")
     nested_fraction: float = _opt(0.5, "NDQSG: fraction of workers in P2 (nested quantizer), in [0, 1)")
-    nested_delta1: float | None = _opt(None, "NDQSG: fine step Delta1 relative to ||g||_inf (default 1/3)")
-    nested_k: int = _opt(3, "NDQSG: Delta2 = k Delta1, k >= 2 (ceil(log2 k) bits per element)")
-    nested_alpha: float | None = _opt(None, "NDQSG: shrinkage alpha in (0, 1] (default 1, or matched with "
-                                      "--nested-sigma)")
-    nested_sigma: float | None = _opt(None, "NDQSG: choose Delta1 by Theorem 6 for side-information noise std "
-                                      "(relative to ||g||_inf)")
-    nested_failure: float = _opt(0.05, "NDQSG: Theorem 6 target decoding-failure probability per element")
+    nested_delta1: float | None = _opt(None, "NDQSG: a fixed fine step Delta1 relative to ||g||_inf (default: auto, "
+                                      "see --nested-sigma)")
+    nested_k: int = _opt(NESTED_K, "NDQSG: Delta2 = k Delta1, k >= 2 (ceil(log2 k) bits per element; default 2, "
+                         "one bit)")
+    nested_alpha: float | None = _opt(None, "NDQSG: shrinkage alpha in (0, 1] with --nested-delta1 (default 1) or "
+                                      "--nested-sigma (default matched)")
+    nested_sigma: float | str | None = _opt(None, "NDQSG: 'auto' (the default unless --nested-delta1): Theorem 6 "
+                                            "every step for the side-information noise measured at the previous "
+                                            "one; or a fixed noise std (relative to ||g||_inf)", type=_theta)
+    nested_failure: float = _opt(NESTED_FAILURE, "NDQSG: Theorem 6 target decoding-failure probability per "
+                                 "element, for Gaussian side-information noise (auto or --nested-sigma)")
     sum_dtype: str | None = _opt(None, "max-norm family: integer dtype of the code sum (int8, int16, int32, "
                                  "int64; default the narrowest that cannot overflow)")
     # --- tasks ---
