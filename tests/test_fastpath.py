@@ -87,8 +87,9 @@ def test_modulo_fast_path_rejects_nonfinite_input(bad):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("block", [1, 7, 64])
-def test_decode_hashed_finds_exactly_the_wrong_blocks(dtype, block):
-    codec = ModuloCodec(bits=2, theta=0.1)
+@pytest.mark.parametrize("bits", [1, 2, 3, 8])  # 1, 2, 4, 8 unpacked inside the kernel, 3 before it
+def test_decode_hashed_finds_exactly_the_wrong_blocks(dtype, block, bits):
+    codec = ModuloCodec(bits=bits, theta=0.1, rounding="nearest" if bits == 1 else "stochastic")
     g = torch.Generator().manual_seed(block)
     x = (torch.randn(10_001, generator=g, dtype=torch.float64) * 5).to(dtype)
     y = x + (torch.rand(10_001, generator=g, dtype=torch.float64) * 2 - 1).to(dtype) * 0.0999

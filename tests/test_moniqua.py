@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.algorithms import D2, DPSGD, Moniqua, MoniquaD2
-from lowbit.algorithms.moniqua import GAMMA_1BIT, VERIFY_BLOCK, theorem2_theta, topology_diameter
+from lowbit.algorithms.moniqua import GAMMA_K, VERIFY_BLOCK, topology_diameter
 from lowbit.codecs import IdentityCodec, ModuloCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
@@ -96,14 +96,21 @@ def test_one_bit_moniqua_with_slack_matrix_is_theorem_3(rounding):
     assert ledgers[0].bytes_sent == STEPS * 2 * (-(-D // 8) + _overhead(D))
 
 
-def test_one_bit_defaults():
-    topo = make_topology("ring", 3)
+def test_default_gamma_keeps_the_grid_step_inside_the_mixing_gap():
+    """gamma = min(1, K (1 - rho(W)) theta / s): s = 2 theta at 1 bit (nearest, B_theta = 4 theta),
+    theta at 2 bits and theta / 3 at 3 bits (stochastic, B_theta = 4 theta and 8 theta / 3)."""
+    topo = make_topology("ring", 8)
+    gap = 1 - (1 + 2 * math.cos(2 * math.pi / 8)) / 3  # 1 - lambda_2 of the ring's 1/3 weights
 
     def worker(t):
-        a = Moniqua(t, topo, bits=1)
-        return a.codec.rounding, a.gamma, Moniqua(t, topo, bits=2).gamma
+        one = Moniqua(t, topo, bits=1)
+        return one.codec.rounding, one.gamma, Moniqua(t, topo, bits=2).gamma, Moniqua(t, topo, bits=3).gamma
 
-    assert run_threads(3, worker) == [("nearest", GAMMA_1BIT, 1.0)] * 3
+    for rounding, g1, g2, g3 in run_threads(8, worker):
+        assert rounding == "nearest"
+        assert g1 == pytest.approx(GAMMA_K * gap / 2) and g2 == pytest.approx(GAMMA_K * gap) and g3 == 1.0
+    # a complete graph mixes in one step: no slack needed
+    assert run_threads(3, lambda t: Moniqua(t, make_topology("ring", 3), bits=1).gamma) == [1.0] * 3
 
 
 # ---- 2. D2 and Moniqua-D2 ---------------------------------------------------------------
@@ -173,45 +180,55 @@ def test_d2_rejects_momentum_and_takes_weight_decay():
 
 # ---- 3. theta = "auto" (Theorem 2) ---------------------------------------------------------
 
-@pytest.mark.parametrize("gamma", [1.0, 0.5])
-def test_auto_theta_is_theorem_2_from_tracked_norms(gamma):
-    X0, A, b = _problem()
+@pytest.mark.parametrize("far", [False, True], ids=["close", "far"])
+def test_auto_theta_starts_from_the_first_gradient_and_follows_the_wrong_blocks(far, monkeypatch):
+    """theta_0 = THETA_START alpha_0 max_i ||g_0,i||_inf; then every theta_every steps it doubles when
+    more than THETA_TARGET of the blocks checked were wrong, shrinks by THETA_SHRINK when none was."""
+    import lowbit.algorithms.moniqua as moniqua_module
+
+    X0, A, b = _patchy_problem() if far else _problem()
+    if not far:  # equal models (A4): the first gradients bound the first steps' distance
+        X0 = X0[:1].expand_as(X0).clone()
     topo = make_topology("ring", N)
-    W = topo.mixing_matrix()
-    warm = 3
-    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta="auto", theta_warmup=warm, gamma=gamma,
-                                                  seed=2), X0, A, b, lr=lambda k: LR)
-    fp32 = IdentityCodec()
-    X, g_inf, theta = X0.clone(), 0.0, None
-    for k in range(STEPS):
-        G = _grad(A, b, X)
-        if k < warm:  # exact fp32 gossip while tracking ||g||_inf
-            R = torch.stack([fp32.roundtrip(X[j]).double() for j in range(N)])
-            Y = X + gamma * torch.stack([sum((R[j] - R[i]) * W[j, i] for j in topo.neighbors(i))
-                                         for i in range(N)])
-            g_inf = max(g_inf, float(G.abs().max()))
-            if k == warm - 1:
-                theta = 2 * LR * g_inf * math.log(16 * N) / (1 - spectral_rho(slack_matrix(W, gamma)))
-        else:
-            codec = ModuloCodec(bits=2, theta=theta)
-            Y = _modulo_mix(codec, X, W, topo.neighbors, gamma, lambda: shared_generator(2, k, 0), [])
-        X = Y - LR * G
-        torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
-    assert theta == pytest.approx(theorem2_theta(LR, g_inf, spectral_rho(slack_matrix(W, gamma)), N), rel=1e-12)
-    for a in algos:  # every worker agreed on the same G_inf and theta
-        assert a.theta == algos[0].theta == pytest.approx(theta, rel=1e-9)
-    # the agreement is one counted all-reduce of one float64
-    ops = [r for recs in ledgers[0].records.values() for r in recs if r.op == "all_reduce"]
-    assert len(ops) == 1 and ops[0].nbytes == 8
+    every, steps = 2, 8
+    seen = []  # (rank, theta before, wrong, checked, theta after) of every agreement
+    agree = Moniqua._agree_theta
+
+    def spy(self):
+        before, window = self.theta, list(self._window)
+        agree(self)
+        seen.append((self.rank, before, *window, self.theta))
+
+    monkeypatch.setattr(Moniqua, "_agree_theta", spy)
+    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta="auto", theta_every=every, seed=2,
+                                                  verify_block=8), X0, A, b, steps=steps, lr=lambda k: LR)
+    theta0 = moniqua_module.THETA_START * LR * float(_grad(A, b, X0).abs().max())
+    rounds = [[r for r in seen if r[0] == i] for i in range(N)]
+    agreed_after = [k for k in range(steps) if k < every or (k + 1) % every == 0]  # [0, 1, 3, 5, 7]
+    assert all(len(r) == len(agreed_after) for r in rounds)
+    assert rounds[0][0][1] == pytest.approx(theta0, rel=1e-12)
+    for k, after in enumerate(agreed_after):
+        wrong = sum(r[k][2] for r in rounds)
+        checked = sum(r[k][3] for r in rounds)
+        window = after - (agreed_after[k - 1] if k else -1)  # steps since the last agreement
+        assert checked == window * N * 2 * -(-X0.shape[1] // 8)  # every block of every message
+        factor = 2.0 if wrong > moniqua_module.THETA_TARGET * checked else moniqua_module.THETA_SHRINK if wrong == 0 else 1.0
+        for r in rounds:  # all workers in lock step
+            assert r[k][4] == pytest.approx(r[k][1] * factor, rel=1e-12)
+    first = rounds[0][0]  # far apart: wrong blocks, theta doubles; close: none, theta shrinks
+    assert (first[2] > 0, first[4] / first[1]) == ((True, 2.0) if far else (False, pytest.approx(0.8)))
+    # the agreements are counted all-reduces: 8 bytes at the start, then 16 per agreement
+    ops = [r.nbytes for recs in ledgers[0].records.values() for r in recs if r.op == "all_reduce"]
+    assert ops == [8] + [16] * len(agreed_after)
     # theta is checkpointed: a fresh instance restores it
     state = algos[0].state_dict()
 
     def restore(t):
-        a = Moniqua(t, topo, theta="auto", theta_warmup=warm)
+        a = Moniqua(t, topo, theta="auto", theta_every=every)
         a.load_state_dict(state)
-        return a.theta, a.warming_up
+        return a.theta, a._window
 
-    assert run_threads(N, restore)[0] == (algos[0].theta, False)
+    assert run_threads(N, restore)[0] == (algos[0].theta, algos[0]._window)
 
 
 # ---- 4. verification -----------------------------------------------------------------------
@@ -292,19 +309,15 @@ def _patchy_problem(d=40, block=8):
 
 
 @pytest.mark.parametrize("grow_theta", [False, True], ids=["repair", "repair+grow"])
-def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_theta, monkeypatch):
-    import lowbit.algorithms.moniqua as moniqua_module
+def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_theta):
 
-    monkeypatch.setattr(moniqua_module, "_WARNED", False)  # it warns once per process
     d, block = (D, 2) if grow_theta else (40, 8)
     # models far apart in blocks 0 and 1 (everywhere for grow_theta) ...
     X0, A, b = _problem(spread=1.0, d=d) if grow_theta else _patchy_problem(d, block)
     topo = make_topology("ring", N)
     theta0, steps = 0.01, 30  # ... and a far too small theta there
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, grow_theta=grow_theta,
-                                                      verify_block=block), X0, A, b, steps=steps, lr=lambda k: LR)
+    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, grow_theta=grow_theta,
+                                                  verify_block=block), X0, A, b, steps=steps, lr=lambda k: LR)
     ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, steps, 4, grow_theta, block)
     for k in range(steps):
         torch.testing.assert_close(traj[k], ref[k], atol=1e-6, rtol=0)
@@ -323,7 +336,14 @@ def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_thet
         assert not [w for w in injected if w[0] >= steps - 5]
     else:  # theta stays too small for the local optima's spread; the repaired blocks still pull together
         assert _spread(traj[-1][:, :2 * block]) < 0.5 * _spread(X0[:, :2 * block])
-    assert any("wrong model" in str(w.message) for w in caught)
+    # one warning for the whole run, with the counts summed over workers
+    report = {k: sum(a.report()[k] for a in algos) if isinstance(v, int) else v for k, v in algos[0].report().items()}
+    assert f"{sum(a.mismatches for a in algos)} blocks in" in Moniqua.run_warning(report)
+    assert Moniqua.run_warning({**report, "mismatched_blocks": 0}) is None
+    # theta='auto' that ran away (the noise sets the distance) says so
+    runaway = Moniqua.run_warning({**report, "mismatched_blocks": 0, "theta_start": report["theta"] / 300})
+    assert "grew 300-fold" in runaway and "--gamma" in runaway
+    assert Moniqua.run_warning({**report, "mismatched_blocks": 0, "theta_start": report["theta"] / 200}) is None
     assert algos[0].extra_state()["mismatches"] == algos[0].mismatches
     # every byte counted: codes, block hashes, control byte, repair requests and the fp32 block repairs
     assert ledgers[0].bytes_sent == bytes0
@@ -413,7 +433,7 @@ def test_bad_options_name_the_argument():
 
     def worker(t):
         for kw, word in ((dict(gamma=0.0), "gamma"), (dict(gamma=1.5), "gamma"), (dict(theta="big"), "theta"),
-                         (dict(theta_warmup=0), "theta_warmup"), (dict(entropy="gzip"), "entropy"),
+                         (dict(theta_every=0), "theta_every"), (dict(theta="auto", verify=False), "verify=True"), (dict(entropy="gzip"), "entropy"),
                          (dict(verify="yes"), "verify"), (dict(verify_block=0), "verify_block"),
                          (dict(verify_block=2.0), "verify_block"), (dict(bits=1, rounding="stochastic"), "delta")):
             with pytest.raises(ValueError, match=word):
@@ -433,7 +453,7 @@ def _three_algorithms(t):
     torch.set_num_threads(1)
     topo = make_topology("ring", t.world_size)
     X0, A, b = _problem(spread=0.1)
-    makers = {"moniqua": lambda: Moniqua(t, topo, bits=1, theta="auto", theta_warmup=2, gamma=0.3, seed=3),
+    makers = {"moniqua": lambda: Moniqua(t, topo, bits=1, theta="auto", theta_every=2, gamma=0.3, seed=3),
               "d2": lambda: D2(t, topo),
               "moniqua-d2": lambda: MoniquaD2(t, topo, bits=2, theta=0.05, entropy="zlib", seed=3)}
     out = {}
@@ -463,7 +483,7 @@ def test_both_runtimes_agree_exactly():
 
 
 def test_train_runs_the_new_algorithms_from_their_config():
-    for algorithm, extra in (("moniqua", dict(bits=1, theta="auto", theta_warmup=2)),
+    for algorithm, extra in (("moniqua", dict(bits=1, theta="auto", theta_every=2)),
                              ("d2", dict(momentum=0.0)),
                              ("moniqua-d2", dict(momentum=0.0, bits=2, entropy="ans", theta=1.0))):
         s = train(TrainConfig(algorithm=algorithm, workers=3, steps=4, eval_every=4, hidden=8, **extra)).summary

@@ -63,7 +63,7 @@ def test_both_runtimes_give_the_same_model_and_bytes(algorithm):
 def test_cli_writes_metrics_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
     rc = main(["train", "--task", "digits-mlp", "--algorithm", "moniqua", "--bits", "2", "--workers", "4",
-               "--steps", "20", "--eval-every", "10", "--no-progress", "--no-verify", "--out", str(out)])
+               "--steps", "20", "--eval-every", "10", "--no-progress", "--no-verify", "--theta", "0.05", "--out", str(out)])
     assert rc == 0
     assert "bytes sent" in capsys.readouterr().out
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

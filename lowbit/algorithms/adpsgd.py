@@ -217,6 +217,10 @@ class ADPSGD(GossipAlgorithm):
         return 0
 
 
+# moniqua-async's theta when none is given: it has no verification to drive theta="auto"
+ASYNC_THETA = 0.05
+
+
 class MoniquaAsync(ADPSGD):
     """Moniqua on AD-PSGD: the pairwise exchange sends modulo codes (see module doc)."""
 
@@ -234,14 +238,16 @@ class MoniquaAsync(ADPSGD):
 
     @classmethod
     def check_config(cls, cfg):
-        ModuloCodec(bits=cfg.bits, theta=cls._theta(cfg.theta), rounding=cfg.rounding or "stochastic")
+        ModuloCodec(bits=cfg.bits, theta=cls._theta(ASYNC_THETA if cfg.theta is None else cfg.theta),
+                    rounding=cfg.rounding or "stochastic")
 
     @classmethod
     def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, bits=cfg.bits, theta=cfg.theta, rounding=cfg.rounding or "stochastic",
-                   weights=cfg.weights, seed=cfg.seed, slow=cfg.slow_factors())
+        return cls(transport, topology, bits=cfg.bits, theta=ASYNC_THETA if cfg.theta is None else cfg.theta,
+                   rounding=cfg.rounding or "stochastic", weights=cfg.weights, seed=cfg.seed,
+                   slow=cfg.slow_factors())
 
-    def __init__(self, transport, topology, *, bits: int = 8, theta: float = 0.5, rounding: str = "stochastic",
+    def __init__(self, transport, topology, *, bits: int = 8, theta: float = ASYNC_THETA, rounding: str = "stochastic",
                  **kw):
         super().__init__(transport, topology, **kw)
         self.codec = ModuloCodec(bits=bits, theta=self._theta(theta), rounding=rounding)

@@ -85,6 +85,12 @@ class Algorithm(ABC):
         (counters) and takes the float entries from rank 0 (settings all share)."""
         return {}
 
+    @classmethod
+    def run_warning(cls, report: dict) -> str | None:
+        """What a whole run's combined :meth:`report` should warn the user of (logged
+        once per run by :func:`lowbit.train.run.summarize`), or None."""
+        return None
+
     def nominal_bits_per_element(self) -> float:
         """Bits per element of the code before any framing (the paper's count)."""
         return 32.0

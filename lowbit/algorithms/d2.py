@@ -24,10 +24,9 @@ D2's equations require.
 State: X_{k-1} and u_{k-1} (two vectors of d, ``state_tensors``). Moniqua-D2
 reuses :class:`~lowbit.algorithms.moniqua.Moniqua`'s gossip (theta, auto
 theta, slack matrix, verification, entropy coding); with ``theta="auto"``
-G_inf is the infinity norm of u_k / a_k, and theta comes from Theorem 2's
-expression (Theorem 4's constant (6 D_1 n + 8) depends on eigenvalue
-constants D_1 the paper defines only in its supplement; verification
-catches a theta that is too small).
+the first theta comes from the first step actually taken, u_0 (Theorem 4's
+constant (6 D_1 n + 8) depends on eigenvalue constants D_1 the paper defines
+only in its supplement), and verification's wrong blocks move it after that.
 
 Stability: D2 needs lambda_min(W) > -1/3 (Tang et al. 2018); the uniform
 ring (weights 1/3) has lambda_min = -1/3 exactly for even n, a marginal mode
@@ -79,13 +78,7 @@ class _D2Extrapolation:
 
     def after_update(self, k, x, g, lr):
         self._prev_step.sub_(x)  # u_k = x_pre - x_{k+1/2}: the step the optimizer took
-        warming_up = getattr(self, "warming_up", False)
-        self.gossip(k, x, lr)
-        if warming_up:
-            self._observe_step(self._prev_step, lr)
-
-    def _observe_step(self, u, lr):
-        """Hook, during an auto-theta warm-up: the local step u_k."""
+        self.gossip(k, x, lr, self._prev_step)
 
 
 class D2(_D2Extrapolation, DPSGD):
@@ -93,7 +86,7 @@ class D2(_D2Extrapolation, DPSGD):
 
     name = "d2"
 
-    def gossip(self, k, x, lr):
+    def gossip(self, k, x, lr, u=None):
         DPSGD.before_update(self, k, x, None, lr)
 
 
@@ -101,7 +94,3 @@ class MoniquaD2(_D2Extrapolation, Moniqua):
     """D2 whose mixing is Moniqua's modulo gossip (Algorithm 1 lines 3-6 on X_{k+1/2})."""
 
     name = "moniqua-d2"
-
-    def _observe_step(self, u, lr):
-        if lr > 0:
-            self._track(float(u.abs().max()) / lr)

@@ -14,11 +14,24 @@ with B_theta = 2 theta / (1 - 2 delta) (Lemma 2). Decoding is exact to
 delta * B_theta as long as |x_{k,j} - x_{k,i}| < theta element-wise.
 
 **Slack matrix** (Theorem 3): line 6 with ``gamma`` mixes with
-``W~ = gamma W + (1 - gamma) I``. gamma = 1 is Algorithm 1; at 1 bit
-gamma defaults to :data:`GAMMA_1BIT` = 0.1, measured on digits-mlp (8
-workers, ring, 300 steps: gamma 0.05 / 0.1 / 0.2 / 0.3 gave 97.5 / 97.8 /
-97.8 / 98.1 % against fp32 D-PSGD's 98.6 %, gamma = 1 diverges); the paper's
-5e-3 (CIFAR-10, many epochs) mixes too slowly for a few hundred steps.
+``W~ = gamma W + (1 - gamma) I``. gamma = 1 is Algorithm 1. Why a default
+gamma < 1 matters: with shared randomness, x_hat_j - x_hat_i is x_j - x_i
+rounded up or down to a grid step s = B_theta / 2^bits, so every step line 6
+adds to the models' differences a noise of variance about gamma^2 s |x_j -
+x_i|, which mixing removes at rate about gamma (1 - rho(W)). The distance this
+noise keeps between neighbours grows like gamma s / (1 - rho(W)), i.e. in
+proportion to theta itself (s = theta at 2 bits, 2 theta at 1 bit): with
+gamma = 1 on a ring of 8, no theta is large enough (on digits-mlp, 8 workers,
+300 steps, 2 bits, the consensus distance was 1.28 / 19 / 113 at theta 0.05 /
+0.2 / 0.5, and 6.9 / 6.7 / 5.5 wire bits per element against 4.5 with no
+repair). The default, :func:`default_gamma`, is
+``min(1, K (1 - rho(W)) theta / s)`` with K = :data:`GAMMA_K` = 2.5: 0.49 at
+2 bits and 0.24 at 1 bit on a ring of 8, 1 at 3 bits and more, 1 on a
+complete graph. K was measured on that run: gamma 1 / 0.5 / 0.25 at theta
+0.05 sent 6.92 / 4.54 / 4.73 wire bits per element at the same accuracy
+(98.3 %); at 1 bit, gamma 0.24 reached 98.3 % (the former default 0.1, 97.8 %).
+The paper's Theorem 3 gamma (and its 5e-3 on CIFAR-10) mixes far too slowly for
+a few hundred steps.
 At 1 bit only nearest rounding has delta < 1/2 (delta = 1/4, B_theta =
 4 theta). Plain nearest rounding is deterministic: models within one grid
 cell (2 theta wide) all send the same code and line 6 moves nothing. So the
@@ -36,26 +49,48 @@ at step k, so nearby models round alike and their errors cancel in line 6.
 **theta.** By hand (a float), optionally following the step size
 (``theta_schedule="lr"``: theta_k = theta alpha_k / alpha_0, as Theorem 2's
 theta_k is proportional to alpha_k), or ``theta="auto"`` (section 6, "Choosing
-theta empirically"): for the first ``theta_warmup`` steps the workers gossip
-exactly (fp32 on the wire, counted) and track G_inf, the largest
-``||x_{k+1/2} - x_{k+1}||_inf / alpha_k`` they see -- the infinity norm of
-the local step direction, which is the stochastic gradient of assumption A5
-for plain SGD and also covers momentum and weight decay otherwise. After the
-warm-up one all-reduce MAX (8 bytes, counted) makes every worker use the same
-G_inf, and Theorem 2 gives
+theta empirically", with the paper's third method, verification, as the
+measurement). Theorem 2's theta_k = alpha_k 2 G_inf C_alpha log(16 n) /
+(1 - eta rho) bounds ``max ||x_i - x_j||_inf`` by a worst case: from G_inf
+measured over a warm-up it gave theta 1.15 on fashion-lenet, where the model
+did not learn, and 2.9 on digits (96.1 % against 98.6 %). The distance itself
+cannot be measured from the codes either: a recovered difference is only
+known to one grid step, which is theta at 2 bits. What verification does
+measure, exactly, is whether theta was large enough, block by block. So
+``"auto"`` keeps Theorem 2's form, theta_k = alpha_k C, and measures its
+constant C (the bound on ``max ||x_i - x_j||_inf / alpha_k``) instead of
+taking the worst case:
 
-    theta = 2 alpha_0 G_inf C_alpha log(16 n) / (1 - eta rho)
+* starts from A4 (equal models): in one step two workers drift apart by at
+  most alpha_0 (|g_i| + |g_j|), so theta_0 = :data:`THETA_START` (2) alpha_0
+  max_i ||g_{0,i}||_inf, agreed by one all-reduce MAX (8 bytes, counted);
+* then after each of the first ``theta_every`` (:data:`THETA_EVERY`, 10) steps
+  (momentum makes the first steps grow: on digits-mlp, 176 of 252 wrong
+  blocks came in the first 20 steps when the first agreement waited for step
+  10), and every ``theta_every`` steps after that, all workers sum
+  the blocks they checked and found wrong since the last agreement (one
+  all-reduce SUM, 16 bytes, counted): more than :data:`THETA_TARGET` (0.1 %)
+  wrong doubles theta, none shrinks it by :data:`THETA_SHRINK` (0.8), in
+  between keeps it;
+* follows alpha_k between agreements (theta_k = theta alpha_k / alpha_0, as in
+  Theorem 2).
 
-with C_alpha = eta = 1 (the constants of a constant step size: alpha_k /
-alpha_{k+t} <= 1), the natural log, alpha_0 the first step size of the run
-and rho = rho(W~) (:func:`lowbit.topology.spectral_rho` of the slack matrix
-actually used). For gamma < 1 this is Theorem 3's
-``2 alpha G_inf log(16 n) / (gamma (1 - rho(W)))`` whenever lambda_2 sets
-rho, as it does on rings. See :func:`theorem2_theta`.
+It needs verification, and relies on the default gamma and on shared
+randomness: were the quantization noise to keep the models' distance above
+theta whatever theta, doubling would not stop the wrong blocks and theta
+runs away. On digits-mlp (same run) ``--gamma 1`` took theta to 667, with
+644 wrong blocks and 83.6 % accuracy, and ``--no-shared-randomness`` to 2.6
+(97.8 % for the average model, 78.6 % for the local ones). A run whose theta grew
+:data:`THETA_RUNAWAY` (256) times theta_0 says so in its warning. Measured on
+digits-mlp (8 workers, ring, 300 steps, the defaults: ``lowbit train --task
+digits-mlp --workers 8 --steps 300 --algorithm moniqua --bits B``): 2 bits
+ended at theta 0.027 with 87 wrong blocks, 4.18 wire bits per element per
+step (4 nominal), 98.05 %; 1 bit at theta 0.055 with 79, 2.17 bits (2
+nominal), 98.05 % (fp32 D-PSGD: 98.6 %).
 
 **Verification** (``verify``, section 6), per block: the flat vector of d
 elements is split into nb = ceil(d / ``verify_block``) blocks of
-``verify_block`` consecutive elements (default :data:`VERIFY_BLOCK` = 64,
+``verify_block`` consecutive elements (default :data:`VERIFY_BLOCK` = 256,
 see below; the last block may be shorter). The message is::
 
     codes | [requests] | nb x uint16 block hashes | control byte
@@ -70,7 +105,7 @@ one entry per neighbour asked, ``uint16`` rank then a bit mask of the blocks
 asked (ceil(nb / 8) bytes, bit b of byte b // 8 is block b), then a
 ``uint16`` count of entries. The codec's 4-byte length header is not sent
 (every worker knows d), so verification costs 2 nb + 1 bytes over the codes
-(303 bytes per message at d = 9610 and 64-element blocks, 21 at 1024).
+(77 bytes per message at d = 9610 and 256-element blocks, 21 at 1024).
 The receiver hashes each block of the grid
 integers of what it recovered (line 5); a block's hashes agree exactly when
 its recovery is right, and a wrong block goes undetected with probability
@@ -81,7 +116,9 @@ its recovery is right, and a wrong block goes undetected with probability
   left out for the coordinates of that block only, the neighbour's other
   blocks mix normally. :attr:`Moniqua.mismatches` counts wrong *blocks*
   (:attr:`Moniqua.mismatched_messages` the messages with at least one; both
-  in ``extra_state``); a warning is issued once per process;
+  in ``extra_state``); ``lowbit train`` logs one warning per run with the
+  totals (:meth:`Moniqua.run_warning`, logger ``lowbit``), each mismatch is a
+  DEBUG record of ``lowbit.algorithms.moniqua``;
 * repair of only the failed blocks: in its next message the receiver lists
   (neighbour, failed blocks). After that step's regular exchange both ends
   of an edge know the union R of the blocks either of them asked of the
@@ -108,20 +145,23 @@ its recovery is right, and a wrong block goes undetected with probability
   theta grows and theta ran away (0.05 -> 1e5 in 300 steps).
 
 **Block size.** Smaller blocks repair fewer fp32 values but send more hashes
-(2 bytes per block on every message, mismatch or not). On digits-mlp (d =
-9610, 8 workers, ring, theta 0.05, 300 steps; ``--no-verify`` sends 38.5K
-bytes/step at 2 bits, 19.2K at 1 bit) bytes/step with verification were
+(2 bytes per block on every message, mismatch or not). With theta fixed at
+0.05 and gamma = 1 (wrong blocks in most messages) 32-64 were best, at 60-65K
+bytes per step against 38.5K unverified. Once theta and gamma keep wrong blocks
+rare (the defaults), the hashes dominate. On digits-mlp (d = 9610, 8
+workers, ring, 300 steps, defaults, ``lowbit train --task digits-mlp
+--workers 8 --steps 300 --algorithm moniqua --bits B --verify-block V``)
+the wire bits per element per step (nominal 4 at 2 bits, 2 at 1 bit, to two
+neighbours) were
 
-    verify_block   9610 (one block)  4096   1024   256    128    64     32
-    2 bits         208K              197K   173K   108K   81.7K  65.4K  60.6K
-    1 bit          498K              437K   304K   150K   106K   78.0K  66.0K
+    verify_block        64      256     1024
+    2 bits              4.54    4.23    4.22     (98.3 / 98.1 / 98.1 %)
+    1 bit               2.63    2.45    2.56     (98.3 % each)
 
-at the same test accuracy (98.3-98.6 % at 2 bits, 97.5 % at 1 bit). Wrong
-coordinates are isolated (halving the block from 64 to 32 adds 2-20 % more
-wrong blocks), so repairs shrink with the block until the hashes dominate; 64
-is the default (a 12.6 % / 25 % tax on the 2-bit / 1-bit codes when nothing
-fails). More hashed blocks also mean more chances of a collision: the 1-bit
-run at 64 had 24.7K wrong blocks, ~0.4 expected to pass the 16-bit hash.
+so 256 is the default :data:`VERIFY_BLOCK` (hashes cost 1/16 bit per
+element; 77 bytes of trailer per message at d = 9610). More hashed blocks
+also mean more chances of a collision: each wrong block passes the 16-bit
+hash with probability ~2^-16 (590 wrong blocks in the 1-bit run).
 
 Pending requests (neighbour -> blocks) are part of ``extra_state``
 (``nack``, with the ``verify_block`` they refer to; a checkpoint with another
@@ -144,13 +184,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import logging
 import struct
-import warnings
 from collections import deque
 
+import numpy as np
 import torch
 
-from ..codecs import IdentityCodec, ModuloCodec
+from ..codecs import ModuloCodec
 from ..codecs.base import Payload, pack_header
 from ..codecs.entropy import ENTROPY_METHODS, entropy_code, entropy_decode
 from ..codecs.packing import packed_nbytes
@@ -159,13 +200,20 @@ from ..topology import Topology, slack_matrix, spectral_rho
 from .base import GossipAlgorithm
 
 THETA_SCHEDULES = ("constant", "lr")
-# gamma of the slack matrix at 1 bit when none is given: measured on digits-mlp,
-# 8 workers, ring, 300 steps (see the module docstring).
-GAMMA_1BIT = 0.1
+# theta="auto" (module docstring): every THETA_EVERY steps all workers agree on the fraction of blocks
+# recovered wrong since the last agreement; above THETA_TARGET theta doubles, at zero it shrinks by
+# THETA_SHRINK. The first theta is THETA_START times the first step's largest gradient entry, times alpha_0.
+THETA_EVERY = 10
+THETA_TARGET = 1e-3
+THETA_SHRINK = 0.8
+THETA_START = 2.0
+# theta="auto" grown this many times theta_0: the run's warning says the noise, not the gradients, sets the distance
+THETA_RUNAWAY = 256.0
+# K of default_gamma: measured on digits-mlp, 8 workers, ring, 300 steps (see the module docstring)
+GAMMA_K = 2.5
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
-VERIFY_BLOCK = 64
-_FP32 = IdentityCodec()
-_WARNED = False
+VERIFY_BLOCK = 256
+_log = logging.getLogger(__name__)
 
 
 def _pack_mask(blocks, nb: int) -> bytes:
@@ -196,11 +244,18 @@ def topology_diameter(topology: Topology) -> int:
     return best
 
 
-def theorem2_theta(lr: float, g_inf: float, rho: float, n: int, c_alpha: float = 1.0, eta: float = 1.0) -> float:
-    """Theorem 2's a priori bound ``2 alpha G_inf C_alpha log(16 n) / (1 - eta rho)`` (natural log)."""
-    if not 0 <= eta * rho < 1:
-        raise ValueError(f"eta * rho must be in [0, 1) (a connected topology), got eta={eta}, rho={rho}")
-    return 2.0 * lr * g_inf * c_alpha * math.log(16 * n) / (1.0 - eta * rho)
+def agreement_due(k: int, every: int) -> bool:
+    """theta="auto" agrees after step k: after each of the first ``every`` steps (theta_0 comes
+    from one gradient, and momentum grows the steps that follow), then every ``every`` steps."""
+    return k < every or (k + 1) % every == 0
+
+
+def default_gamma(codec: ModuloCodec, W) -> float:
+    """The slack matrix's gamma when none is given: ``min(1, K (1 - rho(W)) theta / s)``
+    with ``s = B_theta / 2^bits`` the grid step and K = :data:`GAMMA_K` (module docstring,
+    "Slack matrix"): it keeps the models' quantization-driven distance well inside theta."""
+    step_over_theta = codec.B_theta / codec.levels / codec.theta
+    return min(1.0, GAMMA_K * (1.0 - spectral_rho(W)) / step_over_theta)
 
 
 def default_rounding(bits: int) -> str:
@@ -220,8 +275,8 @@ class Moniqua(GossipAlgorithm):
 
     @classmethod
     def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, bits=cfg.bits, theta=0.5 if cfg.theta is None else cfg.theta,
-                   rounding=cfg.rounding, theta_schedule=cfg.theta_schedule, theta_warmup=cfg.theta_warmup,
+        return cls(transport, topology, bits=cfg.bits, theta="auto" if cfg.theta is None else cfg.theta,
+                   rounding=cfg.rounding, theta_schedule=cfg.theta_schedule, theta_every=cfg.theta_every,
                    shared_randomness=cfg.shared_randomness, gamma=cfg.gamma, verify=cfg.verify,
                    entropy=cfg.entropy, weights=cfg.weights, seed=cfg.seed,
                    verify_block=cfg.verify_block)
@@ -229,8 +284,8 @@ class Moniqua(GossipAlgorithm):
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def __init__(self, transport, topology, *, bits: int = 2, theta: float | str = 0.5,
-                 rounding: str | None = None, theta_schedule: str = "constant", theta_warmup: int = 20,
+    def __init__(self, transport, topology, *, bits: int = 2, theta: float | str = "auto",
+                 rounding: str | None = None, theta_schedule: str = "constant", theta_every: int = THETA_EVERY,
                  shared_randomness: bool = True, gamma: float | None = None, verify: bool = True,
                  entropy: str | None = None, dither: bool | None = None, grow_theta: bool = False,
                  verify_block: int = VERIFY_BLOCK, **kw):
@@ -241,20 +296,25 @@ class Moniqua(GossipAlgorithm):
             raise ValueError(f"theta must be a finite number > 0 or 'auto', got {theta!r}")
         if theta_schedule not in THETA_SCHEDULES:
             raise ValueError(f"theta_schedule must be one of {THETA_SCHEDULES}, got {theta_schedule!r}")
-        if isinstance(theta_warmup, bool) or not isinstance(theta_warmup, int) or theta_warmup < 1:
-            raise ValueError(f"theta_warmup must be an integer >= 1, got {theta_warmup!r}")
+        if isinstance(theta_every, bool) or not isinstance(theta_every, int) or theta_every < 1:
+            raise ValueError(f"theta_every must be an integer >= 1 (steps between two theta agreements), "
+                             f"got {theta_every!r}")
         if dither is None:  # the 1-bit default: nearest rounding of a shared subtractive dither
             dither = rounding is None and bits == 1 and bool(shared_randomness)
         if rounding is None:
             rounding = default_rounding(bits)
         # validates bits, rounding and delta < 1/2
         self.codec = ModuloCodec(bits=bits, theta=1.0 if self.auto_theta else float(theta), rounding=rounding)
+        self._codec_at = self.codec  # the codec of the last theta_k used
         if gamma is None:
-            gamma = GAMMA_1BIT if self.codec.bits == 1 else 1.0
+            gamma = default_gamma(self.codec, self.W)
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
             raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
         if not isinstance(verify, bool):
             raise ValueError(f"verify must be True or False, got {verify!r}")
+        if self.auto_theta and not verify:
+            raise ValueError("theta='auto' (the default) follows the blocks verification finds wrong: it needs "
+                             "verify=True; without verification give theta a number (--theta)")
         if isinstance(verify_block, bool) or not isinstance(verify_block, int) or verify_block < 1:
             raise ValueError(f"verify_block must be an integer >= 1 (elements per hashed block), got {verify_block!r}")
         self.verify_block = verify_block
@@ -271,7 +331,7 @@ class Moniqua(GossipAlgorithm):
         self.gamma = float(gamma)
         self.theta: float | None = None if self.auto_theta else float(theta)
         self.theta_schedule = theta_schedule
-        self.theta_warmup = theta_warmup
+        self.theta_every = theta_every
         self.shared_randomness = bool(shared_randomness)
         self.verify = verify
         self.entropy = entropy
@@ -284,36 +344,40 @@ class Moniqua(GossipAlgorithm):
         self._pending: set[int] = set()  # epochs with a raised alarm whose doubling is due later
         self._nack: dict[int, set[int] | None] = {}  # neighbour -> its blocks recovered wrong (repaired next step)
         self._lr0: float | None = None
-        self._g_inf = 0.0
-        self._tracked = 0  # warm-up steps tracked so far (theta="auto")
-        self._x_half: torch.Tensor | None = None
+        self._window = [0, 0]  # theta="auto": blocks recovered wrong, and checked, since the last agreement
+        self.theta_start: float | None = None  # theta="auto": theta_0
 
     # ---- theta -----------------------------------------------------------------
-    @property
-    def warming_up(self) -> bool:
-        """True while ``theta="auto"`` has not fixed theta yet (exact gossip)."""
-        return self.theta is None
-
     def theta_at(self, lr: float) -> float:
-        """theta_k: constant, or theta * alpha_k / alpha_0."""
+        """theta_k: constant, or theta * alpha_k / alpha_0 (``theta_schedule="lr"`` and ``"auto"``)."""
         if self.theta is None:
-            raise RuntimeError("theta='auto' is still in its warm-up: no theta yet")
+            raise RuntimeError("theta='auto' is set at the first step: no theta yet")
         if self._lr0 is None:
             self._lr0 = lr
-        if self.theta_schedule == "lr" and self._lr0 > 0:
+        if (self.theta_schedule == "lr" or self.auto_theta) and self._lr0 > 0:
             return self.theta * lr / self._lr0
         return self.theta
 
-    def _track(self, direction_inf: float) -> None:
-        """One warm-up step's ||step direction||_inf; after ``theta_warmup`` of them the
-        workers agree on G_inf (all-reduce MAX) and set theta from Theorem 2."""
-        self._g_inf = max(self._g_inf, float(direction_inf))
-        self._tracked += 1
-        if self._tracked >= self.theta_warmup:
-            agreed = self.transport.all_reduce(torch.tensor([self._g_inf], dtype=torch.float64), "max")
-            self._g_inf = float(agreed[0])
-            theta = theorem2_theta(self._lr0, self._g_inf, self.rho, self.world_size)
-            self.theta = theta if theta > 0 else 1e-12  # zero gradients: models stay equal, any theta works
+    def _start_theta(self, g: torch.Tensor | None) -> None:
+        """theta="auto", first step: from equal models (A4) two workers drift apart by at most
+        alpha_0 (|g_i| + |g_j|) in a step; theta_0 = THETA_START alpha_0 max_i ||g_i||_inf, agreed
+        by one all-reduce MAX (8 bytes, counted)."""
+        g_inf = float(g.abs().max()) if g is not None and g.numel() else 0.0
+        agreed = float(self.transport.all_reduce(torch.tensor([g_inf], dtype=torch.float64), "max")[0])
+        self.theta = THETA_START * agreed * self._lr0 if agreed > 0 and math.isfinite(agreed) else 1.0
+        self.theta_start = self.theta
+
+    def _agree_theta(self) -> None:
+        """theta="auto", every ``theta_every`` steps: one all-reduce SUM (16 bytes, counted) of the
+        blocks recovered wrong and checked since the last agreement; theta doubles when more than
+        THETA_TARGET of them were wrong and shrinks by THETA_SHRINK when none was."""
+        wrong, checked = self.transport.all_reduce(
+            torch.tensor([self._window[0], self._window[1]], dtype=torch.float64), "sum").tolist()
+        if checked > 0 and wrong > THETA_TARGET * checked:
+            self.theta *= 2.0
+        elif checked > 0 and wrong == 0:
+            self.theta *= THETA_SHRINK
+        self._window = [0, 0]
 
     # ---- alarms (verification) ---------------------------------------------------
     def _apply_due_doublings(self, k: int) -> None:
@@ -339,35 +403,24 @@ class Moniqua(GossipAlgorithm):
 
     def _mismatch(self, k: int, j: int, bad: int, nb: int) -> None:
         self.mismatches += bad
+        self._window[0] += bad
         self.mismatched_messages += 1
-        global _WARNED
-        if not _WARNED:  # once per process (thread workers share it)
-            _WARNED = True
-            warnings.warn(f"moniqua: worker {self.rank} recovered a wrong model from worker {j} at step {k} "
-                          f"in {bad} of {nb} blocks (theta={self.theta:g} is smaller than their distance there); "
-                          f"those blocks are left out of this step's mix and mixed in fp32 next step "
-                          f"(Moniqua.mismatches counts wrong blocks)", RuntimeWarning, stacklevel=3)
+        _log.debug("moniqua: worker %d recovered %d of %d blocks of worker %d wrong at step %d (theta %g)",
+                   self.rank, bad, nb, j, k, self.theta)
 
     # ---- the exchange --------------------------------------------------------------
-    def gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
-        """Line 3-6 in place on x (exact fp32 gossip during an auto-theta warm-up)."""
+    def gossip(self, k: int, x: torch.Tensor, lr: float, g: torch.Tensor | None = None) -> None:
+        """Line 3-6 in place on x. With ``theta="auto"`` the first call sets theta from the
+        first gradient g (two workers' models drift apart by at most alpha (|g_i| + |g_j|) in
+        one step from equal models, A4), and every ``theta_every`` steps from the distances measured."""
         if self._lr0 is None:
             self._lr0 = lr
-        if self.warming_up:
-            self._exact_gossip(x)
-            return
+        if self.theta is None:
+            self._start_theta(g)
         self._apply_due_doublings(k)
         self._modulo_gossip(k, x, lr)
-
-    def _exact_gossip(self, x: torch.Tensor) -> None:
-        payload = _FP32.encode(x)
-        received = self.transport.neighbor_exchange(payload.to_wire(), self.neighbors)
-        own = _FP32.decode(payload).to(x.dtype)
-        delta = torch.zeros_like(x)
-        for j in self.neighbors:
-            xj = _FP32.decode(_FP32.payload_from_wire(received[j])).to(x.dtype)
-            delta.add_(xj - own, alpha=self.w[j])
-        x.add_(delta, alpha=self.gamma)
+        if self.auto_theta and agreement_due(k, self.theta_every):
+            self._agree_theta()
 
     def _pack(self, payload: Payload) -> torch.Tensor:
         """The codes (the length header is known to every worker), entropy-coded if asked."""
@@ -400,8 +453,8 @@ class Moniqua(GossipAlgorithm):
         tail = nb * 2 + 1
         if buf.numel() < tail:
             raise bad(f"{buf.numel()} bytes, shorter than its {tail}-byte verification trailer")
-        raw = buf[-tail:].cpu().numpy().tobytes()
-        *hashes, ctrl = struct.unpack(f"<{nb}HB", raw)
+        raw = buf[-tail:].cpu().numpy()
+        hashes, ctrl = raw[:-1].view("<u2"), int(raw[-1])
         buf = buf[:-tail]
         if ctrl & ~7:
             raise bad(f"control byte {ctrl:#04x} has unknown bits set")
@@ -444,12 +497,17 @@ class Moniqua(GossipAlgorithm):
             raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
 
     def _modulo_gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
-        codec = dataclasses.replace(self.codec, theta=self.theta_at(lr))
+        theta = self.theta_at(lr)
+        if self._codec_at.theta != theta:  # a new theta_k: a new codec (validated once)
+            self._codec_at = dataclasses.replace(self.codec, theta=theta)
+        codec = self._codec_at
         # Shared randomness ("More efficient Moniqua", section 6): every worker draws the
         # same rounding offsets u at step k, so nearby models round alike.
         sender = 0 if self.shared_randomness else self.rank + 1
         gen = shared_generator(self.seed, k, sender)
-        y = x.detach().to(torch.float64)  # decode in float64 so the grid integers are exact
+        # the codec computes in float64 whatever y's dtype (the grid integers are exact); the
+        # dither is added in float64
+        y = x.detach().to(torch.float64) if self.dither else x.detach()
         step = codec.B_theta / codec.levels
         d = x.numel()
         nb = self._blocks(d)
@@ -471,7 +529,7 @@ class Moniqua(GossipAlgorithm):
                 ctrl |= 4
                 trailer = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
                 trailer += struct.pack("<H", len(asked_of))
-            trailer += struct.pack(f"<{nb}HB", *hashes.tolist(), ctrl)
+            trailer += hashes.numpy().astype("<u2").tobytes() + bytes([ctrl])
             wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         x_hat_i = (x_hat_i64 if v is None else x_hat_i64 - v).to(x.dtype)
@@ -490,7 +548,8 @@ class Moniqua(GossipAlgorithm):
             x_hat_j64, mine = self._decode(codec, self._unpack(buf, d, x.device, j), y)  # line 5
             good[j] = None
             if self.verify:
-                bad = (mine != torch.tensor(sent_hashes, dtype=mine.dtype)).nonzero().flatten().tolist()
+                bad = np.flatnonzero(mine.numpy() != sent_hashes).tolist()
+                self._window[1] += nb
                 if bad:  # never use a wrong block: leave it out of this step's mix
                     self._mismatch(k, j, len(bad), nb)
                     nack[j] = set(bad)
@@ -521,13 +580,15 @@ class Moniqua(GossipAlgorithm):
                 exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
         delta = torch.zeros_like(x)
         for j in self.neighbors:
-            term = recovered[j].to(x.dtype) - x_hat_i
             keep = good[j]
             if j in exact:
                 m, ex = exact[j]
                 keep = ~m if keep is None else keep & ~m
                 delta.add_(ex, alpha=self.w[j])
-            delta.add_(term if keep is None else term * keep, alpha=self.w[j])
+            if keep is None:  # every block right: w_j (xh_j - xh_i)
+                delta.add_(recovered[j].to(x.dtype), alpha=self.w[j]).sub_(x_hat_i, alpha=self.w[j])
+            else:
+                delta.add_((recovered[j].to(x.dtype) - x_hat_i) * keep, alpha=self.w[j])
         self._nack = nack
         if self.grow_theta and self.neighbors and len(nack) == len(self.neighbors):
             self._pending.add(k // self.period)  # no neighbour's message was right: theta is far too small
@@ -535,22 +596,31 @@ class Moniqua(GossipAlgorithm):
 
     # ---- the algorithm contract -------------------------------------------------------
     def before_update(self, k, x, g, lr):
-        self.gossip(k, x, lr)
-        if self.warming_up:
-            self._x_half = x.detach().clone()
+        self.gossip(k, x, lr, g)
 
-    def after_update(self, k, x, g, lr):
-        if self._x_half is not None:
-            if lr > 0:
-                self._track(float((self._x_half - x).abs().max()) / lr)
-            self._x_half = None
+    @classmethod
+    def run_warning(cls, report):
+        notes = []
+        if report.get("mismatched_blocks"):
+            notes.append(f"{report['mismatched_blocks']} blocks in {report['mismatched_messages']} messages were "
+                         f"recovered wrong (theta {report['theta']:g} was below the models' distance there); "
+                         f"verification left them out of their step's mix and repaired them in fp32 the step after")
+        start = report.get("theta_start")
+        if start and report["theta"] >= THETA_RUNAWAY * start:
+            notes.append(f"theta='auto' grew {report['theta'] / start:.3g}-fold from {start:.3g}: the quantization "
+                         f"noise keeps the models apart whatever theta (too large a --gamma for this topology, or "
+                         f"--no-shared-randomness); a smaller --gamma mixes less noise in")
+        return "moniqua: " + "; ".join(notes) if notes else None
 
     def report(self):
-        return {"theta": float(self.theta), "mismatched_blocks": int(self.mismatches),
-                "mismatched_messages": int(self.mismatched_messages), "theta_doublings": int(self.theta_doublings)}
+        out = {"theta": float(self.theta), "mismatched_blocks": int(self.mismatches),
+               "mismatched_messages": int(self.mismatched_messages), "theta_doublings": int(self.theta_doublings)}
+        if self.theta_start is not None:
+            out["theta_start"] = float(self.theta_start)
+        return out
 
     def extra_state(self) -> dict:
-        return {"theta": self.theta, "lr0": self._lr0, "g_inf": self._g_inf, "tracked": self._tracked,
+        return {"theta": self.theta, "lr0": self._lr0, "window": list(self._window), "theta_start": self.theta_start,
                 "mismatches": self.mismatches, "theta_doublings": self.theta_doublings,
                 "pending_alarms": sorted(self._pending), "mismatched_messages": self.mismatched_messages,
                 "verify_block": self.verify_block,
@@ -561,8 +631,8 @@ class Moniqua(GossipAlgorithm):
             return
         self.theta = extra["theta"]
         self._lr0 = extra["lr0"]
-        self._g_inf = extra["g_inf"]
-        self._tracked = extra["tracked"]
+        self._window = list(extra["window"])
+        self.theta_start = extra["theta_start"]
         self.mismatches = extra["mismatches"]
         self.theta_doublings = extra["theta_doublings"]
         self._pending = set(extra["pending_alarms"])

@@ -45,7 +45,7 @@ def default_step_cases() -> list[StepCase]:
             StepCase("moniqua 2-bit", dict(algorithm="moniqua", bits=2)),
             StepCase("moniqua 1-bit", dict(algorithm="moniqua", bits=1)),
             # without verification, hence without the repair round that a wrong block costs
-            StepCase("moniqua 2-bit unverified", dict(algorithm="moniqua", bits=2, verify=False)),
+            StepCase("moniqua 2-bit unverified", dict(algorithm="moniqua", bits=2, theta=0.05, verify=False)),
             StepCase("choco", dict(algorithm="choco")), StepCase("dcd", dict(algorithm="dcd")),
             StepCase("deepsqueeze", dict(algorithm="deepsqueeze")), StepCase("qsgd", dict(algorithm="qsgd")),
             StepCase("powersgd", dict(algorithm="powersgd")), StepCase("maxnorm", dict(algorithm="maxnorm"))]

@@ -42,6 +42,8 @@ __all__ = ["ModuloCodec", "centered_mod", "grid_hashes", "GRID_LIMIT"]
 
 _M32 = 0xFFFFFFFF
 HASH_SALT = 0x9E3779B9
+HASH_STEP = 0x9E3779B1  # position keys K_i = ((i HASH_STEP) ^ HASH_SALT) | 1 (mod 2^32): odd
+HASH_HIGH = 0x85EBCA77  # the multiplier of m's high 32 bits
 GRID_LIMIT = 2.0 ** 53  # |grid integer| beyond this: not exact in float64, verification could not tell
 
 
@@ -55,11 +57,15 @@ def centered_mod(z: torch.Tensor, a: float) -> torch.Tensor:
 
 def grid_hashes(m: torch.Tensor, block: int) -> torch.Tensor:
     """The 16-bit hash (int32 tensor) of each block of ``block`` consecutive grid
-    integers ``m`` (int64): ``mix32`` of the sum mod 2^32 of the elements' position-keyed
-    hashes; the reference of the kernels' block hash."""
+    integers ``m`` (int64): ``mix32`` of ``sum_i (lo_i K_i + hi_i HASH_HIGH) mod 2^32`` with
+    ``lo_i``/``hi_i`` the low/high 32 bits of ``m_i`` and ``K_i`` odd position keys; the
+    reference of the kernels' block hash. A block whose grid integers differ in one element
+    changes its sum (K_i is odd and a wrong recovery moves ``m_i`` by less than 2^32); in
+    several, the sums agree by chance about once in 2^32, and the 16-bit hashes once in 2^16."""
     i = torch.arange(m.numel(), dtype=torch.int64, device=m.device)
     lo, hi = m & _M32, (m >> 32) & _M32
-    e = mix32((mix32(lo ^ mix32(i ^ HASH_SALT)) + hi) & _M32)
+    key = ((i * HASH_STEP) & _M32 ^ HASH_SALT) | 1
+    e = ((lo * key) & _M32) + ((hi * HASH_HIGH) & _M32)
     nb = -(-m.numel() // block)
     sums = torch.nn.functional.pad(e, (0, nb * block - m.numel())).view(nb, block).sum(1) & _M32
     return (mix32(sums) & 0xFFFF).to(torch.int32)
@@ -161,8 +167,7 @@ class ModuloCodec(Codec):
         K = kernels_for(ref)
         if K is None or not hasattr(K, "modulo_decode_hash"):
             return self.decode_hashed_reference(payload, ref=ref, block=block)
-        codes = K.unpack(payload.data.to(ref.device), self.bits, n)
-        return K.modulo_decode_hash(codes, self.B_theta, self.levels, ref, block)
+        return K.modulo_decode_hash(payload.data.to(ref.device), self.bits, n, self.B_theta, self.levels, ref, block)
 
     def decode_hashed_reference(self, payload: Payload, *, ref: torch.Tensor,
                                 block: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from ..algorithms import ALGORITHMS
 from ..algorithms.compressed import SERVERS
 from ..algorithms.dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
-from ..algorithms.moniqua import THETA_SCHEDULES, VERIFY_BLOCK
+from ..algorithms.moniqua import THETA_EVERY, THETA_SCHEDULES, VERIFY_BLOCK
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
 from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..comm.netmodel import NetworkModel
@@ -32,11 +32,11 @@ LR_SCHEDULES = ("constant", "cosine")
 
 # Per-task defaults for options left as None.
 TASK_DEFAULTS = {
-    "quadratic": dict(lr=0.1, momentum=0.0, weight_decay=0.0, theta=0.05, batch_size=1),
-    "digits-mlp": dict(lr=0.1, momentum=0.9, weight_decay=1e-4, theta=0.05, batch_size=32),
-    **{t: dict(lr=0.05, momentum=0.9, weight_decay=1e-4, theta=0.05, batch_size=32)
+    "quadratic": dict(lr=0.1, momentum=0.0, weight_decay=0.0, batch_size=1),
+    "digits-mlp": dict(lr=0.1, momentum=0.9, weight_decay=1e-4, batch_size=32),
+    **{t: dict(lr=0.05, momentum=0.9, weight_decay=1e-4, batch_size=32)
        for t in ("fashion-lenet", "fashion-fc300", "mnist-lenet", "mnist-fc300", "kmnist-lenet", "kmnist-fc300")},
-    **{t: dict(lr=0.1, momentum=0.9, weight_decay=5e-4, theta=0.05, batch_size=32)
+    **{t: dict(lr=0.1, momentum=0.9, weight_decay=5e-4, batch_size=32)
        for t in ("cifar10-resnet20", "cifar10-resnet110", "cifar10-vgg")},
 }
 TASK_DEFAULTS.update({t: dict(TASK_DEFAULTS[t[:-3]]) for t in ("fashion-lenet-tf", "mnist-lenet-tf", "kmnist-lenet-tf")})
@@ -139,10 +139,11 @@ class TrainConfig:
                               "folder; with --checkpoint-every, an empty folder starts afresh (for torchrun "
                               "--max-restarts: the same command resumes after a restart)")
     # --- the decentralized family ---
-    theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (Theorem 2 from "
-                                     "tracked gradient norms)", type=_theta)
+    theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (the default of "
+                                     "moniqua and moniqua-d2: follows the blocks verification finds wrong)",
+                                     type=_theta)
     theta_schedule: str = _opt("constant", "constant, or lr (theta_k ~ lr_k)")
-    theta_warmup: int = _opt(20, "steps over which --theta auto tracks ||g||_inf")
+    theta_every: int = _opt(THETA_EVERY, "--theta auto: steps between two theta agreements")
     verify: bool = _opt(True, "Moniqua: send a hash of the quantized model; the receiver checks what it recovered")
     verify_block: int = _opt(VERIFY_BLOCK, "Moniqua verification: elements per hashed block (a failed block is repaired alone)")
     entropy: str | None = _opt(None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans")
@@ -218,7 +219,7 @@ class TrainConfig:
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {self.bits}")
         for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1),
-                         ("theta_warmup", 1), ("powersgd_rank", 1), ("verify_block", 1)):
+                         ("theta_every", 1), ("powersgd_rank", 1), ("verify_block", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import time
@@ -156,7 +157,13 @@ def _combine_reports(results: list[WorkerResult]) -> dict:
 
 
 def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float) -> dict:
+    """The run's summary; logs the algorithm's :meth:`~lowbit.algorithms.Algorithm.run_warning`
+    of the combined report (once per run, whatever the number of workers)."""
     n = cfg.workers
+    report = _combine_reports(results)
+    warning = ALGORITHMS[cfg.algorithm].run_warning(report)
+    if warning:
+        logging.getLogger("lowbit").warning(warning)
     ledgers = [Ledger.from_rows(r.rank, n, r.ledger_rows) for r in results]
     d = results[0].params.numel()
     compute, comm = (math.fsum(t) for t in emulated_clock(cfg, results, ledgers))
@@ -178,7 +185,7 @@ def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float
         "wire_bits_per_element": wire_bits,
         "parameters": d,
         "extra_memory_bytes": max(r.extra_memory_bytes for r in results),
-        "algorithm_report": _combine_reports(results),
+        "algorithm_report": report,
         "emulated_seconds": compute + comm,
         "emulated_compute_seconds": compute,
         "emulated_comm_seconds": comm,

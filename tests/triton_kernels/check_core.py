@@ -52,3 +52,21 @@ def test_modulo_decode_within_lemma2_slack(dtype):
 def test_nonfinite_input_is_a_clear_error():
     with pytest.raises(ValueError, match="finite for the modulo codec"):
         gpu.modulo_encode(torch.tensor([1.0, float("nan"), 2.0]), 0.3, 4, True, 1)
+
+
+@pytest.mark.parametrize("block,dtype", [(100, torch.float64), (1100, torch.float32)])
+def test_modulo_decode_hash_matches_the_reference(block, dtype):
+    """Moniqua's verification on CUDA: the same decode and the same block hashes as the float64
+    reference (the grid integers are computed in float64 on every path)."""
+    codec = ModuloCodec(bits=2, theta=0.05)
+    g = torch.Generator().manual_seed(block)
+    x = torch.randn(1031, dtype=torch.float64, generator=g)
+    y = (x + (torch.rand(1031, dtype=torch.float64, generator=g) - 0.5) * 0.2).to(dtype)  # some blocks wrong
+    payload = codec.encode_reference(x, generator=torch.Generator().manual_seed(3))
+    out, hashes = gpu.modulo_decode_hash(payload.data, codec.bits, x.numel(), codec.B_theta, codec.levels, y, block)
+    ref_out, ref_hashes = codec.decode_hashed_reference(payload, ref=y, block=block)
+    assert torch.equal(hashes, ref_hashes) and hashes.dtype == torch.int32
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    with pytest.raises(OverflowError, match="2\\^53"):
+        gpu.modulo_decode_hash(payload.data[:1], codec.bits, 4, codec.B_theta, codec.levels,
+                               torch.full((4,), 1e17, dtype=dtype), block)

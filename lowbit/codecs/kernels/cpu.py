@@ -19,6 +19,9 @@ import numpy as np
 import torch
 
 from ..modulo import GRID_LIMIT, grid_overflow_message
+from ..modulo import HASH_HIGH as MODULO_HASH_HIGH
+from ..modulo import HASH_SALT as MODULO_HASH_SALT
+from ..modulo import HASH_STEP as MODULO_HASH_STEP
 from ..rng import MIX_C1, MIX_C2, UNIFORM_SCALE, split_key
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
@@ -314,36 +317,40 @@ def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor)
 
 # --- Moniqua's decode with the block hashes of its grid integers ---------------------------------
 
-HASH_SALT = np.uint64(0x9E3779B9)  # as lowbit.codecs.modulo.HASH_SALT
+HASH_SALT = np.uint64(MODULO_HASH_SALT)
+HASH_STEP = np.uint64(MODULO_HASH_STEP)
+HASH_HIGH = np.uint64(MODULO_HASH_HIGH)
 
 
 @_jit
 def grid_element_hash(m, i):
-    """The 32-bit hash of grid integer ``m`` (int64) at position ``i``."""
+    """Element ``i``'s term of :func:`lowbit.codecs.modulo.grid_hashes` (grid integer ``m``, int64)."""
     u = np.uint64(m)
-    lo = u & M32
-    hi = (u >> np.uint64(32)) & M32
-    return mix32((mix32(lo ^ mix32(np.uint64(i) ^ HASH_SALT)) + hi) & M32)
+    key = (((np.uint64(i) * HASH_STEP) & M32) ^ HASH_SALT) | np.uint64(1)
+    return (((u & M32) * key) & M32) + (((u >> np.uint64(32)) * HASH_HIGH) & M32)
 
 
 @_jit
-def _modulo_decode_hash(codes, B, levels, y, block, out, hashes):
-    """:func:`_modulo_decode` that also returns, per block of ``block`` elements, the
-    16-bit hash of the grid integers ``m = code - levels k`` of the decoded values
-    (``x_hat = m B / levels`` up to rounding). Returns the largest ``levels |k|`` met
-    (the caller refuses it beyond 2^53: the grid integers would not be exact)."""
+def _modulo_decode_hash(data, b, n, B, levels, y, block, out, hashes):
+    """:func:`_modulo_decode` of the ``n`` codes packed ``b`` bits each in ``data`` (b in 1, 2,
+    4, 8: unpacked here, in the same pass), and per block of ``block`` elements the 16-bit
+    hash of the grid integers ``m = code - levels k`` of the decoded values (``x_hat = m B /
+    levels`` up to rounding). Returns the largest ``levels |k|`` met (the caller refuses it
+    beyond 2^53: the grid integers would not be exact)."""
     step = B / float(levels)
     inv_B = 1.0 / B
     h = B * 0.5
     L = np.int64(levels)
+    mask = (1 << b) - 1
     reach = 0.0
-    n = codes.shape[0]
     nb = hashes.shape[0]
-    for b in range(nb):
+    for blk in range(nb):
         acc = np.uint64(0)
-        for i in range(b * block, min(n, (b + 1) * block)):
+        for i in range(blk * block, min(n, (blk + 1) * block)):
+            bit = i * b
+            code = (np.int64(data[bit >> 3]) >> (bit & 7)) & mask
             yv = np.float64(y[i])
-            z = float(codes[i]) * step - yv
+            z = float(code) * step - yv
             k = math.floor(z * inv_B + 0.5)
             r = z - B * k
             up = r >= h
@@ -352,23 +359,23 @@ def _modulo_decode_hash(codes, B, levels, y, block, out, hashes):
             k = k + 1.0 if up else (k - 1.0 if down else k)
             reach = max(reach, abs(k))
             out[i] = r + yv
-            m = np.int64(codes[i]) - L * np.int64(k)
-            acc = (acc + grid_element_hash(m, i)) & M32
-        hashes[b] = np.uint16(mix32(acc) & np.uint64(0xFFFF))
+            acc += grid_element_hash(code - L * np.int64(k), i)
+        hashes[blk] = np.int32(mix32(acc & M32) & np.uint64(0xFFFF))
     return reach * float(levels)
 
 
-def modulo_decode_hash(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor,
+def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: int, ref: torch.Tensor,
                        block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode of the packed ``data`` against ``ref`` and the blocks' hashes (int32)."""
     y = ref.detach()
-    n = codes.numel()
     out = torch.empty(n, dtype=y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
     hashes = torch.empty((n + block - 1) // block, dtype=torch.int32)
-    h16 = np.empty(hashes.numel(), dtype=np.uint16)
-    reach = _modulo_decode_hash(np_view(codes), float(B), levels, as_numba(y), block, out.numpy(), h16)
+    if bits not in (1, 2, 4, 8):
+        data, bits = unpack(data, bits, n), 8  # one byte per code: the kernel reads widths 1, 2, 4 and 8
+    reach = _modulo_decode_hash(np_view(data), bits, n, float(B), levels, as_numba(y), block, out.numpy(),
+                                hashes.numpy())
     if reach > GRID_LIMIT:
         raise OverflowError(grid_overflow_message(reach, B, levels))
-    hashes.numpy()[:] = h16
     return out.to(y.dtype), hashes
 
 

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..modulo import GRID_LIMIT, HASH_HIGH, HASH_SALT, HASH_STEP, grid_overflow_message
 from ..rng import MIX_C1, MIX_C2, split_key
 
 BLOCK = 1024
@@ -145,6 +146,64 @@ def _modulo_decode_kernel(codes_ptr, y_ptr, out_ptr, n, B, step, LEVELS: tl.cons
     t = (q - yf) / B + 0.5
     r = (t - tl.floor(t) - 0.5) * B
     tl.store(out_ptr + offs, (r + yf).to(y.dtype), mask=mask)
+
+
+@triton.jit
+def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n, block, B, step,
+                               LEVELS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per hashed block: eq. (5) as the numba kernel computes it (lattice index k,
+    then the grid integers m = code - LEVELS k), the block's 16-bit hash of m, and its
+    largest |k|."""
+    b = tl.program_id(0)
+    start = b * block
+    end = tl.minimum(start + block, n)
+    acc = tl.zeros([CHUNK], dtype=tl.uint32)
+    reach = tl.zeros([CHUNK], dtype=tl.float64)
+    for s in range(start, end, CHUNK):
+        offs = s + tl.arange(0, CHUNK)
+        mask = offs < end
+        y = tl.load(y_ptr + offs, mask=mask, other=0.0)
+        yf = y.to(tl.float64)
+        code = tl.load(codes_ptr + offs, mask=mask, other=0)
+        z = code.to(tl.float64) * step - yf
+        k = tl.floor(z * (1.0 / B) + 0.5)
+        r = z - B * k
+        up = r >= B * 0.5
+        down = r < -B * 0.5
+        r = tl.where(up, r - B, tl.where(down, r + B, r))
+        k = tl.where(up, k + 1.0, tl.where(down, k - 1.0, k))
+        tl.store(out_ptr + offs, (r + yf).to(y.dtype), mask=mask)
+        reach = tl.maximum(reach, tl.where(mask, tl.abs(k), 0.0))
+        m = code.to(tl.int64) - LEVELS * k.to(tl.int64)
+        lo = (m & 0xFFFFFFFF).to(tl.uint32)
+        hi = ((m >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        key = ((offs.to(tl.uint32) * HASH_STEP) ^ HASH_SALT) | 1
+        acc += tl.where(mask, lo * key + hi * HASH_HIGH, 0).to(tl.uint32)
+    total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
+    tl.store(hash_ptr + b, (_mix32(total.to(tl.uint32)) & 0xFFFF).to(tl.int32))
+    tl.store(reach_ptr + b, tl.max(reach, axis=0))
+
+
+def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: int, ref: torch.Tensor,
+                       block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`modulo_decode` of the ``n`` codes packed ``bits`` each in ``data``, in float64
+    arithmetic (the grid integers must be exact), and the 16-bit hash of each block of ``block``
+    grid integers, as the numba kernel: the hashes come back as an int32 CPU tensor (they go into
+    the message), with the overflow check in the same host read."""
+    y = ref.detach().contiguous()
+    codes = unpack(data, bits, n)
+    out = torch.empty(n, dtype=y.dtype, device=y.device)
+    nb = -(-n // block)
+    hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
+    reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
+    if n:
+        chunk = min(1024, triton.next_power_of_2(block))
+        _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, block, float(B), float(B) / levels,
+                                          LEVELS=levels, CHUNK=chunk)
+    host = torch.cat([hashes.to(torch.float64), reach.max().reshape(1) * levels]).cpu()  # the one host read
+    if float(host[-1]) > GRID_LIMIT:
+        raise OverflowError(grid_overflow_message(float(host[-1]), B, levels))
+    return out, host[:-1].to(torch.int32)
 
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
