@@ -28,7 +28,7 @@ def test_moniqua_on_d2_learns_one_label_per_worker_data():
 
 def test_one_bit_moniqua_with_the_slack_matrix_is_within_3_points_of_dpsgd():
     dpsgd = _run(algorithm="dpsgd")
-    one_bit = _run(algorithm="moniqua", bits=1)  # gamma 0.1 by default at 1 bit
+    one_bit = _run(algorithm="moniqua", bits=1)  # the slack matrix's default gamma at 1 bit
     assert one_bit["nominal_bits_per_element"] == 1
     assert one_bit["final_test_accuracy"] >= dpsgd["final_test_accuracy"] - 0.03
 
@@ -49,7 +49,9 @@ def test_ndqsg_defaults_send_fewer_bytes_than_dqsg_defaults_within_a_point():
     dqsg = [_run(algorithm="dqsg", seed=s) for s in range(3)]
     ndqsg = [_run(algorithm="ndqsg", seed=s) for s in range(3)]
     for d, n in zip(dqsg, ndqsg):
-        assert n["bytes_sent"] < 0.8 * d["bytes_sent"]
+        # 0.816 measured: P2's 1-bit nested codes against the 1.6-bit (mixed radix) ternary codes of
+        # DQSG M = 1 that P1 still sends (0.75 when ternary codes took 2 bits)
+        assert n["bytes_sent"] < 0.85 * d["bytes_sent"]
     mean = lambda runs: sum(r["final_test_accuracy"] for r in runs) / len(runs)  # noqa: E731
     assert mean(ndqsg) >= mean(dqsg) - 0.01
 
