@@ -25,7 +25,7 @@ from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_hea
 from .kernels import kernels_for
 from .packing import check_packed
 from .quantize import INT32_MAX, check_numel, check_positive, check_rounding, error_bound, round_to_int
-from .radix import check_levels_packed, level_bits, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
+from .radix import check_levels_packed, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
     unpack_levels_fast
 from .rng import draw_key
 

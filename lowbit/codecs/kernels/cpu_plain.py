@@ -25,7 +25,7 @@ from .cpu import _jit, _stats, as_numba, keys, nonfinite, np_view, pack, rint, r
 
 __all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
-           "terngrad_decode", "half_overflow"]
+           "terngrad_decode"]
 
 
 def _out_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -344,21 +344,3 @@ def terngrad_decode(data: torch.Tensor, n: int, scale: float, dtype: torch.dtype
     bad = _terngrad_decode(np_view(data), scale, out.numpy()) if n else 0
     return out.to(dtype), not bad
 
-
-# --- fp16 / bf16 ----------------------------------------------------------------------------
-
-@_jit
-def _all_ones(h, mask):
-    """1 when some ``h_i & mask == mask`` (a 16-bit float's exponent all ones: inf or NaN)."""
-    bad = False
-    for i in range(h.shape[0]):
-        bad |= (h[i] & mask) == mask
-    return bad
-
-
-_EXP_MASK = {torch.float16: np.int16(0x7C00), torch.bfloat16: np.int16(0x7F80)}
-
-
-def half_overflow(h: torch.Tensor) -> bool:
-    """True when the fp16/bf16 tensor ``h`` holds an inf or a NaN (one read of its bits)."""
-    return bool(h.numel()) and bool(_all_ones(np_view(h.view(torch.int16)), _EXP_MASK[h.dtype]))

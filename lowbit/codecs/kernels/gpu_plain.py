@@ -7,8 +7,8 @@ in that dtype, made with ``torch.full``: no host-to-device copy). The uniforms a
 the core's counter hash (:func:`.gpu.uniform`). Each encode reads back to the host
 once, the values its header needs together with the non-finite flag (the uniform
 codec twice: ``x``'s range, then the codes' range, which fixes the width); a
-TernGrad decode reads one flag (a byte that is not 5 radix-3 trits). fp16/bf16 and fp32 use
-torch's casts and copies, which are already single kernels.
+TernGrad decode reads one flag (a byte that is not 5 radix-3 trits). fp16/bf16 have their
+own kernels (:mod:`.gpu_lowp`); fp32 uses torch's copies, already single kernels.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .gpu import BLOCK, _grid, pack, rint, uniform, unpack
 
 __all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
-           "terngrad_decode", "half_overflow"]
+           "terngrad_decode"]
 
 
 
@@ -309,13 +309,3 @@ def terngrad_decode(data: torch.Tensor, n: int, scale: float, dtype: torch.dtype
                                                   _scalar(scale, _work_dtype(dtype), data.device), BLOCK_=BLOCK)
     return out, not flag.item()  # a byte that is not 5 trits is an error: one host read
 
-
-# --- fp16 / bf16 ---------------------------------------------------------------------------------
-
-_EXP_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}
-
-
-def half_overflow(h: torch.Tensor) -> bool:
-    """True when the fp16/bf16 tensor ``h`` holds an inf or a NaN (one host read)."""
-    m = _EXP_MASK[h.dtype]
-    return bool(h.numel()) and bool(((h.view(torch.int16) & m) == m).any())

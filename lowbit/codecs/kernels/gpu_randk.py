@@ -11,19 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..rng import MIX_C1, MIX_C2
 from .gpu import BLOCK, _grid
+from .gpu import _mix32 as _mix
 
 __all__ = ["select"]
-
-
-@triton.jit
-def _mix(h):
-    h = h ^ (h >> 16)
-    h = h * MIX_C1
-    h = h ^ (h >> 15)
-    h = h * MIX_C2
-    return h ^ (h >> 16)
 
 
 @triton.jit
