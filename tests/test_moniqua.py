@@ -180,6 +180,16 @@ def test_d2_rejects_momentum_and_takes_weight_decay():
 
 # ---- 3. theta = "auto" (Theorem 2) ---------------------------------------------------------
 
+def test_auto_theta_survives_a_zero_step_size():
+    """A schedule that starts at (or passes through) lr 0: theta_0 falls back to 1 and theta_k
+    does not follow alpha_k = 0 (the codec needs theta > 0)."""
+    X0, A, b = _problem()
+    topo = make_topology("ring", N)
+    traj, _, algos = _run(lambda t: Moniqua(t, topo, bits=2, seed=2), X0, A, b,
+                          lr=lambda k: 0.0 if k in (0, 3) else LR)
+    assert algos[0].theta_start == 1.0 and all(torch.isfinite(t).all() for t in traj)
+
+
 @pytest.mark.parametrize("far", [False, True], ids=["close", "far"])
 def test_auto_theta_starts_from_the_first_gradient_and_follows_the_wrong_blocks(far, monkeypatch):
     """theta_0 = THETA_START alpha_0 max_i ||g_0,i||_inf; then every theta_every steps it doubles when

@@ -354,7 +354,7 @@ class Moniqua(GossipAlgorithm):
             raise RuntimeError("theta='auto' is set at the first step: no theta yet")
         if self._lr0 is None:
             self._lr0 = lr
-        if (self.theta_schedule == "lr" or self.auto_theta) and self._lr0 > 0:
+        if (self.theta_schedule == "lr" or self.auto_theta) and self._lr0 > 0 and lr > 0:
             return self.theta * lr / self._lr0
         return self.theta
 
@@ -364,7 +364,9 @@ class Moniqua(GossipAlgorithm):
         by one all-reduce MAX (8 bytes, counted)."""
         g_inf = float(g.abs().max()) if g is not None and g.numel() else 0.0
         agreed = float(self.transport.all_reduce(torch.tensor([g_inf], dtype=torch.float64), "max")[0])
-        self.theta = THETA_START * agreed * self._lr0 if agreed > 0 and math.isfinite(agreed) else 1.0
+        theta = THETA_START * agreed * self._lr0
+        # no gradient, or a first step size of 0: nothing to bound yet (verification moves it from there)
+        self.theta = theta if theta > 0 and math.isfinite(theta) else 1.0
         self.theta_start = self.theta
 
     def _agree_theta(self) -> None:
