@@ -158,10 +158,11 @@ neighbours) were
     2 bits              4.54    4.23    4.22     (98.3 / 98.1 / 98.1 %)
     1 bit               2.63    2.45    2.56     (98.3 % each)
 
-so 256 is the default :data:`VERIFY_BLOCK` (hashes cost 1/16 bit per
-element; 77 bytes of trailer per message at d = 9610). More hashed blocks
-also mean more chances of a collision: each wrong block passes the 16-bit
-hash with probability ~2^-16 (590 wrong blocks in the 1-bit run).
+(before ``auto`` agreed after each of its first steps, which then took 256
+to 4.18 and 2.17), so 256 is the default :data:`VERIFY_BLOCK` (hashes cost
+1/16 bit per element; 77 bytes of trailer per message at d = 9610). More
+hashed blocks also mean more chances of a collision: each wrong block passes
+the 16-bit hash with probability ~2^-16.
 
 Pending requests (neighbour -> blocks) are part of ``extra_state``
 (``nack``, with the ``verify_block`` they refer to; a checkpoint with another
@@ -196,7 +197,7 @@ from ..codecs.base import Payload, pack_header
 from ..codecs.entropy import ENTROPY_METHODS, entropy_code, entropy_decode
 from ..codecs.packing import packed_nbytes
 from ..codecs.rng import shared_generator
-from ..topology import Topology, slack_matrix, spectral_rho
+from ..topology import Topology, spectral_rho
 from .base import GossipAlgorithm
 
 THETA_SCHEDULES = ("constant", "lr")
@@ -335,8 +336,6 @@ class Moniqua(GossipAlgorithm):
         self.shared_randomness = bool(shared_randomness)
         self.verify = verify
         self.entropy = entropy
-        # rho of the matrix line 6 mixes with (Theorem 2 / 3)
-        self.rho = spectral_rho(slack_matrix(self.W, self.gamma))
         self.period = topology_diameter(topology) + 1  # P: steps per alarm epoch
         self.mismatches = 0  # wrong blocks this worker detected (and did not use)
         self.mismatched_messages = 0  # messages with at least one wrong block
