@@ -551,8 +551,8 @@ def test_end_to_end_train_config(name):
     # NDQSG's default: 2 of the 4 workers in P1 (DQSG M = 1), 2 in P2 (nested k = 2, 1 bit);
     # multi-scale (2, 6): min p + 1 + ceil(log2 2) = 4 bits per coordinate, the paper's r
     nominal = {"dqsg": level_bits(3), "ndqsg": (level_bits(3) + 1) / 2, "qsgd": level_bits(15),
-               "terngrad": level_bits(3), "onebit-ef": 1, "maxnorm": 2,
-               "maxnorm-multiscale": 4, "grandk-maxnorm": 2 * (d // 2) / d,
+               "terngrad": level_bits(3), "onebit-ef": 1, "maxnorm": level_bits(7),
+               "maxnorm-multiscale": 4, "grandk-maxnorm": level_bits(7) * (d // 2) / d,
                "grandk-maxnorm-multiscale": 4 * (d // 2) / d}
     if name in nominal:
         assert s["nominal_bits_per_element"] == pytest.approx(nominal[name])

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from lowbit.codecs.radix import level_bits
 from lowbit.cli import main
 from lowbit.repro import EXPERIMENTS, run_experiment
 from lowbit.repro import throughput as tp
@@ -105,8 +106,8 @@ def test_maxnorm_quick_writes_curves_and_both_bit_counts(tmp_path):
     rows = {r["label"]: r for r in res["rows"]}
     assert len(rows) == 10 and json.loads((tmp_path / "results.json").read_text())["rows"][0]["label"] == (
         "AllReduce SGD (fp32)")
-    for b in (8, 4, 2):
-        assert rows[f"QSGD-MN {b} bits"]["nominal_bits_per_element"] == b
+    for b in (8, 4, 2):  # 2^(b+1) - 1 levels at log2, sign included: b + 1 from b = 4 on, 2.83 at b = 2
+        assert rows[f"QSGD-MN {b} bits"]["nominal_bits_per_element"] == pytest.approx(level_bits(2 ** (b + 1) - 1))
     # two scales: the paper's r = ceil(log2 3) + 1 + ceil(log2 2) = 4 bits per coordinate
     assert rows["QSGD-MN-TS (2, 6) bits"]["nominal_bits_per_element"] == 4
     # integer codes travel in int8 at least; two scales need int16 codes and the scale-index round

@@ -28,10 +28,14 @@ fraction of ``d`` when below 1.
 Bits: ``bits`` is the paper's precision ``p = log2(s + 1)`` ("QSGD-MN 2"), so
 the codec is ``QSGDMaxNormCodec(bits=p + 1)`` with ``s = 2^p - 1`` levels;
 ``scales=(2, 6)`` is the paper's two-scale "(2, 6)". The nominal bits per
-element are ``p`` for one scale, as the paper's legends count; for multi-scale
-they are what the wire carries per coordinate, the paper's own count (section
-3.2) ``r = ceil(log2 s_min) + 1 + ceil(log2 N)`` = ``min p_j + 1 + ceil(log2 N)``
-(``MultiScaleMaxNormCodec.bits``: 4 for (2, 6)).
+element are what a message of codes carries per coordinate, sign included:
+for one scale the 2s + 1 levels at log2 (``QSGDMaxNormCodec.wire_bits``: 2.83
+for p = 2, p + 1 from p = 4 on; the paper's legend "QSGD-MN p" leaves the sign
+out); for multi-scale the paper's own count (section 3.2)
+``r = ceil(log2 s_min) + 1 + ceil(log2 N)`` = ``min p_j + 1 + ceil(log2 N)``
+(``MultiScaleMaxNormCodec.bits``: 4 for (2, 6)). The all-reduce itself sums
+the codes in the narrowest integer type that cannot overflow, which the wire
+bits count.
 """
 
 from __future__ import annotations
@@ -138,7 +142,9 @@ class MaxNormSGD(CentralizedAlgorithm):
         return RandKCodec(self.inner, k=self.K).with_seed(global_index_seed(self.seed, step))
 
     def nominal_bits_per_element(self):
-        p = self.inner.bits if self.multiscale else self.inner.precision
+        # bits per coordinate of a message: multi-scale's index, sign and code; single-scale's
+        # 2s + 1 levels at log2 (level_bits: 2.83 for precision 2, p + 1 from precision 4 on)
+        p = self.inner.bits if self.multiscale else self.inner.wire_bits
         if self.randk and getattr(self, "d", 0):
             return float(p) * min(self.K, self.d) / self.d
         return float(p)
