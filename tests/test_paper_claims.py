@@ -3,6 +3,7 @@
 
 import pytest
 
+from lowbit.codecs.radix import level_bits
 from lowbit.train import TrainConfig, train
 
 pytestmark = pytest.mark.slow  # whole training runs: about a minute together on 2 cores
@@ -63,6 +64,8 @@ def test_two_scale_trains_at_least_as_well_as_single_scale_at_2_bits():
     common = dict(hidden=300, steps=300, lr_schedule="cosine")
     single = [_run(algorithm="maxnorm", bits=2, seed=s, **common) for s in range(3)]
     two = [_run(algorithm="maxnorm-multiscale", scales="2,6", seed=s, **common) for s in range(3)]
-    assert all(r["nominal_bits_per_element"] == 2 for r in single + two)
+    # both at the paper's precision 2: one scale's 7 levels at log2 (sign included), two scales' r = 4
+    assert all(r["nominal_bits_per_element"] == pytest.approx(level_bits(7)) for r in single)
+    assert all(r["nominal_bits_per_element"] == 4 for r in two)
     mean = lambda runs: sum(r["final_test_accuracy"] for r in runs) / len(runs)  # noqa: E731
     assert mean(two) >= mean(single)
