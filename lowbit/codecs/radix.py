@@ -40,8 +40,9 @@ import torch
 from .kernels import cpu_kernels, fast_backend, kernels_for
 from .packing import check_packed, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
-__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "check_levels_packed", "level_bits", "levels_nbytes", "pack_levels", "pack_levels_fast",
-           "pack_radix", "radix_group", "radix_nbytes", "unpack_levels", "unpack_levels_fast", "unpack_radix"]
+__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "check_levels_packed", "level_bits", "level_width", "levels_nbytes",
+           "pack_levels", "pack_levels_fast", "pack_radix", "radix_applies", "radix_group", "radix_nbytes",
+           "unpack_levels", "unpack_levels_fast", "unpack_radix"]
 
 MAX_LEVELS = 255
 MAX_GROUP_BITS = 56  # a group value plus the < 8 pending bits fits a 64-bit accumulator
@@ -222,7 +223,8 @@ def _check_any_levels(L) -> int:
     return L
 
 
-def _width(L: int) -> int:
+def level_width(L: int) -> int:
+    """Bits per code in plain packing of ``L`` levels: ``ceil(log2 L)``."""
     return (L - 1).bit_length()
 
 
@@ -234,21 +236,21 @@ def level_bits(L: int) -> float:
     if radix_applies(L):
         g, b = radix_group(L)
         return b / g
-    return float(_width(L))
+    return float(level_width(L))
 
 
 def levels_nbytes(n: int, L: int) -> int:
     """Bytes taken by ``n`` codes of ``L`` levels (:func:`radix_nbytes` where mixed radix
     applies, else ``ceil(n ceil(log2 L) / 8)``)."""
     L = _check_any_levels(L)
-    return radix_nbytes(n, L) if radix_applies(L) else packed_nbytes(_check_n(n), _width(L))
+    return radix_nbytes(n, L) if radix_applies(L) else packed_nbytes(_check_n(n), level_width(L))
 
 
 def check_levels_packed(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
     """``data`` is a 1-D uint8 tensor of exactly :func:`levels_nbytes` ``(n, L)`` bytes
     (TypeError / ValueError otherwise)."""
     L = _check_any_levels(L)
-    return _check_data(data, n, L) if radix_applies(L) else check_packed(data, _width(L), n)
+    return _check_data(data, n, L) if radix_applies(L) else check_packed(data, level_width(L), n)
 
 
 def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
@@ -256,13 +258,13 @@ def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
     where mixed radix applies, else :func:`~lowbit.codecs.packing.pack_wide` at ``ceil(log2 L)``
     bits. ValueError for codes outside ``[0, L)`` (outside ``[0, 2^ceil(log2 L))`` beyond 255 levels)."""
     L = _check_any_levels(L)
-    return pack_radix_reference(codes, L) if radix_applies(L) else pack_wide(codes, _width(L))
+    return pack_radix_reference(codes, L) if radix_applies(L) else pack_wide(codes, level_width(L))
 
 
 def unpack_levels(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
     """Inverse of :func:`pack_levels` (int64 codes)."""
     L = _check_any_levels(L)
-    return unpack_radix_reference(data, L, n) if radix_applies(L) else unpack_wide(data, _width(L), n)
+    return unpack_radix_reference(data, L, n) if radix_applies(L) else unpack_wide(data, level_width(L), n)
 
 
 def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
@@ -270,7 +272,7 @@ def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
     levels, trusted to lie in ``[0, L)``): numba on the CPU, Triton on CUDA, the same bytes."""
     if radix_applies(L):
         return kernels_for(codes, "radix").pack(codes, L, *radix_group(L))
-    return kernels_for(codes).pack(codes, _width(L))
+    return kernels_for(codes).pack(codes, level_width(L))
 
 
 def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -279,7 +281,7 @@ def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = 
     for group values that their digits cannot hold)."""
     data = check_levels_packed(data, L, n)
     if not radix_applies(L):
-        return kernels_for(data).unpack(data, _width(L), n, dtype)
+        return kernels_for(data).unpack(data, level_width(L), n, dtype)
     g, b = radix_group(L)
     out, bad = kernels_for(data, "radix").unpack(data, L, g, b, n)
     _raise_bad(int(bad), L, -(-n // g))

@@ -23,19 +23,14 @@ import torch
 
 from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
 from .kernels import kernels_for
-from .packing import check_packed
 from .quantize import INT32_MAX, check_numel, check_positive, check_rounding, error_bound, round_to_int
-from .radix import check_levels_packed, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
+from .radix import check_levels_packed, level_width, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
     unpack_levels_fast
 from .rng import draw_key
 
 __all__ = ["UniformCodec"]
 
 _MAX_SPAN = 2**32 - 1
-
-
-def _width(L: int) -> int:
-    return (L - 1).bit_length()
 
 
 @dataclass(frozen=True)
@@ -112,7 +107,7 @@ class UniformCodec(Codec):
         if radix_applies(L):  # the re-based codes one per byte, then mixed radix
             data = pack_levels_fast(K.uniform_pack(codes, offset - base, 8), L)
         else:
-            data = K.uniform_pack(codes, offset - base, _width(L))
+            data = K.uniform_pack(codes, offset - base, level_width(L))
         return Payload(header=pack_header(self.header_format, n, offset, top, device=x.device), data=data)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
@@ -125,8 +120,8 @@ class UniformCodec(Codec):
         out = torch.float32 if dtype is None else dtype
         if radix_applies(L):  # the codes one per byte: the 8-bit packing
             return K.uniform_decode(unpack_levels_fast(payload.data, L, n), 8, n, offset, self.step, out)
-        check_packed(payload.data, _width(L), n)
-        return K.uniform_decode(payload.data, _width(L), n, offset, self.step, out)
+        check_levels_packed(payload.data, L, n)
+        return K.uniform_decode(payload.data, level_width(L), n, offset, self.step, out)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
