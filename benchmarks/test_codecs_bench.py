@@ -17,14 +17,6 @@ CASES = default_cases()
 DEVICE = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module", params=SIZES)
 def data(request):
     return bench_data(request.param, DEVICE)

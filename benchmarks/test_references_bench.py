@@ -16,14 +16,6 @@ PAIRS = reference_pairs()
 DEVICE = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def data():
     return bench_data(SIZE, DEVICE)

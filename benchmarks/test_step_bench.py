@@ -11,7 +11,6 @@ Run: ``OMP_NUM_THREADS=1 python -m pytest benchmarks/test_step_bench.py --benchm
 import statistics
 
 import pytest
-import torch
 
 from lowbit.bench.step import default_step_cases, step_config, step_end_times, step_seconds
 
@@ -27,10 +26,5 @@ def test_step(benchmark, case):
     def run():
         seconds.append(step_seconds(step_end_times(cfg), WARMUP))
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=0)
-    finally:
-        torch.set_num_threads(old)
+    benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=0)  # one torch thread: conftest.py
     benchmark.extra_info["step_ms"] = 1e3 * statistics.median(seconds)
