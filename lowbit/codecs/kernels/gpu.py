@@ -47,6 +47,15 @@ def uniform(offs, k0, k1):
 
 
 @triton.jit
+def load_work(ptr, offs, mask):
+    """Elements as float32, or float64 for float64 inputs (the kernels' working precision)."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    if x.dtype != tl.float64:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def rint(v):
     """Round half to even (as ``torch.round``)."""
     r = tl.floor(v + 0.5)

@@ -19,20 +19,12 @@ import triton
 import triton.language as tl
 
 from ..rng import split_key
-from .gpu import BLOCK, _grid, uniform
+from .gpu import BLOCK, _grid, load_work, uniform
 
 FLAG_NONFINITE = 1
 FLAG_OVER = 2
 FLAG_INDEX = 4
 FLAG_LEVEL = 8
-
-
-@triton.jit
-def _load_x(x_ptr, offs, mask):
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if x.dtype != tl.float64:
-        x = x.to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -60,7 +52,7 @@ def _norm_partials_kernel(x_ptr, sq_ptr, amax_ptr, bad_ptr, n, BLOCK_: tl.conste
 def _qsgd_encode_kernel(x_ptr, codes_ptr, flag_ptr, n, W, Wdiv, S, OFFSET, k0, k1, BLOCK_: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    x = _load_x(x_ptr, offs, mask)
+    x = load_work(x_ptr, offs, mask)
     a = tl.abs(x)
     t = (a / Wdiv) * S
     lo = tl.floor(t)
@@ -96,7 +88,7 @@ def _admissible(r, lev_ptr, N: tl.constexpr):
 def _ms_index_kernel(x_ptr, lev_ptr, idx_ptr, flag_ptr, n, W, Wdiv, N: tl.constexpr, BLOCK_: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    x = _load_x(x_ptr, offs, mask)
+    x = load_work(x_ptr, offs, mask)
     a = tl.abs(x)
     r = (a / Wdiv).to(tl.load(lev_ptr).dtype)
     tl.store(idx_ptr + offs, _admissible(r, lev_ptr, N).to(tl.uint8), mask=mask)
@@ -110,7 +102,7 @@ def _ms_encode_kernel(x_ptr, lev_ptr, idx_ptr, out_ptr, flag_ptr, n, W, Wdiv, k0
     codes (int64) on the agreed scales ``idx``."""
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    x = _load_x(x_ptr, offs, mask)
+    x = load_work(x_ptr, offs, mask)
     a = tl.abs(x)
     s_min = tl.load(lev_ptr)
     r = (a / Wdiv).to(s_min.dtype)

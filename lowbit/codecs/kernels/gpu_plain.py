@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..rng import counter_uniforms, split_key
-from .gpu import BLOCK, _grid, pack, rint, uniform, unpack
+from .gpu import BLOCK, _grid, load_work, pack, rint, uniform, unpack
 
 __all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
@@ -38,15 +38,6 @@ def _scalar(v: float, dtype: torch.dtype, device) -> torch.Tensor:
 
 
 @triton.jit
-def _load(ptr, offs, mask):
-    """Elements as float32, or float64 for float64 inputs."""
-    x = tl.load(ptr + offs, mask=mask, other=0.0)
-    if x.dtype != tl.float64:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def _is_nonfinite(x):
     return (x != x) | (tl.abs(x) == float("inf"))
 
@@ -58,7 +49,7 @@ def _minmax_encode_kernel(x_ptr, codes_ptr, n, lo_ptr, scale_ptr, k0, k1, TOP: t
                           STOCHASTIC: tl.constexpr, BLOCK_: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    x = _load(x_ptr, offs, mask)
+    x = load_work(x_ptr, offs, mask)
     v = (x - tl.load(lo_ptr)) * tl.load(scale_ptr)
     if STOCHASTIC:
         f = tl.floor(v)
@@ -115,7 +106,7 @@ def _uniform_encode_kernel(x_ptr, codes_ptr, range_ptr, n, step_ptr, base, k0, k
     """``round(x / step) - base`` as int32, and atomically the min and max of those."""
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    x = _load(x_ptr, offs, mask)
+    x = load_work(x_ptr, offs, mask)
     v = x / tl.load(step_ptr)
     if STOCHASTIC:
         f = tl.floor(v)
@@ -199,7 +190,7 @@ def _sign_encode_kernel(x_ptr, out_ptr, bad_ptr, n, nbytes, BLOCK_: tl.constexpr
     for k in tl.static_range(8):
         i = j * 8 + k
         m = i < n
-        v = _load(x_ptr, i, m)
+        v = load_work(x_ptr, i, m)
         acc = acc | (tl.where(m & (v >= 0.0), 1, 0) << k)
         bad = bad | tl.where(m & _is_nonfinite(v), 1, 0)
     tl.store(out_ptr + j, acc.to(tl.uint8), mask=j < nbytes)
@@ -252,7 +243,7 @@ def _terngrad_encode_kernel(x_ptr, out_ptr, n, nbytes, scale_ptr, k0, k1, BLOCK_
     for k in tl.static_range(5):
         i = j * 5 + k
         m = i < n
-        v = _load(x_ptr, i, m)
+        v = load_work(x_ptr, i, m)
         r = tl.minimum(tl.abs(v) / scale, 1.0)
         f = tl.floor(r)
         b = tl.minimum(f + (uniform(i, k0, k1) < (r - f)).to(r.dtype), 1.0)
