@@ -195,8 +195,9 @@ import torch
 from ..codecs import ModuloCodec
 from ..codecs.base import Payload, pack_header
 from ..codecs.entropy import ENTROPY_METHODS, entropy_code, entropy_decode
+from ..codecs.kernels import kernels_for
 from ..codecs.packing import packed_nbytes
-from ..codecs.rng import shared_generator
+from ..codecs.rng import draw_key, shared_generator
 from ..topology import Topology, spectral_rho
 from .base import GossipAlgorithm
 
@@ -497,6 +498,26 @@ class Moniqua(GossipAlgorithm):
         except OverflowError as e:
             raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
 
+    def _fused(self, y: torch.Tensor, x: torch.Tensor):
+        """The CPU kernels of the one-call-per-message exchange (:func:`lowbit.codecs.kernels.cpu.
+        _moniqua_send` / ``_moniqua_receive``) where they apply: verified, not entropy-coded, codes of
+        1, 2, 4 or 8 bits, float32/float64 models on the CPU fast path. Else None: the codec's calls."""
+        if not self.verify or self.entropy is not None or self.codec.bits not in (1, 2, 4, 8):
+            return None
+        if x.dtype not in (torch.float32, torch.float64) or not x.is_contiguous():
+            return None
+        K = kernels_for(y)
+        return K if K is not None and hasattr(K, "moniqua_send") else None
+
+    def _trailer_head(self, asked_of: dict[int, set[int]], nb: int) -> tuple[bytes, int]:
+        """The repair requests of my message (bytes before the hashes) and its control byte."""
+        ctrl = self._alarm_bits()
+        if not asked_of:
+            return b"", ctrl
+        # ask these neighbours for an fp32 repair of these blocks of this step's edge
+        head = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
+        return head + struct.pack("<H", len(asked_of)), ctrl | 4
+
     def _modulo_gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
         theta = self.theta_at(lr)
         if self._codec_at.theta != theta:  # a new theta_k: a new codec (validated once)
@@ -517,21 +538,21 @@ class Moniqua(GossipAlgorithm):
         if self.dither:  # shared subtractive dither, uniform over one grid cell
             v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=gen.device).to(y.device) - 0.5) * step
             y = y + v
-        payload = codec.encode(y, generator=gen)                                   # line 3
-        x_hat_i64, hashes = self._decode(codec, payload, y)                        # line 4
-        wire = self._pack(payload)
         # my requests, sent in this message (None: every block, from a whole-vector checkpoint)
         asked_of = {j: set(range(nb)) if b is None else {c for c in b if c < nb} for j, b in self._nack.items()}
         asked_of = {j: b for j, b in asked_of.items() if b}
-        if self.verify:
-            trailer = b""
-            ctrl = self._alarm_bits()
-            if asked_of:  # ask these neighbours for an fp32 repair of these blocks of this step's edge
-                ctrl |= 4
-                trailer = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
-                trailer += struct.pack("<H", len(asked_of))
-            trailer += hashes.numpy().astype("<u2").tobytes() + bytes([ctrl])
-            wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
+        K = self._fused(y, x)
+        if K is not None:  # line 3 and 4 and the trailer in one call
+            head, ctrl = self._trailer_head(asked_of, nb)
+            wire, x_hat_i64 = self._send_fused(K, codec, y, gen, head, ctrl, nb)
+        else:
+            payload = codec.encode(y, generator=gen)                               # line 3
+            x_hat_i64, hashes = self._decode(codec, payload, y)                    # line 4
+            wire = self._pack(payload)
+            if self.verify:
+                head, ctrl = self._trailer_head(asked_of, nb)
+                trailer = head + hashes.numpy().astype("<u2").tobytes() + bytes([ctrl])
+                wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         x_hat_i = (x_hat_i64 if v is None else x_hat_i64 - v).to(x.dtype)
         # blocks of each edge mixed exactly this step: asked by me or by the neighbour (both ends know both)
@@ -539,6 +560,8 @@ class Moniqua(GossipAlgorithm):
         nack: dict[int, set[int]] = {}
         recovered: dict[int, torch.Tensor] = {}
         good: dict[int, torch.Tensor | None] = {}  # element mask of the blocks verified right (None: all)
+        delta = torch.zeros_like(x)  # line 6's sum, built by the fused receive where every block is right
+        mixed = K is not None
         for j in self.neighbors:
             buf = received[j]
             if self.verify:
@@ -546,15 +569,19 @@ class Moniqua(GossipAlgorithm):
                 self._receive_alarm_bits(k, ctrl & 3)
                 if self.rank in requests:
                     repair.setdefault(j, set()).update(requests[self.rank])
-            x_hat_j64, mine = self._decode(codec, self._unpack(buf, d, x.device, j), y)  # line 5
+            if K is not None:  # line 5, the check and, if right, line 6's term, in one call
+                x_hat_j64, wrong = self._receive_fused(K, codec, buf, y, j, sent_hashes, v, x_hat_i, delta)
+                mixed = mixed and not wrong
+            else:
+                x_hat_j64, mine = self._decode(codec, self._unpack(buf, d, x.device, j), y)  # line 5
+                wrong = np.flatnonzero(mine.numpy() != sent_hashes).tolist() if self.verify else []
             good[j] = None
             if self.verify:
-                bad = np.flatnonzero(mine.numpy() != sent_hashes).tolist()
                 self._window[1] += nb
-                if bad:  # never use a wrong block: leave it out of this step's mix
-                    self._mismatch(k, j, len(bad), nb)
-                    nack[j] = set(bad)
-                    good[j] = ~self._block_mask(bad, d, x.device)
+                if wrong:  # never use a wrong block: leave it out of this step's mix
+                    self._mismatch(k, j, len(wrong), nb)
+                    nack[j] = set(wrong)
+                    good[j] = ~self._block_mask(wrong, d, x.device)
             recovered[j] = x_hat_j64 if v is None else x_hat_j64 - v
         exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         repair = {j: b for j, b in repair.items() if b}
@@ -579,21 +606,57 @@ class Moniqua(GossipAlgorithm):
                 vals[their_mask] = got[j][mask_nbytes:].cpu().clone().view(torch.float32).to(x.device)
                 m = self._block_mask(blocks, d, x.device)
                 exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
-        delta = torch.zeros_like(x)
-        for j in self.neighbors:
-            keep = good[j]
-            if j in exact:
-                m, ex = exact[j]
-                keep = ~m if keep is None else keep & ~m
-                delta.add_(ex, alpha=self.w[j])
-            if keep is None:  # every block right: w_j (xh_j - xh_i)
-                delta.add_(recovered[j].to(x.dtype), alpha=self.w[j]).sub_(x_hat_i, alpha=self.w[j])
-            else:
-                delta.add_((recovered[j].to(x.dtype) - x_hat_i) * keep, alpha=self.w[j])
+        if not mixed or repair:  # a wrong block or a repair: line 6 from the recovered points, block by block
+            delta.zero_()
+            for j in self.neighbors:
+                keep = good[j]
+                if j in exact:
+                    m, ex = exact[j]
+                    keep = ~m if keep is None else keep & ~m
+                    delta.add_(ex, alpha=self.w[j])
+                if keep is None:  # every block right: w_j (xh_j - xh_i)
+                    delta.add_(recovered[j].to(x.dtype), alpha=self.w[j]).sub_(x_hat_i, alpha=self.w[j])
+                else:
+                    delta.add_((recovered[j].to(x.dtype) - x_hat_i) * keep, alpha=self.w[j])
         self._nack = nack
         if self.grow_theta and self.neighbors and len(nack) == len(self.neighbors):
             self._pending.add(k // self.period)  # no neighbour's message was right: theta is far too small
         x.add_(delta, alpha=self.gamma)                                             # line 6
+
+    def _send_fused(self, K, codec: ModuloCodec, y: torch.Tensor, gen, head: bytes, ctrl: int, nb: int):
+        """My message ``codes | head | hashes | ctrl`` and my own decoded point x_hat_i (line 3, 4)."""
+        d = y.numel()
+        nbytes = packed_nbytes(d, codec.bits)
+        msg = torch.empty(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8)
+        m = msg.numpy()
+        if head:
+            m[nbytes:nbytes + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        m[-1] = ctrl
+        x_hat = torch.empty(d, dtype=y.dtype)
+        try:
+            stochastic = codec.rounding == "stochastic"
+            K.moniqua_send(y, codec.B_theta, codec.levels, stochastic, draw_key(gen) if stochastic else 0, codec.bits,
+                           self.verify_block, m, nbytes + len(head), x_hat)
+        except OverflowError as e:
+            raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
+        return msg, x_hat
+
+    def _receive_fused(self, K, codec: ModuloCodec, body: torch.Tensor, y: torch.Tensor, sender: int,
+                       sent_hashes: np.ndarray, v: torch.Tensor | None, x_hat_i: torch.Tensor, delta: torch.Tensor):
+        """Neighbour ``sender``'s decoded point (line 5) and its blocks whose hashes differ; when none
+        differs, its line-6 term w_j (xh_j - xh_i) is added to ``delta``."""
+        d = y.numel()
+        need = packed_nbytes(d, codec.bits)
+        if body.numel() != need:
+            raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: "
+                             f"{body.numel()} bytes of codes, {d} elements at {codec.bits} bits need {need}")
+        x_hat = torch.empty(d, dtype=y.dtype)
+        try:
+            wrong = K.moniqua_receive(body, codec.bits, codec.B_theta, codec.levels, y, self.verify_block,
+                                      sent_hashes, x_hat, v, x_hat_i, self.w[sender], delta)
+        except OverflowError as e:
+            raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
+        return x_hat, wrong
 
     # ---- the algorithm contract -------------------------------------------------------
     def before_update(self, k, x, g, lr):

@@ -331,37 +331,57 @@ def grid_element_hash(m, i):
 
 
 @_jit
-def _modulo_decode_hash(data, b, n, B, levels, y, block, out, hashes):
-    """:func:`_modulo_decode` of the ``n`` codes packed ``b`` bits each in ``data`` (b in 1, 2,
-    4, 8: unpacked here, in the same pass), and per block of ``block`` elements the 16-bit
-    hash of the grid integers ``m = code - levels k`` of the decoded values (``x_hat = m B /
-    levels`` up to rounding). Returns the largest ``levels |k|`` met (the caller refuses it
-    beyond 2^53: the grid integers would not be exact)."""
+def _modulo_decode_grid(codes, B, levels, y, out, m):
+    """:func:`_modulo_decode` that also writes each element's grid integer ``m = code - levels k``
+    (``k`` the lattice index eq. (5) picks; ``x_hat = m B / levels`` up to rounding). Returns the
+    largest ``|k|`` (``|k|`` beyond 4e18, or a NaN, reads as 4e18: the caller's limit is far below).
+    One flat loop, integer reductions only: it vectorises (a float ``max`` or packed reads in the
+    loop made it 3-4x slower)."""
     step = B / float(levels)
     inv_B = 1.0 / B
     h = B * 0.5
     L = np.int64(levels)
-    mask = (1 << b) - 1
-    reach = 0.0
-    nb = hashes.shape[0]
-    for blk in range(nb):
+    reach = np.int64(0)
+    for i in range(codes.shape[0]):
+        yv = np.float64(y[i])
+        z = float(codes[i]) * step - yv
+        k = math.floor(z * inv_B + 0.5)
+        r = z - B * k
+        up = r >= h
+        down = r < -h
+        r = r - B if up else (r + B if down else r)
+        k = k + 1.0 if up else (k - 1.0 if down else k)
+        out[i] = r + yv
+        kc = np.int64(min(max(k, -4.0e18), 4.0e18)) if k == k else np.int64(4.0e18)
+        reach = max(reach, abs(kc))
+        m[i] = np.int64(codes[i]) - L * kc
+    return reach
+
+
+@_jit
+def _grid_hashes(m, block, hashes):
+    """Per block of ``block`` elements, the 16-bit hash of the grid integers ``m``."""
+    n = m.shape[0]
+    for blk in range(hashes.shape[0]):
         acc = np.uint64(0)
         for i in range(blk * block, min(n, (blk + 1) * block)):
-            bit = i * b
-            code = (np.int64(data[bit >> 3]) >> (bit & 7)) & mask
-            yv = np.float64(y[i])
-            z = float(code) * step - yv
-            k = math.floor(z * inv_B + 0.5)
-            r = z - B * k
-            up = r >= h
-            down = r < -h
-            r = r - B if up else (r + B if down else r)
-            k = k + 1.0 if up else (k - 1.0 if down else k)
-            reach = max(reach, abs(k))
-            out[i] = r + yv
-            acc += grid_element_hash(code - L * np.int64(k), i)
+            acc += grid_element_hash(m[i], i)
         hashes[blk] = np.int32(mix32(acc & M32) & np.uint64(0xFFFF))
-    return reach * float(levels)
+
+
+@_jit
+def _modulo_decode_hash(data, b, n, B, levels, y, block, out, hashes):
+    """:func:`_modulo_decode` of the ``n`` codes packed ``b`` bits each in ``data`` (b in 1, 2,
+    4, 8), and per block of ``block`` elements the 16-bit hash of the grid integers ``m = code -
+    levels k`` of the decoded values. Returns the largest ``levels |k|`` met (the caller refuses
+    it beyond 2^53: the grid integers would not be exact). Three flat passes (unpack, decode,
+    hash) over scratch arrays: about half the time of one fused pass, which did not vectorise."""
+    codes = np.empty(n, dtype=np.uint8)
+    _unpack(data, b, codes)
+    m = np.empty(n, dtype=np.int64)
+    reach = _modulo_decode_grid(codes, B, levels, y, out, m)
+    _grid_hashes(m, block, hashes)
+    return float(reach) * float(levels)
 
 
 def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: int, ref: torch.Tensor,
@@ -379,3 +399,111 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
     return out.to(y.dtype), hashes
 
 
+
+
+# --- Moniqua's verified exchange in one call per message ------------------------------------------
+#
+# A message is ``codes | [repair requests] | block hashes (<u2 each) | control byte`` (see
+# lowbit.algorithms.moniqua). The sender's call encodes, packs the codes into the message, decodes its
+# own x_hat against its model and writes the hashes; the receiver's call decodes one neighbour's codes,
+# hashes them, compares with the hashes sent and, when every block agrees, adds the neighbour's term
+# ``w (x_hat_j - x_hat_i)`` of line 6 into the mix. One kernel call each instead of a dozen torch and
+# numba calls: at the model sizes of the thread runtime the calls, not the elements, are the cost.
+
+@numba.extending.intrinsic
+def fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (IEEE fused multiply-add; float32 or float64 alike): the
+    arithmetic of torch's ``add_(other, alpha=...)`` on the CPU, so that a kernel that mixes
+    gives torch's bits."""
+    if not (a == b == c and a in (numba.types.float32, numba.types.float64)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+
+        f = ir.FloatType() if sig.return_type == numba.types.float32 else ir.DoubleType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f], ir.FunctionType(f, [f, f, f]))
+        return builder.call(fn, args)
+
+    return a(a, b, c), codegen
+
+
+@_jit
+def _write_hashes(hashes, out):
+    for b in range(hashes.shape[0]):
+        h = np.uint32(hashes[b])
+        out[2 * b] = np.uint8(h & np.uint32(0xFF))
+        out[2 * b + 1] = np.uint8(h >> np.uint32(8))
+
+
+@_jit
+def _moniqua_send(x, inv_B, B, levels, stochastic, k0, k1, bits, block, codes, xhat, hashes, msg, hash_at):
+    """Encode ``x`` (codes into ``msg[:ceil(n bits / 8)]``), decode the sender's own point against
+    ``x`` into ``xhat`` with the block hashes, written ``<u2`` at ``msg[hash_at:]``. Returns
+    (non-finite flag, largest ``levels |k|``)."""
+    n = x.shape[0]
+    bad = _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes)
+    nbytes = (n * bits + 7) // 8
+    _pack(codes, bits, msg[:nbytes])
+    m = np.empty(n, dtype=np.int64)
+    reach = float(_modulo_decode_grid(codes, B, levels, x, xhat, m)) * float(levels)
+    _grid_hashes(m, block, hashes)
+    _write_hashes(hashes, msg[hash_at:hash_at + 2 * hashes.shape[0]])
+    return bad, reach
+
+
+@_jit
+def _moniqua_receive(data, bits, n, B, levels, y, block, sent, xh, hashes, bad, v, xhat_i, w, delta, cast):
+    """Decode a neighbour's ``data`` against ``y`` into ``xh`` with its block hashes; ``bad[b]`` is 1
+    where block ``b``'s hash differs from ``sent[b]`` (the message's hashes, uint16). When no block
+    differs, line 6's term: ``delta += w x_j; delta -= w x_hat_i`` (two fused multiply-adds, as
+    torch's ``add_``/``sub_`` with ``alpha``), where ``x_j = xh - v`` (the shared dither, when ``v``
+    has n elements) rounded to ``delta``'s dtype (through ``cast``, one element of that dtype).
+    Returns (blocks that differ, largest ``levels |k|``)."""
+    reach = _modulo_decode_hash(data, bits, n, B, levels, y, block, xh, hashes)
+    nbad = 0
+    for b in range(hashes.shape[0]):
+        differs = hashes[b] != np.int32(sent[b])
+        bad[b] = differs
+        nbad += differs
+    if nbad == 0:
+        dithered = v.shape[0] == n
+        for i in range(n):
+            cast[0] = xh[i] - v[i] if dithered else xh[i]
+            delta[i] = fma(-w, xhat_i[i], fma(w, cast[0], delta[i]))
+    return nbad, reach
+
+
+def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int, bits: int, block: int,
+                 msg: np.ndarray, hash_at: int, xhat: torch.Tensor) -> None:
+    """:func:`_moniqua_send` on torch tensors (``msg`` a uint8 array of the whole message)."""
+    n = x.numel()
+    k0, k1 = keys(key)
+    codes = np.empty(n, dtype=np.uint8)
+    hashes = np.empty((n + block - 1) // block, dtype=np.int32)
+    bad, reach = _moniqua_send(np_view(x), 1.0 / B, float(B), levels, stochastic, k0, k1, bits, block, codes,
+                               xhat.numpy(), hashes, msg, hash_at)
+    if bad:
+        raise nonfinite_error("modulo")
+    if reach > GRID_LIMIT:
+        raise OverflowError(grid_overflow_message(reach, B, levels))
+
+
+def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
+                    sent: np.ndarray, xh: torch.Tensor, v: torch.Tensor | None, xhat_i: torch.Tensor, w: float,
+                    delta: torch.Tensor) -> list[int]:
+    """:func:`_moniqua_receive` on torch tensors; returns the blocks whose hashes differ."""
+    n = y.numel()
+    nb = (n + block - 1) // block
+    hashes = np.empty(nb, dtype=np.int32)
+    bad = np.empty(nb, dtype=np.uint8)
+    d = delta.numpy()
+    nbad, reach = _moniqua_receive(np_view(data), bits, n, float(B), levels, np_view(y), block, sent, xh.numpy(),
+                                   hashes, bad, _NO_DITHER if v is None else np_view(v), np_view(xhat_i),
+                                   d.dtype.type(w), d, np.empty(1, dtype=d.dtype))
+    if reach > GRID_LIMIT:
+        raise OverflowError(grid_overflow_message(reach, B, levels))
+    return np.flatnonzero(bad).tolist() if nbad else []
+
+
+_NO_DITHER = np.empty(0, dtype=np.float64)
