@@ -1,6 +1,7 @@
 """The codecs' fast path (numba on the CPU) against the float64 reference: the same
 bytes for the same generator, the same decodes, the same errors."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -112,3 +113,87 @@ def test_decode_hashed_refuses_inexact_grid_integers(path):
         p = codec.encode(x, generator=torch.Generator().manual_seed(0))
         with pytest.raises(OverflowError, match="Raise theta"):
             codec.decode_hashed(p, ref=x, block=4)
+
+
+# ---- Moniqua's one-call-per-message exchange (cpu._moniqua_send / _moniqua_receive) ----------
+
+def _message(codec, x, key, block, head=b"\x07\x00", ctrl=5):
+    """The fused sender's message and own decode, and what the codec's calls give."""
+    n = x.numel()
+    nbytes = -(-n * codec.bits // 8)
+    nb = -(-n // block)
+    msg = np.zeros(nbytes + len(head) + 2 * nb + 1, dtype=np.uint8)
+    msg[nbytes:nbytes + len(head)] = np.frombuffer(head, dtype=np.uint8)
+    msg[-1] = ctrl
+    xhat = torch.empty(n, dtype=x.dtype)
+    stochastic = codec.rounding == "stochastic"
+    cpu.moniqua_send(x, codec.B_theta, codec.levels, stochastic, key if stochastic else 0, codec.bits, block, msg,
+                     nbytes + len(head), xhat)
+    return msg, xhat, nbytes, nb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bits,rounding", [(1, "nearest"), (2, "stochastic"), (4, "stochastic"), (8, "nearest")])
+def test_moniqua_send_is_encode_and_decode_hashed(dtype, bits, rounding):
+    codec = ModuloCodec(bits=bits, theta=0.1, rounding=rounding)
+    x = (torch.randn(4_099, generator=torch.Generator().manual_seed(bits), dtype=torch.float64) * 3).to(dtype)
+    key = draw_key(shared_generator(2, 3, 0))
+    msg, xhat, nbytes, nb = _message(codec, x, key, 64)
+    p = codec.encode(x, generator=shared_generator(2, 3, 0))
+    own, hashes = codec.decode_hashed_reference(p, ref=x, block=64)
+    assert torch.equal(torch.from_numpy(msg[:nbytes]), p.data) and torch.equal(xhat, own)
+    assert msg[nbytes:nbytes + 2].tobytes() == b"\x07\x00" and msg[-1] == 5
+    assert (msg[nbytes + 2:-1].view("<u2") == hashes.numpy()).all() and len(hashes) == nb
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dither", [False, True])
+def test_moniqua_receive_is_decode_hashed_then_torchs_mix(dtype, dither):
+    """The receiver's call: the codec's decode and hashes, exactly the wrong blocks, and line 6's
+    term bit for bit as torch's ``add_(x_j, alpha=w).sub_(x_hat_i, alpha=w)`` (fused multiply-adds),
+    added only when every block is right."""
+    codec = ModuloCodec(bits=2, theta=0.1)
+    n, block, w = 5_003, 64, 1 / 3  # n not a multiple of the SIMD width or of the block
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(n, generator=g, dtype=torch.float64) * 2).to(dtype)       # the receiver
+    xj = x + (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1).to(dtype) * 0.09  # a neighbour
+    v = (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 0.05 if dither else None
+    y, yj = (x.double() + v, xj.double() + v) if dither else (x, xj)
+    key = draw_key(shared_generator(0, 1, 0))
+    msg_i, own_i, nbytes, nb = _message(codec, y, key, block)
+    x_hat_i = (own_i if v is None else own_i - v).to(dtype)
+    start = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)  # a neighbour already mixed in
+    for far in ([], [130, 4_000]):  # blocks 2 and 62 recovered wrong
+        far_j = yj.clone()
+        far_j[far] += 1.0
+        msg, _, _, _ = _message(codec, far_j, key, block)
+        sent = msg[nbytes + 2:-1].view("<u2")
+        delta, xh = start.clone(), torch.empty(n, dtype=y.dtype)
+        wrong = cpu.moniqua_receive(torch.from_numpy(msg[:nbytes]), 2, codec.B_theta, codec.levels, y, block, sent,
+                                    xh, v, x_hat_i, w, delta)
+        p = codec.encode(far_j, generator=shared_generator(0, 1, 0))
+        ref, mine = codec.decode_hashed_reference(p, ref=y, block=block)
+        assert torch.equal(xh, ref)
+        assert wrong == [i // block for i in far] == np.flatnonzero(mine.numpy() != sent).tolist()
+        recovered = ref if v is None else ref - v
+        expect = start.clone().add_(recovered.to(dtype), alpha=w).sub_(x_hat_i, alpha=w) if not far else start
+        assert torch.equal(delta, expect)
+
+
+def test_moniqua_fused_exchange_is_the_codec_path_bit_for_bit(monkeypatch):
+    """Whole Moniqua runs (verification with wrong blocks and repairs, the 1-bit dither) on the
+    fused calls and on the codecs' reference calls give the same parameters and bytes."""
+    from lowbit.train import TrainConfig, train
+
+    def run(**kw):
+        r = train(TrainConfig(task="digits-mlp", workers=4, steps=15, eval_every=100, algorithm="moniqua", **kw))
+        return [(w.params, w.ledger_rows, w.report["mismatched_blocks"]) for w in r.workers]
+
+    for kw in (dict(bits=2, theta=0.02), dict(bits=1)):
+        fused = run(**kw)
+        monkeypatch.setenv("LOWBIT_CODEC_PATH", "reference")
+        plain = run(**kw)
+        monkeypatch.delenv("LOWBIT_CODEC_PATH")
+        assert any(m for _, _, m in fused) or kw["bits"] == 1  # theta 0.02: wrong blocks, repaired
+        for (p, r, m), (q, s, o) in zip(fused, plain):
+            assert torch.equal(p, q) and (r, m) == (s, o)
