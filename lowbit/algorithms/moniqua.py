@@ -627,16 +627,15 @@ class Moniqua(GossipAlgorithm):
         """My message ``codes | head | hashes | ctrl`` and my own decoded point x_hat_i (line 3, 4)."""
         d = y.numel()
         nbytes = packed_nbytes(d, codec.bits)
-        msg = torch.empty(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8)
-        m = msg.numpy()
+        msg = torch.empty(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8, device=y.device)
         if head:
-            m[nbytes:nbytes + len(head)] = np.frombuffer(head, dtype=np.uint8)
-        m[-1] = ctrl
-        x_hat = torch.empty(d, dtype=y.dtype)
+            msg[nbytes:nbytes + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(y.device)
+        msg[-1] = ctrl
+        x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
         try:
             stochastic = codec.rounding == "stochastic"
             K.moniqua_send(y, codec.B_theta, codec.levels, stochastic, draw_key(gen) if stochastic else 0, codec.bits,
-                           self.verify_block, m, nbytes + len(head), x_hat)
+                           self.verify_block, msg, nbytes + len(head), x_hat)
         except OverflowError as e:
             raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
         return msg, x_hat
@@ -650,7 +649,7 @@ class Moniqua(GossipAlgorithm):
         if body.numel() != need:
             raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: "
                              f"{body.numel()} bytes of codes, {d} elements at {codec.bits} bits need {need}")
-        x_hat = torch.empty(d, dtype=y.dtype)
+        x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
         try:
             wrong = K.moniqua_receive(body, codec.bits, codec.B_theta, codec.levels, y, self.verify_block,
                                       sent_hashes, x_hat, v, x_hat_i, self.w[sender], delta)

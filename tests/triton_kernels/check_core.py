@@ -70,3 +70,47 @@ def test_modulo_decode_hash_matches_the_reference(block, dtype):
     with pytest.raises(OverflowError, match="2\\^53"):
         gpu.modulo_decode_hash(payload.data[:1], codec.bits, 4, codec.B_theta, codec.levels,
                                torch.full((4,), 1e17, dtype=dtype), block)
+
+
+@pytest.mark.parametrize("dtype,dither", [(torch.float32, False), (torch.float64, False), (torch.float32, True)])
+def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither):
+    """Moniqua's one-call exchange on CUDA: the same message bytes and decodes as the numba
+    calls; the same wrong blocks; line 6's term where every block agrees (float32 slack: the
+    fused multiply-adds are the same, the rounding of xh - v may differ by an ulp)."""
+    codec = ModuloCodec(bits=2, theta=0.05)
+    n, block, w = 1031, 100, 1 / 3
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(n, dtype=torch.float64, generator=g).to(dtype)
+    xj = x + (torch.rand(n, dtype=torch.float64, generator=g) - 0.5).to(dtype) * 0.09
+    v = (torch.rand(n, dtype=torch.float64, generator=g) - 0.5) * 0.02 if dither else None
+    y, yj = (x.double() + v, xj.double() + v) if dither else (x, xj)
+    nbytes, nb = -(-n * 2 // 8), -(-n // block)
+    msgs = {}
+    for name, K in (("gpu", gpu), ("cpu", cpu)):
+        for who, src in (("i", y), ("j", yj)):
+            msg = torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8)
+            xhat = torch.empty(n, dtype=src.dtype)
+            K.moniqua_send(src, codec.B_theta, codec.levels, True, 77, 2, block, msg, nbytes, xhat)
+            msgs[name, who] = msg, xhat
+    for who in "ij":
+        assert torch.equal(msgs["gpu", who][0], msgs["cpu", who][0])
+        assert torch.equal(msgs["gpu", who][1], msgs["cpu", who][1])
+    msg_j = msgs["cpu", "j"][0]
+    x_hat_i = (msgs["cpu", "i"][1] if v is None else msgs["cpu", "i"][1] - v).to(dtype)
+    for far in ([], [250, 1030]):  # blocks 2 and 10 wrong
+        sent = msg_j[nbytes:-1].numpy().view("<u2").copy()
+        if far:  # the receiver's model far from the sender's there: those blocks decode wrong
+            y_far = y.clone()
+            y_far[far] += 1.0
+        else:
+            y_far = y
+        out = {}
+        for name, K in (("gpu", gpu), ("cpu", cpu)):
+            delta, xh = torch.zeros(n, dtype=dtype), torch.empty(n, dtype=y.dtype)
+            wrong = K.moniqua_receive(msg_j[:nbytes], 2, codec.B_theta, codec.levels, y_far, block, sent, xh, v,
+                                      x_hat_i, w, delta)
+            out[name] = wrong, xh, delta
+        assert out["gpu"][0] == out["cpu"][0] == [f // block for f in far]
+        assert torch.equal(out["gpu"][1], out["cpu"][1])
+        if not far:
+            torch.testing.assert_close(out["gpu"][2], out["cpu"][2], rtol=0, atol=4 * torch.finfo(dtype).eps)

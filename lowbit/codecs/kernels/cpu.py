@@ -475,14 +475,15 @@ def _moniqua_receive(data, bits, n, B, levels, y, block, sent, xh, hashes, bad, 
 
 
 def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int, bits: int, block: int,
-                 msg: np.ndarray, hash_at: int, xhat: torch.Tensor) -> None:
-    """:func:`_moniqua_send` on torch tensors (``msg`` a uint8 array of the whole message)."""
+                 msg: torch.Tensor, hash_at: int, xhat: torch.Tensor) -> None:
+    """:func:`_moniqua_send` on torch tensors (``msg`` the whole message, uint8: codes from byte 0,
+    hashes from ``hash_at``; the bytes between and after are the caller's)."""
     n = x.numel()
     k0, k1 = keys(key)
     codes = np.empty(n, dtype=np.uint8)
     hashes = np.empty((n + block - 1) // block, dtype=np.int32)
     bad, reach = _moniqua_send(np_view(x), 1.0 / B, float(B), levels, stochastic, k0, k1, bits, block, codes,
-                               xhat.numpy(), hashes, msg, hash_at)
+                               xhat.numpy(), hashes, msg.numpy(), hash_at)
     if bad:
         raise nonfinite_error("modulo")
     if reach > GRID_LIMIT:
@@ -492,7 +493,8 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
 def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
                     sent: np.ndarray, xh: torch.Tensor, v: torch.Tensor | None, xhat_i: torch.Tensor, w: float,
                     delta: torch.Tensor) -> list[int]:
-    """:func:`_moniqua_receive` on torch tensors; returns the blocks whose hashes differ."""
+    """:func:`_moniqua_receive` on torch tensors (``sent``: the message's hashes, uint16); returns
+    the blocks whose hashes differ."""
     n = y.numel()
     nb = (n + block - 1) // block
     hashes = np.empty(nb, dtype=np.int32)

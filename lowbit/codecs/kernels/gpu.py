@@ -14,6 +14,7 @@ Codes of at most 8 bits are packed in groups of 8 codes, which fill exactly
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -158,14 +159,10 @@ def _modulo_decode_kernel(codes_ptr, y_ptr, out_ptr, n, B, step, LEVELS: tl.cons
 
 
 @triton.jit
-def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n, block, B, step,
-                               LEVELS: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per hashed block: eq. (5) as the numba kernel computes it (lattice index k,
-    then the grid integers m = code - LEVELS k), the block's 16-bit hash of m, and its
-    largest |k|."""
-    b = tl.program_id(0)
-    start = b * block
-    end = tl.minimum(start + block, n)
+def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: tl.constexpr, CHUNK: tl.constexpr):
+    """Elements ``start..end-1``: eq. (5) as the numba kernel computes it (lattice index k, then
+    the grid integers m = code - LEVELS k), stored into ``out``; returns the block's 16-bit hash
+    of m and its largest |k|."""
     acc = tl.zeros([CHUNK], dtype=tl.uint32)
     reach = tl.zeros([CHUNK], dtype=tl.float64)
     for s in range(start, end, CHUNK):
@@ -189,8 +186,66 @@ def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n
         key = ((offs.to(tl.uint32) * HASH_STEP) ^ HASH_SALT) | 1
         acc += tl.where(mask, lo * key + hi * HASH_HIGH, 0).to(tl.uint32)
     total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
-    tl.store(hash_ptr + b, (_mix32(total.to(tl.uint32)) & 0xFFFF).to(tl.int32))
-    tl.store(reach_ptr + b, tl.max(reach, axis=0))
+    return (_mix32(total.to(tl.uint32)) & 0xFFFF).to(tl.int32), tl.max(reach, axis=0)
+
+
+@triton.jit
+def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n, block, B, step,
+                               LEVELS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per hashed block: the decode, the block's hash and its largest |k|."""
+    b = tl.program_id(0)
+    h, reach = _decode_hash_block(codes_ptr, y_ptr, out_ptr, b * block, tl.minimum(b * block + block, n), B, step,
+                                  LEVELS, CHUNK)
+    tl.store(hash_ptr + b, h)
+    tl.store(reach_ptr + b, reach)
+
+
+@triton.jit
+def _moniqua_receive_kernel(codes_ptr, y_ptr, xh_ptr, sent_ptr, bad_ptr, reach_ptr, v_ptr, xhi_ptr, delta_ptr, n,
+                            block, B, step, w_ptr, LEVELS: tl.constexpr, CHUNK: tl.constexpr, DITHER: tl.constexpr):
+    """One program per hashed block of a neighbour's message: the decode into ``xh``, the hash
+    compared with the one sent (``bad``), and for a block that agrees line 6's term ``delta +=
+    w x_j; delta -= w x_hat_i`` (fused multiply-adds; ``x_j = xh - v`` with the shared dither; ``w``
+    one element of delta's dtype: a float argument would be rounded to float32)."""
+    b = tl.program_id(0)
+    start = b * block
+    end = tl.minimum(start + block, n)
+    h, reach = _decode_hash_block(codes_ptr, y_ptr, xh_ptr, start, end, B, step, LEVELS, CHUNK)
+    differs = h != tl.load(sent_ptr + b)
+    tl.store(bad_ptr + b, differs.to(tl.int32))
+    tl.store(reach_ptr + b, reach)
+    tl.debug_barrier()  # this program's stores of xh are visible to its loads below
+    if not differs:
+        wd = tl.load(w_ptr)
+        for s in range(start, end, CHUNK):
+            offs = s + tl.arange(0, CHUNK)
+            mask = offs < end
+            d = tl.load(delta_ptr + offs, mask=mask, other=0.0)
+            xj = tl.load(xh_ptr + offs, mask=mask, other=0.0)
+            if DITHER:
+                xj = xj - tl.load(v_ptr + offs, mask=mask, other=0.0)
+            xi = tl.load(xhi_ptr + offs, mask=mask, other=0.0)
+            d = tl.fma(xj.to(d.dtype), wd, d)
+            tl.store(delta_ptr + offs, tl.fma(xi, -wd, d), mask=mask)
+
+
+def _decode_hash(codes: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block: int, B: float,
+                 levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode of the ``n`` unpacked ``codes`` into ``out`` and, on the device, the blocks'
+    hashes (int32) and the largest ``levels |k|`` (float64, one element)."""
+    n = y.numel()
+    nb = -(-n // block)
+    hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
+    reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
+    if n:
+        _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, block, float(B), float(B) / levels,
+                                          LEVELS=levels, CHUNK=min(1024, triton.next_power_of_2(block)))
+    return hashes, reach.max().reshape(1) * levels
+
+
+def _check_reach(reach: float, B: float, levels: int) -> None:
+    if reach > GRID_LIMIT:
+        raise OverflowError(grid_overflow_message(reach, B, levels))
 
 
 def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: int, ref: torch.Tensor,
@@ -200,19 +255,51 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
     grid integers, as the numba kernel: the hashes come back as an int32 CPU tensor (they go into
     the message), with the overflow check in the same host read."""
     y = ref.detach().contiguous()
-    codes = unpack(data, bits, n)
     out = torch.empty(n, dtype=y.dtype, device=y.device)
+    hashes, reach = _decode_hash(unpack(data, bits, n), y, out, block, B, levels)
+    host = torch.cat([hashes.to(torch.float64), reach]).cpu()  # the one host read
+    _check_reach(float(host[-1]), B, levels)
+    return out, host[:-1].to(torch.int32)
+
+
+def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int, bits: int, block: int,
+                 msg: torch.Tensor, hash_at: int, xhat: torch.Tensor) -> None:
+    """Moniqua's message on the device (the numba ``moniqua_send``'s contract): the codes packed
+    into ``msg`` from byte 0, the sender's own decode into ``xhat``, the blocks' hashes ``<u2`` into
+    ``msg`` from ``hash_at``. Host reads: the encode's non-finite flag and the overflow check."""
+    x = x.detach().contiguous()
+    codes = modulo_encode(x, B, levels, stochastic, key)
+    packed = pack(codes, bits)
+    msg[:packed.numel()] = packed
+    hashes, reach = _decode_hash(codes, x, xhat, block, B, levels)
+    _check_reach(float(reach), B, levels)
+    le = torch.stack([hashes & 0xFF, (hashes >> 8) & 0xFF], dim=1).flatten().to(torch.uint8)
+    msg[hash_at:hash_at + le.numel()] = le
+
+
+def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
+                    sent, xh: torch.Tensor, v: torch.Tensor | None, xhat_i: torch.Tensor, w: float,
+                    delta: torch.Tensor) -> list[int]:
+    """The numba ``moniqua_receive``'s contract on the device: decode into ``xh``, compare the
+    hashes with ``sent`` (the message's, uint16 on the host) and return the blocks that differ
+    (one host read, with the overflow check). The blocks that agree add their line-6 term to
+    ``delta``; when some block differs the caller rebuilds ``delta`` (as on the CPU, where the
+    kernel adds nothing then)."""
+    y = y.detach().contiguous()
+    n = y.numel()
     nb = -(-n // block)
-    hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
+    codes = unpack(data, bits, n)
+    theirs = torch.from_numpy(np.asarray(sent, dtype=np.int32)).to(y.device)
+    bad = torch.zeros(nb, dtype=torch.int32, device=y.device)
     reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
     if n:
-        chunk = min(1024, triton.next_power_of_2(block))
-        _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, block, float(B), float(B) / levels,
-                                          LEVELS=levels, CHUNK=chunk)
-    host = torch.cat([hashes.to(torch.float64), reach.max().reshape(1) * levels]).cpu()  # the one host read
-    if float(host[-1]) > GRID_LIMIT:
-        raise OverflowError(grid_overflow_message(float(host[-1]), B, levels))
-    return out, host[:-1].to(torch.int32)
+        _moniqua_receive_kernel[(nb,)](codes, y, xh, theirs, bad, reach, y if v is None else v.contiguous(), xhat_i,
+                                       delta, n, block, float(B), float(B) / levels,
+                                       torch.tensor([w], dtype=delta.dtype, device=y.device), LEVELS=levels,
+                                       CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None)
+    host = torch.cat([bad.to(torch.float64), reach.max().reshape(1) * levels]).cpu()  # the one host read
+    _check_reach(float(host[-1]), B, levels)
+    return np.flatnonzero(host[:-1].numpy()).tolist()
 
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
