@@ -267,6 +267,34 @@ def default_rounding(bits: int) -> str:
 
 
 class Moniqua(GossipAlgorithm):
+    """Decentralized SGD that sends each model to its neighbours at ``bits`` bits per element.
+
+    Each step a worker averages its model with its neighbours' on ``topology`` (D-PSGD), but
+    sends only the low-order part of each weight (:class:`~lowbit.codecs.ModuloCodec`): a
+    neighbour recovers the rest from its own, nearby model. This needs the models to stay
+    within ``theta`` of each other, element by element, which Moniqua keeps checking.
+
+    Parameters (plain words first; the module docstring has the paper's symbols):
+        transport, topology: the workers' network and who talks to whom.
+        bits: bits sent per element (1 to 8). 2 is the paper's main setting.
+        theta: the largest difference between two neighbours' weights that decoding tolerates.
+            ``"auto"`` (default) starts from the first gradient and follows the step size,
+            doubling where verification finds blocks decoded wrong; a number fixes it.
+        rounding: ``"stochastic"`` or ``"nearest"`` rounding of the sent codes (default: by bits).
+        theta_schedule: with a fixed theta, ``"lr"`` scales it with the step size.
+        theta_every: steps between two agreements of ``theta="auto"``.
+        shared_randomness: every worker rounds with the same random draws each step, so that
+            nearby models round alike (default True).
+        gamma: how far each step moves towards the neighbours' average, in (0, 1]; None picks
+            it from the grid step and the topology (:func:`default_gamma`).
+        verify: send a 16-bit hash per block of ``verify_block`` elements so the receiver can
+            tell a wrong decode; wrong blocks are left out of the mix and resent in fp32.
+        entropy: also entropy-code the codes (``"zlib"``, ``"bz2"``, ``"lzma"``, ``"ans"``).
+        dither: at 1 bit, add a shared random offset before rounding (default: on at 1 bit).
+        grow_theta: double theta when no neighbour's message decodes right (an alarm).
+        verify_block: elements per verified block.
+    """
+
     name = "moniqua"
 
     @classmethod

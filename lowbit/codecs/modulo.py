@@ -80,8 +80,26 @@ def grid_overflow_message(reach: float, B: float, levels: int) -> str:
 
 @dataclass(frozen=True)
 class ModuloCodec(Codec):
-    """Moniqua's modulo quantizer; kind SIDE_INFO: ``decode`` needs ``ref``.
+    """Moniqua's modulo quantizer: send only where ``x`` sits within a window of width
+    ``B_theta``, and let the receiver, whose own value is close, find which window.
 
+    In plain words: the sender writes each element as "window index + position inside the
+    window" and sends only the position, quantized to ``bits`` bits. The receiver's own value
+    ``y`` (its copy of the model) picks the window nearest to it. That works whenever the two
+    values differ by less than ``theta`` in that element; then the error is at most
+    ``delta * B_theta`` (Lemma 2 of the paper), however large ``x`` itself is.
+
+    Parameters:
+        bits: bits sent per element, 1 to 8 (``2^bits`` positions inside a window).
+        theta: how far apart the sender's and the receiver's values may be, per element, for
+            the receiver to decode correctly; the same unit as the values (model weights). A
+            larger theta is safer but coarser: the window ``B_theta = 2 theta / (1 - 2 delta)``
+            grows with it and so does the error. Moniqua picks it (``theta="auto"``) and checks
+            it (verification); :class:`~lowbit.algorithms.Moniqua`'s docstring explains how.
+        rounding: ``"stochastic"`` (unbiased, error bound ``delta = 2^-bits`` of the window) or
+            ``"nearest"`` (``delta = 2^-(bits+1)``; the only choice at 1 bit).
+
+    Kind SIDE_INFO: ``decode`` needs ``ref``, the receiver's own value ``y``.
     Header ``<i``: numel; data: codes in ``0..2^bits - 1`` packed ``bits`` each.
     ``decode(payload, ref=y)`` returns ``x_hat`` of eq. (5) in ``y``'s dtype and
     on ``y``'s device; decoding against the sender's own ``x`` gives Algorithm 1
