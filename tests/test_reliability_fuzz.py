@@ -133,8 +133,8 @@ def test_moniqua_frame_parser_random_bytes(raw):
     d, nb = 100, 7
     buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
     try:
-        codes, hashes, ctrl, requests = m._parse_trailer(buf, nb, sender=1)
-        m._unpack(codes, d, "cpu", 1)
+        codes, hashes, ctrl, requests = m.frame.parse(buf, nb, sender=1)
+        m.frame.codes(codes, d, "cpu", 1)
     except ValueError as e:
         assert "from worker 1" in str(e)
         return
@@ -147,7 +147,7 @@ def test_moniqua_entropy_coded_codes_are_bounded(raw, method):
     m = _moniqua(method)
     buf = torch.frombuffer(bytearray(b"Z" + raw if method == "zlib" else b"A" + raw), dtype=torch.uint8)
     try:
-        payload = m._unpack(buf, 100, "cpu", 2)
+        payload = m.frame.codes(buf, 100, "cpu", 2)
     except ValueError as e:
         assert "from worker 2" in str(e)
         return
@@ -158,4 +158,4 @@ def test_moniqua_zlib_bomb_from_a_peer_is_refused():
     m = _moniqua("zlib")
     bomb = torch.frombuffer(bytearray(b"Z" + zlib.compress(bytes(10_000_000), 9)), dtype=torch.uint8)
     with pytest.raises(ValueError, match="from worker 2.*more than max_length=25"):
-        m._unpack(bomb, 100, "cpu", 2)
+        m.frame.codes(bomb, 100, "cpu", 2)

@@ -186,18 +186,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import logging
-import struct
 from collections import deque
 
-import numpy as np
 import torch
 
 from ..codecs import ModuloCodec
-from ..codecs.base import Payload, pack_header
-from ..codecs.entropy import ENTROPY_METHODS, entropy_code, entropy_decode
-from ..codecs.kernels import kernels_for
-from ..codecs.packing import packed_nbytes
-from ..codecs.rng import draw_key, shared_generator
+from ..codecs.entropy import ENTROPY_METHODS
+from ..codecs.modulo_frame import ModuloFrame
+from ..codecs.rng import shared_generator
 from ..topology import Topology, spectral_rho
 from .base import GossipAlgorithm
 
@@ -216,18 +212,6 @@ GAMMA_K = 2.5
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
 VERIFY_BLOCK = 256
 _log = logging.getLogger(__name__)
-
-
-def _pack_mask(blocks, nb: int) -> bytes:
-    """Bit mask (ceil(nb / 8) bytes, little-endian bit order) of block indices in [0, nb)."""
-    out = bytearray(-(-nb // 8))
-    for b in blocks:
-        out[b >> 3] |= 1 << (b & 7)
-    return bytes(out)
-
-
-def _unpack_mask(raw: bytes, nb: int) -> set[int]:
-    return {b for b in range(nb) if raw[b >> 3] >> (b & 7) & 1}
 
 
 def topology_diameter(topology: Topology) -> int:
@@ -365,6 +349,8 @@ class Moniqua(GossipAlgorithm):
         self.shared_randomness = bool(shared_randomness)
         self.verify = verify
         self.entropy = entropy
+        self.frame = ModuloFrame(bits=self.codec.bits, block=verify_block, verify=verify, entropy=entropy,
+                                 peers=len(self.neighbors), rank=self.rank)
         self.period = topology_diameter(topology) + 1  # P: steps per alarm epoch
         self.mismatches = 0  # wrong blocks this worker detected (and did not use)
         self.mismatched_messages = 0  # messages with at least one wrong block
@@ -452,105 +438,11 @@ class Moniqua(GossipAlgorithm):
         if self.auto_theta and agreement_due(k, self.theta_every):
             self._agree_theta()
 
-    def _pack(self, payload: Payload) -> torch.Tensor:
-        """The codes (the length header is known to every worker), entropy-coded if asked."""
-        if self.entropy is None:
-            return payload.data
-        kw = {"symbol_bits": self.codec.bits} if self.entropy == "ans" and self.codec.bits in (1, 2, 4, 8) else {}
-        blob = entropy_code(payload.data, self.entropy, **kw)
-        return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(payload.data.device)
-
-    def _unpack(self, body: torch.Tensor, n: int, device, sender: int) -> Payload:
-        """The codes of ``sender``'s message (of exactly the size n elements need; ValueError otherwise)."""
-        need = packed_nbytes(n, self.codec.bits)
-        if self.entropy is not None:
-            try:
-                raw = entropy_decode(body, self.entropy, max_length=need)
-            except ValueError as e:
-                raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: {e}") from None
-            body = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        if body.numel() != need:
-            raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: "
-                             f"{body.numel()} bytes of codes, {n} elements at {self.codec.bits} bits need {need}")
-        return Payload(header=pack_header(self.codec.header_format, n), data=body.to(device))
-
-    def _parse_trailer(self, buf: torch.Tensor, nb: int, sender: int):
-        """Split a verified message from ``sender`` into (codes, block hashes, control byte, requests
-        {rank: blocks}); a ValueError naming the sender for any malformed frame."""
-        def bad(why: str) -> ValueError:
-            return ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: {why}")
-
-        tail = nb * 2 + 1
-        if buf.numel() < tail:
-            raise bad(f"{buf.numel()} bytes, shorter than its {tail}-byte verification trailer")
-        raw = buf[-tail:].cpu().numpy()
-        hashes, ctrl = raw[:-1].view("<u2"), int(raw[-1])
-        buf = buf[:-tail]
-        if ctrl & ~7:
-            raise bad(f"control byte {ctrl:#04x} has unknown bits set")
-        requests: dict[int, set[int]] = {}
-        if ctrl & 4:
-            if buf.numel() < 2:
-                raise bad("the repair-request flag is set but the request count is missing")
-            (count,) = struct.unpack("<H", buf[-2:].cpu().numpy().tobytes())
-            entry = 2 + -(-nb // 8)
-            if count < 1 or count > len(self.neighbors) or buf.numel() < 2 + entry * count:
-                raise bad(f"{count} repair request(s) do not fit (1..{len(self.neighbors)} entries of {entry} bytes "
-                          f"in {buf.numel() - 2} bytes)")
-            req = buf[-2 - entry * count:-2].cpu().numpy().tobytes()
-            buf = buf[:-2 - entry * count]
-            for e in range(count):
-                (r,) = struct.unpack("<H", req[e * entry:e * entry + 2])
-                blocks = _unpack_mask(req[e * entry + 2:(e + 1) * entry], nb)
-                if nb % 8 and req[(e + 1) * entry - 1] >> (nb % 8):
-                    raise bad(f"a repair request names blocks beyond the {nb} blocks")
-                requests.setdefault(r, set()).update(blocks)
-        return buf, hashes, ctrl, requests
-
-    def _blocks(self, d: int) -> int:
-        return -(-d // self.verify_block)
-
-    def _block_mask(self, blocks, d: int, device) -> torch.Tensor:
-        """Element mask (bool, length d) of the given block indices."""
-        per_block = torch.zeros(self._blocks(d), dtype=torch.bool)
-        per_block[sorted(b for b in blocks if b < per_block.numel())] = True
-        return per_block.repeat_interleave(self.verify_block)[:d].to(device)
-
-    def _decode(self, codec: ModuloCodec, payload: Payload, y: torch.Tensor):
-        """Eq. (5) against ``y``, and (when verifying) the hash of each block's grid
-        integers; a grid too fine for the models' magnitude is a clear error."""
-        if not self.verify:
-            return codec.decode(payload, ref=y), None
-        try:
-            return codec.decode_hashed(payload, ref=y, block=self.verify_block)
-        except OverflowError as e:
-            raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
-
-    def _fused(self, y: torch.Tensor, x: torch.Tensor):
-        """The CPU kernels of the one-call-per-message exchange (:func:`lowbit.codecs.kernels.cpu.
-        _moniqua_send` / ``_moniqua_receive``) where they apply: verified, not entropy-coded, codes of
-        1, 2, 4 or 8 bits, float32/float64 models on the CPU fast path. Else None: the codec's calls."""
-        if not self.verify or self.entropy is not None or self.codec.bits not in (1, 2, 4, 8):
-            return None
-        if x.dtype not in (torch.float32, torch.float64) or not x.is_contiguous():
-            return None
-        K = kernels_for(y)
-        return K if K is not None and hasattr(K, "moniqua_send") else None
-
-    def _trailer_head(self, asked_of: dict[int, set[int]], nb: int) -> tuple[bytes, int]:
-        """The repair requests of my message (bytes before the hashes) and its control byte."""
-        ctrl = self._alarm_bits()
-        if not asked_of:
-            return b"", ctrl
-        # ask these neighbours for an fp32 repair of these blocks of this step's edge
-        head = b"".join(struct.pack("<H", j) + _pack_mask(asked_of[j], nb) for j in sorted(asked_of))
-        return head + struct.pack("<H", len(asked_of)), ctrl | 4
-
     def _modulo_gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
         theta = self.theta_at(lr)
         if self._codec_at.theta != theta:  # a new theta_k: a new codec (validated once)
             self._codec_at = dataclasses.replace(self.codec, theta=theta)
-        codec = self._codec_at
+        codec, frame = self._codec_at, self.frame
         # Shared randomness ("More efficient Moniqua", section 6): every worker draws the
         # same rounding offsets u at step k, so nearby models round alike.
         sender = 0 if self.shared_randomness else self.rank + 1
@@ -558,81 +450,49 @@ class Moniqua(GossipAlgorithm):
         # the codec computes in float64 whatever y's dtype (the grid integers are exact); the
         # dither is added in float64
         y = x.detach().to(torch.float64) if self.dither else x.detach()
-        step = codec.B_theta / codec.levels
         d = x.numel()
-        nb = self._blocks(d)
-        mask_nbytes = -(-nb // 8)
+        nb = frame.nblocks(d)
         v = None
         if self.dither:  # shared subtractive dither, uniform over one grid cell
+            step = codec.B_theta / codec.levels
             v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=gen.device).to(y.device) - 0.5) * step
             y = y + v
         # my requests, sent in this message (None: every block, from a whole-vector checkpoint)
         asked_of = {j: set(range(nb)) if b is None else {c for c in b if c < nb} for j, b in self._nack.items()}
         asked_of = {j: b for j, b in asked_of.items() if b}
-        K = self._fused(y, x)
-        if K is not None:  # line 3 and 4 and the trailer in one call
-            head, ctrl = self._trailer_head(asked_of, nb)
-            wire, x_hat_i64 = self._send_fused(K, codec, y, gen, head, ctrl, nb)
-        else:
-            payload = codec.encode(y, generator=gen)                               # line 3
-            x_hat_i64, hashes = self._decode(codec, payload, y)                    # line 4
-            wire = self._pack(payload)
-            if self.verify:
-                head, ctrl = self._trailer_head(asked_of, nb)
-                trailer = head + hashes.numpy().astype("<u2").tobytes() + bytes([ctrl])
-                wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
+        wire, x_hat_i = frame.send(codec, y, gen, asked_of, self._alarm_bits(), x.dtype)  # line 3, 4
         received = self.transport.neighbor_exchange(wire, self.neighbors)
-        x_hat_i = (x_hat_i64 if v is None else x_hat_i64 - v).to(x.dtype)
+        x_hat_i = (x_hat_i if v is None else x_hat_i - v).to(x.dtype)
         # blocks of each edge mixed exactly this step: asked by me or by the neighbour (both ends know both)
         repair = {j: set(b) for j, b in asked_of.items()}
         nack: dict[int, set[int]] = {}
         recovered: dict[int, torch.Tensor] = {}
         good: dict[int, torch.Tensor | None] = {}  # element mask of the blocks verified right (None: all)
-        delta = torch.zeros_like(x)  # line 6's sum, built by the fused receive where every block is right
-        mixed = K is not None
+        delta = torch.zeros_like(x)  # line 6's sum, built by the one-call receive where every block is right
+        mixed = True
         for j in self.neighbors:
-            buf = received[j]
-            if self.verify:
-                buf, sent_hashes, ctrl, requests = self._parse_trailer(buf, nb, j)
-                self._receive_alarm_bits(k, ctrl & 3)
-                if self.rank in requests:
-                    repair.setdefault(j, set()).update(requests[self.rank])
-            if K is not None:  # line 5, the check and, if right, line 6's term, in one call
-                x_hat_j64, wrong = self._receive_fused(K, codec, buf, y, j, sent_hashes, v, x_hat_i, delta)
-                mixed = mixed and not wrong
-            else:
-                x_hat_j64, mine = self._decode(codec, self._unpack(buf, d, x.device, j), y)  # line 5
-                wrong = np.flatnonzero(mine.numpy() != sent_hashes).tolist() if self.verify else []
+            r = frame.receive(codec, received[j], y, j, v=v, x_hat_i=x_hat_i, w=self.w[j], delta=delta)  # line 5
+            mixed = mixed and r.mixed
+            self._receive_alarm_bits(k, r.ctrl & 3)
+            if self.rank in r.requests:
+                repair.setdefault(j, set()).update(r.requests[self.rank])
             good[j] = None
             if self.verify:
                 self._window[1] += nb
-                if wrong:  # never use a wrong block: leave it out of this step's mix
-                    self._mismatch(k, j, len(wrong), nb)
-                    nack[j] = set(wrong)
-                    good[j] = ~self._block_mask(wrong, d, x.device)
-            recovered[j] = x_hat_j64 if v is None else x_hat_j64 - v
+                if r.wrong:  # never use a wrong block: leave it out of this step's mix
+                    self._mismatch(k, j, len(r.wrong), nb)
+                    nack[j] = set(r.wrong)
+                    good[j] = ~frame.block_mask(r.wrong, d, x.device)
+            recovered[j] = r.x_hat if v is None else r.x_hat - v
         exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         repair = {j: b for j, b in repair.items() if b}
         if repair:  # the fp32 repair round, only on edges (and blocks) where a mismatch was detected a step earlier
-            union = set().union(*repair.values())
             x32 = x.detach().to(torch.float32)
-            sel = self._block_mask(union, d, x.device)
-            body = x32[sel].cpu().contiguous().view(torch.uint8)
-            msg = torch.cat([torch.frombuffer(bytearray(_pack_mask(union, nb)), dtype=torch.uint8), body])
-            got = self.transport.neighbor_exchange(msg.to(x.device), sorted(repair))
+            got = self.transport.neighbor_exchange(frame.repair_message(x32, set().union(*repair.values())),
+                                                   sorted(repair))
             for j, blocks in repair.items():
-                if got[j].numel() < mask_nbytes:
-                    raise ValueError(f"moniqua: worker {self.rank} got a malformed repair message from worker {j}: "
-                                     f"{got[j].numel()} bytes, shorter than its {mask_nbytes}-byte block mask")
-                theirs = _unpack_mask(got[j][:mask_nbytes].cpu().numpy().tobytes(), nb)
-                their_mask = self._block_mask(theirs, d, x.device)
-                if got[j].numel() != mask_nbytes + 4 * int(their_mask.sum()):
-                    raise ValueError(f"moniqua: worker {self.rank} got a malformed repair message from worker {j}: "
-                                     f"{got[j].numel() - mask_nbytes} bytes of values for "
-                                     f"{int(their_mask.sum())} fp32 elements")
-                vals = torch.zeros(d, dtype=torch.float32, device=x.device)
-                vals[their_mask] = got[j][mask_nbytes:].cpu().clone().view(torch.float32).to(x.device)
-                m = self._block_mask(blocks, d, x.device)
+                vals = frame.read_repair(got[j], d, x.device, j)
+                m = frame.block_mask(blocks, d, x.device)
                 exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
         if not mixed or repair:  # a wrong block or a repair: line 6 from the recovered points, block by block
             delta.zero_()
@@ -650,40 +510,6 @@ class Moniqua(GossipAlgorithm):
         if self.grow_theta and self.neighbors and len(nack) == len(self.neighbors):
             self._pending.add(k // self.period)  # no neighbour's message was right: theta is far too small
         x.add_(delta, alpha=self.gamma)                                             # line 6
-
-    def _send_fused(self, K, codec: ModuloCodec, y: torch.Tensor, gen, head: bytes, ctrl: int, nb: int):
-        """My message ``codes | head | hashes | ctrl`` and my own decoded point x_hat_i (line 3, 4)."""
-        d = y.numel()
-        nbytes = packed_nbytes(d, codec.bits)
-        msg = torch.empty(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8, device=y.device)
-        if head:
-            msg[nbytes:nbytes + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(y.device)
-        msg[-1] = ctrl
-        x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
-        try:
-            stochastic = codec.rounding == "stochastic"
-            K.moniqua_send(y, codec.B_theta, codec.levels, stochastic, draw_key(gen) if stochastic else 0, codec.bits,
-                           self.verify_block, msg, nbytes + len(head), x_hat)
-        except OverflowError as e:
-            raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
-        return msg, x_hat
-
-    def _receive_fused(self, K, codec: ModuloCodec, body: torch.Tensor, y: torch.Tensor, sender: int,
-                       sent_hashes: np.ndarray, v: torch.Tensor | None, x_hat_i: torch.Tensor, delta: torch.Tensor):
-        """Neighbour ``sender``'s decoded point (line 5) and its blocks whose hashes differ; when none
-        differs, its line-6 term w_j (xh_j - xh_i) is added to ``delta``."""
-        d = y.numel()
-        need = packed_nbytes(d, codec.bits)
-        if body.numel() != need:
-            raise ValueError(f"moniqua: worker {self.rank} got a malformed message from worker {sender}: "
-                             f"{body.numel()} bytes of codes, {d} elements at {codec.bits} bits need {need}")
-        x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
-        try:
-            wrong = K.moniqua_receive(body, codec.bits, codec.B_theta, codec.levels, y, self.verify_block,
-                                      sent_hashes, x_hat, v, x_hat_i, self.w[sender], delta)
-        except OverflowError as e:
-            raise ValueError(f"moniqua verification: {e}, or run with --no-verify") from None
-        return x_hat, wrong
 
     # ---- the algorithm contract -------------------------------------------------------
     def before_update(self, k, x, g, lr):

@@ -1,0 +1,255 @@
+"""Moniqua's message framing around the modulo codec: verification, repair requests and
+the fp32 repair round (the policy is :mod:`lowbit.algorithms.moniqua`'s docstring).
+
+A message is::
+
+    codes | [repair requests] | block hashes | control byte
+
+- *codes*: the packed modulo codes (entropy-coded with ``entropy``); no length header,
+  every worker knows ``d``.
+- *repair requests* (only when control bit 4 is set): per asked neighbour its rank
+  (``<H``) and a bit mask of ``ceil(nb / 8)`` bytes of the blocks to repair, then the
+  count of entries (``<H``).
+- *block hashes* (with ``verify``): one ``<u2`` per block of ``block`` elements, the hash
+  of the sender's own grid integers (:meth:`ModuloCodec.decode_hashed`).
+- *control byte*: bit 4 (value 4) "requests follow", bits 1 and 2 the ``grow_theta``
+  alarm bits of the two epochs in flight; other bits set are a malformed frame.
+
+A repair message is the block mask of the repaired blocks, then their fp32 values.
+
+With verification, no entropy coding, codes of 1, 2, 4 or 8 bits and a float32/float64
+model on a fast path, a message costs one kernel call at each end
+(``moniqua_send``/``moniqua_receive`` of :mod:`lowbit.codecs.kernels`): on the thread
+runtime the calls, not the elements, were a step's cost. Otherwise the codec's calls.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .base import Payload, pack_header
+from .entropy import entropy_code, entropy_decode
+from .kernels import kernels_for
+from .modulo import ModuloCodec
+from .packing import packed_nbytes
+from .rng import draw_key
+
+__all__ = ["ModuloFrame", "Received", "pack_mask", "unpack_mask"]
+
+
+def pack_mask(blocks, nb: int) -> bytes:
+    """Bit mask (ceil(nb / 8) bytes, little-endian bit order) of block indices in [0, nb)."""
+    out = bytearray(-(-nb // 8))
+    for b in blocks:
+        out[b >> 3] |= 1 << (b & 7)
+    return bytes(out)
+
+
+def unpack_mask(raw: bytes, nb: int) -> set[int]:
+    return {b for b in range(nb) if raw[b >> 3] >> (b & 7) & 1}
+
+
+@dataclass
+class Received:
+    """One neighbour's message, read: its decoded point (line 5, in ``y``'s dtype), the blocks
+    whose hashes differ (wrong: left out of the mix), its control byte and its repair requests
+    {rank: blocks}; ``mixed``: its line-6 term is already in the caller's ``delta``."""
+
+    x_hat: torch.Tensor
+    wrong: list[int]
+    ctrl: int
+    requests: dict[int, set[int]]
+    mixed: bool
+
+
+@dataclass(frozen=True)
+class ModuloFrame:
+    """The frame of one worker's messages: ``bits`` per code, hashes per ``block`` elements
+    (with ``verify``), ``entropy`` coding of the codes or None, at most ``peers`` repair
+    requests per message, errors naming worker ``rank`` (the reader)."""
+
+    bits: int
+    block: int
+    verify: bool
+    entropy: str | None
+    peers: int
+    rank: int
+
+    def nblocks(self, d: int) -> int:
+        return -(-d // self.block)
+
+    def block_mask(self, blocks, d: int, device) -> torch.Tensor:
+        """Element mask (bool, length d) of the given block indices."""
+        per_block = torch.zeros(self.nblocks(d), dtype=torch.bool)
+        per_block[sorted(b for b in blocks if b < per_block.numel())] = True
+        return per_block.repeat_interleave(self.block)[:d].to(device)
+
+    def _malformed(self, sender: int, why: str, what: str = "message") -> ValueError:
+        return ValueError(f"moniqua: worker {self.rank} got a malformed {what} from worker {sender}: {why}")
+
+    def _kernels(self, y: torch.Tensor, x_dtype: torch.dtype):
+        """The one-call kernels (``moniqua_send``/``moniqua_receive``) where they apply, else None."""
+        if not self.verify or self.entropy is not None or self.bits not in (1, 2, 4, 8):
+            return None
+        if x_dtype not in (torch.float32, torch.float64) or not y.is_contiguous():
+            return None
+        K = kernels_for(y)
+        return K if K is not None and hasattr(K, "moniqua_send") else None
+
+    # ---- the sender -------------------------------------------------------------------
+    def send(self, codec: ModuloCodec, y: torch.Tensor, generator, requests: dict[int, set[int]], ctrl: int,
+             x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Line 3 and 4: the message of ``y`` (the codes, my ``requests`` {neighbour: blocks},
+        the hashes and ``ctrl``, whose request bit this sets) and my own decoded point."""
+        nb = self.nblocks(y.numel())
+        head = b""
+        if requests:  # ask these neighbours for an fp32 repair of these blocks of this step's edge
+            head = b"".join(struct.pack("<H", j) + pack_mask(requests[j], nb) for j in sorted(requests))
+            head += struct.pack("<H", len(requests))
+            ctrl |= 4
+        K = self._kernels(y, x_dtype)
+        if K is not None:
+            return self._send_fused(K, codec, y, generator, head, ctrl, nb)
+        payload = codec.encode(y, generator=generator)
+        x_hat, hashes = self._decode(codec, payload, y)
+        wire = self._pack(payload)
+        if self.verify:
+            trailer = head + hashes.numpy().astype("<u2").tobytes() + bytes([ctrl])
+            wire = torch.cat([wire, torch.frombuffer(bytearray(trailer), dtype=torch.uint8).to(wire.device)])
+        return wire, x_hat
+
+    def _send_fused(self, K, codec: ModuloCodec, y: torch.Tensor, generator, head: bytes, ctrl: int, nb: int):
+        d = y.numel()
+        nbytes = packed_nbytes(d, codec.bits)
+        msg = torch.empty(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8, device=y.device)
+        if head:
+            msg[nbytes:nbytes + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(y.device)
+        msg[-1] = ctrl
+        x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
+        stochastic = codec.rounding == "stochastic"
+        try:
+            K.moniqua_send(y, codec.B_theta, codec.levels, stochastic, draw_key(generator) if stochastic else 0,
+                           codec.bits, self.block, msg, nbytes + len(head), x_hat)
+        except OverflowError as e:
+            raise _overflow(e) from None
+        return msg, x_hat
+
+    def _pack(self, payload: Payload) -> torch.Tensor:
+        """The codes (the length header is known to every worker), entropy-coded if asked."""
+        if self.entropy is None:
+            return payload.data
+        kw = {"symbol_bits": self.bits} if self.entropy == "ans" and self.bits in (1, 2, 4, 8) else {}
+        blob = entropy_code(payload.data, self.entropy, **kw)
+        return torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(payload.data.device)
+
+    def _decode(self, codec: ModuloCodec, payload: Payload, y: torch.Tensor):
+        """Eq. (5) against ``y``, and (when verifying) the hash of each block's grid
+        integers; a grid too fine for the models' magnitude is a clear error."""
+        if not self.verify:
+            return codec.decode(payload, ref=y), None
+        try:
+            return codec.decode_hashed(payload, ref=y, block=self.block)
+        except OverflowError as e:
+            raise _overflow(e) from None
+
+    # ---- the receiver -------------------------------------------------------------------
+    def receive(self, codec: ModuloCodec, buf: torch.Tensor, y: torch.Tensor, sender: int, *,
+                v: torch.Tensor | None, x_hat_i: torch.Tensor, w: float, delta: torch.Tensor) -> Received:
+        """Read ``sender``'s message against my ``y``; where the one-call kernel runs and every
+        block is right, its line-6 term ``w (x_hat_j - x_hat_i)`` (``x_hat_j - v`` with the
+        shared dither ``v``) is added to ``delta`` (``Received.mixed``)."""
+        d = y.numel()
+        ctrl, requests, sent = 0, {}, None
+        if self.verify:
+            buf, sent, ctrl, requests = self.parse(buf, self.nblocks(d), sender)
+        K = self._kernels(y, delta.dtype)
+        if K is not None:
+            need = packed_nbytes(d, codec.bits)
+            if buf.numel() != need:
+                raise self._malformed(sender, f"{buf.numel()} bytes of codes, {d} elements at {codec.bits} bits "
+                                              f"need {need}")
+            x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
+            try:
+                wrong = K.moniqua_receive(buf, codec.bits, codec.B_theta, codec.levels, y, self.block, sent, x_hat,
+                                          v, x_hat_i, w, delta)
+            except OverflowError as e:
+                raise _overflow(e) from None
+            return Received(x_hat, wrong, ctrl, requests, mixed=not wrong)
+        x_hat, mine = self._decode(codec, self.codes(buf, d, y.device, sender), y)
+        wrong = np.flatnonzero(mine.numpy() != sent).tolist() if self.verify else []
+        return Received(x_hat, wrong, ctrl, requests, mixed=False)
+
+    def parse(self, buf: torch.Tensor, nb: int, sender: int):
+        """Split a verified message from ``sender`` into (codes, block hashes, control byte, requests
+        {rank: blocks}); a ValueError naming the sender for any malformed frame."""
+        tail = nb * 2 + 1
+        if buf.numel() < tail:
+            raise self._malformed(sender, f"{buf.numel()} bytes, shorter than its {tail}-byte verification trailer")
+        raw = buf[-tail:].cpu().numpy()
+        hashes, ctrl = raw[:-1].view("<u2"), int(raw[-1])
+        buf = buf[:-tail]
+        if ctrl & ~7:
+            raise self._malformed(sender, f"control byte {ctrl:#04x} has unknown bits set")
+        requests: dict[int, set[int]] = {}
+        if ctrl & 4:
+            if buf.numel() < 2:
+                raise self._malformed(sender, "the repair-request flag is set but the request count is missing")
+            (count,) = struct.unpack("<H", buf[-2:].cpu().numpy().tobytes())
+            entry = 2 + -(-nb // 8)
+            if count < 1 or count > self.peers or buf.numel() < 2 + entry * count:
+                raise self._malformed(sender, f"{count} repair request(s) do not fit (1..{self.peers} entries of "
+                                              f"{entry} bytes in {buf.numel() - 2} bytes)")
+            req = buf[-2 - entry * count:-2].cpu().numpy().tobytes()
+            buf = buf[:-2 - entry * count]
+            for e in range(count):
+                (r,) = struct.unpack("<H", req[e * entry:e * entry + 2])
+                blocks = unpack_mask(req[e * entry + 2:(e + 1) * entry], nb)
+                if nb % 8 and req[(e + 1) * entry - 1] >> (nb % 8):
+                    raise self._malformed(sender, f"a repair request names blocks beyond the {nb} blocks")
+                requests.setdefault(r, set()).update(blocks)
+        return buf, hashes, ctrl, requests
+
+    def codes(self, body: torch.Tensor, n: int, device, sender: int) -> Payload:
+        """The codes of ``sender``'s message (of exactly the size n elements need; ValueError otherwise)."""
+        need = packed_nbytes(n, self.bits)
+        if self.entropy is not None:
+            try:
+                raw = entropy_decode(body, self.entropy, max_length=need)
+            except ValueError as e:
+                raise self._malformed(sender, str(e)) from None
+            body = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        if body.numel() != need:
+            raise self._malformed(sender, f"{body.numel()} bytes of codes, {n} elements at {self.bits} bits need "
+                                          f"{need}")
+        return Payload(header=pack_header(ModuloCodec.header_format, n), data=body.to(device))
+
+    # ---- the fp32 repair round ---------------------------------------------------------------
+    def repair_message(self, x32: torch.Tensor, blocks: set[int]) -> torch.Tensor:
+        """The block mask of ``blocks`` and the fp32 values of ``x32`` there."""
+        d = x32.numel()
+        body = x32[self.block_mask(blocks, d, x32.device)].cpu().contiguous().view(torch.uint8)
+        mask = torch.frombuffer(bytearray(pack_mask(blocks, self.nblocks(d))), dtype=torch.uint8)
+        return torch.cat([mask, body]).to(x32.device)
+
+    def read_repair(self, buf: torch.Tensor, d: int, device, sender: int) -> torch.Tensor:
+        """A repair message as d fp32 values (zero outside the blocks it carries)."""
+        nb = self.nblocks(d)
+        mask_nbytes = -(-nb // 8)
+        if buf.numel() < mask_nbytes:
+            raise self._malformed(sender, f"{buf.numel()} bytes, shorter than its {mask_nbytes}-byte block mask",
+                                  "repair message")
+        mask = self.block_mask(unpack_mask(buf[:mask_nbytes].cpu().numpy().tobytes(), nb), d, device)
+        if buf.numel() != mask_nbytes + 4 * int(mask.sum()):
+            raise self._malformed(sender, f"{buf.numel() - mask_nbytes} bytes of values for {int(mask.sum())} fp32 "
+                                          f"elements", "repair message")
+        vals = torch.zeros(d, dtype=torch.float32, device=device)
+        vals[mask] = buf[mask_nbytes:].cpu().clone().view(torch.float32).to(device)
+        return vals
+
+
+def _overflow(e: OverflowError) -> ValueError:
+    return ValueError(f"moniqua verification: {e}, or run with --no-verify")
