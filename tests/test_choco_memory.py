@@ -9,7 +9,7 @@ import torch
 from quadratic import quadratic_problem, run_quadratic
 
 from lowbit.algorithms import ChocoSGD
-from lowbit.algorithms.dcd import exchange_compressed
+from lowbit.algorithms.gossip import exchange_compressed
 from lowbit.codecs import IdentityCodec, MinMaxCodec
 from lowbit.topology import make_topology
 

@@ -41,7 +41,7 @@ import torch
 
 from ..codecs import Codec, IdentityCodec, MinMaxCodec
 from .base import GossipAlgorithm
-from .dcd import REPLICA_CODECS, exchange_compressed
+from .gossip import REPLICA_CODECS, exchange_compressed
 
 DEFAULT_GAMMA = 0.5
 

@@ -23,7 +23,7 @@ import torch
 from ..codecs import Codec, MinMaxCodec
 from .base import GossipAlgorithm
 from .choco import check_gamma, default_gamma
-from .dcd import REPLICA_CODECS, exchange_compressed
+from .gossip import REPLICA_CODECS, exchange_compressed
 
 
 class DeepSqueeze(GossipAlgorithm):

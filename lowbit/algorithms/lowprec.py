@@ -73,7 +73,8 @@ from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..codecs.quantize import check_rounding
 from ..codecs.rng import shared_generator
 from .base import Algorithm
-from .dcd import DCDPSGD, exchange_compressed, exchange_initial_models
+from .dcd import DCDPSGD
+from .gossip import exchange_compressed, exchange_initial_models
 
 PEER_SELECTIONS = ("all", "shift_one")
 BAGUA_BUCKET_BYTES = 10 * 1024 ** 2  # Bagua's default bucket size
