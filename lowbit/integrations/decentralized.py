@@ -1,34 +1,56 @@
 """DecentralizedDataParallel: any lowbit algorithm around a user's own
 ``nn.Module`` and optimizer, under ``torchrun`` or on a given Transport.
 
-Use (every rank runs the same code)::
+Use (every rank runs the same code; the loop is PyTorch's own)::
 
     model = DecentralizedDataParallel(net, opt, algorithm="moniqua", bits=2, theta=0.05)
     for x, y in batches:
-        model.zero_grad()                   # keeps the flat gradient buffer
+        opt.zero_grad()
         loss_fn(model(x), y).backward()
-        model.step()                        # communicate, optimizer.step(), communicate
+        opt.step()                          # communicate, the optimizer's update, communicate
     avg = model.averaged_module()           # collective: the average over all workers
-    model.save_checkpoint(f"ckpt/rank{model.rank}.pt")   # atomic, checksummed
-    model.close()
+    torch.save(model.state_dict(), "net.pt")   # the plain module's state dict: net.load_state_dict works
+    model.save_checkpoint(f"ckpt/rank{model.rank}.pt")   # the full resumable checkpoint, atomic, checksummed
+    model.close()                           # removes the optimizer's hooks
 
 and to resume, on every rank: ``model.load_checkpoint(f"ckpt/rank{model.rank}.pt")``
 (collective: the ranks check that they resume the same step of the same run).
-A checkpoint holds only tensors and plain values: ``torch.load(...,
-weights_only=True)`` reads it (:mod:`lowbit.integrations.checkpoint`).
+A checkpoint (:meth:`~DecentralizedDataParallel.checkpoint_state`) holds only
+tensors and plain values: ``torch.load(..., weights_only=True)`` reads it
+(:mod:`lowbit.integrations.checkpoint`).
 
-``step()`` runs, with the wrapper's step counter ``k`` and ``lr`` read from the
-optimizer's first parameter group::
+The wrapper registers a step pre-hook and post-hook on the optimizer
+(``register_step_pre_hook`` / ``register_step_post_hook``), so every
+``optimizer.step()`` runs, with the wrapper's step counter ``k`` and ``lr`` read
+from the optimizer's first parameter group::
 
     transport.set_step(k)
     algo.before_update(k, x, g, lr)     # gossip (rewrites x) or aggregation (rewrites g)
-    optimizer.step()
+    <the optimizer's own update>
     algo.after_update(k, x, g, lr)
 
-where ``x`` / ``g`` are the module's trainable parameters / gradients as one
+``model.step()`` is the same ``optimizer.step()`` (kept for older code; it does
+not communicate twice). One wrapper per optimizer; :meth:`close` removes the
+hooks, after which ``optimizer.step()`` is a plain local step. ``step(closure)``
+is refused (the closure would recompute the gradient after the communication).
+
+``x`` / ``g`` are the parameters the optimizer holds / their gradients as one
 flat buffer (:class:`~lowbit.integrations.FlatParams`; parameters become views
-of it, so the optimizer's references stay valid). Move the module to its
-device before wrapping: ``.to()`` afterwards replaces the parameters' storage.
+of it, so the optimizer's references stay valid). An optimizer over a subset
+of the module's trainable parameters is fine: only those are communicated;
+the others are *local* (this rank's own: never sent, not averaged by
+:meth:`averaged_module`; step them with an optimizer of your own). Move the
+module to its device before wrapping: ``.to()`` afterwards replaces the
+parameters' storage. ``optimizer.zero_grad()`` (set_to_none) works: the
+gradients autograd then allocates are copied into the flat buffer at the next
+step; ``model.zero_grad()`` zeroes the flat buffer in place and saves that copy.
+
+After every step, :meth:`stats` holds the step's figures (bytes and messages
+sent at the step and in total, read from the ledger; wire bits per element;
+the algorithm's report, e.g. Moniqua's theta and mismatch counters), and
+``on_step=callback`` is called as ``callback(step, stats)``; ready callbacks:
+:class:`~lowbit.integrations.LogStats` (logging) and
+:class:`~lowbit.integrations.TensorBoardStats` (live TensorBoard scalars).
 
 Buffers (BatchNorm running statistics) are never sent during training.
 ``buffers="local"`` (default): each worker keeps its own, and
@@ -37,7 +59,8 @@ Buffers (BatchNorm running statistics) are never sent during training.
 workers (integer buffers such as ``num_batches_tracked`` take the maximum).
 Everything :meth:`averaged_module` sends is evaluation traffic, outside the
 ledger (``transport.untracked()``), as is the initial broadcast of rank 0's
-parameters and buffers (``sync_initial=True``, as DDP does at construction).
+parameters (all of them: communicated, local and frozen) and buffers
+(``sync_initial=True``, as DDP does at construction).
 """
 
 from __future__ import annotations
@@ -67,7 +90,11 @@ _FORMAT = 2  # 2: RNG states and the ledger as tensors (weights_only=True); 1 is
 
 
 class DecentralizedDataParallel(nn.Module):
-    """Wrap ``module`` and ``optimizer`` so that :meth:`step` runs ``algorithm``.
+    """Wrap ``module`` and ``optimizer`` so that ``optimizer.step()`` runs ``algorithm``.
+
+    ``optimizer``: its parameters, trainable parameters of ``module`` (all of
+    them or a subset), are the ones communicated; the module's other trainable
+    parameters stay local to each rank (never sent, not averaged).
 
     ``algorithm``: a registry name (``lowbit.algorithms.ALGORITHMS``), an
     :class:`~lowbit.algorithms.Algorithm` subclass, or a built instance (then
@@ -79,6 +106,11 @@ class DecentralizedDataParallel(nn.Module):
     algorithms only (default ring).
     ``transport``: None joins the ``torchrun`` launch (or the already initialised
     default process group) through :func:`lowbit.comm.init_from_env`.
+    ``buffers``: ``"local"`` or ``"average"``, the BatchNorm statistics that
+    :meth:`averaged_module` carries (see the module docstring).
+    ``sync_initial``: start every rank from rank 0's parameters and buffers.
+    ``on_step``: None or ``callback(step, stats)``, called after every step with
+    :meth:`stats` (the attribute ``on_step`` may also be set later).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
