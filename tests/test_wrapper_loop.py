@@ -248,6 +248,7 @@ def test_tensorboard_stats_callback(tmp_path):
         ddp = DecentralizedDataParallel(net, opt, "dpsgd", transport=t,
                                         on_step=lambda k, s: (cb(k, s), seen.append(s["bytes_sent"])))
         _user_steps(net, [opt], t.rank, 0, 3)
+        ddp.close()
         cb.close()
         return seen
 

@@ -62,8 +62,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")  # the wrappers join it and leave it open for the next run
     xs_opt, rows_opt, sent_opt, stats_opt, steps_opt = run("optimizer.step", algorithm)
-    xs_ddp, rows_ddp, sent_ddp, _, _ = run("ddp.step", algorithm)
-    xs_loc, rows_loc, sent_loc, _, steps_loc = run("local", algorithm)
+    xs_ddp, rows_ddp, _, _, _ = run("ddp.step", algorithm)
+    xs_loc, _, sent_loc, _, steps_loc = run("local", algorithm)
 
     if dist.get_rank() == 0:
         print(json.dumps({

@@ -1,8 +1,8 @@
 """integrations: what a PyTorch user touches (flat parameters, wrappers)."""
 
 from .callbacks import LogStats, TensorBoardStats
-from .decentralized import DecentralizedDataParallel
 from .ddp_hooks import LowbitHookState, hook_table, lowbit_hook, make_hook
+from .decentralized import DecentralizedDataParallel
 from .flat import FlatParams
 
 __all__ = ["DecentralizedDataParallel", "FlatParams", "LogStats", "TensorBoardStats", "LowbitHookState", "lowbit_hook",

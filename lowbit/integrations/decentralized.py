@@ -70,7 +70,8 @@ import os
 import random
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -525,7 +526,7 @@ def _optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> li
 
 # Optimizers whose step runs a wrapper's hooks: a second wrapper on one of them would run two algorithms
 # per step. Weak keys: an optimizer that is garbage collected leaves by itself.
-_HOOKED: "weakref.WeakKeyDictionary[torch.optim.Optimizer, bool]" = weakref.WeakKeyDictionary()
+_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
 _HOOKED_LOCK = threading.Lock()
 
 
@@ -536,7 +537,7 @@ def _check_not_hooked(optimizer: torch.optim.Optimizer) -> None:
                              "wrapper's algorithm); close() that wrapper first, or give this one its own optimizer")
 
 
-def _attach_hooks(optimizer: torch.optim.Optimizer, ddp: "DecentralizedDataParallel") -> tuple:
+def _attach_hooks(optimizer: torch.optim.Optimizer, ddp: DecentralizedDataParallel) -> tuple:
     """Register ``ddp``'s step pre- and post-hook on ``optimizer`` (at most one wrapper per optimizer)."""
     with _HOOKED_LOCK:
         if optimizer in _HOOKED:
