@@ -152,6 +152,17 @@ def test_subset_optimizer_communicates_only_its_parameters():
     assert not torch.equal(got[0][1][0], got[1][1][0])  # the heads differ between ranks
 
 
+def test_local_parameters_start_from_rank0():
+    def fn(t):
+        net = Net(seed=t.rank)  # a different x_0 on every rank, the head too
+        ddp = DecentralizedDataParallel(net, torch.optim.SGD(net.body.parameters(), lr=0.1), "dpsgd", transport=t)
+        return [p.detach().clone() for p in net.parameters()], ddp.bytes_sent
+
+    ref = [p.detach() for p in Net(seed=0).parameters()]
+    for params, sent in run_threads(3, fn):
+        assert sent == 0 and all(torch.equal(a, b) for a, b in zip(params, ref))
+
+
 def test_subset_optimizer_errors():
     t = ThreadWorld(1).transport(0)
     net = Net()
@@ -272,6 +283,7 @@ def test_torchrun_user_loop_calls_only_optimizer_step():
     res = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
     assert res["steps"] == 30 and res["bytes_sent"] > 0 and res["stats_bytes_sent"] == res["bytes_sent"]
     assert res["identical_to_ddp_step"] and res["same_ledger"]  # optimizer.step() is ddp.step(), bit for bit
+    assert res["identical_to_explicit_loop"] and res["same_ledger_as_explicit_loop"]  # and the sequence itself
     # the models agree: gossip keeps them within a small fraction of what local steps drift apart
     assert res["consensus"] < 0.2 * res["consensus_local"]
     assert res["local_bytes_sent"] == 0 and res["local_steps_counted"] == 0

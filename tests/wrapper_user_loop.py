@@ -52,6 +52,34 @@ def run(call: str, algorithm: str):
     return [x.clone() for x in xs], rows, ddp.bytes_sent, last, ddp.step_count
 
 
+def run_explicit(algorithm: str):
+    """The sequence written out, without the wrapper: set_step, before_update, opt.step(), after_update."""
+    from lowbit.algorithms import ALGORITHMS
+    from lowbit.comm import init_from_env
+    from lowbit.integrations import FlatParams
+    from lowbit.topology import make_topology
+
+    net = model()
+    flat = FlatParams(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    t = init_from_env()
+    cls = ALGORITHMS[algorithm]
+    algo = cls(t, make_topology("ring", t.world_size)) if cls.family == "decentralized" else cls(t)
+    algo.setup(flat.data)
+    for k in range(STEPS):
+        x, y = batch(t.rank, k)
+        flat.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        t.set_step(k)
+        algo.before_update(k, flat.data, flat.grad, 0.1)
+        opt.step()
+        algo.after_update(k, flat.data, flat.grad, 0.1)
+    algo.finish()
+    with t.untracked():
+        xs = t.all_gather(flat.data.detach().clone())
+    return [x.clone() for x in xs], t.ledger.to_rows()
+
+
 def consensus(xs) -> float:
     mean = torch.stack(xs).mean(0)
     return float(sum((x - mean).norm() ** 2 for x in xs) / len(xs)) ** 0.5
@@ -64,6 +92,7 @@ def main() -> None:
     xs_opt, rows_opt, sent_opt, stats_opt, steps_opt = run("optimizer.step", algorithm)
     xs_ddp, rows_ddp, _, _, _ = run("ddp.step", algorithm)
     xs_loc, _, sent_loc, _, steps_loc = run("local", algorithm)
+    xs_exp, rows_exp = run_explicit(algorithm)
 
     if dist.get_rank() == 0:
         print(json.dumps({
@@ -74,6 +103,8 @@ def main() -> None:
             "stats_step": stats_opt.get("step"),
             "identical_to_ddp_step": all(torch.equal(a, b) for a, b in zip(xs_opt, xs_ddp)),
             "same_ledger": rows_opt == rows_ddp,
+            "identical_to_explicit_loop": all(torch.equal(a, b) for a, b in zip(xs_opt, xs_exp)),
+            "same_ledger_as_explicit_loop": rows_opt == rows_exp,
             "consensus": consensus(xs_opt),
             "consensus_local": consensus(xs_loc),
             "local_bytes_sent": sent_loc,
