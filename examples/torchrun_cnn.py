@@ -15,7 +15,8 @@ With --checkpoint-every, a (re)started run first resumes by itself from the
 newest step that every rank has a good checkpoint of: under torchrun
 --max-restarts a worker killed mid-run costs at most K steps. Checkpoints
 hold only tensors and plain values (torch.load(..., weights_only=True) reads
-them). The model is plain torch; only the wrapper is lowbit.
+them). The model and the training loop are plain torch (opt.zero_grad(),
+backward, opt.step()); only the wrapper is lowbit.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--bits", type=int, default=None, help="bits per element (algorithms that take bits)")
     p.add_argument("--theta", type=_theta, default=None, help="Moniqua's theta: a number > 0 or 'auto'")
     p.add_argument("--topology", default=None, help="ring, torus, complete, star, exponential (decentralized)")
-    p.add_argument("--buffers", default="average", choices=("local", "average"),
-                   help="BatchNorm statistics of the evaluated model: this rank's or the workers' average")
+    p.add_argument("--buffers", default="local", choices=("local", "average"),
+                   help="BatchNorm statistics of the evaluated model: this rank's (default, as the wrapper) "
+                        "or the workers' average")
     p.add_argument("--steps", type=int, default=200, help="total steps (a resumed run continues up to it)")
     p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
@@ -148,9 +150,9 @@ def main(argv=None) -> None:
             # the batch depends on (seed, rank, step) only, so a resumed run sees the same data
             gen = torch.Generator().manual_seed(derive_seed(args.seed, k, rank, stream=1))
             idx = torch.randint(len(shard_y), (args.batch_size,), generator=gen).to(device)
-            ddp.zero_grad()
-            F.cross_entropy(ddp(shard_x[idx]), shard_y[idx]).backward()
-            ddp.step()
+            opt.zero_grad()
+            F.cross_entropy(model(shard_x[idx]), shard_y[idx]).backward()
+            opt.step()  # the wrapper's hooks on the optimizer communicate around the update
             if args.checkpoint_every and ddp.step_count % args.checkpoint_every == 0 and ddp.algorithm.synchronous:
                 ddp.save_checkpoint(os.path.join(args.checkpoint, f"rank{rank}.pt"))
         report(ddp.step_count)

@@ -7,7 +7,7 @@ import changed::
     model = with_bagua(model, [optimizer], algorithm)     # Bagua: model.with_bagua([optimizer], algorithm)
     ...
     loss.backward()
-    model.step()                                          # Bagua hooks optimizer.step(); lowbit is explicit
+    optimizer.step()                                      # as in Bagua, the step hooks communicate
 
 ``with_bagua`` returns a :class:`~lowbit.integrations.DecentralizedDataParallel`
 running :class:`lowbit.algorithms.lowprec.LowPrecisionDecentralized`, which
@@ -74,7 +74,7 @@ def with_bagua(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                algorithm: LowPrecisionDecentralizedAlgorithm, *, transport: Transport | None = None,
                buffers: str = "local") -> DecentralizedDataParallel:
     """Bagua's ``model.with_bagua([optimizer], algorithm)`` as a function: the
-    wrapped model (call ``.step()`` after ``loss.backward()``). ``transport``
+    wrapped model (``optimizer.step()`` after ``loss.backward()`` communicates). ``transport``
     None joins the torchrun launch."""
     if isinstance(optimizers, torch.optim.Optimizer) or len(optimizers) != 1:
         raise ValueError("optimizers must be a list holding exactly one optimizer, as in with_bagua([optimizer], ...)")

@@ -116,7 +116,7 @@ def wrapper_run(name, device, steps=4, **options):
             ddp.flat.grad.copy_(cpu_grad(twin, twin_flat, ddp.flat.data, t.rank, k))
             ddp.step()
         ddp.close()
-        ckpt = ddp.state_dict()
+        ckpt = ddp.checkpoint_state()
         avg = ddp.averaged_module()
         return ddp.flat.data.clone(), ckpt, avg, ddp
 

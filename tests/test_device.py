@@ -128,5 +128,5 @@ def test_wrapper_stays_on_device(name, options):
                 assert v.device.type == "cuda" and torch.equal(v.cpu(), ckpt_ref["algorithm_state"]["tensors"][key])
             for p, q in zip(avg.parameters(), avg_ref.parameters()):
                 assert p.device.type == "cuda" and torch.equal(p.detach().cpu(), q.detach())
-            ddp.load_state_dict(ckpt)  # restores onto the device, views intact
+            ddp.load_checkpoint_state(ckpt)  # restores onto the device, views intact
             assert torch.equal(ddp.flat.data.cpu(), x_ref)

@@ -137,7 +137,7 @@ def test_wrapper_on_cuda_matches_the_cpu(name, options):
         assert all(t.device == CUDA for t in ddp.algorithm.state_tensors().values())
         assert all(v.device == CUDA for v in ckpt["module"].values())
         assert all(p.device == CUDA for p in avg.parameters())
-        ddp.load_state_dict(ckpt)  # restores onto the device, views intact
+        ddp.load_checkpoint_state(ckpt)  # restores onto the device, views intact
         assert torch.equal(ddp.flat.data, x)
 
 

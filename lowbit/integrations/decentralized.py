@@ -1,34 +1,56 @@
 """DecentralizedDataParallel: any lowbit algorithm around a user's own
 ``nn.Module`` and optimizer, under ``torchrun`` or on a given Transport.
 
-Use (every rank runs the same code)::
+Use (every rank runs the same code; the loop is PyTorch's own)::
 
     model = DecentralizedDataParallel(net, opt, algorithm="moniqua", bits=2, theta=0.05)
     for x, y in batches:
-        model.zero_grad()                   # keeps the flat gradient buffer
+        opt.zero_grad()
         loss_fn(model(x), y).backward()
-        model.step()                        # communicate, optimizer.step(), communicate
+        opt.step()                          # communicate, the optimizer's update, communicate
     avg = model.averaged_module()           # collective: the average over all workers
-    model.save_checkpoint(f"ckpt/rank{model.rank}.pt")   # atomic, checksummed
-    model.close()
+    torch.save(model.state_dict(), "net.pt")   # the plain module's state dict: net.load_state_dict works
+    model.save_checkpoint(f"ckpt/rank{model.rank}.pt")   # the full resumable checkpoint, atomic, checksummed
+    model.close()                           # removes the optimizer's hooks
 
 and to resume, on every rank: ``model.load_checkpoint(f"ckpt/rank{model.rank}.pt")``
 (collective: the ranks check that they resume the same step of the same run).
-A checkpoint holds only tensors and plain values: ``torch.load(...,
-weights_only=True)`` reads it (:mod:`lowbit.integrations.checkpoint`).
+A checkpoint (:meth:`~DecentralizedDataParallel.checkpoint_state`) holds only
+tensors and plain values: ``torch.load(..., weights_only=True)`` reads it
+(:mod:`lowbit.integrations.checkpoint`).
 
-``step()`` runs, with the wrapper's step counter ``k`` and ``lr`` read from the
-optimizer's first parameter group::
+The wrapper registers a step pre-hook and post-hook on the optimizer
+(``register_step_pre_hook`` / ``register_step_post_hook``), so every
+``optimizer.step()`` runs, with the wrapper's step counter ``k`` and ``lr`` read
+from the optimizer's first parameter group::
 
     transport.set_step(k)
     algo.before_update(k, x, g, lr)     # gossip (rewrites x) or aggregation (rewrites g)
-    optimizer.step()
+    <the optimizer's own update>
     algo.after_update(k, x, g, lr)
 
-where ``x`` / ``g`` are the module's trainable parameters / gradients as one
+``model.step()`` is the same ``optimizer.step()`` (kept for older code; it does
+not communicate twice). One wrapper per optimizer; :meth:`close` removes the
+hooks, after which ``optimizer.step()`` is a plain local step. ``step(closure)``
+is refused (the closure would recompute the gradient after the communication).
+
+``x`` / ``g`` are the parameters the optimizer holds / their gradients as one
 flat buffer (:class:`~lowbit.integrations.FlatParams`; parameters become views
-of it, so the optimizer's references stay valid). Move the module to its
-device before wrapping: ``.to()`` afterwards replaces the parameters' storage.
+of it, so the optimizer's references stay valid). An optimizer over a subset
+of the module's trainable parameters is fine: only those are communicated;
+the others are *local* (this rank's own: never sent, not averaged by
+:meth:`averaged_module`; step them with an optimizer of your own). Move the
+module to its device before wrapping: ``.to()`` afterwards replaces the
+parameters' storage. ``optimizer.zero_grad()`` (set_to_none) works: the
+gradients autograd then allocates are copied into the flat buffer at the next
+step; ``model.zero_grad()`` zeroes the flat buffer in place and saves that copy.
+
+After every step, :meth:`stats` holds the step's figures (bytes and messages
+sent at the step and in total, read from the ledger; wire bits per element;
+the algorithm's report, e.g. Moniqua's theta and mismatch counters), and
+``on_step=callback`` is called as ``callback(step, stats)``; ready callbacks:
+:class:`~lowbit.integrations.LogStats` (logging) and
+:class:`~lowbit.integrations.TensorBoardStats` (live TensorBoard scalars).
 
 Buffers (BatchNorm running statistics) are never sent during training.
 ``buffers="local"`` (default): each worker keeps its own, and
@@ -37,7 +59,8 @@ Buffers (BatchNorm running statistics) are never sent during training.
 workers (integer buffers such as ``num_batches_tracked`` take the maximum).
 Everything :meth:`averaged_module` sends is evaluation traffic, outside the
 ledger (``transport.untracked()``), as is the initial broadcast of rank 0's
-parameters and buffers (``sync_initial=True``, as DDP does at construction).
+parameters (all of them: communicated, local and frozen) and buffers
+(``sync_initial=True``, as DDP does at construction).
 """
 
 from __future__ import annotations
@@ -45,6 +68,9 @@ from __future__ import annotations
 import copy
 import os
 import random
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -53,17 +79,23 @@ from torch import nn
 
 from ..algorithms import ALGORITHMS, Algorithm, check_algorithm
 from ..comm.base import Transport
+from ..comm.ledger import Ledger
 from ..topology import Topology, make_topology
 from .checkpoint import (CheckpointError, candidates, ledger_state, load_checkpoint, newest_common_step, restore_ledger, rng_state,
                          save_checkpoint, set_rng_state)
 from .flat import FlatParams
 
 BUFFER_POLICIES = ("local", "average")
+StepCallback = Callable[[int, dict], None]  # on_step(step, stats)
 _FORMAT = 2  # 2: RNG states and the ledger as tensors (weights_only=True); 1 is still read
 
 
 class DecentralizedDataParallel(nn.Module):
-    """Wrap ``module`` and ``optimizer`` so that :meth:`step` runs ``algorithm``.
+    """Wrap ``module`` and ``optimizer`` so that ``optimizer.step()`` runs ``algorithm``.
+
+    ``optimizer``: its parameters, trainable parameters of ``module`` (all of
+    them or a subset), are the ones communicated; the module's other trainable
+    parameters stay local to each rank (never sent, not averaged).
 
     ``algorithm``: a registry name (``lowbit.algorithms.ALGORITHMS``), an
     :class:`~lowbit.algorithms.Algorithm` subclass, or a built instance (then
@@ -75,12 +107,17 @@ class DecentralizedDataParallel(nn.Module):
     algorithms only (default ring).
     ``transport``: None joins the ``torchrun`` launch (or the already initialised
     default process group) through :func:`lowbit.comm.init_from_env`.
+    ``buffers``: ``"local"`` or ``"average"``, the BatchNorm statistics that
+    :meth:`averaged_module` carries (see the module docstring).
+    ``sync_initial``: start every rank from rank 0's parameters and buffers.
+    ``on_step``: None or ``callback(step, stats)``, called after every step with
+    :meth:`stats` (the attribute ``on_step`` may also be set later).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: str | type[Algorithm] | Algorithm = "moniqua", topology: str | Topology | None = None,
                  transport: Transport | None = None, *, buffers: str = "local", sync_initial: bool = True,
-                 **algorithm_options: Any):
+                 on_step: StepCallback | None = None, **algorithm_options: Any):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -88,7 +125,10 @@ class DecentralizedDataParallel(nn.Module):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if buffers not in BUFFER_POLICIES:
             raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
-        _check_optimizer_params(module, optimizer)
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step must be a callable (step, stats) or None, got {type(on_step).__name__}")
+        _check_not_hooked(optimizer)
+        params = _optimizer_params(module, optimizer)
 
         if isinstance(algorithm, Algorithm):
             if algorithm_options:
@@ -112,42 +152,104 @@ class DecentralizedDataParallel(nn.Module):
         self.module = module
         self.algorithm = algorithm if isinstance(algorithm, Algorithm) else \
             _build_algorithm(algorithm, transport, topology, algorithm_options)
-        self.flat = FlatParams(module)
+        self.flat = FlatParams(module, params)
+        flat_ids = {id(p) for p in self.flat.params}
+        # trainable parameters the optimizer does not hold: never communicated, this rank's own
+        self.local_params = [p for p in module.parameters() if p.requires_grad and id(p) not in flat_ids]
         _bound_messages(transport, len(self.flat))
         if sync_initial and transport.world_size > 1:
             self._broadcast_from_rank0()
         self.algorithm.setup(self.flat.data)
         self.step_count = 0  # k of the next step
+        self.on_step = on_step
         self._closed = False
+        self._in_step: tuple[int, float] | None = None  # (k, lr) between the optimizer's pre- and post-hook
+        self._last_stats: dict[str, float] = {}
+        self._totals = _LedgerTotals()
+        self._hooks = _attach_hooks(optimizer, self)
 
     # ---- training ------------------------------------------------------------
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Zero the flat gradient buffer. ``set_to_none=True`` is refused: the
-        gradients must stay views of the flat buffer."""
+        """Zero the flat gradient buffer (and, in place, the gradients of the
+        module's local parameters, those the optimizer does not hold).
+        ``set_to_none=True`` is refused: the gradients stay views of the flat
+        buffer. (``optimizer.zero_grad()`` works too; the gradients autograd
+        then allocates are copied into the flat buffer at the next step.)"""
         if set_to_none:
             raise ValueError("set_to_none must be False: gradients are views of one flat buffer")
         self.flat.zero_grad()
+        for p in self.local_params:
+            if p.grad is not None:
+                p.grad.zero_()
 
     def step(self) -> None:
-        """One training step after ``loss.backward()``: before_update,
-        ``optimizer.step()``, after_update, then the step counter advances."""
+        """``optimizer.step()``, which runs the algorithm through the optimizer's
+        step hooks (see the module docstring); kept for code that calls it."""
         if self._closed:
-            raise RuntimeError("step() after close()")
+            raise RuntimeError("step() after close(): the optimizer's step hooks are removed")
+        self.optimizer.step()
+
+    optimizer_step = step
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """The optimizer's step pre-hook: set_step(k), before_update."""
+        rest = args[1:] if args and args[0] is optimizer else args
+        if (rest and rest[0] is not None) or kwargs.get("closure") is not None:
+            raise ValueError("optimizer.step(closure) is not supported under DecentralizedDataParallel: the closure "
+                             "would recompute the gradient after the algorithm has communicated; call "
+                             "loss.backward() and then optimizer.step() without a closure")
         self._restore_grad_views()
         self.flat.check_aliasing()
         k = self.step_count
         lr = float(self.optimizer.param_groups[0]["lr"])
-        x, g = self.flat.data, self.flat.grad
         self.transport.set_step(k)
-        self.algorithm.before_update(k, x, g, lr)
-        self.optimizer.step()
-        self.algorithm.after_update(k, x, g, lr)
-        self.step_count = k + 1
+        self.algorithm.before_update(k, self.flat.data, self.flat.grad, lr)
+        self._in_step = (k, lr)
 
-    optimizer_step = step
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """The optimizer's step post-hook: after_update, the step counter, stats, ``on_step``."""
+        if self._in_step is None:
+            raise RuntimeError("the optimizer's step post-hook ran without its pre-hook")
+        k, lr = self._in_step
+        self._in_step = None
+        self.algorithm.after_update(k, self.flat.data, self.flat.grad, lr)
+        self.step_count = k + 1
+        self._last_stats = self._step_stats(k, lr)
+        if self.on_step is not None:
+            self.on_step(k, dict(self._last_stats))
+
+    def stats(self) -> dict[str, float]:
+        """The figures of the last step (an empty dict before the first):
+
+        - ``step``: its index k; ``lr``: the learning rate it used (group 0);
+        - ``bytes_sent_step`` / ``messages_step``: what this rank sent at step k,
+          ``bytes_sent`` / ``messages_sent``: since the start, all read from the
+          transport's ledger (:mod:`lowbit.comm.ledger`; evaluation traffic is not in it);
+        - ``wire_bits_per_element``: 8 * ``bytes_sent_step`` / the number of
+          communicated elements (headers, padding and repairs included);
+        - the algorithm's :meth:`~lowbit.algorithms.Algorithm.report` entries
+          (Moniqua: ``theta``, ``mismatched_blocks``, ``mismatched_messages``,
+          ``theta_doublings``, counters since the start).
+        """
+        return dict(self._last_stats)
+
+    def _step_stats(self, k: int, lr: float) -> dict[str, float]:
+        step_bytes, step_messages, total_bytes, total_messages = self._totals.update(self.transport.ledger, k)
+        out: dict[str, float] = {
+            "step": k, "lr": lr,
+            "bytes_sent_step": step_bytes, "bytes_sent": total_bytes,
+            "messages_step": step_messages, "messages_sent": total_messages,
+            "wire_bits_per_element": 8.0 * step_bytes / len(self.flat),
+        }
+        report = self.algorithm.report()
+        clash = sorted(set(report) & set(out))
+        if clash:
+            raise RuntimeError(f"{self.algorithm.name}.report() uses the names {clash} of the wrapper's own figures")
+        out.update(report)
+        return out
 
     def _restore_grad_views(self) -> None:
         """Undo ``optimizer.zero_grad()`` (set_to_none, PyTorch's default):
@@ -173,12 +275,14 @@ class DecentralizedDataParallel(nn.Module):
             offset += n
 
     def close(self) -> None:
-        """End of training: ``algorithm.finish()`` (an asynchronous algorithm
-        drains its in-flight messages) and, if the wrapper joined the process
-        group itself, leave it. Idempotent."""
+        """End of training: remove the optimizer's step hooks (a later
+        ``optimizer.step()`` is a plain local step), ``algorithm.finish()`` (an
+        asynchronous algorithm drains its in-flight messages) and, if the wrapper
+        joined the process group itself, leave it. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        _detach_hooks(self.optimizer, self._hooks)
         self.algorithm.finish()
         self.transport.set_step(self.step_count)
         if self._owns_transport:
@@ -205,9 +309,10 @@ class DecentralizedDataParallel(nn.Module):
 
     # ---- evaluation -------------------------------------------------------------
     def averaged_module(self) -> nn.Module:
-        """A copy of the module whose trainable parameters are the average over
-        all workers (buffers per the ``buffers`` policy). A collective: every
-        rank must call it. Not counted in the ledger."""
+        """A copy of the module whose communicated parameters (the optimizer's)
+        are the average over all workers; local parameters (trainable ones the
+        optimizer does not hold) are this rank's, buffers per the ``buffers``
+        policy. A collective: every rank must call it. Not counted in the ledger."""
         n = self.transport.world_size
         with self.transport.untracked():
             avg = self.transport.all_reduce(self.flat.data.detach().clone(), "sum") / n
@@ -215,12 +320,17 @@ class DecentralizedDataParallel(nn.Module):
             if self.buffers_policy == "average":
                 bufs = {name: self._average_buffer(b) for name, b in bufs.items()}
         out = copy.deepcopy(self.module)
+        flat_ids = {id(p) for p in self.flat.params}
+        flat_names = [name for name, p in self.module.named_parameters() if id(p) in flat_ids]
+        copies = dict(out.named_parameters())
         offset = 0
-        for p in (p for p in out.parameters() if p.requires_grad):
+        for name in flat_names:  # the module's order, which is the flat buffer's
+            p = copies[name]
             k = p.numel()
             p.data = avg[offset:offset + k].view_as(p).clone()
-            p.grad = None
             offset += k
+        for p in out.parameters():
+            p.grad = None
         for name, b in out.named_buffers():
             b.copy_(bufs[name])
         return out
@@ -232,13 +342,35 @@ class DecentralizedDataParallel(nn.Module):
 
     def _broadcast_from_rank0(self) -> None:
         """Start every worker from rank 0's parameters and buffers (set-up, untracked)."""
+        flat_ids = {id(p) for p in self.flat.params}
         with self.transport.untracked(), torch.no_grad():
             self.flat.data.copy_(self.transport.broadcast(self.flat.data, 0))
+            for p in self.module.parameters():  # local and frozen parameters too, as DDP does
+                if id(p) not in flat_ids:
+                    p.copy_(self.transport.broadcast(p.detach(), 0))
             for b in self.module.buffers():
                 b.copy_(self.transport.broadcast(b, 0))
 
     # ---- checkpoints ---------------------------------------------------------
-    def state_dict(self, *args, **kwargs) -> dict:  # noqa: D401 - full checkpoint, not nn.Module's
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The wrapped module's ``state_dict`` (same keys as ``module.state_dict()``),
+        so that ``net.load_state_dict(ddp.state_dict())`` works. The resumable
+        checkpoint is :meth:`checkpoint_state`."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a plain module state dict (``net.state_dict()``) into the wrapped
+        module, in place: parameters stay views of the flat buffer. Only this
+        rank's copy changes; nothing is sent. A full checkpoint goes to
+        :meth:`load_checkpoint_state`."""
+        if assign:
+            raise ValueError("assign must be False: parameters stay views of the flat buffer")
+        if isinstance(state_dict, dict) and "format" in state_dict and "algorithm_state" in state_dict:
+            raise ValueError("state_dict is a DecentralizedDataParallel checkpoint (from checkpoint_state()); "
+                             "restore it with load_checkpoint_state(), not load_state_dict()")
+        return self.module.load_state_dict(state_dict, strict=strict)
+
+    def checkpoint_state(self) -> dict:
         """This rank's checkpoint: module (parameters and buffers), optimizer,
         algorithm state, step counter, this rank's ledger (bytes and messages
         sent, so the counters continue after a resume) and this process's RNG
@@ -252,9 +384,6 @@ class DecentralizedDataParallel(nn.Module):
         (``synchronous = False``): only after :meth:`close` (a consistent cut);
         resuming then continues correctly, but the stop was a global barrier
         that an uninterrupted run does not have, so it is not bit-identical."""
-        if args or kwargs:
-            raise TypeError("DecentralizedDataParallel.state_dict() takes no arguments; "
-                            "use .module.state_dict(...) for the module alone")
         if not self.algorithm.synchronous and not self._closed:
             raise RuntimeError(f"{self.algorithm.name} is asynchronous: its workers' models change while "
                                "others gossip with them, so a checkpoint is consistent only after close() "
@@ -274,12 +403,10 @@ class DecentralizedDataParallel(nn.Module):
             "rng": rng_state(),
         }
 
-    def load_state_dict(self, state: dict, strict: bool = True, assign: bool = False) -> None:
-        """Restore what :meth:`state_dict` returned on the same rank of a run
+    def load_checkpoint_state(self, state: dict, strict: bool = True) -> None:
+        """Restore what :meth:`checkpoint_state` returned on the same rank of a run
         with the same world size and algorithm; training then continues exactly
         as if never interrupted."""
-        if assign:
-            raise ValueError("assign must be False: parameters stay views of the flat buffer")
         if not isinstance(state, dict) or state.get("format") not in (1, _FORMAT):
             raise ValueError("state is not a DecentralizedDataParallel checkpoint (missing or unknown 'format')")
         for key, mine in (("world_size", self.world_size), ("rank", self.rank),
@@ -292,6 +419,8 @@ class DecentralizedDataParallel(nn.Module):
         self.step_count = int(state["step"])
         if "ledger" in state:
             restore_ledger(self.transport.ledger, state["ledger"])
+        self._totals = _LedgerTotals()
+        self._last_stats = {}
         self.transport.set_step(self.step_count)
         rng = state.get("rng", {})
         if "numpy_keys" in rng:
@@ -308,9 +437,9 @@ class DecentralizedDataParallel(nn.Module):
         self.flat.check_aliasing()
 
     def save_checkpoint(self, path: str | os.PathLike) -> str:
-        """Write :meth:`state_dict` to ``path`` atomically, with a checksum
+        """Write :meth:`checkpoint_state` to ``path`` atomically, with a checksum
         (:func:`lowbit.integrations.checkpoint.save_checkpoint`); returns the path."""
-        return save_checkpoint(self.state_dict(), path)
+        return save_checkpoint(self.checkpoint_state(), path)
 
     def resume_latest(self, path: str | os.PathLike) -> int | None:
         """Resume from the newest step whose checkpoint verifies on *every* rank, looking at
@@ -328,7 +457,7 @@ class DecentralizedDataParallel(nn.Module):
         if step is None:
             return None
         state = next(st for s, st in found if s == step)
-        self.load_state_dict(state)
+        self.load_checkpoint_state(state)
         return step
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -340,7 +469,7 @@ class DecentralizedDataParallel(nn.Module):
         error = None
         try:
             state = load_checkpoint(path, map_location=self.flat.data.device)
-            self.load_state_dict(state)
+            self.load_checkpoint_state(state)
         except (CheckpointError, ValueError, KeyError) as e:
             error = e
         mine = torch.tensor([-1 if error else self.step_count], dtype=torch.int64)
@@ -375,21 +504,81 @@ def check_resume_steps(steps: list[int], where: str) -> None:
                               f"of one save)")
 
 
-def _check_optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    ids = {id(p) for p in trainable}
+def _optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
+    """The optimizer's parameters, which must be trainable parameters of ``module``, each once."""
+    ids = {id(p) for p in module.parameters() if p.requires_grad}
     seen: set[int] = set()
-    for group in optimizer.param_groups:
+    out = []
+    for i, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if id(p) in seen:
                 raise ValueError("optimizer lists a parameter twice")
             if id(p) not in ids:
-                raise ValueError("optimizer holds a parameter that is not a trainable parameter of module; "
-                                 "build the optimizer over module.parameters()")
+                raise ValueError(f"optimizer holds a parameter (group {i}, shape {tuple(p.shape)}) that is not a "
+                                 "trainable parameter of module; build the optimizer over (a subset of) "
+                                 "module.parameters()")
             seen.add(id(p))
-    if seen != ids:
-        raise ValueError(f"optimizer misses {len(ids - seen)} of the module's {len(ids)} trainable parameters; "
-                         "its parameters must be exactly the module's trainable parameters")
+            out.append(p)
+    if not out:
+        raise ValueError("optimizer holds no parameters")
+    return out
+
+
+# Optimizers whose step runs a wrapper's hooks: a second wrapper on one of them would run two algorithms
+# per step. Weak keys: an optimizer that is garbage collected leaves by itself.
+_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+_HOOKED_LOCK = threading.Lock()
+
+
+def _check_not_hooked(optimizer: torch.optim.Optimizer) -> None:
+    with _HOOKED_LOCK:
+        if optimizer in _HOOKED:
+            raise ValueError("optimizer is already wrapped by another DecentralizedDataParallel (its step runs that "
+                             "wrapper's algorithm); close() that wrapper first, or give this one its own optimizer")
+
+
+def _attach_hooks(optimizer: torch.optim.Optimizer, ddp: DecentralizedDataParallel) -> tuple:
+    """Register ``ddp``'s step pre- and post-hook on ``optimizer`` (at most one wrapper per optimizer)."""
+    with _HOOKED_LOCK:
+        if optimizer in _HOOKED:
+            raise ValueError("optimizer is already wrapped by another DecentralizedDataParallel")
+        _HOOKED[optimizer] = True
+        return optimizer.register_step_pre_hook(ddp._pre_step), optimizer.register_step_post_hook(ddp._post_step)
+
+
+def _detach_hooks(optimizer: torch.optim.Optimizer, handles: tuple) -> None:
+    with _HOOKED_LOCK:
+        for h in handles:
+            h.remove()
+        _HOOKED.pop(optimizer, None)
+
+
+class _LedgerTotals:
+    """The ledger's figures for step k and since the start, without re-summing every record
+    at every step: steps before k - 1 are folded into running sums once (a step's records
+    are complete once the next step has begun; the lag of one step leaves room for an
+    asynchronous responder thread that records just as the worker moves on)."""
+
+    def __init__(self):
+        self.upto = 0  # steps < upto are folded
+        self.bytes = 0
+        self.messages = 0
+
+    @staticmethod
+    def of_step(ledger: Ledger, step: int) -> tuple[int, int]:
+        return ledger.step_bytes(step), sum(r.messages for r in ledger.records.get(step, ()))
+
+    def update(self, ledger: Ledger, k: int) -> tuple[int, int, int, int]:
+        """(bytes at step k, messages at step k, bytes in total, messages in total)."""
+        for s in range(self.upto, k - 1):
+            b, m = self.of_step(ledger, s)
+            self.bytes += b
+            self.messages += m
+        self.upto = max(self.upto, k - 1)
+        open_steps = [self.of_step(ledger, s) for s in range(self.upto, k + 1)]
+        step_bytes, step_messages = open_steps[-1]
+        return (step_bytes, step_messages, self.bytes + sum(b for b, _ in open_steps),
+                self.messages + sum(m for _, m in open_steps))
 
 
 def _build_algorithm(algorithm, transport: Transport, topology, options: dict) -> Algorithm:

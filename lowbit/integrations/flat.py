@@ -13,10 +13,22 @@ from torch import nn
 
 
 class FlatParams:
-    def __init__(self, module: nn.Module):
-        params = [p for p in module.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("the module has no trainable parameters")
+    """``module``'s trainable parameters (or, with ``params``, those of them
+    that ``params`` lists, in the module's order) as views of one flat buffer
+    ``data``, their gradients as views of ``grad``."""
+
+    def __init__(self, module: nn.Module, params=None):
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if params is not None:
+            chosen = {id(p) for p in params}
+            known = {id(p) for p in trainable}
+            if not chosen <= known:
+                raise ValueError(f"params holds {len(chosen - known)} tensor(s) that are not trainable parameters "
+                                 "of module")
+            trainable = [p for p in trainable if id(p) in chosen]
+        if not trainable:
+            raise ValueError("the module has no trainable parameters" if params is None else "params is empty")
+        params = trainable
         dtypes = {p.dtype for p in params}
         devices = {p.device for p in params}
         if len(dtypes) != 1 or len(devices) != 1:
