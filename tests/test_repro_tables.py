@@ -5,11 +5,11 @@ import shlex
 from pathlib import Path
 
 import pytest
+from repro_quick import run_quick
 
 import lowbit.train
 from lowbit.cli import main
 from lowbit.repro import tables
-from repro_quick import run_quick
 
 RESULTS_MD = Path(__file__).resolve().parents[1] / "docs" / "RESULTS.md"
 
@@ -72,7 +72,6 @@ def test_every_table_column_is_defined_and_every_table_has_rows():
     assert len({t.heading for t in tables.TABLES}) == len(tables.TABLES)
 
 
-@pytest.mark.slow
 def test_quick_writes_every_table_and_shares_identical_runs(tmp_path_factory):
     out, res = run_quick("train-tables", tmp_path_factory)
     text = (out / "table.md").read_text()
@@ -81,13 +80,13 @@ def test_quick_writes_every_table_and_shares_identical_runs(tmp_path_factory):
         _, rows = _section_table(text, t.heading)
         assert [r[0] for r in rows[1:]] == [f"`{o}`" for o in t.rows]
     by_heading = {t["heading"]: {r["options"]: r["runs"] for r in t["rows"]} for t in res["tables"]}
-    digits, seeds = (by_heading[t.heading] for t in tables.TABLES if t.heading.startswith(("The decentralized",
-                                                                                          "Accuracy and wire bits "
-                                                                                          "against fp32 D-PSGD: d")))
+    digits = by_heading["The decentralized family on digits-mlp (8 workers, ring, 300 steps)"]
+    seeds = by_heading["Accuracy and wire bits against fp32 D-PSGD: digits-mlp, seeds 0, 1, 2"]
     # seed 0 of the targets table is the decentralized table's row, run once
     assert seeds["--algorithm dpsgd"][0] == digits["--algorithm dpsgd"][0]
     assert [r["config"]["seed"] for r in seeds["--algorithm moniqua --bits 1"]] == [0, 1, 2]
-    assert all(r["config"]["steps"] == 2 for t in res["tables"] for row in t["rows"] for r in row["runs"])
+    assert all((r["config"]["steps"], r["config"]["task"]) == (2, "digits-mlp")
+               for t in res["tables"] for row in t["rows"] for r in row["runs"])
     # the budget column: 8 x bytes a worker sends per step / d against nominal bits x 2 ring neighbours
     r = seeds["--algorithm moniqua --bits 2"][1]
     assert tables._budget_ratio(r) == pytest.approx(r["wire_bits_per_element"] / (2 * 2))
