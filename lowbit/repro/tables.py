@@ -234,8 +234,8 @@ def run(out: Path, quick: bool = False) -> dict:
     seconds = [r["wall_seconds"] for r in done.values()]
     body.append(f"{len(seconds)} runs, {sum(seconds) / 60:.1f} minutes of training "
                 f"(median {statistics.median(seconds):.1f} s a run), thread backend.")
-    body.append("Bytes per step are summed over the workers; wire bits are 8 x bytes a worker sent per step / d; "
-                "wire / (nominal x fan-out) divides them by the nominal bits sent to each neighbour (the largest "
-                "over a row's seeds); points against the first row compare mean accuracies.")
+    body.append("Bytes per step are summed over the workers; wire bits are 8 x bytes a worker sent per step / d "
+                "(of a row's first seed); wire / (nominal x fan-out) divides them by the nominal bits sent to each "
+                "neighbour (the largest over a row's seeds); points against the first row compare mean accuracies.")
     write_outputs(out, results, "The `lowbit train` tables of docs/RESULTS.md", [], notes="\n".join(body))
     return results
