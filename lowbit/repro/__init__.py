@@ -22,6 +22,8 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "moniqua-figure2": ("figure2", "Moniqua on D2 (one label per worker) and async Moniqua vs AD-PSGD at 20 Mbps"),
     "moniqua-table2": ("table2", "test accuracy (mean/std over seeds) at 1 and 2 bits and extra memory, fashion-lenet"),
     "ndqsg-tables": ("ndqsg", "paper 002: raw/entropy-coded Kbits (Tables 1-2, 32 workers), accuracy, Figure 6"),
+    "train-tables": ("tables", ("the `lowbit train` tables of docs/RESULTS.md (decentralized and centralized "
+                                "digits-mlp, fashion-lenet, Moniqua's issue-11 targets) from their OPTIONS rows")),
     "throughput-model": ("throughput", ("paper 004's performance model (Wen et al. 2017): 32 nodes x 4 GPUs, "
                          "1 and 10 Gbps, ResNet-50 and VGG-16")),
 }
