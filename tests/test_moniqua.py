@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from lowbit.algorithms import D2, DPSGD, Moniqua, MoniquaD2
-from lowbit.algorithms.moniqua import GAMMA_K, VERIFY_BLOCK, topology_diameter
+from lowbit.algorithms.moniqua import GAMMA_NOISE, VERIFY_BLOCK, topology_diameter
 from lowbit.codecs import IdentityCodec, ModuloCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
-from lowbit.topology import make_topology, slack_matrix, spectral_rho
+from lowbit.topology import make_topology, slack_matrix
 from lowbit.train import TrainConfig, train
 from quadratic import quadratic_problem, quadratic_step, run_quadratic
 
@@ -96,21 +96,25 @@ def test_one_bit_moniqua_with_slack_matrix_is_theorem_3(rounding):
     assert ledgers[0].bytes_sent == STEPS * 2 * (-(-D // 8) + _overhead(D))
 
 
-def test_default_gamma_keeps_the_grid_step_inside_the_mixing_gap():
-    """gamma = min(1, K (1 - rho(W)) theta / s): s = 2 theta at 1 bit (nearest, B_theta = 4 theta),
-    theta at 2 bits and theta / 3 at 3 bits (stochastic, B_theta = 4 theta and 8 theta / 3)."""
-    topo = make_topology("ring", 8)
-    gap = 1 - (1 + 2 * math.cos(2 * math.pi / 8)) / 3  # 1 - lambda_2 of the ring's 1/3 weights
+def test_default_gamma_keeps_the_rounding_noise_inside_theta():
+    """gamma = min(1, (2 r / (1 + r)) / (1 - lambda_min(W))), r = R theta / s: s = 2 theta at 1 bit
+    (nearest, B_theta = 4 theta), theta at 2 bits and theta / 3 at 3 bits (stochastic, B_theta = 4
+    theta and 8 theta / 3); lambda_min = -1/3 on a ring with 1/3 weights, 0 on a complete graph."""
+    def g(r):
+        return 2 * r / (1 + r)
 
-    def worker(t):
+    def worker(t, topo):
         one = Moniqua(t, topo, bits=1)
         return one.codec.rounding, one.gamma, Moniqua(t, topo, bits=2).gamma, Moniqua(t, topo, bits=3).gamma
 
-    for rounding, g1, g2, g3 in run_threads(8, worker):
-        assert rounding == "nearest"
-        assert g1 == pytest.approx(GAMMA_K * gap / 2) and g2 == pytest.approx(GAMMA_K * gap) and g3 == 1.0
-    # a complete graph mixes in one step: no slack needed
-    assert run_threads(3, lambda t: Moniqua(t, make_topology("ring", 3), bits=1).gamma) == [1.0] * 3
+    for topo, lam_min in ((make_topology("ring", 8), -1 / 3), (make_topology("complete", 5), 0.0)):
+        for rounding, g1, g2, g3 in run_threads(topo.n, lambda t: worker(t, topo)):
+            assert rounding == "nearest"
+            assert g1 == pytest.approx(g(GAMMA_NOISE / 2) / (1 - lam_min))
+            assert g2 == pytest.approx(g(GAMMA_NOISE) / (1 - lam_min))
+            assert g3 == pytest.approx(min(1.0, g(3 * GAMMA_NOISE) / (1 - lam_min)))
+    # the mode that decays slowest, not the spectral gap: 0.5 at 2 bits on every ring
+    assert run_threads(4, lambda t: Moniqua(t, make_topology("ring", 4), bits=2).gamma) == [pytest.approx(0.5)] * 4
 
 
 # ---- 2. D2 and Moniqua-D2 ---------------------------------------------------------------

@@ -18,18 +18,29 @@ delta * B_theta as long as |x_{k,j} - x_{k,i}| < theta element-wise.
 gamma < 1 matters: with shared randomness, x_hat_j - x_hat_i is x_j - x_i
 rounded up or down to a grid step s = B_theta / 2^bits, so every step line 6
 adds to the models' differences a noise of variance about gamma^2 s |x_j -
-x_i|, which mixing removes at rate about gamma (1 - rho(W)). The distance this
-noise keeps between neighbours grows like gamma s / (1 - rho(W)), i.e. in
-proportion to theta itself (s = theta at 2 bits, 2 theta at 1 bit): with
-gamma = 1 on a ring of 8, no theta is large enough (on digits-mlp, 8 workers,
-300 steps, 2 bits, the consensus distance was 1.28 / 19 / 113 at theta 0.05 /
-0.2 / 0.5, and 6.9 / 6.7 / 5.5 wire bits per element against 4.5 with no
-repair). The default, :func:`default_gamma`, is
-``min(1, K (1 - rho(W)) theta / s)`` with K = :data:`GAMMA_K` = 2.5: 0.49 at
-2 bits and 0.24 at 1 bit on a ring of 8, 1 at 3 bits and more, 1 on a
-complete graph. K was measured on that run: gamma 1 / 0.5 / 0.25 at theta
-0.05 sent 6.92 / 4.54 / 4.73 wire bits per element at the same accuracy
-(98.3 %); at 1 bit, gamma 0.24 reached 98.3 % (the former default 0.1, 97.8 %).
+x_i|. On an eigenvector of W with eigenvalue lambda, line 6 multiplies a
+difference by 1 - g (g = gamma (1 - lambda)) and adds that noise times g, so
+the noise it keeps has variance g / (2 - g) times the noise of one step: it
+grows without bound as g nears 2 and is largest on the smallest eigenvalue
+lambda_min(W) (-1/3 on rings with 1/3 weights, 0 on a complete graph). The
+distance this noise keeps between neighbours is proportional to s, i.e. to
+theta itself (s = theta at 2 bits, 2 theta at 1 bit): past a gamma, no theta
+is large enough, and ``theta="auto"`` doubles theta without end (a runaway).
+On digits-mlp, 300 steps, 2 bits, the former default gamma = min(1, 2.5 (1 -
+rho(W))) (0.49 on a ring of 8) ran away on rings of 3, 4, 5 and 6 workers
+(gamma 1, 1, 1, 0.83) and on a complete graph of 8 (gamma 1): test accuracy
+0.78-0.96, local models 0.33-0.75. The default, :func:`default_gamma`, holds
+g / (2 - g) at r = R theta / s on the slowest mode, R = :data:`GAMMA_NOISE` =
+0.5: ``gamma = min(1, (2 r / (1 + r)) / (1 - lambda_min(W)))``. That is
+0.5 at 2 bits and 0.3 at 1 bit on rings, 0.67 and 0.4 on a complete graph,
+0.9 at 3 bits on rings and 1 at 4 bits and more. Measured on digits-mlp (300
+steps, `lowbit train --task digits-mlp --algorithm moniqua --steps 300
+--workers N [--topology T] --bits B`): every ring of 3 to 8 workers, a
+complete graph, the exponential graph of 8 and a torus of 16 at 1, 2 and 3
+bits stay at 97.8-98.6 % test accuracy and at 1.04-1.09 times the nominal
+wire bits times the fan-out (2.17 wire bits at 1 bit and 4.17 at 2 bits on
+a ring of 8). gamma = 0.7 on a ring of 4 (g / (2 - g) = 0.87) still held;
+gamma 1 there (2.0) and 0.83 on a ring of 6 (1.25) did not.
 The paper's Theorem 3 gamma (and its 5e-3 on CIFAR-10) mixes far too slowly for
 a few hundred steps.
 At 1 bit only nearest rounding has delta < 1/2 (delta = 1/4, B_theta =
@@ -188,13 +199,14 @@ import math
 import logging
 from collections import deque
 
+import numpy as np
 import torch
 
 from ..codecs import ModuloCodec
 from ..codecs.entropy import ENTROPY_METHODS
 from ..codecs.modulo_frame import ModuloFrame
 from ..codecs.rng import shared_generator
-from ..topology import Topology, spectral_rho
+from ..topology import Topology
 from .base import GossipAlgorithm
 
 THETA_SCHEDULES = ("constant", "lr")
@@ -207,8 +219,8 @@ THETA_SHRINK = 0.8
 THETA_START = 2.0
 # theta="auto" grown this many times theta_0: the run's warning says the noise, not the gradients, sets the distance
 THETA_RUNAWAY = 256.0
-# K of default_gamma: measured on digits-mlp, 8 workers, ring, 300 steps (see the module docstring)
-GAMMA_K = 2.5
+# R of default_gamma: the rounding noise allowed per unit of theta / s (see the module docstring)
+GAMMA_NOISE = 0.5
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
 VERIFY_BLOCK = 256
 _log = logging.getLogger(__name__)
@@ -237,11 +249,14 @@ def agreement_due(k: int, every: int) -> bool:
 
 
 def default_gamma(codec: ModuloCodec, W) -> float:
-    """The slack matrix's gamma when none is given: ``min(1, K (1 - rho(W)) theta / s)``
-    with ``s = B_theta / 2^bits`` the grid step and K = :data:`GAMMA_K` (module docstring,
-    "Slack matrix"): it keeps the models' quantization-driven distance well inside theta."""
-    step_over_theta = codec.B_theta / codec.levels / codec.theta
-    return min(1.0, GAMMA_K * (1.0 - spectral_rho(W)) / step_over_theta)
+    """The slack matrix's gamma when none is given (module docstring, "Slack matrix"):
+    ``min(1, g / (1 - lambda_min(W)))`` with ``g = 2 r / (1 + r)``, ``r = R theta / s``,
+    ``s = B_theta / 2^bits`` the grid step and R = :data:`GAMMA_NOISE`. It keeps the
+    noise that rounding adds to the models' differences, in W's slowest-decaying mode,
+    at ``g / (2 - g) = r`` grid steps squared per unit of distance: well inside theta."""
+    r = GAMMA_NOISE * codec.theta * codec.levels / codec.B_theta
+    lam_min = float(np.linalg.eigvalsh(np.asarray(W, dtype=np.float64)).min())
+    return min(1.0, (2.0 * r / (1.0 + r)) / (1.0 - lam_min))
 
 
 def default_rounding(bits: int) -> str:
