@@ -106,6 +106,8 @@ def _as_symbols(codes, L: int) -> torch.Tensor:
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
     c = codes.reshape(-1)
+    if c.dtype in (torch.uint16, torch.uint32, torch.uint64):  # torch has few kernels for these
+        c = c.to(torch.int64)
     if c.numel():
         lo, hi = (int(v) for v in torch.aminmax(c))
         if lo < 0 or hi >= L:

@@ -25,7 +25,10 @@ than it saves), the run-time ones for the rest.
 
 from __future__ import annotations
 
+import ast
 import functools
+import inspect
+import textwrap
 
 import numba
 import numpy as np
@@ -33,6 +36,8 @@ import torch
 
 from ..radix import WORD_BITS, chunk_digits
 from .cpu import M32, _jit
+
+_S32 = np.uint64(32)
 
 __all__ = ["SPECIALISE_FROM", "pack", "unpack", "pack_radix", "unpack_radix", "specialised"]
 
@@ -109,208 +114,168 @@ def unpack_radix(data, L, g, b, out):
 # significant first; those above bit b stay 0) and handled a chunk of h digits at a time
 # (radix.chunk_digits: W = L^h <= 2^32), v = sum_i w_i W^i: Horner v <- v W + w_i carried through
 # the limbs (a limb times W plus a carry stays below 2^64), long division of the limbs by W (a
-# remainder below W shifted up by 32 bits stays below 2^64), and each chunk split into its h digits
-# in one word. The stream is written and read 32 bits at a time (a 64-bit accumulator holds < 32
-# pending bits plus a limb). The helpers are inlined into the kernels (inline="always"), so where
-# L, g, b are constants (the specialised kernels) the limb counts fold and the divisions by W and L
-# become multiplications.
+# remainder below W shifted up by 32 bits stays below 2^64), each chunk split into its h digits in
+# one word. The stream is written and read 32 bits at a time (a 64-bit accumulator holds < 32
+# pending bits plus a limb). A last partial group is handled as a full one whose missing digits
+# are 0 (the same value), so every group loop has constant trip counts where g is a constant.
+#
+# The kernels are flat loops (no helper calls): :func:`specialised` compiles them again with L, g,
+# b, h bound as constants (:func:`_bind`), where the limb counts fold, the loops unroll and the
+# divisions by W and L become multiplications.
 
-_inline = numba.njit(inline="always", nogil=True, boundscheck=False, error_model="numpy")
-_S32 = np.uint64(32)
 
-
-@_inline
-def _chunk_base(Lu, h):
-    """``W = L^h`` as a uint64 (``**`` would type it int64)."""
+@_jit
+def pack_radix_wide(codes, L, g, b, h, out):
+    """:func:`pack_radix` for groups wider than ``WORD_BITS`` (``h`` digits per chunk)."""
+    n = codes.shape[0]
+    nout = out.shape[0]
+    Lu = np.uint64(L)
     Wu = np.uint64(1)
     for _ in range(h):
         Wu *= Lu
-    return Wu
-
-
-@_inline
-def _wide_value(codes, base, r, b, Lu, h, Wu):
-    """The limbs ``(l0, l1, l2, l3)`` of the value of the ``r`` digits ``codes[base:base + r]``
-    (a value of at most ``b`` bits)."""
-    l0 = np.uint64(0)
-    l1 = np.uint64(0)
-    l2 = np.uint64(0)
-    l3 = np.uint64(0)
-    for ci in range((r - 1) // h, -1, -1):  # Horner over the chunks, the most significant first
-        lo = base + ci * h
-        w = np.uint64(0)
-        for i in range(min(lo + h, base + r) - 1, lo - 1, -1):
-            w = w * Lu + np.uint64(codes[i])
-        t = l0 * Wu + w
-        l0 = t & M32
-        t = l1 * Wu + (t >> _S32)
-        l1 = t & M32
-        if b > 64:
-            t = l2 * Wu + (t >> _S32)
-            l2 = t & M32
-            if b > 96:
-                l3 = l3 * Wu + (t >> _S32)
-    return l0, l1, l2, l3
-
-
-@_inline
-def _put_bits(x, w, acc, nbits, out, o):
-    """The ``w <= 32`` low bits of ``x`` appended to the stream: ``acc`` holds its ``nbits < 32``
-    pending bits; 32 bits are written to ``out`` from index ``o`` once there are (bytes past its
-    end dropped)."""
-    acc |= x << np.uint64(nbits)
-    nbits += w
-    if nbits >= 32:
-        if o + 4 <= out.shape[0]:
-            out[o] = np.uint8(acc & np.uint64(0xFF))
-            out[o + 1] = np.uint8((acc >> np.uint64(8)) & np.uint64(0xFF))
-            out[o + 2] = np.uint8((acc >> np.uint64(16)) & np.uint64(0xFF))
-            out[o + 3] = np.uint8((acc >> np.uint64(24)) & np.uint64(0xFF))
-        else:
-            for k in range(4):
-                if o + k < out.shape[0]:
-                    out[o + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
-        acc >>= _S32
-        nbits -= 32
-        o += 4
-    return acc, nbits, o
-
-
-@_inline
-def _put_limbs(l0, l1, l2, l3, b, acc, nbits, out, o):
-    """A ``b``-bit group value (``32 < b <= 128``) appended to the stream, limb by limb."""
-    acc, nbits, o = _put_bits(l0, 32, acc, nbits, out, o)
-    acc, nbits, o = _put_bits(l1, min(b - 32, 32), acc, nbits, out, o)
-    if b > 64:
-        acc, nbits, o = _put_bits(l2, min(b - 64, 32), acc, nbits, out, o)
-    if b > 96:
-        acc, nbits, o = _put_bits(l3, b - 96, acc, nbits, out, o)
-    return acc, nbits, o
-
-
-@_inline
-def _get_bits(w, data, acc, nbits, o):
-    """The next ``w <= 32`` stream bits: ``acc`` holds ``nbits`` read bits, 32 more are read
-    from ``data[o:]`` when they are too few (bytes past its end read as zero)."""
-    if nbits < w:
-        if o + 4 <= data.shape[0]:
-            word = (np.uint64(data[o]) | (np.uint64(data[o + 1]) << np.uint64(8))
-                    | (np.uint64(data[o + 2]) << np.uint64(16)) | (np.uint64(data[o + 3]) << np.uint64(24)))
-        else:
-            word = np.uint64(0)
-            for k in range(4):
-                if o + k < data.shape[0]:
-                    word |= np.uint64(data[o + k]) << np.uint64(8 * k)
-        acc |= word << np.uint64(nbits)
-        nbits += 32
-        o += 4
-    x = acc & ((np.uint64(1) << np.uint64(w)) - np.uint64(1))
-    return x, acc >> np.uint64(w), nbits - w, o
-
-
-@_inline
-def _get_limbs(b, data, acc, nbits, o):
-    """The limbs of the next ``b``-bit group value (``32 < b <= 128``) of the stream."""
-    l0, acc, nbits, o = _get_bits(32, data, acc, nbits, o)
-    l1, acc, nbits, o = _get_bits(min(b - 32, 32), data, acc, nbits, o)
-    l2 = np.uint64(0)
-    l3 = np.uint64(0)
-    if b > 64:
-        l2, acc, nbits, o = _get_bits(min(b - 64, 32), data, acc, nbits, o)
-    if b > 96:
-        l3, acc, nbits, o = _get_bits(b - 96, data, acc, nbits, o)
-    return l0, l1, l2, l3, acc, nbits, o
-
-
-@_inline
-def _split_chunk(w, out, lo, hi, Lu):
-    """The digits of ``w`` into ``out[lo:hi]``; returns what is left of ``w`` (0 when they hold it)."""
-    for k in range(lo, hi):
-        q = w // Lu
-        out[k] = w - q * Lu
-        w = q
-    return w
-
-
-@_inline
-def _wide_digits(l0, l1, l2, l3, out, base, r, b, Lu, h, Wu):
-    """The ``r`` digits of the limbs' value (at most ``b`` bits) into ``out[base:base + r]``;
-    returns whether the value exceeds ``L^r - 1`` (then the digits are not all of it)."""
-    nch = (r - 1) // h + 1
-    for ci in range(nch - 1):  # the full chunks, the least significant first: long division by W
-        t = np.uint64(0)
-        if b > 96:
-            t = l3 // Wu
-            l3, t = t, l3 - t * Wu
-        if b > 64:
-            t = (t << _S32) | l2
-            q = t // Wu
-            l2, t = q, t - q * Wu
-        t = (t << _S32) | l1
-        q = t // Wu
-        l1, t = q, t - q * Wu
-        t = (t << _S32) | l0
-        q = t // Wu
-        l0 = q
-        # below W <= 2^32: through uint32, so that the digits' divisions are 32-bit ones
-        _split_chunk(np.uint64(np.uint32(t - q * Wu)), out, base + ci * h, base + ci * h + h, Lu)
-    # the top chunk: below L^(its digits) <= W, so in l0 alone
-    left = _split_chunk(l0, out, base + (nch - 1) * h, base + r, Lu)
-    return (left | l1 | l2 | l3) != np.uint64(0)
-
-
-@_inline
-def _pack_wide(codes, L, g, b, h, out):
-    n = codes.shape[0]
-    Lu = np.uint64(L)
-    Wu = _chunk_base(Lu, h)
+    full = n // g
+    tail = np.zeros(g, dtype=codes.dtype)  # a last partial group, its missing digits 0
+    for k in range(full * g, n):
+        tail[k - full * g] = codes[k]
     acc = np.uint64(0)
     nbits = 0
     o = 0
-    full = n // g
-    for j in range(full):  # full groups: g a constant in the specialised kernels (loops unroll)
-        l0, l1, l2, l3 = _wide_value(codes, j * g, g, b, Lu, h, Wu)
-        acc, nbits, o = _put_limbs(l0, l1, l2, l3, b, acc, nbits, out, o)
-    if full * g < n:
-        l0, l1, l2, l3 = _wide_value(codes, full * g, n - full * g, b, Lu, h, Wu)
-        acc, nbits, o = _put_limbs(l0, l1, l2, l3, b, acc, nbits, out, o)
+    for j in range((n + g - 1) // g):
+        src = codes if j < full else tail
+        base = j * g if j < full else 0
+        l0 = np.uint64(0)
+        l1 = np.uint64(0)
+        l2 = np.uint64(0)
+        l3 = np.uint64(0)
+        for cc in range((g - 1) // h + 1):  # Horner over the chunks, the most significant first
+            lo = base + ((g - 1) // h - cc) * h
+            w = np.uint64(0)
+            for i in range(min(lo + h, base + g) - 1, lo - 1, -1):
+                w = w * Lu + np.uint64(src[i])
+            t = l0 * Wu + w
+            l0 = t & M32
+            t = l1 * Wu + (t >> _S32)
+            l1 = t & M32
+            if b > 64:
+                t = l2 * Wu + (t >> _S32)
+                l2 = t & M32
+                if b > 96:
+                    l3 = l3 * Wu + (t >> _S32)
+        for li in range(4):  # the limbs into the stream, 32 bits written at a time
+            if 32 * li < b:
+                x = l0 if li == 0 else (l1 if li == 1 else (l2 if li == 2 else l3))
+                acc |= x << np.uint64(nbits)
+                nbits += min(32, b - 32 * li)
+                if nbits >= 32:
+                    for k in range(4):
+                        if o + k < nout:  # bytes past the end (a cut last group's zero bits) dropped
+                            out[o + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
+                    acc >>= _S32
+                    nbits -= 32
+                    o += 4
     while nbits > 0:  # the last < 32 bits
-        if o < out.shape[0]:
+        if o < nout:
             out[o] = np.uint8(acc & np.uint64(0xFF))
         acc >>= np.uint64(8)
         nbits -= 8
         o += 1
 
 
-@_inline
-def _unpack_wide(data, L, g, b, h, out):
+@_jit
+def unpack_radix_wide(data, L, g, b, h, out):
+    """:func:`unpack_radix` for groups wider than ``WORD_BITS`` (``h`` digits per chunk)."""
     n = out.shape[0]
+    nd = data.shape[0]
     Lu = np.uint64(L)
-    Wu = _chunk_base(Lu, h)
+    Wu = np.uint64(1)
+    for _ in range(h):
+        Wu *= Lu
+    full = n // g
+    tail = np.zeros(g, dtype=out.dtype)  # a last partial group's digits, all g of them
     acc = np.uint64(0)
     nbits = 0
     o = 0
     bad = 0
-    full = n // g
-    for j in range(full):  # full groups: g a constant in the specialised kernels (loops unroll)
-        l0, l1, l2, l3, acc, nbits, o = _get_limbs(b, data, acc, nbits, o)
-        bad += _wide_digits(l0, l1, l2, l3, out, j * g, g, b, Lu, h, Wu)
-    if full * g < n:
-        l0, l1, l2, l3, acc, nbits, o = _get_limbs(b, data, acc, nbits, o)
-        bad += _wide_digits(l0, l1, l2, l3, out, full * g, n - full * g, b, Lu, h, Wu)
+    for j in range((n + g - 1) // g):
+        dst = out if j < full else tail
+        base = j * g if j < full else 0
+        l0 = np.uint64(0)
+        l1 = np.uint64(0)
+        l2 = np.uint64(0)
+        l3 = np.uint64(0)
+        for li in range(4):  # the limbs from the stream, 32 bits read at a time
+            if 32 * li < b:
+                wl = min(32, b - 32 * li)
+                if nbits < wl:
+                    word = np.uint64(0)
+                    for k in range(4):
+                        if o + k < nd:  # bytes past the end (a cut last group's zero bits) read as 0
+                            word |= np.uint64(data[o + k]) << np.uint64(8 * k)
+                    acc |= word << np.uint64(nbits)
+                    nbits += 32
+                    o += 4
+                x = acc & ((np.uint64(1) << np.uint64(wl)) - np.uint64(1))
+                acc >>= np.uint64(wl)
+                nbits -= wl
+                if li == 0:
+                    l0 = x
+                elif li == 1:
+                    l1 = x
+                elif li == 2:
+                    l2 = x
+                else:
+                    l3 = x
+        for ci in range((g - 1) // h + 1):  # the chunks, the least significant first
+            if ci < (g - 1) // h:  # a full chunk: long division of the limbs by W, the top limb first
+                t = np.uint64(0)
+                if b > 96:
+                    q = l3 // Wu
+                    t = l3 - q * Wu
+                    l3 = q
+                if b > 64:
+                    t = (t << _S32) | l2
+                    q = t // Wu
+                    t = t - q * Wu
+                    l2 = q
+                t = (t << _S32) | l1
+                q = t // Wu
+                t = t - q * Wu
+                l1 = q
+                t = (t << _S32) | l0
+                q = t // Wu
+                w = np.uint64(np.uint32(t - q * Wu))  # below W <= 2^32: 32-bit divisions by L below
+                l0 = q
+            else:  # the top chunk: below L^(its digits) <= W, so in l0 alone
+                w = l0
+                l0 = np.uint64(0)
+            for k in range(base + ci * h, min(base + ci * h + h, base + g)):
+                q = w // Lu
+                dst[k] = w - q * Lu
+                w = q
+            l0 |= w  # what the digits do not hold
+        bad += (l0 | l1 | l2 | l3) != np.uint64(0)
+    r = n - full * g
+    if r:
+        for k in range(r):
+            out[full * g + k] = tail[k]
+        for k in range(r, g):  # a last group of r digits holds a value below L^r
+            if tail[k] != 0:
+                bad += 1
+                break
     return bad
 
 
-@_jit
-def pack_radix_wide(codes, L, g, b, h, out):
-    """:func:`pack_radix` for groups wider than ``WORD_BITS`` (``h`` digits per chunk)."""
-    _pack_wide(codes, L, g, b, h, out)
-
-
-@_jit
-def unpack_radix_wide(data, L, g, b, h, out):
-    """:func:`unpack_radix` for groups wider than ``WORD_BITS`` (``h`` digits per chunk)."""
-    return _unpack_wide(data, L, g, b, h, out)
+def _bind(fn, **consts):
+    """The numba kernel ``fn`` compiled anew with the parameters named in ``consts`` bound to
+    those values: its source with the parameters dropped and the values as globals, which numba
+    freezes as compile-time constants."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn.py_func)))
+    f = tree.body[0]
+    f.decorator_list = []
+    f.args.args = [a for a in f.args.args if a.arg not in consts]
+    scope = dict(fn.py_func.__globals__, **consts)
+    exec(compile(tree, f"<{f.name} {consts}>", "exec"), scope)  # noqa: S102 (fn's own source)
+    return numba.njit(nogil=True, boundscheck=False, error_model="numpy")(scope[f.name])
 
 
 def _pack_source(L: int, g: int, b: int) -> str:
@@ -346,18 +311,11 @@ def specialised(L: int, g: int, b: int):
     block's groups with ``L``, ``g``, ``b`` as constants (a generated straight-line
     unpacker was not faster and took longer to compile)."""
     opts = dict(nogil=True, boundscheck=False, error_model="numpy")
-    if b > WORD_BITS:  # the wide kernels' stream loops with L, g, b, h constants
-        H = chunk_digits(L)
-
-        @numba.njit(**opts)
-        def pack_blocks(codes, out, blocks):
-            _pack_wide(codes[:blocks * 8 * g], L, g, b, H, out)
-
-        @numba.njit(**opts)
-        def unpack_wide_blocks(data, out, blocks):
-            return _unpack_wide(data, L, g, b, H, out[:blocks * 8 * g])
-
-        return pack_blocks, unpack_wide_blocks
+    if b > WORD_BITS:  # the wide kernels with L, g, b, h constants, over the blocks' codes
+        consts = dict(L=L, g=g, b=b, h=chunk_digits(L))
+        pack_wide, unpack_wide = _bind(pack_radix_wide, **consts), _bind(unpack_radix_wide, **consts)
+        return (lambda codes, out, blocks: pack_wide(codes[:blocks * 8 * g], out[:blocks * b]),
+                lambda data, out, blocks: unpack_wide(data[:blocks * b], out[:blocks * 8 * g]))
     scope = {"np": np}
     exec(compile(_pack_source(L, g, b), f"<radix pack L={L}>", "exec"), scope)  # noqa: S102 (generated above)
     Lu = np.uint64(L)
