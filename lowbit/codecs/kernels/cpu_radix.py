@@ -148,10 +148,11 @@ def pack_radix_wide(codes, L, g, b, h, out):
         l2 = np.uint64(0)
         l3 = np.uint64(0)
         for cc in range((g - 1) // h + 1):  # Horner over the chunks, the most significant first
-            lo = base + ((g - 1) // h - cc) * h
+            ci = (g - 1) // h - cc
+            lo = base + ci * h
             w = np.uint64(0)
-            for i in range(min(lo + h, base + g) - 1, lo - 1, -1):
-                w = w * Lu + np.uint64(src[i])
+            for t in range(min(h, g - ci * h) - 1, -1, -1):
+                w = w * Lu + np.uint64(src[lo + t])
             t = l0 * Wu + w
             l0 = t & M32
             t = l1 * Wu + (t >> _S32)
@@ -168,7 +169,7 @@ def pack_radix_wide(codes, L, g, b, h, out):
                 nbits += min(32, b - 32 * li)
                 if nbits >= 32:
                     for k in range(4):
-                        if o + k < nout:  # bytes past the end (a cut last group's zero bits) dropped
+                        if o + 4 <= nout or o + k < nout:  # bytes past the end (a cut last group's zero bits) dropped
                             out[o + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
                     acc >>= _S32
                     nbits -= 32
@@ -181,9 +182,18 @@ def pack_radix_wide(codes, L, g, b, h, out):
         o += 1
 
 
+def word_digits(L: int) -> int:
+    """Digits of ``L`` levels whose values fit a 64-bit word: the largest ``d`` with ``L^d <= 2^64``."""
+    d = 1
+    while L ** (d + 1) <= 1 << 64:
+        d += 1
+    return d
+
+
 @_jit
-def unpack_radix_wide(data, L, g, b, h, out):
-    """:func:`unpack_radix` for groups wider than ``WORD_BITS`` (``h`` digits per chunk)."""
+def unpack_radix_wide(data, L, g, b, h, dw, out):
+    """:func:`unpack_radix` for groups wider than ``WORD_BITS`` (``h`` digits per chunk; values
+    of ``dw`` digits fit a 64-bit word, so chunks are peeled from those by one division)."""
     n = out.shape[0]
     nd = data.shape[0]
     Lu = np.uint64(L)
@@ -209,7 +219,7 @@ def unpack_radix_wide(data, L, g, b, h, out):
                 if nbits < wl:
                     word = np.uint64(0)
                     for k in range(4):
-                        if o + k < nd:  # bytes past the end (a cut last group's zero bits) read as 0
+                        if o + 4 <= nd or o + k < nd:  # bytes past the end (a cut last group's zero bits) read as 0
                             word |= np.uint64(data[o + k]) << np.uint64(8 * k)
                     acc |= word << np.uint64(nbits)
                     nbits += 32
@@ -226,7 +236,13 @@ def unpack_radix_wide(data, L, g, b, h, out):
                 else:
                     l3 = x
         for ci in range((g - 1) // h + 1):  # the chunks, the least significant first
-            if ci < (g - 1) // h:  # a full chunk: long division of the limbs by W, the top limb first
+            if ci < (g - 1) // h and g - ci * h <= dw:  # a full chunk of a value that fits a word
+                v = (l1 << _S32) | l0
+                q = v // Wu
+                w = np.uint64(np.uint32(v - q * Wu))
+                l0 = q & M32
+                l1 = q >> _S32
+            elif ci < (g - 1) // h:  # a full chunk: long division of the limbs by W, the top limb first
                 t = np.uint64(0)
                 if b > 96:
                     q = l3 // Wu
@@ -248,9 +264,9 @@ def unpack_radix_wide(data, L, g, b, h, out):
             else:  # the top chunk: below L^(its digits) <= W, so in l0 alone
                 w = l0
                 l0 = np.uint64(0)
-            for k in range(base + ci * h, min(base + ci * h + h, base + g)):
+            for t in range(min(h, g - ci * h)):
                 q = w // Lu
-                dst[k] = w - q * Lu
+                dst[base + ci * h + t] = w - q * Lu
                 w = q
             l0 |= w  # what the digits do not hold
         bad += (l0 | l1 | l2 | l3) != np.uint64(0)
@@ -313,7 +329,7 @@ def specialised(L: int, g: int, b: int):
     opts = dict(nogil=True, boundscheck=False, error_model="numpy")
     if b > WORD_BITS:  # the wide kernels with L, g, b, h constants, over the blocks' codes
         consts = dict(L=L, g=g, b=b, h=chunk_digits(L))
-        pack_wide, unpack_wide = _bind(pack_radix_wide, **consts), _bind(unpack_radix_wide, **consts)
+        pack_wide, unpack_wide = _bind(pack_radix_wide, **consts), _bind(unpack_radix_wide, dw=word_digits(L), **consts)
         return (lambda codes, out, blocks: pack_wide(codes[:blocks * 8 * g], out[:blocks * b]),
                 lambda data, out, blocks: unpack_wide(data[:blocks * b], out[:blocks * 8 * g]))
     scope = {"np": np}
@@ -386,7 +402,8 @@ def unpack(data: torch.Tensor, L: int, g: int, b: int, n: int,
         bad += int(specialised(L, g, b)[1](d, o, blocks))
     if blocks * 8 * g < n:
         if b > WORD_BITS:
-            bad += int(unpack_radix_wide(d[blocks * b:], L, g, b, chunk_digits(L), o[blocks * 8 * g:]))
+            bad += int(unpack_radix_wide(d[blocks * b:], L, g, b, chunk_digits(L), word_digits(L),
+                                         o[blocks * 8 * g:]))
         else:
             bad += int(unpack_radix(d[blocks * b:], L, g, b, o[blocks * 8 * g:]))
     return out, bad
