@@ -1,4 +1,4 @@
-"""Mixed-radix packing: ``n`` symbols of ``L`` levels (2 <= L <= 255) at close to
+"""Mixed-radix packing: ``n`` symbols of ``L`` levels (2 <= L <= 2^16) at close to
 ``log2(L)`` bits each.
 
 Symbols are taken in groups of ``g``; a group's value ``v = sum_k c_k L^k`` (symbol
@@ -13,12 +13,22 @@ packing at ``ceil(log2 L)`` bits, since ``h`` digits take ``ceil(h log2 L) <=
 h ceil(log2 L)`` bits. (The stream is the one a full-width last group would give, with
 its zero top bits cut.)
 
-:func:`radix_group` picks the smallest ``g`` whose ``b / g`` is within 1% of
-``log2 L`` with ``b <= 56`` (e.g. L = 3: 5 trits in 8 bits, 1.6 bits = 1.0095 x
-log2 3; L = 5: 3 symbols in 7 bits); where no such ``g`` exists (25 of the level
-counts, e.g. 60, 61, 65, 119-121, 129-134, 232-242, near a power of two; within 2% there)
-the ``g`` with the fewest bits per symbol. A power of two takes ``g = 1``,
-``b = log2 L``: plain bit packing.
+:func:`radix_group` picks the smallest ``g`` whose ``b / g`` is within 1% of ``log2 L``
+(e.g. L = 3: 5 trits in 8 bits, 1.6 bits = 1.0095 x log2 3; L = 5: 3 symbols in 7 bits;
+L = 61: 15 symbols in 89 bits). Groups go up to :data:`MAX_GROUP_BITS` = 128 bits, and
+every ``L`` in 3..2^16 finds one within 1% there: the widest needed is 113 bits (16,416
+levels; 103 bits up to 255 levels, at 242), so the 1% holds for every level count this
+module takes. A power of two takes ``g = 1``, ``b = log2 L``: plain bit packing. Groups
+of at most :data:`WORD_BITS` = 56 bits are those the former 56-bit cap chose (the same
+smallest ``g``), so their bytes are unchanged; the 25 level counts that cap left within
+2% only (60, 61, 65, 66, 118-121, 129-134, 232-242) take wider groups now.
+
+Arithmetic: a group value of at most 56 bits is one 64-bit word in the kernels; a wider
+one is held as 32-bit limbs (:func:`limbs`; int64 columns in the reference, 64-bit
+registers in the kernels): Horner ``v <- v L + c`` with a carry between limbs packs, long
+division of the limbs by ``L`` unpacks (the kernels take :func:`chunk_digits` digits at a
+time, ``v = sum_i w_i W^i`` with ``W = L^h <= 2^32``: the same value, so the same bytes),
+and the stream is written and read limb by limb.
 
 Three implementations with one format: numba kernels (:mod:`.kernels.cpu_radix`, CPU
 tensors, the default where numba imports; see :mod:`lowbit.codecs.kernels`), Triton
@@ -27,7 +37,7 @@ the plain torch reference (any device; forced with ``LOWBIT_CODEC_PATH=reference
 
 Codecs call the level-count API at the bottom (:func:`pack_levels`, :func:`levels_nbytes`,
 :func:`level_bits`, and their fast-path forms), which routes a power of two, a group of one
-code (``g = 1``: 127 or 255 levels, say) and more than 255 levels to plain bit packing.
+code (``g = 1``: 127, 255 or 65,535 levels, say) and more than 2^16 levels to plain bit packing.
 """
 
 from __future__ import annotations
@@ -40,8 +50,8 @@ import torch
 from .kernels import cpu_kernels, fast_backend, kernels_for
 from .packing import check_packed, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
-__all__ = ["LIMB_BITS", "MAX_GROUP_BITS", "MAX_LEVELS", "WORD_BITS", "check_levels_packed", "chunk_digits", "level_bits", "level_width", "levels_nbytes",
-           "limbs", "pack_levels", "pack_levels_fast", "pack_radix", "radix_applies", "radix_group", "radix_nbytes",
+__all__ = ["LIMB_BITS", "MAX_GROUP_BITS", "MAX_LEVELS", "WORD_BITS", "check_levels_packed", "chunk_digits",
+           "level_bits", "level_width", "levels_nbytes", "limbs", "pack_levels", "pack_levels_fast", "pack_radix", "radix_applies", "radix_group", "radix_nbytes",
            "unpack_levels", "unpack_levels_fast", "unpack_radix"]
 
 MAX_LEVELS = 2 ** 16

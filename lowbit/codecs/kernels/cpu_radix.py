@@ -1,7 +1,9 @@
 """numba kernels of mixed-radix packing (:mod:`lowbit.codecs.radix`): one pass that
 forms each group's radix-``L`` value and writes it into the little-endian bit
-stream of :mod:`lowbit.codecs.packing`, and its inverse. Group widths up to 56
-bits: a value shifted by the < 8 bits left in the 64-bit accumulator still fits.
+stream of :mod:`lowbit.codecs.packing`, and its inverse. Groups of up to
+``WORD_BITS`` = 56 bits are one 64-bit word (a value shifted by the < 8 bits left in
+the 64-bit accumulator still fits); wider ones (up to 128 bits) take the limb kernels
+:func:`pack_radix_wide` / :func:`unpack_radix_wide` (see the section "wide groups").
 
 Two kinds of kernels with one format:
 
@@ -14,8 +16,9 @@ Two kinds of kernels with one format:
   the packer is generated as straight-line source per level count (every shift a
   literal, each output byte written once: as fast as plain bit packing), the
   unpacker's digit loops unroll and its division by ``L`` becomes a multiplication.
-  Compiled once per level count and process (such functions are not cached on
-  disk by numba).
+  For wide groups, the run-time limb kernels' own source compiled again with ``L``,
+  ``g``, ``b`` and the chunk length as constants (:func:`_bind`). Compiled once per
+  level count and process (such functions are not cached on disk by numba).
 
 :func:`pack` / :func:`unpack` are the torch-level API that the codecs' fast paths
 call (the same names and signatures in :mod:`.gpu_radix`). They use the specialised
@@ -39,7 +42,8 @@ from .cpu import M32, _jit
 
 _S32 = np.uint64(32)
 
-__all__ = ["SPECIALISE_FROM", "pack", "unpack", "pack_radix", "unpack_radix", "specialised"]
+__all__ = ["SPECIALISE_FROM", "pack", "unpack", "pack_radix", "unpack_radix", "pack_radix_wide", "unpack_radix_wide",
+           "specialised", "word_digits"]
 
 SPECIALISE_FROM = 1 << 16  # codes from which pack/unpack compile the specialised kernels of a level count
 
@@ -328,7 +332,7 @@ def specialised(L: int, g: int, b: int):
     unpacker was not faster and took longer to compile)."""
     opts = dict(nogil=True, boundscheck=False, error_model="numpy")
     if b > WORD_BITS:  # the wide kernels with L, g, b, h constants, over the blocks' codes
-        consts = dict(L=L, g=g, b=b, h=chunk_digits(L))
+        consts = {"L": L, "g": g, "b": b, "h": chunk_digits(L)}
         pack_wide, unpack_wide = _bind(pack_radix_wide, **consts), _bind(unpack_radix_wide, dw=word_digits(L), **consts)
         return (lambda codes, out, blocks: pack_wide(codes[:blocks * 8 * g], out[:blocks * b]),
                 lambda data, out, blocks: unpack_wide(data[:blocks * b], out[:blocks * 8 * g]))
