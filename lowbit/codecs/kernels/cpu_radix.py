@@ -118,8 +118,9 @@ def unpack_radix(data, L, g, b, out):
 # significant first; those above bit b stay 0) and handled a chunk of h digits at a time
 # (radix.chunk_digits: W = L^h <= 2^32), v = sum_i w_i W^i: Horner v <- v W + w_i carried through
 # the limbs (a limb times W plus a carry stays below 2^64), long division of the limbs by W (a
-# remainder below W shifted up by 32 bits stays below 2^64), each chunk split into its h digits in
-# one word. The stream is written and read 32 bits at a time (a 64-bit accumulator holds < 32
+# remainder below W shifted up by 32 bits stays below 2^64) while the value is wider than a word
+# (word_digits: once its digits fit 64 bits, one 64-bit division by W per chunk), each chunk split
+# into its h digits with 32-bit divisions. The stream is written and read 32 bits at a time (a 64-bit accumulator holds < 32
 # pending bits plus a limb). A last partial group is handled as a full one whose missing digits
 # are 0 (the same value), so every group loop has constant trip counts where g is a constant.
 #
