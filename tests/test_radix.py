@@ -148,8 +148,8 @@ def test_all_maximal_symbols_and_shapes():
 
 @needs_numba
 def test_kernel_matches_reference_large():
-    for L in (3, 5, 9, 65, 129, 242, 1061):
-        c = torch.randint(0, L, (200_003,))
+    for L in (3, 9, 129, 242, 1061):  # one-word groups, then wide ones
+        c = torch.randint(0, L, (100_003,))
         fast = pack_radix(c, L)
         with codec_path("reference"):
             ref = pack_radix(c, L)
@@ -211,7 +211,7 @@ def test_bad_input(path):
 
 
 @needs_numba
-@pytest.mark.parametrize("L", [3, 5, 6, 7, 9, 15, 60, 61, 100, 129, 134, 242, 255, 300, 1061, 16416])
+@pytest.mark.parametrize("L", [3, 5, 6, 7, 9, 15, 60, 61, 129, 134, 242, 255, 1061, 16416])
 def test_specialised_kernels_match_reference(L, monkeypatch):
     """The per-level-count numba kernels (blocks of 8 groups, then the run-time kernel for
     the tail) give the reference's bytes, and refuse a group value above L^g - 1."""
