@@ -51,8 +51,8 @@ from .kernels import cpu_kernels, fast_backend, kernels_for
 from .packing import check_packed, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
 __all__ = ["LIMB_BITS", "MAX_GROUP_BITS", "MAX_LEVELS", "WORD_BITS", "check_levels_packed", "chunk_digits",
-           "level_bits", "level_width", "levels_nbytes", "limbs", "pack_levels", "pack_levels_fast", "pack_radix", "radix_applies", "radix_group", "radix_nbytes",
-           "unpack_levels", "unpack_levels_fast", "unpack_radix"]
+           "level_bits", "level_width", "levels_nbytes", "limbs", "pack_levels", "pack_levels_fast", "pack_radix",
+           "radix_applies", "radix_group", "radix_nbytes", "unpack_levels", "unpack_levels_fast", "unpack_radix"]
 
 MAX_LEVELS = 2 ** 16
 MAX_GROUP_BITS = 128  # four 32-bit limbs; every L in 3..MAX_LEVELS needs at most 113 bits

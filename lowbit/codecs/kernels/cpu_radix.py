@@ -120,9 +120,10 @@ def unpack_radix(data, L, g, b, out):
 # the limbs (a limb times W plus a carry stays below 2^64), long division of the limbs by W (a
 # remainder below W shifted up by 32 bits stays below 2^64) while the value is wider than a word
 # (word_digits: once its digits fit 64 bits, one 64-bit division by W per chunk), each chunk split
-# into its h digits with 32-bit divisions. The stream is written and read 32 bits at a time (a 64-bit accumulator holds < 32
-# pending bits plus a limb). A last partial group is handled as a full one whose missing digits
-# are 0 (the same value), so every group loop has constant trip counts where g is a constant.
+# into its h digits with 32-bit divisions. The stream is written and read 32 bits at a time (a
+# 64-bit accumulator holds < 32 pending bits plus a limb). A last partial group is handled as a
+# full one whose missing digits are 0 (the same value), so every group loop has constant trip
+# counts where g is a constant.
 #
 # The kernels are flat loops (no helper calls): :func:`specialised` compiles them again with L, g,
 # b, h bound as constants (:func:`_bind`), where the limb counts fold, the loops unroll and the
@@ -174,7 +175,7 @@ def pack_radix_wide(codes, L, g, b, h, out):
                 nbits += min(32, b - 32 * li)
                 if nbits >= 32:
                     for k in range(4):
-                        if o + 4 <= nout or o + k < nout:  # bytes past the end (a cut last group's zero bits) dropped
+                        if o + 4 <= nout or o + k < nout:  # bytes past the end (a cut group's zero bits) dropped
                             out[o + k] = np.uint8((acc >> np.uint64(8 * k)) & np.uint64(0xFF))
                     acc >>= _S32
                     nbits -= 32
@@ -224,7 +225,7 @@ def unpack_radix_wide(data, L, g, b, h, dw, out):
                 if nbits < wl:
                     word = np.uint64(0)
                     for k in range(4):
-                        if o + 4 <= nd or o + k < nd:  # bytes past the end (a cut last group's zero bits) read as 0
+                        if o + 4 <= nd or o + k < nd:  # bytes past the end (a cut group's zero bits) read as 0
                             word |= np.uint64(data[o + k]) << np.uint64(8 * k)
                     acc |= word << np.uint64(nbits)
                     nbits += 32
@@ -334,7 +335,8 @@ def specialised(L: int, g: int, b: int):
     opts = dict(nogil=True, boundscheck=False, error_model="numpy")
     if b > WORD_BITS:  # the wide kernels with L, g, b, h constants, over the blocks' codes
         consts = {"L": L, "g": g, "b": b, "h": chunk_digits(L)}
-        pack_wide, unpack_wide = _bind(pack_radix_wide, **consts), _bind(unpack_radix_wide, dw=word_digits(L), **consts)
+        pack_wide = _bind(pack_radix_wide, **consts)
+        unpack_wide = _bind(unpack_radix_wide, dw=word_digits(L), **consts)
         return (lambda codes, out, blocks: pack_wide(codes[:blocks * 8 * g], out[:blocks * b]),
                 lambda data, out, blocks: unpack_wide(data[:blocks * b], out[:blocks * 8 * g]))
     scope = {"np": np}

@@ -12,16 +12,18 @@ divisions by ``L`` become multiplications.
   in the bits that fall into its byte. Groups wider than ``WORD_BITS`` = 56 bits
   (up to 128) are formed as four 32-bit limbs in uint64 lanes, a chunk of
   ``h = chunk_digits(L)`` digits at a time (Horner ``v <- v L^h + w`` with a carry
-  through the limbs), and the byte's bits taken from the two limbs they span. A group's value is recomputed by each of
-  the ``<= b / 8 + 2`` bytes it touches: the codes are read from cache, not memory.
+  through the limbs), and the byte's bits taken from the two limbs they span. A
+  group's value is recomputed by each of the ``<= b / 8 + 2`` bytes it touches: the
+  codes are read from cache, not memory.
 - ``unpack``: one lane per group. It reads the ``<= 8`` bytes that hold the group's
   ``b`` bits at its bit offset (uint64, logical shifts), checks the value against
   ``L^r`` (``r`` the group's digits: ``g``, or fewer for a last group) and writes
   its digits. A wide group is read as limbs (5 bytes each) and taken apart by long
   division of the limbs by ``L^h`` per chunk, then by ``L`` per digit; a digit past
-  ``r`` that is not 0, or a value left over, marks it bad. The count of bad groups stays on the device; :func:`unpack` returns
-  it as a one-element tensor and the caller reads it (one host read per decode, as
-  TernGrad's decode does: a payload that is not a radix packing is an error).
+  ``r`` that is not 0, or a value left over, marks it bad. The count of bad groups
+  stays on the device; :func:`unpack` returns it as a one-element tensor and the
+  caller reads it (one host read per decode, as TernGrad's decode does: a payload
+  that is not a radix packing is an error).
 
 Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors
 (tests/triton_kernels/check_radix.py).
