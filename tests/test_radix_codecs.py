@@ -28,6 +28,12 @@ CASES = [
     (QSGDMaxNormCodec(bits=2), 3, lambda n: 0),
     (QSGDMaxNormCodec(bits=3), 7, lambda n: 0),
     (QSGDMaxNormCodec(bits=4), 15, lambda n: 0),
+    # groups wider than 64 bits (61 levels: 15 in 89 bits; 121: 13 in 90), and above 255 levels
+    (DitheredCodec(levels=30), 61, lambda n: 0),
+    (QSGDCodec(levels=60), 121, lambda n: 0),
+    (DitheredCodec(levels=200), 401, lambda n: 0),
+    (QSGDCodec(levels=300), 601, lambda n: 0),
+    (NestedDitheredCodec(delta1=0.01, k=1000), 1000, lambda n: 0),
 ]
 IDS = [repr(c) for c, _, _ in CASES]
 
@@ -86,7 +92,7 @@ def test_trits_are_five_per_byte():
 
 @pytest.mark.parametrize("codec,L", [(NestedDitheredCodec(delta1=0.01, k=4), 4),
                                      (NestedDitheredCodec(delta1=0.01, k=16), 16),
-                                     (DitheredCodec(levels=200), 401), (QSGDCodec(levels=300), 601),
+                                     (DitheredCodec(levels=40_000), 80_001), (QSGDCodec(levels=2 ** 16), 2 ** 17 + 1),
                                      (QSGDMaxNormCodec(bits=8), 255), (QSGDMaxNormCodec(bits=9), 511)])
 def test_power_of_two_and_large_level_counts_keep_plain_packing(codec, L):
     n = 1001

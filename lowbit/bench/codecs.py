@@ -115,6 +115,8 @@ def default_cases(size: int = 1_000_000, randk_k: list[int] | None = None) -> li
     cases.append(BenchCase("uniform step=0.01 nearest", lambda: c.UniformCodec(step=0.01, rounding="nearest")))
     for m in (1, 3, 7):  # 2, 3, 4 bits
         cases.append(BenchCase(f"dithered M={m}", lambda m=m: c.DitheredCodec(levels=m)))
+    # 61 levels: mixed radix in 89-bit groups of 15 codes (wider than a 64-bit word: the limb kernels)
+    cases.append(BenchCase("dithered M=30", lambda: c.DitheredCodec(levels=30)))
     cases.append(BenchCase("dithered M=3 half", lambda: c.DitheredCodec(levels=3, subtractive=False)))
     cases.append(BenchCase("dithered M=7 K=64", lambda: c.DitheredCodec(levels=7, partitions=64)))
     cases.append(BenchCase("nested k=4", lambda: c.NestedDitheredCodec(delta1=0.005, k=4)))

@@ -47,10 +47,9 @@ Wire format. Header ``<if``: (numel, kappa_1) with kappa_1 the first part's
 scale as float32 (8 bytes, whatever ``K``). Data: the other ``min(K, n) - 1``
 scales as little-endian float32 (4 bytes each; empty for ``K = 1``), then the
 ``n`` codes ``q + M`` of ``2M + 1`` levels packed by
-:func:`~lowbit.codecs.radix.pack_levels`: mixed radix for ``2M + 1 <= 255`` (e.g.
-5 trits per byte for ``M = 1``, 1.6 bits; within 1% of ``log2(2M + 1)`` bits but
-for ``M`` in 30, 32, 59, 60, 64-66, 116-120, within 2% there), ``ceil(log2(2M + 1))``
-bits each beyond. So ``nbytes = 8 + 4 (min(K, n) - 1) + levels_nbytes(n, 2M + 1)``
+:func:`~lowbit.codecs.radix.pack_levels`: mixed radix for ``2M + 1 <= 2^16`` (e.g.
+5 trits per byte for ``M = 1``, 1.6 bits; within 1% of ``log2(2M + 1)`` bits),
+``ceil(log2(2M + 1))`` bits each beyond. So ``nbytes = 8 + 4 (min(K, n) - 1) + levels_nbytes(n, 2M + 1)``
 for ``n >= 1`` and 8 for ``n = 0``; ``bits`` is
 :func:`~lowbit.codecs.radix.level_bits` ``(2M + 1)``, the same count. When ``K > n``
 there are ``n`` parts of one element each.

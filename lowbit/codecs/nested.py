@@ -17,7 +17,7 @@ Sender, dither ``u ~ U[-Delta1/2, Delta1/2)`` from the shared generator:
 
 ``s`` is a multiple of ``Delta1``; what is sent is ``c = round(t / Delta1) mod k``
 in ``0..k-1``, packed by :func:`~lowbit.codecs.radix.pack_levels`: ``log2 k`` bits for a
-power of two, mixed radix at about ``log2 k`` bits for other ``k <= 255`` (e.g. 1.6 bits for
+power of two, mixed radix at about ``log2 k`` bits for other ``k <= 2^16`` (e.g. 1.6 bits for
 ``k = 3``), ``ceil(log2 k)`` bits beyond; ``bits`` is that count
 (:func:`~lowbit.codecs.radix.level_bits`). ``Delta1 c`` differs from ``s``
 by a multiple of ``Delta2``, and the decoder below depends on ``s`` only modulo
@@ -337,7 +337,7 @@ class NestedDitheredCodec(Codec):
     @property
     def bits(self) -> float:
         """Bits per index on the wire, :func:`~lowbit.codecs.radix.level_bits` ``(k)``: ``log2 k``
-        for a power of two, about ``log2 k`` (mixed radix) for other ``k <= 255``, else ``ceil(log2 k)``."""
+        for a power of two, about ``log2 k`` (mixed radix) for other ``k <= 2^16``, else ``ceil(log2 k)``."""
         return level_bits(self.k)
 
     @property

@@ -110,7 +110,7 @@ class QSGDCodec(Codec):
 
     Wire format. Each element becomes the code ``sign_i * xi_i + s`` in
     ``0..2s``; the ``2s + 1`` levels are packed by :func:`~lowbit.codecs.radix.pack_levels`
-    (mixed radix at about ``log2(2s + 1)`` bits for ``2s + 1 <= 255``, e.g. 1.6 bits for
+    (mixed radix at about ``log2(2s + 1)`` bits for ``2s + 1 <= 2^16``, e.g. 1.6 bits for
     ``s = 1``; ``code_bits = ceil(log2(2s + 1))`` bits each beyond).
 
     * ``bucket=None`` (one norm for the whole vector): header ``<if``

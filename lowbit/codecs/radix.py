@@ -1,4 +1,4 @@
-"""Mixed-radix packing: ``n`` symbols of ``L`` levels (2 <= L <= 255) at close to
+"""Mixed-radix packing: ``n`` symbols of ``L`` levels (2 <= L <= 2^16) at close to
 ``log2(L)`` bits each.
 
 Symbols are taken in groups of ``g``; a group's value ``v = sum_k c_k L^k`` (symbol
@@ -13,12 +13,22 @@ packing at ``ceil(log2 L)`` bits, since ``h`` digits take ``ceil(h log2 L) <=
 h ceil(log2 L)`` bits. (The stream is the one a full-width last group would give, with
 its zero top bits cut.)
 
-:func:`radix_group` picks the smallest ``g`` whose ``b / g`` is within 1% of
-``log2 L`` with ``b <= 56`` (e.g. L = 3: 5 trits in 8 bits, 1.6 bits = 1.0095 x
-log2 3; L = 5: 3 symbols in 7 bits); where no such ``g`` exists (25 of the level
-counts, e.g. 60, 61, 65, 119-121, 129-134, 232-242, near a power of two; within 2% there)
-the ``g`` with the fewest bits per symbol. A power of two takes ``g = 1``,
-``b = log2 L``: plain bit packing.
+:func:`radix_group` picks the smallest ``g`` whose ``b / g`` is within 1% of ``log2 L``
+(e.g. L = 3: 5 trits in 8 bits, 1.6 bits = 1.0095 x log2 3; L = 5: 3 symbols in 7 bits;
+L = 61: 15 symbols in 89 bits). Groups go up to :data:`MAX_GROUP_BITS` = 128 bits, and
+every ``L`` in 3..2^16 finds one within 1% there: the widest needed is 113 bits (16,416
+levels; 103 bits up to 255 levels, at 242), so the 1% holds for every level count this
+module takes. A power of two takes ``g = 1``, ``b = log2 L``: plain bit packing. Groups
+of at most :data:`WORD_BITS` = 56 bits are those the former 56-bit cap chose (the same
+smallest ``g``), so their bytes are unchanged; the 25 level counts that cap left within
+2% only (60, 61, 65, 66, 118-121, 129-134, 232-242) take wider groups now.
+
+Arithmetic: a group value of at most 56 bits is one 64-bit word in the kernels; a wider
+one is held as 32-bit limbs (:func:`limbs`; int64 columns in the reference, 64-bit
+registers in the kernels): Horner ``v <- v L + c`` with a carry between limbs packs, long
+division of the limbs by ``L`` unpacks (the kernels take :func:`chunk_digits` digits at a
+time, ``v = sum_i w_i W^i`` with ``W = L^h <= 2^32``: the same value, so the same bytes),
+and the stream is written and read limb by limb.
 
 Three implementations with one format: numba kernels (:mod:`.kernels.cpu_radix`, CPU
 tensors, the default where numba imports; see :mod:`lowbit.codecs.kernels`), Triton
@@ -27,7 +37,7 @@ the plain torch reference (any device; forced with ``LOWBIT_CODEC_PATH=reference
 
 Codecs call the level-count API at the bottom (:func:`pack_levels`, :func:`levels_nbytes`,
 :func:`level_bits`, and their fast-path forms), which routes a power of two, a group of one
-code (``g = 1``: 127 or 255 levels, say) and more than 255 levels to plain bit packing.
+code (``g = 1``: 127, 255 or 65,535 levels, say) and more than 2^16 levels to plain bit packing.
 """
 
 from __future__ import annotations
@@ -40,13 +50,16 @@ import torch
 from .kernels import cpu_kernels, fast_backend, kernels_for
 from .packing import check_packed, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
-__all__ = ["MAX_GROUP_BITS", "MAX_LEVELS", "check_levels_packed", "level_bits", "level_width", "levels_nbytes",
-           "pack_levels", "pack_levels_fast", "pack_radix", "radix_applies", "radix_group", "radix_nbytes",
-           "unpack_levels", "unpack_levels_fast", "unpack_radix"]
+__all__ = ["LIMB_BITS", "MAX_GROUP_BITS", "MAX_LEVELS", "WORD_BITS", "check_levels_packed", "chunk_digits",
+           "level_bits", "level_width", "levels_nbytes", "limbs", "pack_levels", "pack_levels_fast", "pack_radix",
+           "radix_applies", "radix_group", "radix_nbytes", "unpack_levels", "unpack_levels_fast", "unpack_radix"]
 
-MAX_LEVELS = 255
-MAX_GROUP_BITS = 56  # a group value plus the < 8 pending bits fits a 64-bit accumulator
+MAX_LEVELS = 2 ** 16
+MAX_GROUP_BITS = 128  # four 32-bit limbs; every L in 3..MAX_LEVELS needs at most 113 bits
+LIMB_BITS = 32
+WORD_BITS = 56  # groups up to this wide: one 64-bit word in the kernels (the value plus < 8 pending bits)
 TOLERANCE = 1.01
+_LIMB_MASK = (1 << LIMB_BITS) - 1
 
 
 def _check_levels(L) -> int:
@@ -64,18 +77,12 @@ def _check_n(n) -> int:
 @functools.cache
 def _group(L: int) -> tuple[int, int]:
     target = TOLERANCE * math.log2(L)
-    best = None
     g = 1
-    while True:
-        b = (L ** g - 1).bit_length()  # exactly ceil(g log2 L)
-        if b > MAX_GROUP_BITS:
-            break
-        if best is None or b * best[0] < best[1] * g:  # fewer bits per symbol (ties: the smaller g)
-            best = (g, b)
+    while (b := (L ** g - 1).bit_length()) <= MAX_GROUP_BITS:  # b = ceil(g log2 L), exactly
         if b <= target * g:
             return g, b
         g += 1
-    return best
+    raise AssertionError(f"no group of at most {MAX_GROUP_BITS} bits is within {TOLERANCE} x log2 {L}")
 
 
 def radix_group(L: int) -> tuple[int, int]:
@@ -91,18 +98,31 @@ def radix_nbytes(n: int, L: int) -> int:
     return (q * b + (L ** r - 1).bit_length() + 7) // 8
 
 
+def chunk_digits(L: int) -> int:
+    """Digits ``h`` of ``L`` levels per 32-bit chunk: the largest ``h`` with ``L^h <= 2^32``.
+    The kernels split a wide group value (more than :data:`WORD_BITS` bits) into chunks of
+    ``h`` digits, ``v = sum_i w_i W^i`` with ``W = L^h``: Horner and long division over the
+    limbs then take one step per chunk, not per digit (the same value, so the same bytes)."""
+    h = 1
+    while L ** (h + 1) <= 1 << LIMB_BITS:
+        h += 1
+    return h
+
+
 def _as_symbols(codes, L: int) -> torch.Tensor:
-    """``codes`` flattened to uint8, after checking they lie in ``[0, L)``."""
+    """``codes`` flattened to uint8 (int32 above 256 levels), after checking they lie in ``[0, L)``."""
     if not isinstance(codes, torch.Tensor):
         raise TypeError(f"codes must be a torch.Tensor, got {type(codes).__name__}")
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
     c = codes.reshape(-1)
+    if c.dtype in (torch.uint16, torch.uint32, torch.uint64):  # torch has few kernels for these
+        c = c.to(torch.int64)
     if c.numel():
         lo, hi = (int(v) for v in torch.aminmax(c))
         if lo < 0 or hi >= L:
             raise ValueError(f"codes must lie in [0, levels) = [0, {L - 1}] for levels={L}, got range [{lo}, {hi}]")
-    return c.to(torch.uint8)
+    return c.to(torch.uint8 if L <= 256 else torch.int32)
 
 
 def _check_data(data, n: int, L: int) -> torch.Tensor:
@@ -120,24 +140,63 @@ def _fast(x: torch.Tensor):
 
 
 # --- reference (plain torch, any device) ------------------------------------------------------
+#
+# A group value is held as limbs(b) 32-bit limbs (int64 columns, least significant first): Horner
+# over the digits with a carry between limbs packs, long division of the limbs by L unpacks.
 
-def _powers(L: int, g: int, device) -> torch.Tensor:
-    return torch.tensor([L ** k for k in range(g)], dtype=torch.int64, device=device)
+def limbs(b: int) -> int:
+    """32-bit limbs that hold a ``b``-bit group value."""
+    return -(-b // LIMB_BITS)
+
+
+def _group_limbs(c: torch.Tensor, L: int, nl: int) -> torch.Tensor:
+    """``(m, g)`` digits -> ``(m, nl)`` limbs of the group values ``sum_k c_k L^k``:
+    Horner, the most significant digit first, ``v <- v L + c`` carried through the limbs
+    (each step stays below ``2^32 L <= 2^48``: int64 holds it)."""
+    v = torch.zeros((c.shape[0], nl), dtype=torch.int64, device=c.device)
+    for k in range(c.shape[1] - 1, -1, -1):
+        carry = c[:, k]
+        for i in range(nl):
+            t = v[:, i] * L + carry
+            v[:, i] = t & _LIMB_MASK
+            carry = t >> LIMB_BITS
+    return v
+
+
+def _limb_digits(v: torch.Tensor, L: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(the (m, g) digits of the limbs v, a bool (m,) mask of values >= L^g)``: ``g``
+    long divisions of the limbs by ``L``, the most significant limb first (the remainder
+    below ``L`` shifted up by 32 bits stays below ``2^48``)."""
+    v = v.clone()
+    digits = torch.empty((v.shape[0], g), dtype=torch.int64, device=v.device)
+    for k in range(g):
+        rem = torch.zeros(v.shape[0], dtype=torch.int64, device=v.device)
+        for i in range(v.shape[1] - 1, -1, -1):
+            cur = (rem << LIMB_BITS) | v[:, i]
+            v[:, i] = cur // L
+            rem = cur - v[:, i] * L
+        digits[:, k] = rem
+    return digits, (v != 0).any(1)
 
 
 def _pack_values(v: torch.Tensor, b: int) -> torch.Tensor:
-    """Group values of ``b`` bits into the packing layout (``pack_wide`` up to 32 bits, else bit by bit)."""
-    if b <= 32:
-        return pack_wide(v, b)
-    bits = (v.unsqueeze(1) >> torch.arange(b, device=v.device)) & 1
-    return pack_bits(bits.view(-1), 1)
+    """Group values (``(m, nl)`` limbs) of ``b`` bits into the packing layout (``pack_wide``
+    up to 32 bits, else bit by bit)."""
+    if b <= LIMB_BITS:
+        return pack_wide(v[:, 0], b)
+    shifts = torch.arange(LIMB_BITS, device=v.device)
+    bits = ((v.unsqueeze(2) >> shifts) & 1).view(v.shape[0], -1)[:, :b]
+    return pack_bits(bits.reshape(-1), 1)
 
 
 def _unpack_values(data: torch.Tensor, b: int, m: int) -> torch.Tensor:
-    if b <= 32:
-        return unpack_wide(data[:packed_nbytes(m, b)], b, m)
+    """Inverse of :func:`_pack_values`: the ``(m, limbs(b))`` limbs of ``m`` group values."""
+    if b <= LIMB_BITS:
+        return unpack_wide(data[:packed_nbytes(m, b)], b, m).unsqueeze(1)
+    nl = limbs(b)
     bits = unpack_bits(data[:packed_nbytes(m * b, 1)], 1, m * b).view(m, b)
-    return (bits << torch.arange(b, device=data.device)).sum(1)
+    bits = torch.nn.functional.pad(bits, (0, nl * LIMB_BITS - b)).view(m, nl, LIMB_BITS)
+    return (bits << torch.arange(LIMB_BITS, device=data.device)).sum(2)
 
 
 def pack_radix_reference(codes: torch.Tensor, L: int) -> torch.Tensor:
@@ -151,7 +210,7 @@ def pack_radix_reference(codes: torch.Tensor, L: int) -> torch.Tensor:
     m = -(-n // g)
     c = torch.nn.functional.pad(c, (0, m * g - n)).view(m, g)
     # the last group's bits above b_r are zero: cut to radix_nbytes
-    return _pack_values((c * _powers(L, g, c.device)).sum(1), b)[:radix_nbytes(n, L)]
+    return _pack_values(_group_limbs(c, L, limbs(b)), b)[:radix_nbytes(n, L)]
 
 
 def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
@@ -163,12 +222,11 @@ def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=data.device)
     m = -(-n // g)
     v = _unpack_values(torch.nn.functional.pad(data, (0, (m * b + 7) // 8 - data.numel())), b, m)
-    digits = (v.unsqueeze(1) // _powers(L, g, data.device)) % L
+    digits, over = _limb_digits(v, L, g)
     # a value must fit its group's digits: < L^g, and < L^r for a last group of r symbols
     r = n - (m - 1) * g
-    limits = torch.full((m,), L ** g, dtype=torch.int64, device=data.device)
-    limits[-1] = L ** r
-    _raise_bad(int((v >= limits).sum()), L, m)
+    over[-1] |= bool((digits[-1, r:] != 0).any())
+    _raise_bad(int(over.sum()), L, m)
     return digits.view(-1)[:n]
 
 
@@ -199,21 +257,22 @@ def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
         return unpack_radix_reference(data, L, n)
     L, n = _check_levels(L), _check_n(n)
     g, b = radix_group(L)
-    out, bad = k.unpack(_check_data(data, n, L), L, g, b, n)
+    out, bad = k.unpack(_check_data(data, n, L), L, g, b, n, torch.int64)
     _raise_bad(bad, L, -(-n // g))
-    return out.to(torch.int64)
+    return out
 
 
 # --- codes of L levels, whatever L: what the codecs call -----------------------------------------
 #
-# L <= 255 levels, not a power of two, g > 1: mixed radix (above). A power of two, or g = 1: plain
-# bit packing at b = ceil(log2 L) bits (radix_group gives g = 1 there, so the two formats are one).
-# More than 255 levels: plain bit packing at ceil(log2 L) bits (< 12.5% over log2 L for L > 256).
+# L <= MAX_LEVELS = 2^16 levels, not a power of two, g > 1: mixed radix (above). A power of two, or
+# g = 1: plain bit packing at b = ceil(log2 L) bits (radix_group gives g = 1 there, so the two formats
+# are one). More than 2^16 levels: plain bit packing at ceil(log2 L) bits (< 1/16 over log2 L).
 
 
 def radix_applies(L: int) -> bool:
-    """Mixed radix saves bits: not a power of two, at most 255 levels, and groups of more than
-    one code (``g = 1``, e.g. 127 or 255 levels, is plain packing at ``b`` bits: the core's kernels)."""
+    """Mixed radix saves bits: not a power of two, at most :data:`MAX_LEVELS` levels, and groups of
+    more than one code (``g = 1``, e.g. 127 or 255 levels, is plain packing at ``b`` bits: the core's
+    kernels)."""
     return L <= MAX_LEVELS and L & (L - 1) != 0 and radix_group(L)[0] > 1
 
 
@@ -256,7 +315,7 @@ def check_levels_packed(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
 def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
     """The reference packing of integer ``codes`` in ``[0, L)``: :func:`pack_radix_reference`
     where mixed radix applies, else :func:`~lowbit.codecs.packing.pack_wide` at ``ceil(log2 L)``
-    bits. ValueError for codes outside ``[0, L)`` (outside ``[0, 2^ceil(log2 L))`` beyond 255 levels)."""
+    bits. ValueError for codes outside ``[0, L)`` (outside ``[0, 2^ceil(log2 L))`` where plain packing applies)."""
     L = _check_any_levels(L)
     return pack_radix_reference(codes, L) if radix_applies(L) else pack_wide(codes, level_width(L))
 
@@ -268,8 +327,9 @@ def unpack_levels(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
 
 
 def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
-    """The fast path's :func:`pack_levels` for codes a fast-path kernel made (uint8 below 256
-    levels, trusted to lie in ``[0, L)``): numba on the CPU, Triton on CUDA, the same bytes."""
+    """The fast path's :func:`pack_levels` for codes a fast-path kernel made (uint8 up to 256
+    levels, a wider integer dtype above; trusted to lie in ``[0, L)``): numba on the CPU, Triton
+    on CUDA, the same bytes."""
     if radix_applies(L):
         return kernels_for(codes, "radix").pack(codes, L, *radix_group(L))
     return kernels_for(codes).pack(codes, level_width(L))
@@ -283,6 +343,6 @@ def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = 
     if not radix_applies(L):
         return kernels_for(data).unpack(data, level_width(L), n, dtype)
     g, b = radix_group(L)
-    out, bad = kernels_for(data, "radix").unpack(data, L, g, b, n)
+    out, bad = kernels_for(data, "radix").unpack(data, L, g, b, n, dtype)
     _raise_bad(int(bad), L, -(-n // g))
-    return out if dtype == torch.uint8 else out.to(dtype)
+    return out

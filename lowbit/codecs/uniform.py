@@ -31,6 +31,13 @@ from .rng import draw_key
 __all__ = ["UniformCodec"]
 
 _MAX_SPAN = 2**32 - 1
+_WORD_DTYPE = {8: torch.uint8, 16: torch.uint16}
+
+
+def _radix_word(L: int) -> int:
+    """Bits of the words that hold the codes handed to mixed radix: 8 up to 256 levels, 16 above
+    (mixed radix applies up to 2^16 levels)."""
+    return 8 if L <= 256 else 16
 
 
 @dataclass(frozen=True)
@@ -39,7 +46,7 @@ class UniformCodec(Codec):
 
     Header ``<iiI``: (numel, offset = min n, top = max n - min n); data: ``n - offset``,
     ``L = max(2, top + 1)`` levels, packed by :func:`~lowbit.codecs.radix.pack_levels`
-    (mixed radix for L <= 255 not a power of two, e.g. 1.6 bits for 3 levels; else
+    (mixed radix for L <= 2^16 not a power of two, e.g. 1.6 bits for 3 levels; else
     ``ceil(log2 L)`` bits). L is per message, so ``bits`` is only the worst case (32);
     ``payload.nbytes`` is the honest size. Raises ValueError when the codes do
     not fit (offset outside int32, or a range wider than 32 bits), i.e. when
@@ -104,8 +111,9 @@ class UniformCodec(Codec):
             raise ValueError(f"x must be finite for the uniform codec (step={self.step}): it holds NaN or inf")
         offset, top = self._offset_and_top(lo, hi)
         L = max(2, top + 1)
-        if radix_applies(L):  # the re-based codes one per byte, then mixed radix
-            data = pack_levels_fast(K.uniform_pack(codes, offset - base, 8), L)
+        if radix_applies(L):  # the re-based codes one per byte (16-bit words above 256 levels), then mixed radix
+            w = _radix_word(L)
+            data = pack_levels_fast(K.uniform_pack(codes, offset - base, w).view(_WORD_DTYPE[w]), L)
         else:
             data = K.uniform_pack(codes, offset - base, level_width(L))
         return Payload(header=pack_header(self.header_format, n, offset, top, device=x.device), data=data)
@@ -118,8 +126,10 @@ class UniformCodec(Codec):
             return self.decode_reference(payload, dtype=dtype)
         L = max(2, top + 1)
         out = torch.float32 if dtype is None else dtype
-        if radix_applies(L):  # the codes one per byte: the 8-bit packing
-            return K.uniform_decode(unpack_levels_fast(payload.data, L, n), 8, n, offset, self.step, out)
+        if radix_applies(L):  # the codes one per byte (16-bit words above 256 levels): the 8 (16)-bit packing
+            w = _radix_word(L)
+            codes = unpack_levels_fast(payload.data, L, n, _WORD_DTYPE[w]).view(torch.uint8)
+            return K.uniform_decode(codes, w, n, offset, self.step, out)
         check_levels_packed(payload.data, L, n)
         return K.uniform_decode(payload.data, level_width(L), n, offset, self.step, out)
 
