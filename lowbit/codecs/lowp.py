@@ -110,13 +110,12 @@ class HalfCodec(Codec):
         or NaN there is a non-finite input or an overflow (told apart only on that error path)."""
         check_flat(x)
         n = check_numel(x)
-        x = x.detach()
         K = kernels_for(x, _FAMILY)
         if K is None:
             return self.encode_reference(x, generator=generator)
         h, flagged = K.half_encode(x, self.torch_dtype)
         if flagged:
-            raise self._overflow_error(x, h)
+            raise self._overflow_error(x.detach(), h)
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=h.view(torch.uint8))
 
     def _check(self, payload: Payload) -> int:
