@@ -180,6 +180,18 @@ def test_unaligned_tensors():
     assert K.half_decode(h, ou) is ou and torch.equal(ou, x.half().float())
 
 
+def test_kernel_api_checks_what_it_passes_as_addresses():
+    """The torch-level kernels pass addresses: a length mismatch or a tensor off the CPU is
+    an error, a strided ``out`` takes torch's cast."""
+    h = torch.randn(10).half()
+    with pytest.raises(ValueError, match="out must have h's 10 elements, got 9"):
+        K.half_decode(h, torch.empty(9))
+    with pytest.raises(ValueError, match="x must be a CPU tensor"):
+        K.half_encode(torch.empty(10, device="meta"), torch.float16)
+    strided = torch.zeros(20)[::2]
+    assert K.half_decode(h, strided) is strided and torch.equal(strided, h.float())
+
+
 def test_when_to_stream(monkeypatch):
     """A call streams when the bytes it moves exceed half the last-level cache, never when the
     cache size is unknown; sysfs sizes are read in bytes."""

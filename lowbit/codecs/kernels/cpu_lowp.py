@@ -14,10 +14,10 @@ input, or a value that rounds to inf: the caller tells them apart on its
 error path only); the flag does not stop the vectoriser (the loop compiles to
 ``vcvtps2ph`` on zmm registers and a compare per 16 lanes).
 
-The kernels take addresses (``Tensor.data_ptr()``) and lengths, not arrays:
-turning two tensors into numpy arrays costs more per call (about 3 us) than
-the whole kernel at 10^4 elements; the torch-level functions at the bottom
-check dtype, contiguity and alignment before passing an address.
+The kernels take addresses (``Tensor.data_ptr()``) and lengths, not arrays: no
+tensor becomes a numpy array at each call (``Tensor.numpy()`` and dtype views
+are Python work that every call would pay); the torch-level functions at the
+bottom check dtype, contiguity and alignment before passing an address.
 
 Two ways to store. In cache (the default), plain stores: the result is read
 again soon (a decode reads the encode's output, a training step reads the
@@ -30,10 +30,11 @@ line read) plus 2n + 4n + 4n (decode) = 18n bytes; streamed, 12n, the least
 that reading and writing the data takes. That pays only when the written array
 would not have stayed in cache anyway: by default (``stream=None``) a call
 streams when the bytes it reads and writes exceed half the last-level cache
-(:func:`last_level_cache_bytes`; the other half for other data and other
-cores, as glibc's memcpy switches to nontemporal stores at 3/4 of the shared
-cache), never when the cache size is unknown. Measured figures: lowp.py's
-module docstring.
+(:func:`last_level_cache_bytes`; the other half is left to other data and
+other cores), never when the cache size is unknown. On the machine measured
+(32 MiB L3) streaming started to pay between 1.5e6 and 2e6 elements per call
+(9-12 MB moved), and the rule streams from 2.8e6: a margin on the safe side.
+Figures and commands: lowp.py's module docstring, docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -350,9 +351,12 @@ def streams(nbytes: int) -> bool:
 
 # --- torch-level API (the same names and signatures as the GPU module, plus ``stream``) ----------
 
-def _aligned(t: torch.Tensor, itemsize: int) -> torch.Tensor:
-    """``t`` contiguous, at an address aligned for its ``itemsize``-byte elements (a copy
-    where it is not: ``torch.frombuffer`` can give any address)."""
+def _aligned(t: torch.Tensor, itemsize: int, name: str) -> torch.Tensor:
+    """``t`` (checked to be a CPU tensor, named ``name`` in the error) contiguous, at an
+    address aligned for its ``itemsize``-byte elements (a copy where it is not:
+    ``torch.frombuffer`` can give any address). The kernels get its address."""
+    if not t.is_cpu:
+        raise ValueError(f"{name} must be a CPU tensor for the numba kernels, got one on {t.device}")
     if not t.is_contiguous() or t.data_ptr() % itemsize:
         return t.clone(memory_format=torch.contiguous_format)
     return t
@@ -365,7 +369,7 @@ def half_encode(x: torch.Tensor, dtype: torch.dtype, stream: bool | None = None)
     dtypes torch's cast (its rounding) and one read of the bits."""
     n = x.numel()
     if x.dtype == torch.float32:
-        x = _aligned(x, 4)
+        x = _aligned(x, 4, "x")
         h = torch.empty(n, dtype=dtype)
         kernel = _encode_f16 if dtype == torch.float16 else _encode_bf16
         return h, bool(kernel(x.data_ptr(), h.data_ptr(), n, streams(6 * n) if stream is None else bool(stream)))
@@ -374,13 +378,15 @@ def half_encode(x: torch.Tensor, dtype: torch.dtype, stream: bool | None = None)
 
 
 def half_decode(h: torch.Tensor, out: torch.Tensor, stream: bool | None = None) -> torch.Tensor:
-    """``out[:] = h`` (``h`` fp16/bf16, ``out`` a contiguous tensor of the same length); one
-    pass for a float32 ``out`` at a float32-aligned address (``stream`` as in
-    :func:`half_encode`), torch's cast otherwise. Returns ``out``."""
-    if out.dtype != torch.float32 or out.data_ptr() % 4:
-        return out.copy_(h)
-    h = _aligned(h, 2)
+    """``out[:] = h`` (``h`` fp16/bf16 on the CPU, ``out`` a tensor of the same length); one
+    pass for a contiguous float32 CPU ``out`` at a float32-aligned address (``stream`` as
+    in :func:`half_encode`), torch's cast otherwise. Returns ``out``."""
     n = h.numel()
+    if out.numel() != n:
+        raise ValueError(f"out must have h's {n} elements, got {out.numel()}")
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.data_ptr() % 4 or not out.is_cpu:
+        return out.copy_(h)
+    h = _aligned(h, 2, "h")
     kernel = _decode_f16 if h.dtype == torch.float16 else _decode_bf16
     kernel(h.data_ptr(), out.data_ptr(), n, streams(6 * n) if stream is None else bool(stream))
     return out
