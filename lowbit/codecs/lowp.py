@@ -25,22 +25,22 @@ A plain store first reads the line it writes (read-for-ownership), so the
 hook's two casts move ``18n`` and a memcpy ``12n``: no fp16 round trip can take
 less than one memcpy, and the hook takes about 1.5. Being 2x faster than the
 hook would need ``9n`` bytes, fewer than the round trip has to move: the 2x of
-issue 10 is out of reach at any size.
+issue 10 is out of reach, at 1e6 and at 1e7 elements alike.
 
 * Beyond the last-level cache (1e7 elements, 100 MB touched): the kernels
   stream their stores (nontemporal, no read-for-ownership, see
   :mod:`~lowbit.codecs.kernels.cpu_lowp`) and move the ``12n`` bytes: a round
-  trip takes one memcpy (1.0-1.1x) and 0.65-0.78 of the hook, its floor being
+  trip takes one memcpy (1.0-1.1x) and 0.69-0.78 of the hook, its floor being
   about 2/3.
 * Inside it (1e6 elements, 10 MB): streamed stores would go to memory and be
-  read back from there, so the kernels store plainly, like torch; they run at
-  0.93-0.97 of torch's casts (the same instructions and the same traffic), and
-  torch's own two casts into kept buffers take 0.81-0.84 of the hook, the
-  floor. What lowbit adds on top is per-call Python work, which runs with
-  caches just emptied by the pass before it: mostly generic (``kernels_for``
-  twice, ``pack_header``, ``unpack_header``, ``Payload``), with this codec's
-  own checks, one allocation and two kernel calls. The round trip ends at
-  1.1-1.4x the hook there.
+  read back from there, so the kernels store plainly, like torch, and run as
+  fast as torch's casts (the same instructions and the same traffic: 0.81 of
+  the hook into kept buffers, torch's own two casts 0.84, the floor). What
+  lowbit adds on top is per-call Python work, which runs with caches just
+  emptied by the pass before it: mostly generic (``kernels_for`` twice,
+  ``pack_header``, ``unpack_header``, ``Payload``), with this codec's own
+  checks, one allocation and two kernel calls. The round trip ends at
+  1.2-1.5x the hook there.
 
 Figures and the commands that reproduce them: docs/RESULTS.md, "Codec
 throughput against memcpy".

@@ -32,8 +32,8 @@ would not have stayed in cache anyway: by default (``stream=None``) a call
 streams when the bytes it reads and writes exceed half the last-level cache
 (:func:`last_level_cache_bytes`; the other half is left to other data and
 other cores), never when the cache size is unknown. On the machine measured
-(32 MiB L3) streaming started to pay between 1.5e6 and 2e6 elements per call
-(9-12 MB moved), and the rule streams from 2.8e6: a margin on the safe side.
+(32 MiB L3) streaming started to pay between 1e6 and 2e6 elements per call
+(6-12 MB moved), and the rule streams from 2.8e6: a margin on the safe side.
 Figures and commands: lowp.py's module docstring, docs/RESULTS.md.
 """
 
