@@ -1,7 +1,8 @@
 """The fp16/bf16 fast path (lowbit/codecs/kernels/cpu_lowp.py) against torch's casts and
 the reference: the same bits for every 16-bit pattern and for millions of float32
-patterns (subnormal, rounding ties, overflow boundary), the overflow and non-finite
-errors, and the decode's ``out=`` buffer."""
+patterns (subnormal, rounding ties, overflow boundary), with plain and with streaming
+(nontemporal) stores, at every alignment; the overflow and non-finite errors, and the
+decode's ``out=`` buffer."""
 
 import pytest
 import torch
@@ -30,22 +31,26 @@ def _float32_patterns() -> torch.Tensor:
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_encode_is_torchs_cast_bit_for_bit(name):
     x = _float32_patterns()
-    finite = torch.isfinite(x)
-    h, flagged = K.half_encode(x, DTYPES[name])
     ref = x.to(DTYPES[name])
-    assert flagged  # the patterns hold NaN, inf and overflows
-    same = h.view(torch.int16) == ref.view(torch.int16)
-    assert bool(same[finite].all())
-    assert bool(torch.isnan(h[torch.isnan(x)]).all()) and torch.equal(h[torch.isinf(x)], ref[torch.isinf(x)])
-    xf = x[finite & (ref.float().abs() < float("inf"))]  # the values that fit: no flag
-    h2, flagged2 = K.half_encode(xf, DTYPES[name])
-    assert not flagged2 and torch.equal(h2.view(torch.int16), xf.to(DTYPES[name]).view(torch.int16))
+    nan = torch.isnan(x)
+    ref_bits = ref.view(torch.int16).masked_fill(nan, 0)  # NaN: any NaN bits will do
+    fits = ref.float().abs() < float("inf")  # the values that fit: no flag
+    xf = x[fits]
+    ref_f = ref.view(torch.int16)[fits]
+    for stream in (False, True):
+        h, flagged = K.half_encode(x, DTYPES[name], stream=stream)
+        assert flagged  # the patterns hold NaN, inf and overflows
+        assert torch.equal(h.view(torch.int16).masked_fill(nan, 0), ref_bits)  # finite, inf, overflow
+        assert bool(torch.isnan(h[nan]).all())
+        h2, flagged2 = K.half_encode(xf, DTYPES[name], stream=stream)
+        assert not flagged2 and torch.equal(h2.view(torch.int16), ref_f)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
-def test_decode_every_16_bit_pattern(name):
+def test_decode_every_16_bit_pattern(name, stream):
     h = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(DTYPES[name])
-    out = K.half_decode(h, torch.empty(h.numel()))
+    out = K.half_decode(h, torch.empty(h.numel()), stream=stream)
     ref = h.float()
     assert torch.equal(out.view(torch.int32)[~ref.isnan()], ref.view(torch.int32)[~ref.isnan()])
     assert bool(out[ref.isnan()].isnan().all())
@@ -55,7 +60,9 @@ def test_decode_every_16_bit_pattern(name):
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_fast_equals_reference(name, xdtype):
+@pytest.mark.parametrize("stream", [False, True])
+def test_fast_equals_reference(name, xdtype, stream, monkeypatch):
+    monkeypatch.setattr(K, "streams", lambda nbytes: stream)  # what a large tensor takes
     c = HalfCodec(name)
     x = (torch.randn(10_001, generator=torch.Generator().manual_seed(1)) * 100).to(xdtype)
     p = c.encode(x)
@@ -117,3 +124,81 @@ def test_decode_out_on_another_device_is_an_error():
     p = c.encode(torch.randn(10))
     with pytest.raises(ValueError, match="payload's device cpu"):
         c.decode(p, out=torch.empty(10, device="meta"))
+
+
+_ENCODERS = {"fp16": K._encode_f16, "bf16": K._encode_bf16}
+_DECODERS = {"fp16": K._decode_f16, "bf16": K._decode_bf16}
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_streaming_at_every_alignment_and_length(name):
+    """The streamed kernels write exactly ``[0, n)`` of a destination at any 2- or 4-byte
+    offset from a block boundary (scalar head, aligned nontemporal blocks, scalar tail),
+    with torch's bits and the flag of a value at any position."""
+    g = torch.Generator().manual_seed(2)
+    xs = torch.randn(300, generator=g) * 1000
+    for n in (0, 1, 15, 16, 17, 31, 32, 33, 47, 100, 257):
+        x = xs[:n].clone()
+        ref = x.to(DTYPES[name]).view(torch.int16)
+        for off in range(K.LANES + 1):  # every offset from a block boundary
+            hbuf = torch.full((n + 32,), 0x1234, dtype=torch.int16)
+            flagged = _ENCODERS[name](x.view(torch.int32).data_ptr(), hbuf[off:].data_ptr(), n, True)
+            assert not flagged
+            assert torch.equal(hbuf[off:off + n], ref)
+            assert bool((hbuf[:off] == 0x1234).all()) and bool((hbuf[off + n:] == 0x1234).all())
+            obuf = torch.full((n + 32,), 7.0)
+            _DECODERS[name](ref.data_ptr(), obuf[off:].data_ptr(), n, True)
+            assert torch.equal(obuf[off:off + n], ref.view(DTYPES[name]).float())
+            assert bool((obuf[:off] == 7.0).all()) and bool((obuf[off + n:] == 7.0).all())
+
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_flag_at_every_position(name, stream):
+    """One non-finite or overflowing value anywhere (head, a streamed block, the tail) flags."""
+    big = {"fp16": 7e4, "bf16": 3.4e38}[name]
+    for bad in (float("nan"), float("inf"), -big):
+        for i in range(40):
+            x = torch.ones(40)
+            x[i] = bad
+            hbuf = torch.empty(48, dtype=torch.int16)
+            assert _ENCODERS[name](x.data_ptr(), hbuf[3:].data_ptr(), 40, stream)
+        assert not K.half_encode(torch.ones(40), DTYPES[name], stream=stream)[1]
+
+
+def test_unaligned_tensors():
+    """Tensors at addresses that are not a multiple of their element size (torch.frombuffer
+    allows any) are read and written correctly."""
+    x = torch.randn(100)
+    raw = bytearray(4 * 100 + 1)
+    xu = torch.frombuffer(raw, dtype=torch.float32, offset=1, count=100)
+    xu.copy_(x)
+    assert xu.data_ptr() % 4
+    h, flagged = K.half_encode(xu, torch.float16)
+    assert not flagged and torch.equal(h, x.half())
+    ou = torch.frombuffer(bytearray(4 * 100 + 1), dtype=torch.float32, offset=1, count=100)
+    assert K.half_decode(h, ou) is ou and torch.equal(ou, x.half().float())
+
+
+def test_kernel_api_checks_what_it_passes_as_addresses():
+    """The torch-level kernels pass addresses: a length mismatch or a tensor off the CPU is
+    an error, a strided ``out`` takes torch's cast."""
+    h = torch.randn(10).half()
+    with pytest.raises(ValueError, match="out must have h's 10 elements, got 9"):
+        K.half_decode(h, torch.empty(9))
+    with pytest.raises(ValueError, match="x must be a CPU tensor"):
+        K.half_encode(torch.empty(10, device="meta"), torch.float16)
+    strided = torch.zeros(20)[::2]
+    assert K.half_decode(h, strided) is strided and torch.equal(strided, h.float())
+
+
+def test_when_to_stream(monkeypatch):
+    """A call streams when the bytes it moves exceed half the last-level cache, never when the
+    cache size is unknown; sysfs sizes are read in bytes."""
+    assert (K.cache_size_bytes("32768K"), K.cache_size_bytes("1M\n"), K.cache_size_bytes("512")) == (2**25, 2**20, 512)
+    assert K.cache_size_bytes("") is None and K.cache_size_bytes("lots") is None
+    monkeypatch.setattr(K, "last_level_cache_bytes", lambda: 2**25)
+    assert not K.streams(2**24) and K.streams(2**24 + 1)
+    monkeypatch.setattr(K, "last_level_cache_bytes", lambda: None)
+    assert not K.streams(2**40)

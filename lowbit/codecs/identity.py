@@ -21,7 +21,7 @@ def bytes_as(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The 1-D uint8 ``data`` read as ``dtype``: a view (no copy) when the bytes are aligned
     for ``dtype``, else a view of a copy. The result may alias ``data``: callers that return
     it copy it (a decode never aliases its payload)."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if data.storage_offset() % size == 0 and data.is_contiguous():
         return data.view(dtype)
     return data.clone().view(dtype)

@@ -14,6 +14,36 @@ caller's ``out=`` buffer (a codec that runs every step reuses one buffer and
 saves the allocation and first touch of a new one, see :meth:`HalfCodec.decode`).
 ``encode_reference``/``decode_reference`` (a finiteness scan, the cast, an
 overflow scan, copies) give the same bytes and values on every device.
+
+How fast it can be on the CPU, against torch's ``fp16_compress_hook`` (whose
+compute is ``x.to(float16)`` and ``buffer.copy_(h)``:
+:class:`lowbit.bench.references.HalfReference`). Both directions are bound by
+memory traffic, not arithmetic (the casts are F16C instructions, 16 lanes on
+AVX-512). A round trip must read ``4n`` bytes and write ``2n`` (encode), then
+read ``2n`` and write ``4n`` (decode): ``12n``, against a memcpy's ``4n + 4n``.
+A plain store first reads the line it writes (read-for-ownership), so the
+hook's two casts move ``18n`` and a memcpy ``12n``: no fp16 round trip can take
+less than one memcpy, and the hook takes about 1.5. Being 2x faster than the
+hook would need ``9n`` bytes, fewer than the round trip has to move: the 2x of
+issue 10 is out of reach, at 1e6 and at 1e7 elements alike.
+
+* Beyond the last-level cache (1e7 elements, 100 MB touched): the kernels
+  stream their stores (nontemporal, no read-for-ownership, see
+  :mod:`~lowbit.codecs.kernels.cpu_lowp`) and move the ``12n`` bytes: a round
+  trip takes one memcpy (1.0-1.1x) and 0.69-0.78 of the hook, its floor being
+  about 2/3.
+* Inside it (1e6 elements, 10 MB): streamed stores would go to memory and be
+  read back from there, so the kernels store plainly, like torch, and run as
+  fast as torch's casts (the same instructions and the same traffic: 0.81 of
+  the hook into kept buffers, torch's own two casts 0.84, the floor). What
+  lowbit adds on top is per-call Python work, which runs with caches just
+  emptied by the pass before it: mostly generic (``kernels_for`` twice,
+  ``pack_header``, ``unpack_header``, ``Payload``), with this codec's own
+  checks, one allocation and two kernel calls. The round trip ends at
+  1.2-1.5x the hook there.
+
+Figures and the commands that reproduce them: docs/RESULTS.md, "Codec
+throughput against memcpy".
 """
 
 from __future__ import annotations
@@ -110,13 +140,12 @@ class HalfCodec(Codec):
         or NaN there is a non-finite input or an overflow (told apart only on that error path)."""
         check_flat(x)
         n = check_numel(x)
-        x = x.detach()
         K = kernels_for(x, _FAMILY)
         if K is None:
             return self.encode_reference(x, generator=generator)
         h, flagged = K.half_encode(x, self.torch_dtype)
         if flagged:
-            raise self._overflow_error(x, h)
+            raise self._overflow_error(x.detach(), h)
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=h.view(torch.uint8))
 
     def _check(self, payload: Payload) -> int:

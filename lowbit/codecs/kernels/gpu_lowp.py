@@ -60,7 +60,7 @@ def half_encode(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, bool
     n = x.numel()
     m = _EXP_MASK[dtype]
     if x.dtype != torch.float32:
-        h = x.to(dtype, copy=True)
+        h = x.detach().to(dtype, copy=True)
         return h, bool(n) and bool(((h.view(torch.int16) & m) == m).any())
     x = x.contiguous()
     h = torch.empty(n, dtype=dtype, device=x.device)
