@@ -113,8 +113,9 @@ def test_default_gamma_keeps_the_rounding_noise_inside_theta():
             assert g1 == pytest.approx(g(GAMMA_NOISE / 2) / (1 - lam_min))
             assert g2 == pytest.approx(g(GAMMA_NOISE) / (1 - lam_min))
             assert g3 == pytest.approx(min(1.0, g(3 * GAMMA_NOISE) / (1 - lam_min)))
-    # the mode that decays slowest, not the spectral gap: 0.5 at 2 bits on every ring
-    assert run_threads(4, lambda t: Moniqua(t, make_topology("ring", 4), bits=2).gamma) == [pytest.approx(0.5)] * 4
+    # the mode that decays slowest, not the spectral gap: one gamma on every ring with 1/3 weights
+    expect = pytest.approx(g(GAMMA_NOISE) / (4 / 3))
+    assert run_threads(4, lambda t: Moniqua(t, make_topology("ring", 4), bits=2).gamma) == [expect] * 4
 
 
 # ---- 2. D2 and Moniqua-D2 ---------------------------------------------------------------
