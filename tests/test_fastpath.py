@@ -124,11 +124,10 @@ def _message(codec, x, key, block, head=b"\x07\x00", ctrl=5):
     nb = -(-n // block)
     msg = torch.zeros(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8)
     msg[nbytes:nbytes + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-    msg[-1] = ctrl
     xhat = torch.empty(n, dtype=x.dtype)
     stochastic = codec.rounding == "stochastic"
     cpu.moniqua_send(x, codec.B_theta, codec.levels, stochastic, key if stochastic else 0, codec.bits, block, msg,
-                     nbytes + len(head), xhat)
+                     nbytes + len(head), ctrl, xhat)
     return msg.numpy(), xhat, nbytes, nb
 
 

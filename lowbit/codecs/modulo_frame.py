@@ -128,12 +128,11 @@ class ModuloFrame:
         msg = torch.empty(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8, device=y.device)
         if head:
             msg[nbytes:nbytes + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(y.device)
-        msg[-1] = ctrl
         x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
         stochastic = codec.rounding == "stochastic"
         try:
             K.moniqua_send(y, codec.B_theta, codec.levels, stochastic, draw_key(generator) if stochastic else 0,
-                           codec.bits, self.block, msg, nbytes + len(head), x_hat)
+                           codec.bits, self.block, msg, nbytes + len(head), ctrl, x_hat)
         except OverflowError as e:
             raise _overflow(e) from None
         return msg, x_hat

@@ -90,7 +90,7 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither):
         for who, src in (("i", y), ("j", yj)):
             msg = torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8)
             xhat = torch.empty(n, dtype=src.dtype)
-            K.moniqua_send(src, codec.B_theta, codec.levels, True, 77, 2, block, msg, nbytes, xhat)
+            K.moniqua_send(src, codec.B_theta, codec.levels, True, 77, 2, block, msg, nbytes, 3, xhat)
             msgs[name, who] = msg, xhat
     for who in "ij":
         assert torch.equal(msgs["gpu", who][0], msgs["cpu", who][0])

@@ -85,8 +85,13 @@ def keys(key: int) -> tuple[np.uint64, np.uint64]:
 
 def np_view(t: torch.Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor (bfloat16/half are not numba types:
-    callers convert those first)."""
-    return t.detach().contiguous().numpy()
+    callers convert those first). Detaches and copies only when needed: at the thread
+    runtime's model sizes these calls are a measurable part of a kernel call."""
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.numpy()
 
 
 # --- packing ---------------------------------------------------------------------------
@@ -475,15 +480,17 @@ def _moniqua_receive(data, bits, n, B, levels, y, block, sent, xh, hashes, bad, 
 
 
 def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int, bits: int, block: int,
-                 msg: torch.Tensor, hash_at: int, xhat: torch.Tensor) -> None:
+                 msg: torch.Tensor, hash_at: int, ctrl: int, xhat: torch.Tensor) -> None:
     """:func:`_moniqua_send` on torch tensors (``msg`` the whole message, uint8: codes from byte 0,
-    hashes from ``hash_at``; the bytes between and after are the caller's)."""
+    hashes from ``hash_at``, the control byte ``ctrl`` last; the bytes between are the caller's)."""
     n = x.numel()
     k0, k1 = keys(key)
     codes = np.empty(n, dtype=np.uint8)
     hashes = np.empty((n + block - 1) // block, dtype=np.int32)
+    m = msg.numpy()
+    m[-1] = ctrl
     bad, reach = _moniqua_send(np_view(x), 1.0 / B, float(B), levels, stochastic, k0, k1, bits, block, codes,
-                               xhat.numpy(), hashes, msg.numpy(), hash_at)
+                               xhat.numpy(), hashes, m, hash_at)
     if bad:
         raise nonfinite_error("modulo")
     if reach > GRID_LIMIT:

@@ -263,10 +263,11 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
 
 
 def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int, bits: int, block: int,
-                 msg: torch.Tensor, hash_at: int, xhat: torch.Tensor) -> None:
+                 msg: torch.Tensor, hash_at: int, ctrl: int, xhat: torch.Tensor) -> None:
     """Moniqua's message on the device (the numba ``moniqua_send``'s contract): the codes packed
     into ``msg`` from byte 0, the sender's own decode into ``xhat``, the blocks' hashes ``<u2`` into
-    ``msg`` from ``hash_at``. Host reads: the encode's non-finite flag and the overflow check."""
+    ``msg`` from ``hash_at``, ``ctrl`` last. Host reads: the encode's non-finite flag and the
+    overflow check."""
     x = x.detach().contiguous()
     codes = modulo_encode(x, B, levels, stochastic, key)
     packed = pack(codes, bits)
@@ -275,6 +276,7 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
     _check_reach(float(reach), B, levels)
     le = torch.stack([hashes & 0xFF, (hashes >> 8) & 0xFF], dim=1).flatten().to(torch.uint8)
     msg[hash_at:hash_at + le.numel()] = le
+    msg[-1] = ctrl
 
 
 def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
