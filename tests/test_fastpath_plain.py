@@ -10,7 +10,7 @@ import torch
 from lowbit.codecs import (HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec,
                            shared_generator)
 from lowbit.codecs.base import Payload
-from lowbit.codecs.kernels import cpu, cpu_kernels, kernels_for
+from lowbit.codecs.kernels import cpu_kernels, kernels_for
 
 plain = cpu_kernels("plain")
 

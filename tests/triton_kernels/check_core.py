@@ -9,7 +9,7 @@ import torch
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
 
-from lowbit.codecs import ModuloCodec, shared_generator  # noqa: E402
+from lowbit.codecs import ModuloCodec  # noqa: E402
 from lowbit.codecs.kernels import cpu, gpu  # noqa: E402
 
 
