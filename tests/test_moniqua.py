@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.algorithms import D2, DPSGD, Moniqua, MoniquaD2
-from lowbit.algorithms.moniqua import GAMMA_NOISE, VERIFY_BLOCK, topology_diameter
+from lowbit.algorithms.moniqua import GAMMA_NOISE, GAMMA_NOISE_1BIT, VERIFY_BLOCK, topology_diameter
 from lowbit.codecs import IdentityCodec, ModuloCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
@@ -97,7 +97,8 @@ def test_one_bit_moniqua_with_slack_matrix_is_theorem_3(rounding):
 
 
 def test_default_gamma_keeps_the_rounding_noise_inside_theta():
-    """gamma = min(1, (2 r / (1 + r)) / (1 - lambda_min(W))), r = R theta / s: s = 2 theta at 1 bit
+    """gamma = min(1, (2 r / (1 + r)) / (1 - lambda_min(W))), r = R theta / s (R = GAMMA_NOISE_1BIT at
+    1 bit): s = 2 theta at 1 bit
     (nearest, B_theta = 4 theta), theta at 2 bits and theta / 3 at 3 bits (stochastic, B_theta = 4
     theta and 8 theta / 3); lambda_min = -1/3 on a ring with 1/3 weights, 0 on a complete graph."""
     def g(r):
@@ -110,7 +111,7 @@ def test_default_gamma_keeps_the_rounding_noise_inside_theta():
     for topo, lam_min in ((make_topology("ring", 8), -1 / 3), (make_topology("complete", 5), 0.0)):
         for rounding, g1, g2, g3 in run_threads(topo.n, lambda t: worker(t, topo)):
             assert rounding == "nearest"
-            assert g1 == pytest.approx(g(GAMMA_NOISE / 2) / (1 - lam_min))
+            assert g1 == pytest.approx(g(GAMMA_NOISE_1BIT / 2) / (1 - lam_min))
             assert g2 == pytest.approx(g(GAMMA_NOISE) / (1 - lam_min))
             assert g3 == pytest.approx(min(1.0, g(3 * GAMMA_NOISE) / (1 - lam_min)))
     # the mode that decays slowest, not the spectral gap: one gamma on every ring with 1/3 weights
@@ -163,7 +164,7 @@ def test_moniqua_d2_is_d2_with_modulo_gossip():
     W = topo.mixing_matrix()
     theta = 50.0  # D2's extrapolation moves the models further apart than D-PSGD's step
     codec = ModuloCodec(bits=2, theta=theta)
-    traj, _, algos = _run(lambda t: MoniquaD2(t, topo, bits=2, theta=theta, seed=7), X0, A, b)
+    traj, _, algos = _run(lambda t: MoniquaD2(t, topo, bits=2, theta=theta, seed=7, gamma=1.0), X0, A, b)
     wrong = []
 
     def mix(k, H):
@@ -256,7 +257,7 @@ def _overhead(d, block=VERIFY_BLOCK, asked=None):
 
 
 def _verified_reference(X0, A, b, topo, theta0, steps, seed, grow_theta=False, block=VERIFY_BLOCK):
-    """Moniqua with verification, in matrix form, per block of ``block`` elements. A wrong
+    """Moniqua with verification (gamma 1), in matrix form, per block of ``block`` elements. A wrong
     block of a recovery (its grid integers differ from the sender's) is left out of the mix;
     the blocks of an edge with a wrong recovery at step k (asked by either end) are mixed
     exactly (fp32 both ways) at step k + 1, the rest of the edge normally. With
@@ -332,7 +333,8 @@ def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_thet
     topo = make_topology("ring", N)
     theta0, steps = 0.01, 30  # ... and a far too small theta there
     traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, grow_theta=grow_theta,
-                                                  verify_block=block), X0, A, b, steps=steps, lr=lambda k: LR)
+                                                  verify_block=block, gamma=1.0), X0, A, b, steps=steps,
+                                lr=lambda k: LR)
     ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, steps, 4, grow_theta, block)
     for k in range(steps):
         torch.testing.assert_close(traj[k], ref[k], atol=1e-6, rtol=0)
@@ -410,8 +412,8 @@ def test_verification_has_no_false_alarms_with_a_correct_theta():
     X0, A, b = _problem(spread=1.0, d=40)
     topo = make_topology("ring", N)
     theta0 = 20.0
-    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, verify_block=8), X0, A, b,
-                                steps=STEPS, lr=lambda k: LR)
+    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, verify_block=8, gamma=1.0),
+                                X0, A, b, steps=STEPS, lr=lambda k: LR)
     ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, STEPS, 4, block=8)
     assert injected == [] and theta == theta0
     assert [a.mismatches for a in algos] == [0] * N

@@ -31,16 +31,19 @@ rho(W))) (0.49 on a ring of 8) ran away on rings of 3, 4, 5 and 6 workers
 (gamma 1, 1, 1, 0.83) and on a complete graph of 8 (gamma 1): test accuracy
 0.78-0.96, local models 0.33-0.75. The default, :func:`default_gamma`, holds
 g / (2 - g) at r = R theta / s on the slowest mode, R = :data:`GAMMA_NOISE` =
-0.3: ``gamma = min(1, (2 r / (1 + r)) / (1 - lambda_min(W)))``. That is
-0.35 at 2 bits and 0.2 at 1 bit on rings, 0.46 and 0.26 on a complete graph,
-0.71 at 3 bits on rings and 1 at 4 bits and more. R was measured on
-digits-mlp (ring of 8, 300 steps): R = 0.5 (gamma 0.3 at 1 bit) sent 2.24
-wire bits per element at 1 bit with seed 2, R = 0.3 (gamma 0.2) 2.18, at
-the same 97.8 %; at 2 bits gamma 0.35 and 0.5 send the same 4.17-4.19 bits.
-With R = 0.3, `lowbit train --task digits-mlp --algorithm moniqua --steps 300
+0.5 (:data:`GAMMA_NOISE_1BIT` = 0.3 at 1 bit): ``gamma = min(1, (2 r / (1 +
+r)) / (1 - lambda_min(W)))``. That is 0.5 at 2 bits and 0.2 at 1 bit on
+rings, 0.67 and 0.26 on a complete graph, 0.9 at 3 bits on rings and 1 at 4
+bits and more. R was measured (`lowbit train --task T --workers 8 --steps 300
+--algorithm moniqua --bits B --gamma G`, ring of 8): at 2 bits on
+fashion-lenet gamma 0.35 / 0.42 / 0.5 reached 83.6 / 83.9 / 84.5 % (fp32
+D-PSGD 84.6 %) at 4.18-4.19 wire bits per element; at 1 bit on digits-mlp
+(seed 2) gamma 0.3 / 0.24 / 0.2 sent 2.24 / 2.20 / 2.18 wire bits at the
+same 97.8 %: a wrong block's fp32 repair costs 32 times its 1-bit codes.
+With these, `lowbit train --task digits-mlp --algorithm moniqua --steps 300
 --workers N [--topology T] --bits B` on rings of 3, 4, 6 and 8 workers, a
 complete graph of 8, the exponential graph of 8 and a torus of 16, at 1, 2
-and 3 bits, stays at 97.8-98.6 % test accuracy and at 1.03-1.10 times the
+and 3 bits, stayed at 97.8-98.6 % test accuracy and at 1.03-1.10 times the
 nominal wire bits times the fan-out. gamma = 0.7 on a ring of 4 (g / (2 - g)
 = 0.87) still held; gamma 1 there (2.0) and 0.83 on a ring of 6 (1.25) ran
 away.
@@ -173,8 +176,13 @@ neighbours) were
     1 bit               2.63    2.45    2.56     (98.3 % each)
 
 (before ``auto`` agreed after each of its first steps, which then took 256
-to 4.18 and 2.17), so 256 is the default :data:`VERIFY_BLOCK` (hashes cost
-1/16 bit per element; 77 bytes of trailer per message at d = 9610). More
+to 4.18 and 2.17), so 256 is the default :data:`VERIFY_BLOCK` at 2 bits and
+more (hashes cost 1/16 bit per element; 77 bytes of trailer per message at d =
+9610). :func:`default_verify_block` keeps the hashes at most 1/32 of the code
+bits: 512 elements at 1 bit. At 1 bit with the default gamma, 256 and 512 sent
+2.18 / 2.20 / 2.18 and 2.14 / 2.18 / 2.14 wire bits per element (seeds 0 / 1 /
+2, same accuracy: ``lowbit train --task digits-mlp --workers 8 --steps 300
+--seed S --algorithm moniqua --bits 1 --verify-block V``). More
 hashed blocks also mean more chances of a collision: each wrong block passes
 the 16-bit hash with probability ~2^-16.
 
@@ -222,10 +230,13 @@ THETA_SHRINK = 0.8
 THETA_START = 2.0
 # theta="auto" grown this many times theta_0: the run's warning says the noise, not the gradients, sets the distance
 THETA_RUNAWAY = 256.0
-# R of default_gamma: the rounding noise allowed per unit of theta / s (see the module docstring)
-GAMMA_NOISE = 0.3
+# R of default_gamma: the rounding noise allowed per unit of theta / s, at 1 bit and above (module docstring)
+GAMMA_NOISE_1BIT = 0.3
+GAMMA_NOISE = 0.5
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
 VERIFY_BLOCK = 256
+# ... and at least this many code bits per 16-bit hash (the hashes cost at most 1/32 of the codes)
+VERIFY_CODE_BITS = 512
 _log = logging.getLogger(__name__)
 
 
@@ -254,12 +265,20 @@ def agreement_due(k: int, every: int) -> bool:
 def default_gamma(codec: ModuloCodec, W) -> float:
     """The slack matrix's gamma when none is given (module docstring, "Slack matrix"):
     ``min(1, g / (1 - lambda_min(W)))`` with ``g = 2 r / (1 + r)``, ``r = R theta / s``,
-    ``s = B_theta / 2^bits`` the grid step and R = :data:`GAMMA_NOISE`. It keeps the
+    ``s = B_theta / 2^bits`` the grid step and R = :data:`GAMMA_NOISE` (:data:`GAMMA_NOISE_1BIT`
+    at 1 bit). It keeps the
     noise that rounding adds to the models' differences, in W's slowest-decaying mode,
     at ``g / (2 - g) = r`` grid steps squared per unit of distance: well inside theta."""
-    r = GAMMA_NOISE * codec.theta * codec.levels / codec.B_theta
+    r = (GAMMA_NOISE_1BIT if codec.bits == 1 else GAMMA_NOISE) * codec.theta * codec.levels / codec.B_theta
     lam_min = float(np.linalg.eigvalsh(np.asarray(W, dtype=np.float64)).min())
     return min(1.0, (2.0 * r / (1.0 + r)) / (1.0 - lam_min))
+
+
+def default_verify_block(bits: int) -> int:
+    """Elements per verified block when none is given: :data:`VERIFY_BLOCK`, or more where the
+    codes are so narrow that a block's 16-bit hash would cost more than 1/32 of its code bits
+    (512 at 1 bit; module docstring, "Block size")."""
+    return max(VERIFY_BLOCK, VERIFY_CODE_BITS // bits)
 
 
 def default_rounding(bits: int) -> str:
@@ -294,7 +313,7 @@ class Moniqua(GossipAlgorithm):
         entropy: also entropy-code the codes (``"zlib"``, ``"bz2"``, ``"lzma"``, ``"ans"``).
         dither: at 1 bit, add a shared random offset before rounding (default: on at 1 bit).
         grow_theta: double theta when no neighbour's message decodes right (an alarm).
-        verify_block: elements per verified block.
+        verify_block: elements per verified block (None: :func:`default_verify_block`).
     """
 
     name = "moniqua"
@@ -320,7 +339,7 @@ class Moniqua(GossipAlgorithm):
                  rounding: str | None = None, theta_schedule: str = "constant", theta_every: int = THETA_EVERY,
                  shared_randomness: bool = True, gamma: float | None = None, verify: bool = True,
                  entropy: str | None = None, dither: bool | None = None, grow_theta: bool = False,
-                 verify_block: int = VERIFY_BLOCK, **kw):
+                 verify_block: int | None = None, **kw):
         super().__init__(transport, topology, **kw)
         self.auto_theta = theta == "auto"
         if not self.auto_theta and not (isinstance(theta, (int, float)) and not isinstance(theta, bool)
@@ -347,6 +366,8 @@ class Moniqua(GossipAlgorithm):
         if self.auto_theta and not verify:
             raise ValueError("theta='auto' (the default) follows the blocks verification finds wrong: it needs "
                              "verify=True; without verification give theta a number (--theta)")
+        if verify_block is None:
+            verify_block = default_verify_block(self.codec.bits)
         if isinstance(verify_block, bool) or not isinstance(verify_block, int) or verify_block < 1:
             raise ValueError(f"verify_block must be an integer >= 1 (elements per hashed block), got {verify_block!r}")
         self.verify_block = verify_block

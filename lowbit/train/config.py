@@ -17,7 +17,7 @@ import torch
 from ..algorithms import ALGORITHMS
 from ..algorithms.compressed import SERVERS
 from ..algorithms.dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
-from ..algorithms.moniqua import THETA_EVERY, THETA_SCHEDULES, VERIFY_BLOCK
+from ..algorithms.moniqua import THETA_EVERY, THETA_SCHEDULES
 from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
 from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..comm.netmodel import NetworkModel
@@ -145,7 +145,8 @@ class TrainConfig:
     theta_schedule: str = _opt("constant", "constant, or lr (theta_k ~ lr_k)")
     theta_every: int = _opt(THETA_EVERY, "--theta auto: steps between two theta agreements")
     verify: bool = _opt(True, "Moniqua: send a hash of the quantized model; the receiver checks what it recovered")
-    verify_block: int = _opt(VERIFY_BLOCK, "Moniqua verification: elements per hashed block (a failed block is repaired alone)")
+    verify_block: int | None = _opt(None, "Moniqua verification: elements per hashed block (a failed block is "
+                                    "repaired alone; default by bits: 512 at 1 bit, 256 above)")
     entropy: str | None = _opt(None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans")
     gamma: float | None = _opt(None, "consensus step size: Moniqua's slack matrix gamma W + (1 - gamma) I, "
                                "ChocoSGD's gamma (algorithm default if omitted)")
@@ -221,6 +222,8 @@ class TrainConfig:
         for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1),
                          ("theta_every", 1), ("powersgd_rank", 1), ("verify_block", 1)):
             v = getattr(self, name)
+            if v is None and name == "verify_block":  # Moniqua's default by bits
+                continue
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
         if not isinstance(self.seed, int) or self.seed < 0:
