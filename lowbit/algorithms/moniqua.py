@@ -96,14 +96,14 @@ It needs verification, and relies on the default gamma and on shared
 randomness: were the quantization noise to keep the models' distance above
 theta whatever theta, doubling would not stop the wrong blocks and theta
 runs away. On digits-mlp (same run) ``--gamma 1`` took theta to 667, with
-644 wrong blocks and 83.6 % accuracy, and ``--no-shared-randomness`` to 2.6
-(97.8 % for the average model, 78.6 % for the local ones). A run whose theta grew
+644 wrong blocks and 83.6 % accuracy (with the former default gamma,
+``--no-shared-randomness`` took it to 2.6). A run whose theta grew
 :data:`THETA_RUNAWAY` (256) times theta_0 says so in its warning. Measured on
 digits-mlp (8 workers, ring, 300 steps, the defaults: ``lowbit train --task
 digits-mlp --workers 8 --steps 300 --algorithm moniqua --bits B``): 2 bits
-ended at theta 0.027 with 87 wrong blocks, 4.18 wire bits per element per
-step (4 nominal), 98.05 %; 1 bit at theta 0.055 with 79, 2.17 bits (2
-nominal), 98.05 % (fp32 D-PSGD: 98.6 %).
+ended at theta 0.044 with 66 wrong blocks, 4.17 wire bits per element per
+step (4 nominal), 98.05 %; 1 bit sent 2.14 bits (2 nominal), 98.05 % (fp32
+D-PSGD: 98.6 %; ``docs/RESULTS.md``, the decentralized table).
 
 **Verification** (``verify``, section 6), per block: the flat vector of d
 elements is split into nb = ceil(d / ``verify_block``) blocks of
