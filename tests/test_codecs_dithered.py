@@ -45,9 +45,9 @@ def test_dithered_bits(levels, code_bits):
     L = 2 * levels + 1
     assert c.code_bits == code_bits == math.ceil(math.log2(L))
     assert c.num_codes == L and c.step == 1 / levels
-    if L <= 255:  # mixed radix: g codes in b bits, within 2% of log2(2M + 1) (1% for most M)
+    if L <= 255:  # mixed radix: g codes in b bits, within 1% of log2(2M + 1)
         g, b = radix_group(L)
-        assert c.bits == b / g <= 1.02 * math.log2(L)
+        assert c.bits == b / g <= 1.01 * math.log2(L)
     else:  # plain packing beyond 255 levels
         assert c.bits == code_bits
     assert DitheredCodec(levels=1).bits == 1.6  # 5 trits per byte

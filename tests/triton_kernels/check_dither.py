@@ -141,7 +141,7 @@ def triton_route(monkeypatch):
     from lowbit.codecs.kernels import gpu, gpu_radix
     for mod in (dithered, nested, qsgd):
         monkeypatch.setattr(mod, "kernels_for", lambda x, family="core": gpu_dither)
-    # the codes are packed by the Triton radix kernels (the core's for a power of two / > 255 levels)
+    # the codes are packed by the Triton radix kernels (the core's for a power of two / > 2^16 levels)
     monkeypatch.setattr(radix, "kernels_for", lambda x, family="core": gpu_radix if family == "radix" else gpu)
 
 
