@@ -114,6 +114,8 @@ def test_default_gamma_keeps_the_rounding_noise_inside_theta():
             assert g1 == pytest.approx(g(GAMMA_NOISE_1BIT / 2) / (1 - lam_min))
             assert g2 == pytest.approx(g(GAMMA_NOISE) / (1 - lam_min))
             assert g3 == pytest.approx(min(1.0, g(3 * GAMMA_NOISE) / (1 - lam_min)))
+    # one worker: W = [[1]] mixes nothing, any gamma does the same (the CLI fuzz test found a division by 0)
+    assert run_threads(1, lambda t: Moniqua(t, make_topology("ring", 1), bits=2).gamma) == [1.0]
     # the mode that decays slowest, not the spectral gap: one gamma on every ring with 1/3 weights
     expect = pytest.approx(g(GAMMA_NOISE) / (4 / 3))
     assert run_threads(4, lambda t: Moniqua(t, make_topology("ring", 4), bits=2).gamma) == [expect] * 4

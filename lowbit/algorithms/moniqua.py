@@ -268,10 +268,11 @@ def default_gamma(codec: ModuloCodec, W) -> float:
     ``s = B_theta / 2^bits`` the grid step and R = :data:`GAMMA_NOISE` (:data:`GAMMA_NOISE_1BIT`
     at 1 bit). It keeps the
     noise that rounding adds to the models' differences, in W's slowest-decaying mode,
-    at ``g / (2 - g) = r`` grid steps squared per unit of distance: well inside theta."""
+    at ``g / (2 - g) = r`` grid steps squared per unit of distance: well inside theta.
+    1 where W mixes nothing (one worker: W = [[1]])."""
     r = (GAMMA_NOISE_1BIT if codec.bits == 1 else GAMMA_NOISE) * codec.theta * codec.levels / codec.B_theta
-    lam_min = float(np.linalg.eigvalsh(np.asarray(W, dtype=np.float64)).min())
-    return min(1.0, (2.0 * r / (1.0 + r)) / (1.0 - lam_min))
+    gap = 1.0 - float(np.linalg.eigvalsh(np.asarray(W, dtype=np.float64)).min())
+    return min(1.0, (2.0 * r / (1.0 + r)) / gap) if gap > 0 else 1.0
 
 
 def default_verify_block(bits: int) -> int:
