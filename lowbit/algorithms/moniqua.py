@@ -500,7 +500,8 @@ class Moniqua(GossipAlgorithm):
         # my requests, sent in this message (None: every block, from a whole-vector checkpoint)
         asked_of = {j: set(range(nb)) if b is None else {c for c in b if c < nb} for j, b in self._nack.items()}
         asked_of = {j: b for j, b in asked_of.items() if b}
-        wire, x_hat_i = frame.send(codec, y, gen, asked_of, self._alarm_bits(), x.dtype)  # line 3, 4
+        K = frame.kernels(y, x.dtype)
+        wire, x_hat_i = frame.send(codec, y, gen, asked_of, self._alarm_bits(), K)  # line 3, 4
         received = self.transport.neighbor_exchange(wire, self.neighbors)
         x_hat_i = (x_hat_i if v is None else x_hat_i - v).to(x.dtype)
         # blocks of each edge mixed exactly this step: asked by me or by the neighbour (both ends know both)
@@ -511,7 +512,7 @@ class Moniqua(GossipAlgorithm):
         delta = torch.zeros_like(x)  # line 6's sum, built by the one-call receive where every block is right
         mixed = True
         for j in self.neighbors:
-            r = frame.receive(codec, received[j], y, j, v=v, x_hat_i=x_hat_i, w=self.w[j], delta=delta)  # line 5
+            r = frame.receive(codec, received[j], y, j, K, v=v, x_hat_i=x_hat_i, w=self.w[j], delta=delta)  # line 5
             mixed = mixed and r.mixed
             self._receive_alarm_bits(k, r.ctrl & 3)
             if self.rank in r.requests:

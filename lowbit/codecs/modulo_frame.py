@@ -91,8 +91,10 @@ class ModuloFrame:
     def _malformed(self, sender: int, why: str, what: str = "message") -> ValueError:
         return ValueError(f"moniqua: worker {self.rank} got a malformed {what} from worker {sender}: {why}")
 
-    def _kernels(self, y: torch.Tensor, x_dtype: torch.dtype):
-        """The one-call kernels (``moniqua_send``/``moniqua_receive``) where they apply, else None."""
+    def kernels(self, y: torch.Tensor, x_dtype: torch.dtype):
+        """The one-call kernels (``moniqua_send``/``moniqua_receive``) where they apply to a step's
+        ``y`` and model dtype, else None (the codec's calls). Chosen once per step and handed to
+        :meth:`send` and every :meth:`receive`."""
         if not self.verify or self.entropy is not None or self.bits not in (1, 2, 4, 8):
             return None
         if x_dtype not in (torch.float32, torch.float64) or not y.is_contiguous():
@@ -102,16 +104,15 @@ class ModuloFrame:
 
     # ---- the sender -------------------------------------------------------------------
     def send(self, codec: ModuloCodec, y: torch.Tensor, generator, requests: dict[int, set[int]], ctrl: int,
-             x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+             K) -> tuple[torch.Tensor, torch.Tensor]:
         """Line 3 and 4: the message of ``y`` (the codes, my ``requests`` {neighbour: blocks},
-        the hashes and ``ctrl``, whose request bit this sets) and my own decoded point."""
+        the hashes and ``ctrl``, whose request bit this sets) and my own decoded point; ``K``: :meth:`kernels`."""
         nb = self.nblocks(y.numel())
         head = b""
         if requests:  # ask these neighbours for an fp32 repair of these blocks of this step's edge
             head = b"".join(struct.pack("<H", j) + pack_mask(requests[j], nb) for j in sorted(requests))
             head += struct.pack("<H", len(requests))
             ctrl |= 4
-        K = self._kernels(y, x_dtype)
         if K is not None:
             return self._send_fused(K, codec, y, generator, head, ctrl, nb)
         payload = codec.encode(y, generator=generator)
@@ -156,16 +157,15 @@ class ModuloFrame:
             raise _overflow(e) from None
 
     # ---- the receiver -------------------------------------------------------------------
-    def receive(self, codec: ModuloCodec, buf: torch.Tensor, y: torch.Tensor, sender: int, *,
+    def receive(self, codec: ModuloCodec, buf: torch.Tensor, y: torch.Tensor, sender: int, K, *,
                 v: torch.Tensor | None, x_hat_i: torch.Tensor, w: float, delta: torch.Tensor) -> Received:
         """Read ``sender``'s message against my ``y``; where the one-call kernel runs and every
         block is right, its line-6 term ``w (x_hat_j - x_hat_i)`` (``x_hat_j - v`` with the
-        shared dither ``v``) is added to ``delta`` (``Received.mixed``)."""
+        shared dither ``v``) is added to ``delta`` (``Received.mixed``); ``K``: :meth:`kernels`."""
         d = y.numel()
         ctrl, requests, sent = 0, {}, None
         if self.verify:
             buf, sent, ctrl, requests = self.parse(buf, self.nblocks(d), sender)
-        K = self._kernels(y, delta.dtype)
         if K is not None:
             need = packed_nbytes(d, codec.bits)
             if buf.numel() != need:
