@@ -27,7 +27,7 @@ def test_dpsgd_is_x_w_minus_lr_g():
     X0, A, b = _problem()
     topo = make_topology("ring", N)
     W = torch.tensor(topo.mixing_matrix())
-    traj, sent = _run(lambda t: DPSGD(t, topo), X0, A, b)
+    traj, sent = _run(lambda t: DPSGD().worker(t, topo), X0, A, b)
     X = X0.clone()
     for k in range(STEPS):
         X = W.T @ X - LR * (A * X - b)  # rows are workers: x_i' = sum_j W_ji x_j
@@ -61,7 +61,7 @@ def test_naive_quantized_gossip_is_equation_4(codec):
     X0, A, b = _problem()
     topo = make_topology("ring", N)
     Wn = topo.mixing_matrix()
-    traj, _ = _run(lambda t: NaiveQuantizedDPSGD(t, topo, codec=codec, seed=3), X0, A, b)
+    traj, _ = _run(lambda t: NaiveQuantizedDPSGD(codec=codec).worker(t, topo, seed=3), X0, A, b)
 
     def mix(k, X):
         Q = torch.stack([codec.roundtrip(X[j], generator=shared_generator(3, k, j)) for j in range(N)])
@@ -112,8 +112,11 @@ def test_moniqua_and_dpsgd_hold_no_extra_memory():
     topo = make_topology("ring", 3)
 
     def worker(t):
-        return [a.extra_memory_bytes() for a in (DPSGD(t, topo), Moniqua(t, topo), AllReduceSGD(t),
-                                                  NaiveQuantizedDPSGD(t, topo))]
+        out = []
+        for a in (DPSGD().worker(t, topo), Moniqua(t, topo), AllReduceSGD(t), NaiveQuantizedDPSGD().worker(t, topo)):
+            a.setup(torch.zeros(D))
+            out.append(a.extra_memory_bytes())
+        return out
 
     assert run_threads(3, worker) == [[0, 0, 0, 0]] * 3
 
@@ -134,7 +137,7 @@ def test_moniqua_rejects_bad_theta_and_bits():
 def test_topology_must_match_world_size():
     def worker(t):
         with pytest.raises(ValueError, match="workers"):
-            DPSGD(t, make_topology("ring", 4))
+            DPSGD().worker(t, make_topology("ring", 4))
         return True
 
     assert all(run_threads(3, worker))

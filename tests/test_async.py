@@ -109,7 +109,7 @@ def test_adpsgd_matches_sequential_replay_of_the_schedule(seed, slow):
     ref = _replay(seed, X0, A, b, topo, W, slow)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     # the asynchronous answer is not D-PSGD's synchronous one
-    sync, _ = _run(lambda t: DPSGD(t, topo), X0, A, b)
+    sync, _ = _run(lambda t: DPSGD().worker(t, topo), X0, A, b)
     assert (sync - got).abs().max() > 1e-4
     # ledger: each exchange counts the request on the active side and the reply on the passive side
     per_msg = IdentityCodec().encode(X0[0]).nbytes  # the model as fp32 and its header
@@ -245,7 +245,7 @@ def _torch_gossip_worker(t, steps, compute_s, slow, algorithm):
     n = t.world_size
     topo = make_topology("ring", n)
     x = torch.full((256,), float(t.rank), dtype=torch.float64)
-    algo = (ADPSGD(t, topo, seed=0) if algorithm == "adpsgd" else DPSGD(t, topo))
+    algo = (ADPSGD(t, topo, seed=0) if algorithm == "adpsgd" else DPSGD().worker(t, topo))
     algo.setup(x)
     applied = torch.zeros_like(x)
     times = []

@@ -139,7 +139,7 @@ def test_d2_is_its_matrix_form():
     X0, A, b = _problem()
     topo = make_topology("ring", N)
     W = torch.tensor(topo.mixing_matrix())
-    traj, ledgers, algos = _run(lambda t: D2(t, topo), X0, A, b)
+    traj, ledgers, algos = _run(lambda t: D2().worker(t, topo), X0, A, b)
     for k, X in enumerate(_d2_reference(X0, A, b, lambda k, H: W.T @ H)):
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
     assert all(a.extra_memory_bytes() == 2 * D * 8 for a in algos)  # X_{k-1} and a_{k-1} G_{k-1}
@@ -155,7 +155,7 @@ def test_d2_removes_the_outer_variance_bias_of_dpsgd():
     x_star = b.sum(0) / A.sum(0)
     errs = {}
     for name, cls in (("dpsgd", DPSGD), ("d2", D2)):
-        traj, _, _ = _run(lambda t: cls(t, topo), X0, A, b, steps=300, lr=lambda k: 0.2)
+        traj, _, _ = _run(lambda t: cls().worker(t, topo), X0, A, b, steps=300, lr=lambda k: 0.2)
         errs[name] = float((traj[-1] - x_star).abs().max())
     assert errs["d2"] < 1e-4 < 0.05 < errs["dpsgd"], errs
 
@@ -473,7 +473,7 @@ def _three_algorithms(t):
     topo = make_topology("ring", t.world_size)
     X0, A, b = _problem(spread=0.1)
     makers = {"moniqua": lambda: Moniqua(t, topo, bits=1, theta="auto", theta_every=2, gamma=0.3, seed=3),
-              "d2": lambda: D2(t, topo),
+              "d2": lambda: D2().worker(t, topo),
               "moniqua-d2": lambda: MoniquaD2(t, topo, bits=2, theta=0.05, entropy="zlib", seed=3)}
     out = {}
     for name, make in makers.items():

@@ -1,6 +1,7 @@
 """DecentralizedDataParallel against the plain training loop, checkpoint/resume,
 buffer policies, the averaged model, errors, the Bagua shim, and torchrun."""
 
+import dataclasses
 import io
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowbit.algorithms import ALGORITHMS, GossipAlgorithm
+from lowbit.algorithms import ALGORITHMS, GossipAlgorithm, State, build_worker
 from lowbit.codecs import UniformCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import ThreadWorld, run_threads
@@ -65,10 +66,8 @@ ALGO_OPTIONS = {"dpsgd": {}, "moniqua": {"bits": 2, "theta": 2.0}, "allreduce": 
 
 
 def _build_plain(name, t):
-    cls = ALGORITHMS[name]
-    if cls.family == "decentralized":
-        return cls(t, make_topology("ring", N), **ALGO_OPTIONS[name])
-    return cls(t, **ALGO_OPTIONS[name])
+    return build_worker(name, t, make_topology("ring", N) if ALGORITHMS[name].family == "decentralized" else None,
+                        **ALGO_OPTIONS[name])
 
 
 @pytest.mark.parametrize("name", ["dpsgd", "moniqua", "allreduce"])
@@ -112,32 +111,38 @@ def test_wrapper_equals_plain_loop(name, user_zero_grad, call):
         assert not torch.equal(got[0][0], got[1][0])  # gossip: workers differ (different data)
 
 
+@dataclasses.dataclass
+class ReplicaState(State):
+    hat: dict  # {j: x̂_j} for itself and its neighbours
+
+
+@dataclasses.dataclass(frozen=True)
 class ReplicaGossip(GossipAlgorithm):
     """A small stateful (CHOCO-style) gossip for the resume test: replicas x̂_j of
     itself and its neighbours, updated by stochastically rounded differences
     q_j = Q(x_j - x̂_j); x += gamma sum_j W_ij (x̂_j - x̂_i)."""
 
+    gamma: float = 0.5
+    step: float = 0.01
     name = "test-replica"
 
-    def __init__(self, transport, topology, *, gamma=0.5, step=0.01, seed=0, **kw):
-        super().__init__(transport, topology, seed=seed, **kw)
-        self.gamma = gamma
-        self.codec = UniformCodec(step=step, rounding="stochastic")
+    @property
+    def codec(self):
+        return UniformCodec(step=self.step, rounding="stochastic")
 
-    def setup(self, x):
-        self.hat = {j: torch.zeros_like(x) for j in (self.rank, *self.neighbors)}
+    def init(self, x, ctx):
+        return ReplicaState({j: torch.zeros_like(x) for j in (ctx.rank, *ctx.neighbors)})
 
-    def state_tensors(self):
-        return {f"hat{j}": t for j, t in self.hat.items()}
-
-    def before_update(self, k, x, g, lr):
-        payload = self.codec.encode(x - self.hat[self.rank], generator=shared_generator(self.seed, k, self.rank))
-        received = self.transport.neighbor_exchange(payload.to_wire(), self.neighbors)
-        self.hat[self.rank] += self.codec.decode(payload).to(x.dtype)
-        for j in self.neighbors:
-            self.hat[j] += self.codec.decode(self.codec.payload_from_wire(received[j])).to(x.dtype)
-        mix = sum(self.w[j] * (self.hat[j] - self.hat[self.rank]) for j in self.neighbors)
+    def before_update(self, state, ctx, k, x, g, lr):
+        hat = state.hat
+        payload = self.codec.encode(x - hat[ctx.rank], generator=shared_generator(ctx.seed, k, ctx.rank))
+        received = ctx.transport.neighbor_exchange(payload.to_wire(), ctx.neighbors)
+        hat[ctx.rank] += self.codec.decode(payload).to(x.dtype)
+        for j in ctx.neighbors:
+            hat[j] += self.codec.decode(self.codec.payload_from_wire(received[j])).to(x.dtype)
+        mix = sum(ctx.w[j] * (hat[j] - hat[ctx.rank]) for j in ctx.neighbors)
         x.add_(mix, alpha=self.gamma)
+        return state
 
 
 def _resume_cases():
@@ -263,12 +268,14 @@ def test_initial_parameters_come_from_rank0():
 def test_close_calls_finish_once():
     calls = []
 
+    @dataclasses.dataclass(frozen=True)
     class Async(GossipAlgorithm):
         name = "test-async"
         synchronous = False
 
-        def finish(self):
-            calls.append(self.rank)
+        def finish(self, state, ctx):
+            calls.append(ctx.rank)
+            return state
 
     def fn(t):
         m = _model()
@@ -305,13 +312,17 @@ def test_asynchronous_checkpoint_only_after_close():
 def test_algorithm_instance_and_class():
     def fn(t):
         topo = make_topology("ring", 3)
-        m1, m2 = _model(), _model()
-        a = DecentralizedDataParallel(m1, _opt(m1), ALGORITHMS["dpsgd"](t, topo))
+        m1, m2, m4 = _model(), _model(), _model()
+        a = DecentralizedDataParallel(m1, _opt(m1), ALGORITHMS["dpsgd"]().worker(t, topo))  # a bound worker
         b = DecentralizedDataParallel(m2, _opt(m2), ALGORITHMS["dpsgd"], transport=t, topology=topo)
-        assert a.transport is t and b.algorithm.neighbors == a.algorithm.neighbors
+        c = DecentralizedDataParallel(m4, _opt(m4), ALGORITHMS["dpsgd"](), transport=t, topology=topo)  # options
+        assert a.transport is t and b.algorithm.neighbors == a.algorithm.neighbors == c.algorithm.neighbors
         with pytest.raises(ValueError, match="options"):
             m3 = _model()
-            DecentralizedDataParallel(m3, _opt(m3), ALGORITHMS["dpsgd"](t, topo), bits=2)
+            DecentralizedDataParallel(m3, _opt(m3), ALGORITHMS["dpsgd"]().worker(t, topo), bits=2)
+        with pytest.raises(ValueError, match="options"):
+            m3 = _model()
+            DecentralizedDataParallel(m3, _opt(m3), ALGORITHMS["dpsgd"](), transport=t, bits=2)
         return True
 
     assert run_threads(3, fn) == [True] * 3

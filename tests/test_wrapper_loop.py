@@ -125,7 +125,7 @@ def test_subset_optimizer_communicates_only_its_parameters():
     def plain(t):  # the explicit sequence over the body only; the head steps on its own
         net = Net()
         flat = FlatParams(net, list(net.body.parameters()))
-        algo = ALGORITHMS["dpsgd"](t, make_topology("ring", N))
+        algo = ALGORITHMS["dpsgd"]().worker(t, make_topology("ring", N))
         algo.setup(flat.data)
         shared = torch.optim.SGD(net.body.parameters(), lr=0.1, momentum=0.9)
         own = torch.optim.SGD(net.head.parameters(), lr=0.1)

@@ -54,17 +54,15 @@ def run(call: str, algorithm: str):
 
 def run_explicit(algorithm: str):
     """The sequence written out, without the wrapper: set_step, before_update, opt.step(), after_update."""
-    from lowbit.algorithms import ALGORITHMS
+    from lowbit.algorithms import build_worker
     from lowbit.comm import init_from_env
     from lowbit.integrations import FlatParams
-    from lowbit.topology import make_topology
 
     net = model()
     flat = FlatParams(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     t = init_from_env()
-    cls = ALGORITHMS[algorithm]
-    algo = cls(t, make_topology("ring", t.world_size)) if cls.family == "decentralized" else cls(t)
+    algo = build_worker(algorithm, t)
     algo.setup(flat.data)
     for k in range(STEPS):
         x, y = batch(t.rank, k)

@@ -6,7 +6,7 @@ from .allreduce import AllReduceSGD
 from .compressed import QSGD, OneBitEF, PowerSGD, TernGrad
 from .dqsg import DQSG, NDQSG
 from .maxnorm import GlobalRandKMaxNormMultiScaleSGD, GlobalRandKMaxNormSGD, MaxNormMultiScaleSGD, MaxNormSGD
-from .base import Algorithm, CentralizedAlgorithm, GossipAlgorithm
+from .base import Algorithm, CentralizedAlgorithm, Context, GossipAlgorithm, State, Worker, make_worker
 from .dpsgd import DPSGD, NaiveQuantizedDPSGD, QuantizedGossip
 from .moniqua import Moniqua
 from .d2 import D2, MoniquaD2
@@ -42,15 +42,63 @@ ALGORITHMS = {
     "moniqua-async": MoniquaAsync,
 }
 
-__all__ = ["ALGORITHMS", "Algorithm", "AllReduceSGD", "CentralizedAlgorithm", "DPSGD", "GossipAlgorithm",
+__all__ = ["ALGORITHMS", "Algorithm", "Context", "State", "Worker", "build_worker", "make_worker", "AllReduceSGD", "CentralizedAlgorithm", "DPSGD", "GossipAlgorithm",
            "Moniqua", "D2", "MoniquaD2", "NaiveQuantizedDPSGD", "QuantizedGossip", "check_algorithm",
            "DQSG", "NDQSG", "QSGD", "TernGrad", "OneBitEF", "PowerSGD", "MaxNormSGD", "MaxNormMultiScaleSGD",
            "GlobalRandKMaxNormSGD", "GlobalRandKMaxNormMultiScaleSGD",
            "ChocoSGD", "DCDPSGD", "ECDPSGD", "DeepSqueeze", "LowPrecisionDecentralized", "ADPSGD", "MoniquaAsync"]
 
 
-def check_algorithm(name: str) -> type[Algorithm]:
+def check_algorithm(name: str) -> type:
     try:
         return ALGORITHMS[name]
     except KeyError:
         raise ValueError(f"algorithm={name!r} is unknown; choose one of: {', '.join(ALGORITHMS)}") from None
+
+
+def build_worker(algorithm, transport, topology=None, **options):
+    """One worker of ``algorithm`` on ``transport``: the entry point of the wrapper and of
+    tests. ``algorithm`` is a registry name, an Algorithm subclass (built with
+    ``options``) or an instance (its options; then no ``options`` may be given);
+    ``topology`` (a :class:`~lowbit.topology.Topology` or a name, default ring) is for
+    decentralized algorithms only; ``seed``, ``weights`` and ``W`` go to the worker's
+    :class:`Context`."""
+    from ..topology import Topology, make_topology
+    from .legacy import Algorithm as LegacyAlgorithm
+
+    if isinstance(algorithm, str):
+        cls = check_algorithm(algorithm)
+    elif isinstance(algorithm, type) and issubclass(algorithm, (Algorithm, LegacyAlgorithm)):
+        cls = algorithm
+    elif isinstance(algorithm, Algorithm):
+        cls = type(algorithm)
+    else:
+        raise ValueError(f"algorithm must be a registry name ({', '.join(ALGORITHMS)}), an Algorithm subclass "
+                         f"or instance, or a bound Worker, got {algorithm!r}")
+    if cls.family == "decentralized":
+        topo = topology if topology is not None else "ring"
+        if isinstance(topo, str):
+            topo = make_topology(topo, transport.world_size)
+        elif not isinstance(topo, Topology):
+            raise ValueError(f"topology must be a topology name or a lowbit.topology.Topology, got {topo!r}")
+    else:
+        if topology is not None:
+            raise ValueError(f"topology is for decentralized algorithms; {cls.name} is {cls.family or 'not'}")
+        topo = None
+    if issubclass(cls, LegacyAlgorithm):
+        try:
+            return cls(*((transport, topo) if topo is not None else (transport,)), **options)
+        except TypeError as e:
+            raise ValueError(f"algorithm {cls.name!r} does not take options {sorted(options)}: {e}") from e
+    run = {k: options.pop(k) for k in ("seed", "weights", "W") if k in options}
+    if isinstance(algorithm, Algorithm):
+        if options:
+            raise ValueError(f"algorithm is an instance; options {sorted(options)} cannot be applied to it")
+    else:
+        try:
+            algorithm = cls(**options)
+        except TypeError as e:
+            raise ValueError(f"algorithm {cls.name!r} does not take options {sorted(options)}: {e}") from e
+    if topo is None and ("weights" in run or "W" in run):
+        raise ValueError(f"weights and W are for decentralized algorithms; {cls.name} is {cls.family or 'not'}")
+    return make_worker(algorithm, transport, topo, **run)

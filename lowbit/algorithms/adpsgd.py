@@ -62,7 +62,7 @@ import torch
 
 from ..codecs import Codec, IdentityCodec, ModuloCodec
 from ..codecs.rng import derive_seed, shared_generator
-from .base import GossipAlgorithm
+from .legacy import GossipAlgorithm
 
 # Random streams of the asynchronous family (derive_seed's ``stream``).
 STREAM_TIME, STREAM_PARTNER, STREAM_ROUNDING = 21, 22, 23

@@ -3,7 +3,7 @@ gradients (the centralized baseline of every source document)."""
 
 from __future__ import annotations
 
-from .base import CentralizedAlgorithm
+from .legacy import CentralizedAlgorithm
 
 
 class AllReduceSGD(CentralizedAlgorithm):

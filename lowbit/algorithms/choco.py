@@ -40,7 +40,7 @@ import math
 import torch
 
 from ..codecs import Codec, IdentityCodec, MinMaxCodec
-from .base import GossipAlgorithm
+from .legacy import GossipAlgorithm
 from .gossip import REPLICA_CODECS, exchange_compressed
 
 DEFAULT_GAMMA = 0.5

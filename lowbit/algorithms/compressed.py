@@ -40,7 +40,7 @@ import torch
 from ..codecs import PowerSGDCodec, QSGDCodec, SignCodec, TernGradCodec
 from ..codecs.base import Codec, Payload
 from ..codecs.rng import shared_generator
-from .base import CentralizedAlgorithm
+from .legacy import CentralizedAlgorithm
 
 SERVERS = ("ps", "allgather")
 

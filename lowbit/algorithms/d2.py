@@ -39,24 +39,89 @@ D2 does while bits=2 with theta 0.5-4 diverges.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from .base import GossipAlgorithm, State
 from .dpsgd import DPSGD
 from .moniqua import Moniqua
 
 
+def check_d2_config(cfg) -> None:
+    if cfg.momentum != 0:
+        raise ValueError(f"momentum must be 0 for algorithm={cfg.algorithm!r} (got {cfg.momentum}): D2's "
+                         f"correction -a_k g_k + a_(k-1) g_(k-1) cancels the outer variance only for plain "
+                         f"gradient steps; pass --momentum 0")
+
+
+def extrapolate(prev_x: torch.Tensor, prev_step: torch.Tensor, x: torch.Tensor) -> None:
+    """Before the optimizer step: x <- 2 x_k - x_{k-1} + u_{k-1}; prev_x <- x_k; prev_step
+    holds x_pre until :func:`step_taken` (the optimizer then subtracts a_k g_k)."""
+    pre = x * 2 - prev_x + prev_step
+    prev_x.copy_(x)
+    x.copy_(pre)
+    prev_step.copy_(x)
+
+
+def step_taken(prev_step: torch.Tensor, x: torch.Tensor) -> None:
+    """After the optimizer step: u_k = x_pre - x_{k+1/2}, the step it actually took."""
+    prev_step.sub_(x)
+
+
+@dataclass
+class D2State(State):
+    prev_x: torch.Tensor     # X_{k-1}
+    prev_step: torch.Tensor  # u_{k-1} = a_{k-1} G_{k-1} (x_pre between the two phases)
+    gossip: State            # the mixing rule's own state
+
+
+@dataclass(frozen=True)
+class D2(GossipAlgorithm):
+    """D2's recursion around a mixing rule ``gossip`` (a decentralized algorithm whose
+    ``before_update`` applies X W): fp32 D-PSGD gossip by default."""
+
+    gossip: GossipAlgorithm = field(default_factory=DPSGD)
+    name = "d2"
+
+    def __post_init__(self):
+        if not isinstance(self.gossip, GossipAlgorithm):
+            raise TypeError(f"gossip must be a decentralized lowbit algorithm, got {type(self.gossip).__name__}")
+
+    @classmethod
+    def check_config(cls, cfg):
+        check_d2_config(cfg)
+
+    def nominal_bits_per_element(self):
+        return self.gossip.nominal_bits_per_element()
+
+    def init(self, x, ctx):
+        # X_{-1} = X_0, a_{-1} G_{-1} = 0
+        return D2State(x.detach().clone(), torch.zeros_like(x), self.gossip.init(x, ctx))
+
+    def before_update(self, state, ctx, k, x, g, lr):
+        extrapolate(state.prev_x, state.prev_step, x)
+        return state
+
+    def after_update(self, state, ctx, k, x, g, lr):
+        step_taken(state.prev_step, x)
+        state.gossip = self.gossip.before_update(state.gossip, ctx, k, x, None, lr)
+        return state
+
+    def report(self, state):
+        return self.gossip.report(state.gossip)
+
+
 class _D2Extrapolation:
-    """The D2 recursion around a ``gossip(k, x, lr)`` that applies X W (or its quantized form)."""
+    """The D2 recursion around a ``gossip(k, x, lr)`` that applies X W (or its quantized
+    form), for the algorithms still on the old contract (``legacy.py``)."""
 
     _prev_x: torch.Tensor | None = None
     _prev_step: torch.Tensor | None = None
 
     @classmethod
     def check_config(cls, cfg):
-        if cfg.momentum != 0:
-            raise ValueError(f"momentum must be 0 for algorithm={cfg.algorithm!r} (got {cfg.momentum}): D2's "
-                             f"correction -a_k g_k + a_(k-1) g_(k-1) cancels the outer variance only for plain "
-                             f"gradient steps; pass --momentum 0")
+        check_d2_config(cfg)
         super().check_config(cfg)
 
     def setup(self, x):
@@ -71,23 +136,11 @@ class _D2Extrapolation:
     def before_update(self, k, x, g, lr):
         if self._prev_x is None:
             raise RuntimeError(f"{self.name}: setup(x) must be called before the first step")
-        pre = x * 2 - self._prev_x + self._prev_step  # the optimizer then subtracts a_k g_k
-        self._prev_x.copy_(x)
-        x.copy_(pre)
-        self._prev_step.copy_(x)  # holds x_pre until after_update
+        extrapolate(self._prev_x, self._prev_step, x)
 
     def after_update(self, k, x, g, lr):
-        self._prev_step.sub_(x)  # u_k = x_pre - x_{k+1/2}: the step the optimizer took
+        step_taken(self._prev_step, x)
         self.gossip(k, x, lr, self._prev_step)
-
-
-class D2(_D2Extrapolation, DPSGD):
-    """D2 with fp32 gossip: X_{k+1} = X_{k+1/2} W."""
-
-    name = "d2"
-
-    def gossip(self, k, x, lr, u=None):
-        DPSGD.before_update(self, k, x, None, lr)
 
 
 class MoniquaD2(_D2Extrapolation, Moniqua):

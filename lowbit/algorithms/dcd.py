@@ -46,7 +46,7 @@ import dataclasses
 import torch
 
 from ..codecs import Codec, MinMaxCodec
-from .base import GossipAlgorithm
+from .legacy import GossipAlgorithm
 from .gossip import REPLICA_CODECS, exchange_compressed, exchange_initial_models
 
 def check_unbiased(codec: Codec) -> None:

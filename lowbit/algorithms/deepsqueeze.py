@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import Codec, MinMaxCodec
-from .base import GossipAlgorithm
+from .legacy import GossipAlgorithm
 from .choco import check_gamma, default_gamma
 from .gossip import REPLICA_CODECS, exchange_compressed
 

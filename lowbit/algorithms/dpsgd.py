@@ -10,53 +10,61 @@ Theorem 1 shows it stalls at E||grad f||^2 >= phi^2 delta^2 / (8 (1 + phi^2)).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from ..codecs import Codec, IdentityCodec, UniformCodec
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm
 
 
+@dataclass(frozen=True)
 class QuantizedGossip(GossipAlgorithm):
     """x_{k+1/2,i} = W_ii x_i + sum_j W_ji decode(encode(x_j)): D-PSGD when the
-    codec is lossless (fp32), naive quantized gossip otherwise."""
+    codec is lossless (fp32), naive quantized gossip otherwise. No state."""
 
+    codec: Codec = field(default_factory=IdentityCodec)
     name = "naive"
 
-    def __init__(self, transport, topology, codec: Codec, **kw):
-        super().__init__(transport, topology, **kw)
-        self.codec = codec
+    def __post_init__(self):
+        if not isinstance(self.codec, Codec):
+            raise TypeError(f"codec must be a lowbit.codecs.Codec, got {type(self.codec).__name__}")
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def before_update(self, k, x, g, lr):
-        gen = shared_generator(self.seed, k, self.rank)
+    def before_update(self, state, ctx, k, x, g, lr):
+        gen = shared_generator(ctx.seed, k, ctx.rank)
         wire = self.codec.encode(x, generator=gen).to_wire()
-        received = self.transport.neighbor_exchange(wire, self.neighbors)
-        mixed = x * self.w_self
-        for j in self.neighbors:
+        received = ctx.transport.neighbor_exchange(wire, ctx.neighbors)
+        mixed = x * ctx.w_self
+        for j in ctx.neighbors:
             # a dithered codec's receiver regenerates sender j's dither from the shared seed
-            gen_j = shared_generator(self.seed, k, j) if self.codec.dither_on_decode else None
+            gen_j = shared_generator(ctx.seed, k, j) if self.codec.dither_on_decode else None
             xj = self.codec.decode(self.codec.payload_from_wire(received[j]), generator=gen_j)
-            mixed.add_(xj.to(x.dtype), alpha=self.w[j])
+            mixed.add_(xj.to(x.dtype), alpha=ctx.w[j])
         x.copy_(mixed)
+        return state
 
 
+@dataclass(frozen=True)
 class DPSGD(QuantizedGossip):
+    """D-PSGD: the models travel in fp32 (the codec is fixed)."""
+
     name = "dpsgd"
 
-    def __init__(self, transport, topology, **kw):
-        super().__init__(transport, topology, IdentityCodec(), **kw)
+    def __post_init__(self):
+        if not isinstance(self.codec, IdentityCodec):
+            raise ValueError(f"dpsgd sends fp32 models; use naive for another codec, got {self.codec!r}")
 
 
+@dataclass(frozen=True)
 class NaiveQuantizedDPSGD(QuantizedGossip):
-    """Eq. (4) with Theorem 1's quantizer by default: unbiased, points {delta n}."""
+    """Eq. (4) with Theorem 1's quantizer by default: unbiased, points {delta n}, delta 0.1."""
 
+    codec: Codec = field(default_factory=lambda: UniformCodec(step=0.1))
     name = "naive"
     codecs = ("uniform", "minmax", "fp32")
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, codec=cfg.make_codec(cls.codecs), weights=cfg.weights, seed=cfg.seed)
-
-    def __init__(self, transport, topology, codec: Codec | None = None, delta: float = 0.1, **kw):
-        super().__init__(transport, topology, codec if codec is not None else UniformCodec(step=delta), **kw)
+    def from_config(cls, cfg):
+        return cls(codec=cfg.make_codec(cls.codecs))

@@ -72,7 +72,7 @@ from ..codecs import Codec, IdentityCodec, MinMaxCodec
 from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..codecs.quantize import check_rounding
 from ..codecs.rng import shared_generator
-from .base import Algorithm
+from .legacy import Algorithm
 from .dcd import DCDPSGD
 from .gossip import exchange_compressed, exchange_initial_models
 

@@ -47,7 +47,7 @@ import torch
 from ..codecs import MultiScaleMaxNormCodec, QSGDMaxNormCodec, RandKCodec, global_index_seed
 from ..codecs.base import SUM_DTYPES, SummableCodec
 from ..codecs.rng import shared_generator
-from .base import CentralizedAlgorithm
+from .legacy import CentralizedAlgorithm
 
 SUM_DTYPE_NAMES = {str(d).replace("torch.", ""): d for d in SUM_DTYPES}
 

@@ -218,7 +218,7 @@ from ..codecs.entropy import ENTROPY_METHODS
 from ..codecs.modulo_frame import ModuloFrame
 from ..codecs.rng import shared_generator
 from ..topology import Topology
-from .base import GossipAlgorithm
+from .legacy import GossipAlgorithm
 
 THETA_SCHEDULES = ("constant", "lr")
 # theta="auto" (module docstring): every THETA_EVERY steps all workers agree on the fraction of blocks

@@ -77,10 +77,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..algorithms import ALGORITHMS, Algorithm, check_algorithm
+from ..algorithms import Algorithm, Worker, build_worker
+from ..algorithms.legacy import Algorithm as LegacyAlgorithm
 from ..comm.base import Transport
 from ..comm.ledger import Ledger
-from ..topology import Topology, make_topology
+from ..topology import Topology
 from .checkpoint import (CheckpointError, candidates, ledger_state, load_checkpoint, newest_common_step, restore_ledger, rng_state,
                          save_checkpoint, set_rng_state)
 from .flat import FlatParams
@@ -98,10 +99,12 @@ class DecentralizedDataParallel(nn.Module):
     parameters stay local to each rank (never sent, not averaged).
 
     ``algorithm``: a registry name (``lowbit.algorithms.ALGORITHMS``), an
-    :class:`~lowbit.algorithms.Algorithm` subclass, or a built instance (then
-    its transport is used and no ``algorithm_options`` may be given).
-    ``algorithm_options`` go to the algorithm's constructor (``bits=2``,
-    ``theta=0.05``, ``seed=...``).
+    :class:`~lowbit.algorithms.Algorithm` subclass, an instance of one (its
+    options), or a :class:`~lowbit.algorithms.Worker` already bound to a
+    transport (then that transport is used and no ``algorithm_options`` may be
+    given). ``algorithm_options`` are the algorithm's options (``bits=2``,
+    ``theta=0.05``) and the run's ``seed=`` and ``weights=`` (the mixing matrix
+    of a decentralized algorithm: ``uniform`` or ``metropolis``).
     ``topology``: a name (``ring``, ``torus``, ``complete``, ``star``,
     ``exponential``) or a :class:`~lowbit.topology.Topology`, for decentralized
     algorithms only (default ring).
@@ -115,7 +118,7 @@ class DecentralizedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
-                 algorithm: str | type[Algorithm] | Algorithm = "moniqua", topology: str | Topology | None = None,
+                 algorithm: str | type[Algorithm] | Algorithm | Worker = "moniqua", topology: str | Topology | None = None,
                  transport: Transport | None = None, *, buffers: str = "local", sync_initial: bool = True,
                  on_step: StepCallback | None = None, **algorithm_options: Any):
         super().__init__()
@@ -130,13 +133,14 @@ class DecentralizedDataParallel(nn.Module):
         _check_not_hooked(optimizer)
         params = _optimizer_params(module, optimizer)
 
-        if isinstance(algorithm, Algorithm):
+        if isinstance(algorithm, (Worker, LegacyAlgorithm)):
             if algorithm_options:
-                raise ValueError(f"algorithm is an instance; options {sorted(algorithm_options)} cannot be applied to it")
+                raise ValueError(f"algorithm is bound to a worker; options {sorted(algorithm_options)} cannot be "
+                                 "applied to it")
             if topology is not None:
-                raise ValueError("algorithm is an instance (it has its topology); do not pass topology")
+                raise ValueError("algorithm is bound to a worker (it has its topology); do not pass topology")
             if transport is not None and transport is not algorithm.transport:
-                raise ValueError("transport differs from the algorithm instance's transport")
+                raise ValueError("transport differs from the bound algorithm's transport")
             transport = algorithm.transport
         self._owns_transport = False
         if transport is None:
@@ -150,8 +154,8 @@ class DecentralizedDataParallel(nn.Module):
         self.buffers_policy = buffers
         self.optimizer = optimizer
         self.module = module
-        self.algorithm = algorithm if isinstance(algorithm, Algorithm) else \
-            _build_algorithm(algorithm, transport, topology, algorithm_options)
+        self.algorithm = algorithm if isinstance(algorithm, (Worker, LegacyAlgorithm)) else \
+            build_worker(algorithm, transport, topology, **algorithm_options)
         self.flat = FlatParams(module, params)
         flat_ids = {id(p) for p in self.flat.params}
         # trainable parameters the optimizer does not hold: never communicated, this rank's own
@@ -579,28 +583,3 @@ class _LedgerTotals:
         step_bytes, step_messages = open_steps[-1]
         return (step_bytes, step_messages, self.bytes + sum(b for b, _ in open_steps),
                 self.messages + sum(m for _, m in open_steps))
-
-
-def _build_algorithm(algorithm, transport: Transport, topology, options: dict) -> Algorithm:
-    if isinstance(algorithm, str):
-        cls = check_algorithm(algorithm)
-    elif isinstance(algorithm, type) and issubclass(algorithm, Algorithm):
-        cls = algorithm
-    else:
-        raise ValueError(f"algorithm must be a registry name ({', '.join(ALGORITHMS)}), an Algorithm subclass "
-                         f"or instance, got {algorithm!r}")
-    if cls.family == "decentralized":
-        topo = topology if topology is not None else "ring"
-        if isinstance(topo, str):
-            topo = make_topology(topo, transport.world_size)
-        elif not isinstance(topo, Topology):
-            raise ValueError(f"topology must be a topology name or a lowbit.topology.Topology, got {topo!r}")
-        args = (transport, topo)
-    else:
-        if topology is not None:
-            raise ValueError(f"topology is for decentralized algorithms; {cls.name} is {cls.family or 'not'}")
-        args = (transport,)
-    try:
-        return cls(*args, **options)
-    except TypeError as e:
-        raise ValueError(f"algorithm {cls.name!r} does not take options {sorted(options)}: {e}") from e

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..algorithms import ALGORITHMS, Algorithm
+from ..algorithms import ALGORITHMS
+from ..algorithms.base import Worker, make_worker
+from ..algorithms.legacy import Algorithm as LegacyAlgorithm
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..comm.inprocess import blocking
@@ -32,10 +34,13 @@ RESUME_MAY_DIFFER = ("steps", "timeout", "stall_timeout", "tensorboard", "checkp
 _INIT_LOCK = threading.Lock()
 
 
-def build_algorithm(cfg: TrainConfig, transport: Transport) -> Algorithm:
+def build_algorithm(cfg: TrainConfig, transport: Transport) -> Worker | LegacyAlgorithm:
+    """This worker's algorithm for the run config ``cfg``, bound to ``transport``."""
     cls = ALGORITHMS[cfg.algorithm]
     topo = make_topology(cfg.topology, cfg.workers) if cls.family == "decentralized" else None
-    return cls.from_config(cfg, transport, topo)
+    if issubclass(cls, LegacyAlgorithm):
+        return cls.from_config(cfg, transport, topo)
+    return make_worker(cls.from_config(cfg), transport, topo, weights=cfg.weights, seed=cfg.seed)
 
 
 @dataclass
@@ -154,7 +159,7 @@ class _MetricsStream:
 
 
 def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *, evaluate: bool = True,
-               instrument: Callable[[Algorithm], None] | None = None, stream: str | None = None) -> WorkerResult:
+               instrument: Callable[[Worker], None] | None = None, stream: str | None = None) -> WorkerResult:
     """One worker's training run. ``evaluate=False`` skips every evaluation (its
     collectives too: ``evals`` stays empty), for runs that only measure what is
     sent; ``instrument`` is called with the algorithm once it is set up (e.g. to

@@ -1,0 +1,29 @@
+"""Error feedback, written once: the memory ``e`` of what compression left out.
+
+Every algorithm and hook that compensates its compression error (1-bit SGD with error
+feedback, PowerSGD, DeepSqueeze, the DDP hooks) does, per message::
+
+    p = v + e          # compensate: the vector to send plus what was not sent before
+    send C(p)
+    e = p - C(p)       # remember what C dropped
+
+``e`` is a tensor of the caller's state (zeros at the start); these functions only say
+how it is used, so that the arithmetic, and hence the iterates, are the same everywhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["compensate", "remember"]
+
+
+def compensate(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """``p = v + e``: the vector to compress (a new tensor)."""
+    return v + e
+
+
+def remember(e: torch.Tensor, p: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
+    """``e <- p - sent`` in place (``sent`` = C(p) as every receiver decodes it, in
+    ``p``'s dtype); returns ``e``."""
+    return e.copy_(p - sent)
