@@ -186,6 +186,7 @@ def _train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``lowbit`` command: parse ``argv`` (default ``sys.argv[1:]``), run, return the exit status."""
     parser = argparse.ArgumentParser(prog="lowbit", description="Distributed training with few bits on the wire.")
     sub = parser.add_subparsers(dest="command")
     _add_train(sub)

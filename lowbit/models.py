@@ -25,10 +25,14 @@ from torch import nn
 
 
 def count_parameters(model: nn.Module) -> int:
+    """Number of trainable scalars of ``model`` (the d of a flat parameter vector)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def fc300_100(in_features: int = 784, classes: int = 10) -> nn.Module:
+    """The fully connected 300-100 net (LeCun et al. 1998) used by the max-norm and
+    NDQSG papers: ``in_features`` inputs (784 for a flattened 28x28 image), ReLU
+    hidden layers of 300 and 100 units, ``classes`` outputs."""
     if in_features < 1 or classes < 2:
         raise ValueError(f"in_features must be >= 1 and classes >= 2, got {in_features}, {classes}")
     return nn.Sequential(nn.Flatten(), nn.Linear(in_features, 300), nn.ReLU(), nn.Linear(300, 100), nn.ReLU(),
@@ -36,6 +40,10 @@ def fc300_100(in_features: int = 784, classes: int = 10) -> nn.Module:
 
 
 class LeNet5(nn.Module):
+    """LeNet-5 (LeCun et al. 1998): two 5x5 convolutions (6 and 16 channels) with
+    2x2 max-pools, then fully connected 120, 84 and ``classes``. ``in_channels``:
+    image channels; ``size``: image side (>= 8; 28 is padded to the classic 32)."""
+
     def __init__(self, in_channels: int = 1, classes: int = 10, size: int = 28):
         super().__init__()
         if size < 8:
@@ -72,6 +80,11 @@ class _Block(nn.Module):
 
 
 class ResNetCifar(nn.Module):
+    """The CIFAR ResNet of He et al. 2016 (section 4.2): ``depth`` = 6n + 2 layers in
+    three stages of n basic blocks (16, 32, 64 channels), identity shortcuts padded
+    with zero channels (option A), global average pooling and a ``classes``-way
+    linear layer. ``in_channels``: image channels."""
+
     def __init__(self, depth: int = 20, classes: int = 10, in_channels: int = 3):
         super().__init__()
         if depth < 8 or (depth - 2) % 6:
@@ -96,6 +109,7 @@ class ResNetCifar(nn.Module):
 
 
 def resnet(depth: int = 20, classes: int = 10) -> ResNetCifar:
+    """:class:`ResNetCifar` of ``depth`` layers (20, 32, 44, 56, 110, ...) for 3-channel images."""
     return ResNetCifar(depth, classes)
 
 
@@ -145,6 +159,7 @@ class LeNetTF(nn.Module):
 
 
 def lenet_tf(in_channels: int = 1, classes: int = 10, size: int = 28) -> LeNetTF:
+    """:class:`LeNetTF` (1,663,370 parameters on 28x28 grey images, 10 classes)."""
     return LeNetTF(in_channels, classes, size)
 
 
@@ -194,4 +209,5 @@ class CifarNet(nn.Module):
 
 
 def cifarnet(in_channels: int = 3, classes: int = 10, crop: int = 24) -> CifarNet:
+    """:class:`CifarNet` (1,068,298 parameters on 24x24 crops of CIFAR-10)."""
     return CifarNet(in_channels, classes, crop)

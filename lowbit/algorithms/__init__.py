@@ -50,6 +50,7 @@ __all__ = ["ALGORITHMS", "Algorithm", "Context", "State", "Worker", "build_worke
 
 
 def check_algorithm(name: str) -> type:
+    """The algorithm class registered as ``name``; a ValueError listing the names otherwise."""
     try:
         return ALGORITHMS[name]
     except KeyError:

@@ -49,6 +49,7 @@ from .moniqua import Moniqua
 
 
 def check_d2_config(cfg) -> None:
+    """Reject run options D2's recursion cannot take (momentum)."""
     if cfg.momentum != 0:
         raise ValueError(f"momentum must be 0 for algorithm={cfg.algorithm!r} (got {cfg.momentum}): D2's "
                          f"correction -a_k g_k + a_(k-1) g_(k-1) cancels the outer variance only for plain "

@@ -41,6 +41,7 @@ class StepCase:
 
 
 def default_step_cases() -> list[StepCase]:
+    """The algorithms ``lowbit bench step`` times by default (``--algorithms`` picks among them)."""
     return [StepCase("dpsgd", dict(algorithm="dpsgd")), StepCase("allreduce", dict(algorithm="allreduce")),
             StepCase("moniqua 2-bit", dict(algorithm="moniqua", bits=2)),
             StepCase("moniqua 1-bit", dict(algorithm="moniqua", bits=1)),
@@ -169,6 +170,7 @@ def bench_step(task: str = "digits-mlp", workers: int = 8, steps: int = 40, warm
 
 
 def format_step_report(report: dict) -> str:
+    """The report of :func:`bench_step` as the text ``lowbit bench step`` prints."""
     lines = [f"per-step wall time, {report['task']}, {report['workers']} thread workers on {report['device']}, "
              f"{report['threads']} torch thread, steps {report['warmup']}..{report['steps'] - 1} of each run "
              f"(first {report['warmup']} left out), {report['rounds']} interleaved rounds, "

@@ -74,6 +74,7 @@ def unpack_header(fmt: str, header: torch.Tensor) -> tuple:
 
 
 def header_size(fmt: str) -> int:
+    """Bytes of a little-endian struct header of format ``fmt``."""
     return struct.calcsize("<" + fmt)
 
 
@@ -132,6 +133,7 @@ def check_ref(ref: torch.Tensor | None, n: int, needs: str) -> None:
 
 
 def check_flat(x: torch.Tensor, arg: str = "x") -> None:
+    """Raise a TypeError or ValueError naming ``arg`` unless ``x`` is a 1-D floating-point tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 1:

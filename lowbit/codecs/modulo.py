@@ -72,6 +72,7 @@ def grid_hashes(m: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def grid_overflow_message(reach: float, B: float, levels: int) -> str:
+    """The OverflowError text when the grid integers of a decode reach ``reach`` (beyond 2^53)."""
     return (f"the grid integers reach {reach:.3g}, beyond 2^53 = {GRID_LIMIT:.3g}: the grid step "
             f"B_theta / 2^bits = {B / levels:.3g} is too fine for models this far from the origin, and "
             f"their hashes could not detect a wrong recovery. Raise theta at least {reach / GRID_LIMIT:.3g}-fold "

@@ -50,6 +50,7 @@ def pack_mask(blocks, nb: int) -> bytes:
 
 
 def unpack_mask(raw: bytes, nb: int) -> set[int]:
+    """The set of block indices whose bit is set in ``raw``, a bitmap of ``nb`` blocks (bit b of byte b // 8)."""
     return {b for b in range(nb) if raw[b >> 3] >> (b & 7) & 1}
 
 

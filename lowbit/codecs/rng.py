@@ -19,6 +19,7 @@ def derive_seed(run_seed: int, step: int, sender: int, stream: int = 0) -> int:
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A torch generator on ``device`` seeded with ``seed``."""
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
@@ -82,6 +83,8 @@ def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def mix32(h: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 finaliser: an invertible mix of 32-bit integers (held in int64)
+    whose every output bit depends on every input bit."""
     h = h ^ (h >> 16)
     h = _mul32(h, MIX_C1)
     h = h ^ (h >> 15)

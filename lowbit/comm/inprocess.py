@@ -211,6 +211,9 @@ class GossipBoard:
 
 
 class ThreadTransport(Transport):
+    """The transport of one thread worker of a :class:`ThreadWorld` (rank ``rank``): its
+    collectives and neighbour exchanges meet the other threads' in shared memory."""
+
     def __init__(self, world: ThreadWorld, rank: int):
         super().__init__(rank, world.world_size)
         self.world = world

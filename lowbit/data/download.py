@@ -54,6 +54,7 @@ def _check_name(name: str) -> dict:
 
 
 def file_digest(path: str, algorithm: str) -> str:
+    """The hex digest of the file at ``path`` under ``algorithm`` (a hashlib name, e.g. ``sha256``)."""
     h = hashlib.new(algorithm)
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

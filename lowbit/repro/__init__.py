@@ -30,6 +30,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
 
 
 def names() -> list[str]:
+    """The experiment names ``lowbit repro`` takes."""
     return list(EXPERIMENTS)
 
 

@@ -39,6 +39,7 @@ def run_row(label: str, opts: dict, run, *summary_keys: str) -> dict:
 
 
 def markdown_table(headers: list[str], rows: list[list]) -> str:
+    """A markdown table of ``rows`` under ``headers`` (cells by :func:`fmt`)."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"

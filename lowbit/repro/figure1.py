@@ -46,6 +46,7 @@ ALGORITHMS = [
 
 
 def settings(quick: bool) -> dict:
+    """The experiment's configurations: the paper's scale, or the small ``quick`` one."""
     if quick:
         return {"task": "digits-mlp", "workers": 4, "topology": "ring", "steps": 30, "eval_every": 5, "seed": 0}
     return {"task": "digits-mlp", "workers": 8, "topology": "ring", "steps": 300, "eval_every": 25, "seed": 0}
@@ -67,6 +68,8 @@ def _slug(label: str) -> str:
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Run this experiment (``quick``: the small digits version CI runs), write
+    ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
     base = settings(quick)
     algos = []
     for label, opts in ALGORITHMS:

@@ -82,6 +82,7 @@ ASYNC_ALGORITHMS = [
 
 
 def settings(quick: bool) -> dict:
+    """The experiment's configurations: the paper's scale, or the small ``quick`` one."""
     if quick:
         d2 = {"steps": 40, "eval_every": 10}
         asyn = {"steps": 30, "eval_every": 10}
@@ -172,6 +173,8 @@ def _run_async(base: dict) -> list[dict]:
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Run this experiment (``quick``: the small digits version CI runs), write
+    ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
     base = settings(quick)
     d2 = _run_d2(base["d2"])
     asyn = _run_async(base["async"])

@@ -25,6 +25,8 @@ ROWS += [(f"PowerSGD rank {r}", {"algorithm": "powersgd", "powersgd_rank": r}) f
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Run this experiment (``quick``: the small digits version CI runs), write
+    ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
     workers, steps, eval_every = (4, 30, 10) if quick else (8, 300, 25)
     base = {"task": "digits-mlp", "workers": workers, "steps": steps, "eval_every": eval_every,
             "lr_schedule": "cosine", "seed": 0}

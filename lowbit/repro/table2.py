@@ -117,6 +117,7 @@ def _cifar_on_gpu() -> bool:
 
 
 def settings(quick: bool) -> dict:
+    """The experiment's configurations: the paper's scale, or the small ``quick`` one."""
     if quick:
         return {"task": "digits-mlp", "workers": 4, "topology": "ring", "steps": 30, "eval_every": 10,
                 "seeds": [0, 1]}
@@ -235,6 +236,8 @@ def check_data(task: str) -> None:
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Run this experiment (``quick``: the small digits version CI runs), write
+    ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
     base = settings(quick)
     check_data(base["task"])
     common = {k: v for k, v in base.items() if k != "seeds"}

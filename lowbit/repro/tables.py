@@ -206,6 +206,8 @@ def train_config(options: str, **override) -> TrainConfig:
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Run this experiment (``quick``: the small digits version CI runs), write
+    ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
     override = {"steps": 2, "eval_every": 2, "task": "digits-mlp"} if quick else {}
     keys = ("final_test_accuracy", "final_local_test_accuracy", "final_train_loss", "final_consensus_distance",
             "bytes_sent_per_step", "nominal_bits_per_element", "wire_bits_per_element", "extra_memory_bytes",

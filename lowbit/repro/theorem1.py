@@ -36,6 +36,8 @@ def floor(workers: int, topology: str, weights: str, delta: float) -> tuple[floa
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Run this experiment (``quick``: the small digits version CI runs), write
+    ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
 
     steps, eval_every = (80, 20) if quick else (400, 25)
     phi, bound = floor(BASE["workers"], BASE["topology"], BASE["weights"], BASE["delta"])

@@ -81,6 +81,8 @@ def iteration(model: Model, bits: int | None, ethernet_gbps: float, nodes: int =
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Run this experiment (``quick``: the small digits version CI runs), write
+    ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
     # Analytic: --quick computes the same (it is instant either way).
     rows = []
     for model in MODELS:

@@ -106,6 +106,7 @@ def worker_device(cfg: TrainConfig, transport: Transport) -> torch.device:
 
 
 def checkpoint_path(folder: str, rank: int) -> str:
+    """Where rank ``rank`` writes its checkpoint in ``folder``."""
     return os.path.join(folder, f"rank{rank}.pt")
 
 

@@ -78,6 +78,11 @@ class Task(ABC):
 
 
 class Quadratic(Task):
+    """Worker i minimises f_i(x) = ||x - b_i||^2 / 2 over ``dim`` coordinates, the b_i
+    spread by ``delta`` around a common point; ``noise``: the standard deviation of the
+    Gaussian noise added to each stochastic gradient. A problem whose optimum and
+    consensus distance are known in closed form (for tests and theory checks)."""
+
     name = "quadratic"
 
     def __init__(self, dim: int = 16, delta: float = 0.1, noise: float = 0.0):
@@ -192,6 +197,10 @@ class Classification(Task):
 
 
 class DigitsMLP(Classification):
+    """scikit-learn's 8x8 digits (1,797 images, offline), an MLP with one hidden layer of
+    ``hidden`` units; ``split``: how the training set is dealt to workers (``iid``, or
+    ``label`` for one group of labels per worker)."""
+
     name = "digits-mlp"
 
     def __init__(self, hidden: int = 128, split: str = "iid"):
@@ -298,6 +307,8 @@ class ImageClassification(Classification):
 
 
 class FashionLeNet(ImageClassification):
+    """LeNet-5 on Fashion-MNIST (28x28 grey images, 10 classes)."""
+
     name, dataset = "fashion-lenet", "fashion-mnist"
 
     def make_model(self):
@@ -305,6 +316,8 @@ class FashionLeNet(ImageClassification):
 
 
 class FashionFC300(ImageClassification):
+    """The FC 300-100 net on Fashion-MNIST."""
+
     name, dataset = "fashion-fc300", "fashion-mnist"
 
     def make_model(self):
@@ -312,22 +325,32 @@ class FashionFC300(ImageClassification):
 
 
 class MnistLeNet(FashionLeNet):
+    """LeNet-5 on MNIST."""
+
     name, dataset = "mnist-lenet", "mnist"
 
 
 class MnistFC300(FashionFC300):
+    """The FC 300-100 net on MNIST."""
+
     name, dataset = "mnist-fc300", "mnist"
 
 
 class KmnistLeNet(FashionLeNet):
+    """LeNet-5 on Kuzushiji-MNIST."""
+
     name, dataset = "kmnist-lenet", "kmnist"
 
 
 class KmnistFC300(FashionFC300):
+    """The FC 300-100 net on Kuzushiji-MNIST."""
+
     name, dataset = "kmnist-fc300", "kmnist"
 
 
 class Cifar10ResNet20(ImageClassification):
+    """ResNet-20 on CIFAR-10 (evaluated on 2,000 training and 2,000 test images)."""
+
     name, dataset = "cifar10-resnet20", "cifar10"
     eval_train = eval_test = 2000
     eval_chunk = 500
@@ -337,6 +360,8 @@ class Cifar10ResNet20(ImageClassification):
 
 
 class Cifar10ResNet110(Cifar10ResNet20):
+    """ResNet-110 on CIFAR-10."""
+
     name = "cifar10-resnet110"
 
     def make_model(self):
@@ -344,6 +369,8 @@ class Cifar10ResNet110(Cifar10ResNet20):
 
 
 class Cifar10VGG(Cifar10ResNet20):
+    """A small VGG (BatchNorm) on CIFAR-10."""
+
     name = "cifar10-vgg"
 
     def make_model(self):
@@ -356,6 +383,7 @@ TASKS = {"quadratic": Quadratic, "digits-mlp": DigitsMLP,
 
 
 def make_task(name: str, **kwargs) -> Task:
+    """The task registered as ``name`` (``lowbit.train.tasks.TASKS``), built with ``kwargs``."""
     try:
         cls = TASKS[name]
     except KeyError:
@@ -368,6 +396,8 @@ from ..models import CifarNet, LeNetTF  # noqa: E402
 
 
 class FashionLeNetTF(ImageClassification):
+    """The NDQSG paper's LeNet (1,663,370 parameters) on Fashion-MNIST."""
+
     name, dataset = "fashion-lenet-tf", "fashion-mnist"
 
     def make_model(self):
@@ -375,14 +405,20 @@ class FashionLeNetTF(ImageClassification):
 
 
 class MnistLeNetTF(FashionLeNetTF):
+    """The NDQSG paper's LeNet on MNIST."""
+
     name, dataset = "mnist-lenet-tf", "mnist"
 
 
 class KmnistLeNetTF(FashionLeNetTF):
+    """The NDQSG paper's LeNet on Kuzushiji-MNIST."""
+
     name, dataset = "kmnist-lenet-tf", "kmnist"
 
 
 class Cifar10CifarNet(Cifar10ResNet20):
+    """The TensorFlow tutorial's CifarNet (1,068,298 parameters) on CIFAR-10."""
+
     name = "cifar10-cifarnet"
 
     def make_model(self):

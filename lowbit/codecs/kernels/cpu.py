@@ -79,6 +79,7 @@ def centered_mod(z, a, inv_a):
 
 
 def keys(key: int) -> tuple[np.uint64, np.uint64]:
+    """The two 64-bit halves of a stream key that the counter hash takes."""
     k0, k1 = split_key(key)
     return np.uint64(k0), np.uint64(k1)
 
@@ -277,6 +278,7 @@ def as_numba(x: torch.Tensor) -> np.ndarray:
 
 
 def nonfinite_error(codec: str) -> ValueError:
+    """The error an encode raises when its input holds a NaN or an inf."""
     return ValueError(f"x must be finite for the {codec} codec")
 
 
@@ -306,6 +308,8 @@ def stats(x: torch.Tensor) -> tuple[float, float, float, float, bool]:
 
 
 def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int) -> torch.Tensor:
+    """Moniqua's codes (uint8) of ``x`` modulo ``B`` on ``levels`` levels: eq. (5), rounding stochastic with the stream
+    ``key`` or to nearest."""
     codes = torch.empty(x.numel(), dtype=torch.uint8)
     k0, k1 = keys(key)
     if _modulo_encode(as_numba(x), 1.0 / B, levels, stochastic, k0, k1, codes.numpy()):
@@ -314,6 +318,8 @@ def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key:
 
 
 def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor) -> torch.Tensor:
+    """The point of the ``codes`` closest to ``ref`` on the grid modulo ``B`` (eq. (5) decoded against the receiver's
+    model)."""
     y = ref.detach()
     out = torch.empty(codes.numel(), dtype=y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
     _modulo_decode(np_view(codes), float(B), levels, as_numba(y), out.numpy())

@@ -193,6 +193,7 @@ def uniform_pack(codes: torch.Tensor, shift: int, b: int) -> torch.Tensor:
 
 
 def uniform_decode(data: torch.Tensor, b: int, n: int, offset: int, step: float, dtype: torch.dtype) -> torch.Tensor:
+    """``(codes + offset) * step`` as ``dtype`` from ``n`` codes of ``b`` bits."""
     codes = unpack(data, b, n, torch.uint8 if b <= 8 else torch.uint32)
     out = torch.empty(n, dtype=_out_dtype(dtype))
     _uniform_decode(codes.numpy(), float(offset), step, out.numpy())
@@ -261,6 +262,7 @@ def sign_encode(x: torch.Tensor, order: int) -> tuple[torch.Tensor, float, bool]
 
 
 def sign_decode(data: torch.Tensor, n: int, c: float, dtype: torch.dtype) -> torch.Tensor:
+    """``+c`` for a bit 1 (x_i >= 0), ``-c`` for a bit 0, as ``dtype``, from ``n`` packed sign bits."""
     out = torch.empty(n, dtype=_out_dtype(dtype))
     if n:
         _sign_decode(np_view(data), c, out.numpy())

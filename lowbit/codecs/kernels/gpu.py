@@ -305,6 +305,7 @@ def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: tor
 
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """A zeroed int32 flag on ``x``'s device that a kernel sets when it meets a NaN or an inf."""
     return torch.zeros(1, dtype=torch.int32, device=x.device)
 
 
@@ -316,6 +317,8 @@ def raise_if_flagged(flag: torch.Tensor, codec: str) -> None:
 
 
 def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu.modulo_encode`: Moniqua's codes (uint8) of ``x`` modulo ``B`` on
+    ``levels`` levels: eq. (5), rounding stochastic with the stream ``key`` or to nearest."""
     x = x.detach().contiguous()
     n = x.numel()
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
@@ -329,6 +332,8 @@ def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key:
 
 
 def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu.modulo_decode`: the point of the ``codes`` closest to ``ref`` on
+    the grid modulo ``B`` (eq. (5) decoded against the receiver's model)."""
     y = ref.detach().contiguous()
     n = codes.numel()
     out = torch.empty(n, dtype=y.dtype, device=y.device)

@@ -162,6 +162,8 @@ def _work(t: torch.Tensor) -> torch.dtype:
 
 
 def as_scale(W: float, x: torch.Tensor) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.as_scale`: the shared-scale tensor ``[W]`` (float32) on
+    x's device."""
     return torch.tensor([W], dtype=torch.float32, device=x.device)
 
 
@@ -178,10 +180,14 @@ def norm_stats(x: torch.Tensor):
 
 
 def code_dtype(bits: int) -> torch.dtype:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.code_dtype`: the narrowest dtype of the offset
+    (non-negative) codes of ``bits`` bits on the wire."""
     return torch.uint8 if bits <= 8 else (torch.int32 if bits <= 31 else torch.int64)
 
 
 def qsgd_encode(x: torch.Tensor, W, levels: int, offset: int, key: int, dtype: torch.dtype):
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.qsgd_encode`: ``(codes, flags)``: ``sign(x) sround(|x| / W
+    * levels) + offset`` as ``dtype``."""
     x = x.detach().contiguous()
     W, Wdiv = _W(W)
     codes = torch.empty(x.numel(), dtype=dtype, device=x.device)
@@ -194,6 +200,8 @@ def qsgd_encode(x: torch.Tensor, W, levels: int, offset: int, key: int, dtype: t
 
 
 def qsgd_decode(codes: torch.Tensor, offset: int, W, levels: int, m: int, dtype: torch.dtype) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.qsgd_decode`: ``(codes - offset) * (W / levels) / m`` in
+    float64 registers, stored as ``dtype``."""
     codes = codes.contiguous()
     direct = dtype in (torch.float32, torch.float64)
     out = torch.empty(codes.numel(), dtype=dtype if direct else torch.float32, device=codes.device)
@@ -209,6 +217,8 @@ def _levels(levels: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def ms_index(x: torch.Tensor, W, levels: torch.Tensor):
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_index`: ``(uint8 index of the admissible scale,
+    flags)``; ``levels`` float64 ascending."""
     x = x.detach().contiguous()
     W, Wdiv = _W(W)
     idx = torch.empty(x.numel(), dtype=torch.uint8, device=x.device)
@@ -231,11 +241,15 @@ def _ms_encode(x, W, levels, idx, key, out, code_bits, own):
 
 
 def ms_encode_int(x: torch.Tensor, W, levels: torch.Tensor, idx: torch.Tensor, key: int):
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_encode_int`: ``(int64 signed codes on the scales
+    levels[idx], flags)``."""
     out = torch.empty(x.numel(), dtype=torch.int64, device=x.device)
     return _ms_encode(x, W, levels, idx.contiguous(), key, out, 0, False)
 
 
 def ms_encode_words(x: torch.Tensor, W, levels: torch.Tensor, code_bits: int, key: int, dtype: torch.dtype):
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_encode_words`: ``(words (j << code_bits) | (code +
+    s_min) with this worker's own indices j, flags)``."""
     out = torch.empty(x.numel(), dtype=dtype, device=x.device)
     return _ms_encode(x, W, levels, out, key, out, code_bits, True)
 
@@ -253,10 +267,14 @@ def _ms_decode(c, idx, W, levels, m, dtype, code_bits, words):
 
 
 def ms_decode_sum(codes: torch.Tensor, idx: torch.Tensor, W, levels: torch.Tensor, m: int, dtype: torch.dtype):
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_decode_sum`: ``(codes * W / levels[idx] / m as dtype,
+    flags)`` (FLAG_INDEX for an index outside 0..N-1)."""
     return _ms_decode(codes, idx.contiguous(), W, levels, m, dtype, 0, False)
 
 
 def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor, dtype: torch.dtype):
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_decode_words`: ``(one message's decode as dtype,
+    flags)``."""
     return _ms_decode(words, words, W, levels, 1, dtype, code_bits, True)
 
 

@@ -70,6 +70,8 @@ def _minmax_decode_kernel(codes_ptr, out_ptr, n, scale_ptr, lo_ptr, BLOCK_: tl.c
 
 
 def minmax_range(x: torch.Tensor) -> tuple[float, float, bool]:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.minmax_range`: ``(min, max, finite)`` of ``x`` in one pass
+    (min/max over the finite elements)."""
     from .gpu import stats
     lo, hi, _, _, finite = stats(x.detach())
     lo, hi, finite = torch.stack([lo.double(), hi.double(), finite.double()]).tolist()  # the one host read
@@ -77,6 +79,8 @@ def minmax_range(x: torch.Tensor) -> tuple[float, float, bool]:
 
 
 def minmax_encode(x: torch.Tensor, lo: float, scale: float, bits: int, stochastic: bool, key: int) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.minmax_encode`: ``clamp(round((x - lo) * scale), 0, 2^bits -
+    1)`` packed ``bits`` each."""
     x = x.detach().contiguous()
     n = x.numel()
     wd = _work_dtype(x.dtype)
@@ -89,6 +93,8 @@ def minmax_encode(x: torch.Tensor, lo: float, scale: float, bits: int, stochasti
 
 
 def minmax_decode(data: torch.Tensor, bits: int, n: int, lo: float, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.minmax_decode`: ``unpack(data) / scale + lo`` as ``dtype``
+    (``scale > 0``; the caller handles ``scale == 0``)."""
     codes = unpack(data, bits, n)
     out = torch.empty(n, dtype=dtype, device=data.device)
     wd = _work_dtype(dtype)
@@ -167,11 +173,15 @@ def uniform_codes(x: torch.Tensor, step: float, stochastic: bool, key: int):
 
 
 def uniform_pack(codes: torch.Tensor, shift: int, b: int) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.uniform_pack`: ``codes - shift`` (each then < 2^b, checked
+    by the caller) packed ``b`` bits each."""
     rel = codes - shift if shift else codes
     return pack(rel.to(torch.uint8) if b <= 8 else rel.to(torch.int64), b)
 
 
 def uniform_decode(data: torch.Tensor, b: int, n: int, offset: int, step: float, dtype: torch.dtype) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.uniform_decode`: ``(codes + offset) * step`` as ``dtype``
+    from ``n`` codes of ``b`` bits."""
     codes = unpack(data, b, n, torch.uint8 if b <= 8 else torch.int64)
     out = torch.empty(n, dtype=dtype, device=data.device)
     if n:
@@ -226,6 +236,8 @@ def sign_encode(x: torch.Tensor, order: int) -> tuple[torch.Tensor, float, bool]
 
 
 def sign_decode(data: torch.Tensor, n: int, c: float, dtype: torch.dtype) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.sign_decode`: ``+c`` for a bit 1 (x_i >= 0), ``-c`` for a
+    bit 0, as ``dtype``, from ``n`` packed sign bits."""
     out = torch.empty(n, dtype=dtype, device=data.device)
     if n:
         _sign_decode_kernel[_grid(n, BLOCK)](data, out, n, _scalar(c, _work_dtype(dtype), data.device), BLOCK_=BLOCK)
@@ -272,6 +284,7 @@ def _terngrad_decode_kernel(data_ptr, out_ptr, bad_ptr, n, nbytes, scale_ptr, BL
 
 
 def terngrad_max_abs(x: torch.Tensor) -> tuple[float, bool]:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.terngrad_max_abs`: ``(max |x|, finite)`` in one pass."""
     from .gpu import stats
     _, _, amax, _, finite = stats(x.detach())
     amax, finite = torch.stack([amax.double(), finite.double()]).tolist()  # the one host read
@@ -279,6 +292,8 @@ def terngrad_max_abs(x: torch.Tensor) -> tuple[float, bool]:
 
 
 def terngrad_encode(x: torch.Tensor, scale: float, key: int) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.terngrad_encode`: Packed codes for ``scale`` = max|x|
+    rounded up to float32 (``0``: every ``x_i`` is 0)."""
     x = x.detach().contiguous()
     n = x.numel()
     nbytes = (n + 4) // 5
@@ -291,6 +306,8 @@ def terngrad_encode(x: torch.Tensor, scale: float, key: int) -> torch.Tensor:
 
 
 def terngrad_decode(data: torch.Tensor, n: int, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.terngrad_decode`: ``(decoded, valid)``: valid is False when
+    a byte holds more than its trits can."""
     out = torch.empty(n, dtype=dtype, device=data.device)
     if not n:
         return out, True
