@@ -15,8 +15,14 @@ def _add_train(sub) -> None:
 
     p = sub.add_parser("train", help="train a model on n workers and write metrics.jsonl and summary.json",
                        description="Train on n workers. With no options: digits-mlp, Moniqua 2-bit, 8 workers, ring.")
+    from .algorithms.options import AlgorithmOptions
+
     hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(TrainConfig):
+    algorithm_options = set(AlgorithmOptions.option_names())
+    groups = {True: p.add_argument_group("algorithm options (the same names in DecentralizedDataParallel and "
+                                         "make_hook)"),
+              False: p.add_argument_group("run options")}
+    for f in sorted(dataclasses.fields(TrainConfig), key=lambda f: f.name in algorithm_options):
         flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
         kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
         hint = hints[f.name]
@@ -25,7 +31,7 @@ def _add_train(sub) -> None:
         else:
             base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
             kw["type"] = f.metadata.get("type", base[0] if len(base) == 1 else str)
-        p.add_argument(flag, **kw)
+        groups[f.name in algorithm_options].add_argument(flag, **kw)
     p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json (checked before "
                                                 "training; a previous run there needs --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")

@@ -1,25 +1,23 @@
-"""One training run's configuration, validated in one place.
+"""One training run's configuration, validated before any worker starts.
 
 Every field is one ``lowbit train`` option (``--name-with-dashes``; the help
-text is the field's ``metadata["help"]``). Options an algorithm does not use
-are ignored by it; options it cannot take are rejected by its
-``check_config`` before any worker starts.
+text is the field's ``metadata["help"]``): the algorithms' options, declared
+once in :mod:`lowbit.algorithms.options` (and checked there), and the run's own
+(task, workers, steps, network, checkpoints), declared and checked here.
+Options an algorithm does not use are ignored by it; options it cannot take
+are rejected by its ``check_config``.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from ..algorithms import ALGORITHMS
-from ..algorithms.compressed import SERVERS
-from ..algorithms.dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
-from ..algorithms.moniqua import THETA_EVERY, THETA_SCHEDULES
-from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
-from ..codecs.bagua_minmax import BaguaMinMaxCodec
+from ..algorithms.options import AlgorithmOptions, opt
 from ..comm.netmodel import NetworkModel
 from ..topology import TOPOLOGIES, WEIGHTINGS, make_topology
 from .tasks import SPLITS, TASKS
@@ -42,23 +40,6 @@ TASK_DEFAULTS = {
 TASK_DEFAULTS.update({t: dict(TASK_DEFAULTS[t[:-3]]) for t in ("fashion-lenet-tf", "mnist-lenet-tf", "kmnist-lenet-tf")})
 TASK_DEFAULTS["cifar10-cifarnet"] = dict(TASK_DEFAULTS["cifar10-vgg"])
 
-# How --codec NAME becomes a codec, from the run's options. An algorithm lists
-# the names it accepts in its ``codecs`` attribute.
-CODEC_BUILDERS = {
-    "fp32": lambda c: IdentityCodec(),
-    "half": lambda c: HalfCodec(),
-    "uniform": lambda c: UniformCodec(step=c.delta, rounding=c.rounding or "stochastic"),
-    "minmax": lambda c: MinMaxCodec(bits=c.bits, rounding=c.rounding or "nearest"),
-    "sign": lambda c: SignCodec(),
-    "terngrad": lambda c: TernGradCodec(),
-    "bagua_minmax": lambda c: BaguaMinMaxCodec(),
-}
-
-
-def _opt(default, help: str, **meta):
-    return field(default=default, metadata={"help": help, **meta})
-
-
 def _check_tensorboard(logdir) -> None:
     """--tensorboard DIR needs a directory name and the optional ``tensorboard`` package."""
     if not isinstance(logdir, (str, os.PathLike)) or not str(logdir):
@@ -68,14 +49,6 @@ def _check_tensorboard(logdir) -> None:
     except ImportError:
         raise ValueError(f"tensorboard={str(logdir)!r} needs the tensorboard package, which is not installed; "
                          f"pip install tensorboard (or omit --tensorboard)") from None
-
-
-def _theta(v: str):
-    """--theta takes a number or ``auto`` (anything else is reported by validate)."""
-    try:
-        return float(v)
-    except ValueError:
-        return v
 
 
 def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
@@ -103,92 +76,48 @@ def resolve_device(name: str, local_rank: int | None = None) -> torch.device:
 
 
 @dataclass
-class TrainConfig:
-    task: str = _opt("digits-mlp", f"one of: {', '.join(TASKS)}")
-    algorithm: str = _opt("moniqua", f"one of: {', '.join(ALGORITHMS)}")
-    bits: int = _opt(2, "bits per element (1..8)")
-    workers: int = _opt(8, "number of workers")
-    topology: str = _opt("ring", f"one of: {', '.join(TOPOLOGIES)}")
-    weights: str = _opt("uniform", f"mixing weights: {', '.join(WEIGHTINGS)}")
-    steps: int = _opt(300, "training steps")
-    seed: int = _opt(0, "run seed (model init, data, shared randomness)")
-    backend: str = _opt("thread", f"one of: {', '.join(BACKENDS)}")
-    device: str = _opt("auto", "where workers compute: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
-    bandwidth: str = _opt("100Mbit", "network model bandwidth, e.g. 100Mbit")
-    latency: str = _opt("1ms", "network model latency, e.g. 1ms")
-    shape_bandwidth: str | None = _opt(None, "torch backend, Linux, root: run the workers in network namespaces "
+class TrainConfig(AlgorithmOptions):
+    """One run of ``lowbit train``: the algorithm's options (:class:`~lowbit.algorithms.options.AlgorithmOptions`)
+    and the run's own (task, workers, steps, network, checkpoints...)."""
+
+    task: str = opt("digits-mlp", f"one of: {', '.join(TASKS)}")
+    workers: int = opt(8, "number of workers")
+    topology: str = opt("ring", f"one of: {', '.join(TOPOLOGIES)}")
+    weights: str = opt("uniform", f"mixing weights: {', '.join(WEIGHTINGS)}")
+    steps: int = opt(300, "training steps")
+    seed: int = opt(0, "run seed (model init, data, shared randomness)")
+    backend: str = opt("thread", f"one of: {', '.join(BACKENDS)}")
+    device: str = opt("auto", "where workers compute: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    bandwidth: str = opt("100Mbit", "network model bandwidth, e.g. 100Mbit")
+    latency: str = opt("1ms", "network model latency, e.g. 1ms")
+    shape_bandwidth: str | None = opt(None, "torch backend, Linux, root: run the workers in network namespaces "
                                        "whose links are really rate-limited (tc tbf), e.g. 100mbit")
-    shape_latency: str | None = _opt(None, "torch backend: latency really added per message (in user space), "
+    shape_latency: str | None = opt(None, "torch backend: latency really added per message (in user space), "
                                      "e.g. 1ms")
-    lr: float | None = _opt(None, "step size (task default if omitted)")
-    lr_schedule: str = _opt("constant", f"one of: {', '.join(LR_SCHEDULES)}")
-    momentum: float | None = _opt(None, "SGD momentum (task default if omitted)")
-    weight_decay: float | None = _opt(None, "SGD weight decay (task default if omitted)")
-    batch_size: int | None = _opt(None, "minibatch per worker (task default if omitted)")
-    split: str = _opt("iid", f"how training data is split over workers: {', '.join(SPLITS)}")
-    slow: str | None = _opt(None, "slow workers down, e.g. '0:3' (rank 0 computes 3x slower; RANK:FACTOR,...)")
-    tensorboard: str | None = _opt(None, "also write the metrics as TensorBoard scalars into this directory "
+    lr: float | None = opt(None, "step size (task default if omitted)")
+    lr_schedule: str = opt("constant", f"one of: {', '.join(LR_SCHEDULES)}")
+    momentum: float | None = opt(None, "SGD momentum (task default if omitted)")
+    weight_decay: float | None = opt(None, "SGD weight decay (task default if omitted)")
+    batch_size: int | None = opt(None, "minibatch per worker (task default if omitted)")
+    split: str = opt("iid", f"how training data is split over workers: {', '.join(SPLITS)}")
+    slow: str | None = opt(None, "slow workers down, e.g. '0:3' (rank 0 computes 3x slower; RANK:FACTOR,...)")
+    tensorboard: str | None = opt(None, "also write the metrics as TensorBoard scalars into this directory "
                                    "(needs: pip install tensorboard)")
-    timeout: float | None = _opt(None, "torch backend: a limit in seconds on the whole run (default: none)")
-    stall_timeout: float = _opt(300.0, "torch backend: end the run when a worker neither starts a step nor "
+    timeout: float | None = opt(None, "torch backend: a limit in seconds on the whole run (default: none)")
+    stall_timeout: float = opt(300.0, "torch backend: end the run when a worker neither starts a step nor "
                                 "communicates for this many seconds (a stopped or hung worker)")
-    checkpoint_every: int = _opt(0, "save every worker's state every K steps (0: never), atomically and "
+    checkpoint_every: int = opt(0, "save every worker's state every K steps (0: never), atomically and "
                                  "checksummed, into --checkpoint-dir (default OUT/checkpoints)")
-    checkpoint_dir: str | None = _opt(None, "folder of the --checkpoint-every checkpoints (rank{r}.pt)")
-    resume: str | None = _opt(None, "continue from the newest step every worker has a good checkpoint of in this "
+    checkpoint_dir: str | None = opt(None, "folder of the --checkpoint-every checkpoints (rank{r}.pt)")
+    resume: str | None = opt(None, "continue from the newest step every worker has a good checkpoint of in this "
                               "folder; with --checkpoint-every, an empty folder starts afresh (for torchrun "
                               "--max-restarts: the same command resumes after a restart)")
-    # --- the decentralized family ---
-    theta: float | str | None = _opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (the default of "
-                                     "moniqua and moniqua-d2: follows the blocks verification finds wrong)",
-                                     type=_theta)
-    theta_schedule: str = _opt("constant", "constant, or lr (theta_k ~ lr_k)")
-    theta_every: int = _opt(THETA_EVERY, "--theta auto: steps between two theta agreements")
-    verify: bool = _opt(True, "Moniqua: send a hash of the quantized model; the receiver checks what it recovered")
-    verify_block: int | None = _opt(None, "Moniqua verification: elements per hashed block (a failed block is "
-                                    "repaired alone; default by bits: 512 at 1 bit, 256 above)")
-    entropy: str | None = _opt(None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans")
-    gamma: float | None = _opt(None, "consensus step size: Moniqua's slack matrix gamma W + (1 - gamma) I, "
-                               "ChocoSGD's gamma (algorithm default if omitted)")
-    delta: float = _opt(0.1, "quadratic offset and the naive quantizer's step (Theorem 1)")
-    codec: str | None = _opt(None, "codec of a quantized baseline (see the algorithm's list)")
-    rounding: str | None = _opt(None, f"one of: {', '.join(ROUNDINGS)} (algorithm default if omitted)")
-    peer_selection: str = _opt("all", "lowprec-decentralized: Bagua's peer selection, all or shift_one")
-    hierarchical: bool = _opt(True, "lowprec-decentralized: Bagua's hierarchical mode (average inside a node, "
-                                    "gossip between node leaders, broadcast back)")
-    communication_interval: int = _opt(1, "lowprec-decentralized: communicate every this many steps (Bagua's)")
-    node_size: int | None = _opt(None, "lowprec-decentralized: workers per node (default: LOCAL_WORLD_SIZE on the "
-                                       "torch backend, 1 on the thread backend)")
-    bucket_bytes: int = _opt(10 * 1024 ** 2, "lowprec-decentralized: bytes per bucket, each quantized with its own "
-                                             "min and max (Bagua's default 10 MiB)")
-    shared_randomness: bool = _opt(True, "Moniqua: all workers use the same stochastic-rounding offsets each step")
-    # --- the centralized family ---
-    server: str = _opt("allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}")
-    scales: str | None = _opt(None, "multi-scale bit widths, e.g. 2,6")
-    k: float | None = _opt(None, "GlobalRandK: coordinates kept (an int, or a fraction of d if < 1)")
-    powersgd_rank: int = _opt(2, "PowerSGD rank", flag="--rank")
-    levels: int | None = _opt(None, "DQSG/NDQSG: M (2M+1 indices, Delta = 1/M); default the largest M with "
-                              "2M+1 <= 2^bits")
-    nested_fraction: float = _opt(0.5, "NDQSG: fraction of workers in P2 (nested quantizer), in [0, 1)")
-    nested_delta1: float | None = _opt(None, "NDQSG: a fixed fine step Delta1 relative to ||g||_inf (default: auto, "
-                                      "see --nested-sigma)")
-    nested_k: int = _opt(NESTED_K, "NDQSG: Delta2 = k Delta1, k >= 2 (ceil(log2 k) bits per element; default 2, "
-                         "one bit)")
-    nested_alpha: float | None = _opt(None, "NDQSG: shrinkage alpha in (0, 1] with --nested-delta1 (default 1) or "
-                                      "--nested-sigma (default matched)")
-    nested_sigma: float | str | None = _opt(None, "NDQSG: 'auto' (the default unless --nested-delta1): Theorem 6 "
-                                            "every step for the side-information noise measured at the previous "
-                                            "one; or a fixed noise std (relative to ||g||_inf)", type=_theta)
-    nested_failure: float = _opt(NESTED_FAILURE, "NDQSG: Theorem 6 target decoding-failure probability per "
-                                 "element, for Gaussian side-information noise (auto or --nested-sigma)")
-    sum_dtype: str | None = _opt(None, "max-norm family: integer dtype of the code sum (int8, int16, int32, "
-                                 "int64; default the narrowest that cannot overflow)")
     # --- tasks ---
-    eval_every: int = _opt(25, "evaluate every this many steps")
-    dim: int = _opt(16, "dimension of the quadratic task")
-    noise: float = _opt(0.0, "gradient noise of the quadratic task")
-    hidden: int = _opt(128, "hidden units of digits-mlp")
-    data_dir: str | None = _opt(None, "folder with the dataset files of an image task (default: a system copy "
+    eval_every: int = opt(25, "evaluate every this many steps")
+    dim: int = opt(16, "dimension of the quadratic task")
+    noise: float = opt(0.0, "gradient noise of the quadratic task")
+    hidden: int = opt(128, "hidden units of digits-mlp")
+    data_dir: str | None = opt(None, "folder with the dataset files of an image task (default: a system copy "
                                 "such as /usr/share/datasets/fashion-mnist, else the lowbit.data.download cache)")
 
     def __post_init__(self) -> None:
@@ -203,42 +132,26 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is unknown; choose one of: {', '.join(options)}")
 
         choice("task", list(TASKS))
-        choice("algorithm", list(ALGORITHMS))
         choice("backend", BACKENDS)
         choice("weights", WEIGHTINGS)
         choice("lr_schedule", LR_SCHEDULES)
-        choice("theta_schedule", THETA_SCHEDULES)
         choice("split", SPLITS)
-        choice("server", SERVERS)
-        if self.rounding is not None:
-            choice("rounding", ROUNDINGS)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         self._check_workers_bound()
         self._check_floats()
+        self.check_options()
         make_topology(self.topology, self.workers)  # unknown name or impossible size -> ValueError
-        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
-            raise ValueError(f"bits must be an integer in 1..8, got {self.bits}")
-        for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1),
-                         ("theta_every", 1), ("powersgd_rank", 1), ("verify_block", 1)):
+        for name, lo in (("steps", 1), ("batch_size", 1), ("eval_every", 1), ("dim", 1), ("hidden", 1)):
             v = getattr(self, name)
-            if v is None and name == "verify_block":  # Moniqua's default by bits
-                continue
             if not isinstance(v, int) or v < lo:
                 raise ValueError(f"{name} must be an integer >= {lo}, got {v}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed}")
-        for name in ("lr", "delta"):
+        for name in ("lr",):
             v = getattr(self, name)
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"{name} must be > 0, got {v}")
-        if self.theta is not None and self.theta != "auto" and not (
-                isinstance(self.theta, (int, float)) and math.isfinite(self.theta) and self.theta > 0):
-            raise ValueError(f"theta must be a number > 0 or 'auto', got {self.theta!r}")
-        if self.gamma is not None and not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
-        if self.k is not None and not (math.isfinite(self.k) and self.k > 0):
-            raise ValueError(f"k must be > 0 (a count, or a fraction of d if < 1), got {self.k}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
         for name in ("weight_decay", "noise"):
@@ -264,13 +177,7 @@ class TrainConfig:
         if self.tensorboard is not None:
             _check_tensorboard(self.tensorboard)
         self.shaping()
-        cls = ALGORITHMS[self.algorithm]
-        if self.codec is not None and not cls.codecs:
-            raise ValueError(f"codec={self.codec!r}: algorithm={self.algorithm!r} sends one fixed format; "
-                             f"omit --codec")
-        if cls.codecs:
-            self.make_codec(cls.codecs)  # a bad combination fails here, before any worker starts
-        cls.check_config(self)
+        ALGORITHMS[self.algorithm].check_config(self)
 
     def _check_workers_bound(self) -> None:
         """--workers has an upper bound per runtime (what one machine can set up)."""
@@ -300,14 +207,6 @@ class TrainConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"{f.name} must be a finite number, got {v!r}")
 
-    def make_codec(self, allowed: tuple[str, ...]) -> Codec:
-        """The codec ``--codec`` names (default: the first of ``allowed``), built from the run's options."""
-        name = self.codec or allowed[0]
-        if name not in allowed:
-            raise ValueError(f"codec={name!r} is not available for algorithm={self.algorithm!r}; "
-                             f"choose one of: {', '.join(allowed)}")
-        return CODEC_BUILDERS[name](self)
-
     def slow_factors(self) -> dict[int, float]:
         """``--slow 0:3,2:1.5`` as {rank: factor}."""
         if not self.slow:
@@ -323,15 +222,6 @@ class TrainConfig:
                 raise ValueError(f"slow: rank must be in [0, {self.workers - 1}] and factor >= 1, got {part!r}")
             out[r] = f
         return out
-
-    def scale_bits(self) -> tuple[int, ...]:
-        """``--scales 2,6`` as (2, 6)."""
-        if self.scales is None:
-            return ()
-        try:
-            return tuple(int(s) for s in str(self.scales).split(","))
-        except ValueError:
-            raise ValueError(f"scales must be comma-separated integers such as 2,6, got {self.scales!r}") from None
 
     def lr_at(self, k: int) -> float:
         if self.lr_schedule == "cosine":
@@ -365,7 +255,3 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
