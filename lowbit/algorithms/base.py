@@ -209,6 +209,9 @@ class Algorithm:
     # Codec names (lowbit.codecs.CODECS) a run may choose with --codec; the
     # first is the default. Empty: the algorithm sends one fixed format.
     codecs: ClassVar[tuple[str, ...]] = ()
+    # The options (names in lowbit.algorithms.options.AlgorithmOptions) that from_config
+    # reads: what lowbit train, the wrapper and the hooks let a user set for it.
+    options: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -218,7 +221,9 @@ class Algorithm:
 
     @classmethod
     def from_config(cls, cfg) -> "Algorithm":
-        """This algorithm with the options of the run config ``cfg``."""
+        """This algorithm with the options of ``cfg`` (a
+        :class:`~lowbit.algorithms.options.AlgorithmOptions`, e.g. a run's TrainConfig):
+        it reads only the ones named in :attr:`options`."""
         return cls()
 
     def init(self, x: torch.Tensor, ctx: Context) -> State:

@@ -161,3 +161,31 @@ class AlgorithmOptions:
     def option_names(cls) -> list[str]:
         """The field names: every option of the table."""
         return [f.name for f in fields(cls)]
+
+
+def algorithm_table() -> str:
+    """The markdown table of every registered algorithm (``docs/ALGORITHMS.md``): its name,
+    family, what it is (its docstring's first sentence), the ``codec`` values it takes (the
+    first is its default) and the options it reads, each a link-free option name."""
+    rows = ["| algorithm | family | what it is | codec | options |", "|---|---|---|---|---|"]
+    for name, cls in ALGORITHMS.items():
+        doc = " ".join((cls.__doc__ or "").split())
+        first = doc.split(". ")[0].rstrip(".") + "." if doc else ""
+        rows.append(f"| `{name}` | {cls.family} | {first.replace('|', '/')} | "
+                    f"{', '.join(f'`{c}`' for c in cls.codecs) or '-'} | "
+                    f"{', '.join(f'`{o}`' for o in cls.options) or '-'} |")
+    return "\n".join(rows) + "\n"
+
+
+DOCS_HEADER = """# Algorithms
+
+Every algorithm `lowbit train --algorithm NAME`, `DecentralizedDataParallel(module, optimizer, NAME, **options)`
+and, for the centralized ones, `make_hook(NAME, **options)` accept, with the options each reads
+(`lowbit train --help` says what each option means; the same names and defaults everywhere).
+Generated from the registry by `python -m lowbit.algorithms.options > docs/ALGORITHMS.md`;
+`tests/test_registry.py` checks that this file is current.
+
+"""
+
+if __name__ == "__main__":
+    print(DOCS_HEADER + algorithm_table(), end="")
