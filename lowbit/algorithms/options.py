@@ -20,27 +20,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from ..codecs import ROUNDINGS, Codec, HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec
-from ..codecs.bagua_minmax import BaguaMinMaxCodec
+from ..codecs import CODECS, ROUNDINGS, Codec
 from . import ALGORITHMS
 from .compressed import SERVERS
 from .dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
 from .moniqua import THETA_EVERY, THETA_SCHEDULES
 
-__all__ = ["AlgorithmOptions", "CODEC_BUILDERS", "opt"]
-
-# How --codec NAME becomes a codec, from the options. An algorithm lists the names it
-# accepts in its ``codecs`` attribute.
-CODEC_BUILDERS = {
-    "fp32": lambda c: IdentityCodec(),
-    "half": lambda c: HalfCodec(),
-    "uniform": lambda c: UniformCodec(step=c.delta, rounding=c.rounding or "stochastic"),
-    "minmax": lambda c: MinMaxCodec(bits=c.bits, rounding=c.rounding or "nearest"),
-    "sign": lambda c: SignCodec(),
-    "terngrad": lambda c: TernGradCodec(),
-    "bagua_minmax": lambda c: BaguaMinMaxCodec(),
-}
-
+__all__ = ["AlgorithmOptions", "algorithm_table", "opt"]
 
 def opt(default, help: str, **meta):
     """A dataclass field of an options table: its default, its help text and CLI metadata."""
@@ -141,12 +127,13 @@ class AlgorithmOptions:
             self.make_codec(cls.codecs)  # a bad combination fails here, before any worker starts
 
     def make_codec(self, allowed: tuple[str, ...]) -> Codec:
-        """The codec ``codec`` names (default: the first of ``allowed``), built from these options."""
+        """The codec ``codec`` names (default: the first of ``allowed``, names of
+        ``lowbit.codecs.CODECS``), built from these options by its ``from_options``."""
         name = self.codec or allowed[0]
         if name not in allowed:
             raise ValueError(f"codec={name!r} is not available for algorithm={self.algorithm!r}; "
                              f"choose one of: {', '.join(allowed)}")
-        return CODEC_BUILDERS[name](self)
+        return CODECS[name].from_options(self)
 
     def scale_bits(self) -> tuple[int, ...]:
         """``scales="2,6"`` as (2, 6)."""

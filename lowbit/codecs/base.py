@@ -96,8 +96,16 @@ class Codec(ABC):
     header_format: str = ""  # struct format of the fixed header
     dither_on_decode: bool = False  # decode regenerates the sender's dither (needs ``generator``)
 
+    @classmethod
+    def from_options(cls, opts) -> "Codec":
+        """This codec as ``--codec NAME`` builds it from the options ``opts`` (an
+        ``AlgorithmOptions``: ``bits``, ``rounding``, ``delta``...); by default with no
+        argument. A codec that needs arguments overrides it."""
+        return cls()
+
     @property
     def header_nbytes(self) -> int:
+        """Bytes of the fixed header."""
         return header_size(self.header_format)
 
     @abstractmethod

@@ -57,6 +57,11 @@ class MinMaxCodec(Codec):
         object.__setattr__(self, "bits", check_int_range(self.bits, "bits", 1, 8))
         check_rounding(self.rounding)
 
+    @classmethod
+    def from_options(cls, opts) -> "MinMaxCodec":
+        """``--codec minmax``: ``--bits`` bits, nearest rounding unless ``--rounding``."""
+        return cls(bits=opts.bits, rounding=opts.rounding or "nearest")
+
     @property
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.rounding == "stochastic"

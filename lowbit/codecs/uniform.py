@@ -68,6 +68,11 @@ class UniformCodec(Codec):
         object.__setattr__(self, "step", check_positive(self.step, "step"))
         check_rounding(self.rounding)
 
+    @classmethod
+    def from_options(cls, opts) -> "UniformCodec":
+        """``--codec uniform``: the step ``--delta``, stochastic rounding unless ``--rounding``."""
+        return cls(step=opts.delta, rounding=opts.rounding or "stochastic")
+
     @property
     def unbiased(self) -> bool:  # type: ignore[override]
         return self.rounding == "stochastic"

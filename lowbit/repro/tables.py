@@ -171,8 +171,8 @@ FASHION = "--task fashion-lenet --workers 8 --steps 300 --eval-every 100"
 TABLES += (
     Table("Accuracy and wire bits against fp32 D-PSGD: digits-mlp, seeds 0, 1, 2", DIGITS, TARGET_COLUMNS,
           ("--algorithm dpsgd", "--algorithm moniqua --bits 2", "--algorithm moniqua --bits 1"), seeds=(0, 1, 2)),
-    Table("Accuracy and wire bits against fp32 D-PSGD: fashion-lenet, seed 0", FASHION, TARGET_COLUMNS,
-          ("--algorithm dpsgd", "--algorithm moniqua --bits 2", "--algorithm moniqua --bits 1")),
+    Table("Accuracy and wire bits against fp32 D-PSGD: fashion-lenet, seeds 0, 1, 2", FASHION, TARGET_COLUMNS,
+          ("--algorithm dpsgd", "--algorithm moniqua --bits 2", "--algorithm moniqua --bits 1"), seeds=(0, 1, 2)),
     Table("theta auto against hand-tuned theta at 2 bits: digits-mlp", DIGITS, THETA_COLUMNS,
           ("--algorithm moniqua --bits 2", *(f"--algorithm moniqua --bits 2 --theta {t}"
                                              for t in ("0.01", "0.02", "0.05", "0.1", "0.2")))),
