@@ -42,7 +42,7 @@ ALGORITHMS = {
     "moniqua-async": MoniquaAsync,
 }
 
-__all__ = ["ALGORITHMS", "Algorithm", "Context", "State", "Worker", "build_worker", "make_worker", "AllReduceSGD", "CentralizedAlgorithm", "DPSGD", "GossipAlgorithm",
+__all__ = ["ALGORITHMS", "Algorithm", "Context", "State", "Worker", "build_worker", "from_options", "make_worker", "AllReduceSGD", "CentralizedAlgorithm", "DPSGD", "GossipAlgorithm",
            "Moniqua", "D2", "MoniquaD2", "NaiveQuantizedDPSGD", "QuantizedGossip", "check_algorithm",
            "DQSG", "NDQSG", "QSGD", "TernGrad", "OneBitEF", "PowerSGD", "MaxNormSGD", "MaxNormMultiScaleSGD",
            "GlobalRandKMaxNormSGD", "GlobalRandKMaxNormMultiScaleSGD",
@@ -59,8 +59,15 @@ def check_algorithm(name: str) -> type:
 
 def build_worker(algorithm, transport, topology=None, **options):
     """One worker of ``algorithm`` on ``transport``: the entry point of the wrapper and of
-    tests. ``algorithm`` is a registry name, an Algorithm subclass (built with
-    ``options``) or an instance (its options; then no ``options`` may be given);
+    tests. ``algorithm`` is
+
+    - a registry name: ``options`` are option names of
+      :class:`~lowbit.algorithms.options.AlgorithmOptions` (``bits``, ``theta``,
+      ``codec``...: the ``lowbit train`` options, with the same defaults), and only those the
+      algorithm reads (its ``options``);
+    - an Algorithm subclass: built as ``cls(**options)`` (its own dataclass fields);
+    - an instance: its options (then no ``options`` may be given).
+
     ``topology`` (a :class:`~lowbit.topology.Topology` or a name, default ring) is for
     decentralized algorithms only; ``seed``, ``weights`` and ``W`` go to the worker's
     :class:`Context`."""
@@ -92,7 +99,9 @@ def build_worker(algorithm, transport, topology=None, **options):
         except TypeError as e:
             raise ValueError(f"algorithm {cls.name!r} does not take options {sorted(options)}: {e}") from e
     run = {k: options.pop(k) for k in ("seed", "weights", "W") if k in options}
-    if isinstance(algorithm, Algorithm):
+    if isinstance(algorithm, str):
+        algorithm = from_options(algorithm, **options)
+    elif isinstance(algorithm, Algorithm):
         if options:
             raise ValueError(f"algorithm is an instance; options {sorted(options)} cannot be applied to it")
     else:
@@ -103,3 +112,22 @@ def build_worker(algorithm, transport, topology=None, **options):
     if topo is None and ("weights" in run or "W" in run):
         raise ValueError(f"weights and W are for decentralized algorithms; {cls.name} is {cls.family or 'not'}")
     return make_worker(algorithm, transport, topo, **run)
+
+
+def from_options(name: str, **options) -> Algorithm:
+    """The algorithm registered as ``name`` with ``options`` (option names of
+    :class:`~lowbit.algorithms.options.AlgorithmOptions`, checked there; the others keep
+    their defaults, the same as ``lowbit train``'s). An option the algorithm does not read
+    is a ValueError that lists those it does."""
+    from .options import AlgorithmOptions
+
+    cls = check_algorithm(name)
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        known = AlgorithmOptions.option_names()
+        what = [o if o in known else f"{o} (not an option of any algorithm)" for o in unknown]
+        raise ValueError(f"algorithm {name!r} does not take option(s) {', '.join(what)}; it takes: "
+                         f"{', '.join(cls.options) or 'no options'}")
+    opts = AlgorithmOptions(algorithm=name, **options)
+    opts.check_options()
+    return cls.from_config(opts)
