@@ -141,3 +141,20 @@ def test_tensorboard_writes_the_metrics(tmp_path):
     got = {e.step: e.value for e in acc.Scalars("metrics/train_loss")}
     assert got == pytest.approx({r["step"]: r["train_loss"] for r in run.metrics})
     assert [e.value for e in acc.Scalars("final/bytes_sent")] == [run.summary["bytes_sent"]]
+
+
+def test_tensorboard_metrics_are_written_live(tmp_path, monkeypatch):
+    """The evaluation rows reach TensorBoard as the run goes (rank 0 writes each when it is
+    measured), not only after the run: with the end-of-run writer disabled they are there."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import lowbit.train.run as run_module
+
+    monkeypatch.setattr(run_module, "write_tensorboard", lambda logdir, run: None)
+    run = train(TrainConfig(workers=2, steps=10, eval_every=5, tensorboard=str(tmp_path / "tb")))
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    got = {e.step: e.value for e in acc.Scalars("metrics/test_accuracy")}
+    assert got == pytest.approx({r["step"]: r["test_accuracy"] for r in run.metrics})
+    assert "final/bytes_sent" not in acc.Tags()["scalars"]

@@ -44,7 +44,7 @@ def _fmt(v) -> str:
 
 class TensorBoardStats:
     """Write each ``every``-th step's figures as TensorBoard scalars
-    ``{prefix}/{name}`` at global step ``step``, live (the writer flushes every
+    ``{prefix}/{name}`` (the numeric ones) at global step ``step``, live (the writer flushes every
     ``flush_secs`` seconds; :meth:`close` flushes the rest). ``log_dir``: the
     directory for a new ``torch.utils.tensorboard.SummaryWriter``, or pass your
     own ``writer``. Needs the ``tensorboard`` package (``pip install tensorboard``).
@@ -73,7 +73,7 @@ class TensorBoardStats:
         if step % self.every:
             return
         for name, value in stats.items():
-            if name != "step":
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 self.writer.add_scalar(f"{self.prefix}/{name}", value, step)
 
     def close(self) -> None:

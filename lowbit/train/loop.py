@@ -18,7 +18,7 @@ from ..algorithms.legacy import Algorithm as LegacyAlgorithm
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..comm.inprocess import blocking
-from ..integrations import FlatParams
+from ..integrations import FlatParams, TensorBoardStats
 from ..topology import make_topology
 from ..integrations.checkpoint import (CheckpointError, candidates, ledger_state, newest_common_step, restore_ledger,
                                        save_checkpoint)
@@ -141,10 +141,13 @@ def _resume(cfg: TrainConfig, folder: str, transport: Transport, d: int) -> dict
 
 class _MetricsStream:
     """Rank 0 appends each evaluation row to ``path`` as the run goes (flushed), so that a run
-    that stops early keeps its metrics; the finished run's rows are written over it by train()."""
+    that stops early keeps its metrics; the finished run's rows are written over it by train().
+    With ``tensorboard`` (a directory), rank 0 also writes each row there live, as
+    ``metrics/<column>`` scalars, through the wrapper's :class:`TensorBoardStats`."""
 
-    def __init__(self, path: str | None, rank: int):
+    def __init__(self, path: str | None, rank: int, tensorboard: str | None = None):
         self.f = open(path, "a") if path is not None and rank == 0 else None
+        self.tb = TensorBoardStats(tensorboard, prefix="metrics") if tensorboard is not None and rank == 0 else None
 
     def write(self, row: dict) -> None:
         if self.f is not None:
@@ -153,10 +156,14 @@ class _MetricsStream:
                 clean["non_finite"] = replaced
             self.f.write(json.dumps(clean, allow_nan=False) + "\n")
             self.f.flush()
+        if self.tb is not None:
+            self.tb(row["step"], row)
 
     def close(self) -> None:
         if self.f is not None:
             self.f.close()
+        if self.tb is not None:
+            self.tb.close()
 
 
 def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *, evaluate: bool = True,
@@ -228,7 +235,7 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
             compute = [float(c) for c in state["compute"].tolist()]
             evals = list(state["evals"])
             start = int(state["step"])
-    metrics = _MetricsStream(stream, rank)
+    metrics = _MetricsStream(stream, rank, cfg.tensorboard)
     if bar is not None and start:
         bar.update(start)
     try:

@@ -203,26 +203,21 @@ def metrics_rows(cfg: TrainConfig, results: list[WorkerResult]) -> list[dict]:
 
 
 def write_tensorboard(logdir: str | os.PathLike, run: Run) -> None:
-    """The run's metrics rows as TensorBoard scalars (``metrics/<column>`` at each evaluated
-    step), its summary's numbers as ``final/<key>``, and its config as text."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise ValueError("tensorboard needs the tensorboard package, which is not installed; "
-                         "pip install tensorboard") from None
-    writer = SummaryWriter(log_dir=str(logdir))
+    """What a run knows only at its end, beside the ``metrics/<column>`` scalars the loop's
+    rank 0 wrote live (:class:`~lowbit.integrations.TensorBoardStats`): each evaluated
+    step's ``metrics/emulated_seconds``, the summary's numbers as ``final/<key>`` and the
+    config as text."""
+    from ..integrations import TensorBoardStats
+
+    tb = TensorBoardStats(logdir, prefix="metrics")
     try:
         for row in run.metrics:
-            for key, v in row.items():
-                if key != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    writer.add_scalar(f"metrics/{key}", v, global_step=row["step"])
-        last = run.summary["steps"]
-        for key, v in run.summary.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and key != "steps":
-                writer.add_scalar(f"final/{key}", v, global_step=last)
-        writer.add_text("config", "```\n" + json.dumps(run.summary["config"], indent=2) + "\n```")
+            tb(row["step"], {"emulated_seconds": row["emulated_seconds"]})
+        tb.prefix = "final"
+        tb(run.summary["steps"], run.summary)
+        tb.writer.add_text("config", "```\n" + json.dumps(run.summary["config"], indent=2) + "\n```")
     finally:
-        writer.close()
+        tb.close()
 
 
 @dataclass
