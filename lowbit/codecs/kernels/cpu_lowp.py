@@ -159,14 +159,6 @@ def _stream_block(name: str, flag_mask: int | None):
     return block
 
 
-f32_to_f16_bits = _scalar("f32_to_f16")
-f16_bits_to_f32 = _scalar("f16_to_f32")
-f32_to_bf16_bits = _scalar("u32_to_bf16")
-bf16_bits_to_f32 = _scalar("bf16_to_u32")
-_f16_encode_block = _stream_block("f32_to_f16", 0x7C00)
-_f16_decode_block = _stream_block("f16_to_f32", None)
-_bf16_encode_block = _stream_block("u32_to_bf16", 0x7F80)
-_bf16_decode_block = _stream_block("bf16_to_u32", None)
 
 
 @intrinsic
@@ -205,104 +197,68 @@ def _head(addr, itemsize, n):
     return min(n, ((block - addr % block) % block) // itemsize)
 
 
-# --- kernels: (source address, result address, n, stream) -> flag (encode) -------------------------
+# --- kernels: (source address, result address, n, stream) -> flag ------------------------------
 
-@_jit
-def _encode_f16(xa, ha, n, stream):
-    """``h[i]`` = the fp16 bits of float32 ``x[i]``; True when one has an all-ones exponent."""
-    xp, hp = _pointer(xa, np.float32), _pointer(ha, np.uint16)
-    x, h = numba.carray(xp, n), numba.carray(hp, n)
-    m = np.uint16(0x7C00)
-    bad = False
-    if not stream:
-        for i in range(n):  # from 0: indices known >= 0, so the loop vectorises
-            b = f32_to_f16_bits(x[i])
-            bad |= (b & m) == m
-            h[i] = b
+def _flagger(flag_mask: int | None):
+    """``r -> r & flag_mask == flag_mask`` for a 16-bit result (an encode's all-ones exponent);
+    always False without a mask (a decode)."""
+    if flag_mask is None:
+        @_jit
+        def flagged(r):
+            return False
+    else:
+        m = np.uint16(flag_mask)
+
+        @_jit
+        def flagged(r):
+            return (r & m) == m
+    return flagged
+
+
+def _kernel(name: str, flag_mask: int | None):
+    """The conversion ``name`` over ``n`` values: ``dst[i] = convert(src[i])``, returning True
+    when a result is flagged (:func:`_flagger`). In cache, one loop from 0 (indices known
+    >= 0, so it vectorises); streamed, a scalar head up to the destination's block alignment,
+    whole nontemporal blocks, a fence, a scalar tail."""
+    _, src_t, dst_t = _CONVERSIONS[name]
+    src_np, dst_np = np.dtype(src_t.name).type, np.dtype(dst_t.name).type
+    dst_size = dst_t.bitwidth // 8
+    convert, block, flagged = _scalar(name), _stream_block(name, flag_mask), _flagger(flag_mask)
+
+    @_jit
+    def kernel(sa, da, n, stream):
+        sp, dp = _pointer(sa, src_np), _pointer(da, dst_np)
+        src, dst = numba.carray(sp, n), numba.carray(dp, n)
+        bad = False
+        if not stream:
+            for i in range(n):
+                r = convert(src[i])
+                bad |= flagged(r)
+                dst[i] = r
+            return bad
+        start = _head(da, dst_size, n)
+        for i in range(start):
+            r = convert(src[i])
+            bad |= flagged(r)
+            dst[i] = r
+        while start + LANES <= n:
+            bad |= block(sp, dp, start)
+            start += LANES
+        _store_fence()
+        for i in range(start, n):
+            r = convert(src[i])
+            bad |= flagged(r)
+            dst[i] = r
         return bad
-    start = _head(ha, 2, n)
-    for i in range(start):
-        b = f32_to_f16_bits(x[i])
-        bad |= (b & m) == m
-        h[i] = b
-    while start + LANES <= n:
-        bad |= _f16_encode_block(xp, hp, start)
-        start += LANES
-    _store_fence()
-    for i in range(start, n):
-        b = f32_to_f16_bits(x[i])
-        bad |= (b & m) == m
-        h[i] = b
-    return bad
+
+    return kernel
 
 
-@_jit
-def _encode_bf16(wa, ha, n, stream):
-    """``h[i]`` = the bf16 bits of the float32 bits ``w[i]``; True when one has an all-ones exponent."""
-    wp, hp = _pointer(wa, np.uint32), _pointer(ha, np.uint16)
-    w, h = numba.carray(wp, n), numba.carray(hp, n)
-    m = np.uint16(0x7F80)
-    bad = False
-    if not stream:
-        for i in range(n):
-            b = f32_to_bf16_bits(w[i])
-            bad |= (b & m) == m
-            h[i] = b
-        return bad
-    start = _head(ha, 2, n)
-    for i in range(start):
-        b = f32_to_bf16_bits(w[i])
-        bad |= (b & m) == m
-        h[i] = b
-    while start + LANES <= n:
-        bad |= _bf16_encode_block(wp, hp, start)
-        start += LANES
-    _store_fence()
-    for i in range(start, n):
-        b = f32_to_bf16_bits(w[i])
-        bad |= (b & m) == m
-        h[i] = b
-    return bad
-
-
-@_jit
-def _decode_f16(ha, oa, n, stream):
-    """``out[i]`` = the float32 of the fp16 bits ``h[i]``."""
-    hp, op = _pointer(ha, np.uint16), _pointer(oa, np.float32)
-    h, out = numba.carray(hp, n), numba.carray(op, n)
-    if not stream:
-        for i in range(n):
-            out[i] = f16_bits_to_f32(h[i])
-        return
-    start = _head(oa, 4, n)
-    for i in range(start):
-        out[i] = f16_bits_to_f32(h[i])
-    while start + LANES <= n:
-        _f16_decode_block(hp, op, start)
-        start += LANES
-    _store_fence()
-    for i in range(start, n):
-        out[i] = f16_bits_to_f32(h[i])
-
-
-@_jit
-def _decode_bf16(ha, oa, n, stream):
-    """``out`` holds float32 bits: a bf16 is the top half of its float32."""
-    hp, op = _pointer(ha, np.uint16), _pointer(oa, np.uint32)
-    h, out = numba.carray(hp, n), numba.carray(op, n)
-    if not stream:
-        for i in range(n):
-            out[i] = bf16_bits_to_f32(h[i])
-        return
-    start = _head(oa, 4, n)
-    for i in range(start):
-        out[i] = bf16_bits_to_f32(h[i])
-    while start + LANES <= n:
-        _bf16_decode_block(hp, op, start)
-        start += LANES
-    _store_fence()
-    for i in range(start, n):
-        out[i] = bf16_bits_to_f32(h[i])
+# fp16 from float32 values; bf16 from float32 bits (``w``: the float32 input viewed as uint32)
+_encode_f16 = _kernel("f32_to_f16", _EXP_MASK[torch.float16])
+_encode_bf16 = _kernel("u32_to_bf16", _EXP_MASK[torch.bfloat16])
+_decode_f16 = _kernel("f16_to_f32", None)
+_decode_bf16 = _kernel("bf16_to_u32", None)  # a bf16 is the top half of its float32's bits
 
 
 @_jit
