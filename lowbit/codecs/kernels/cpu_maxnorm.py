@@ -84,6 +84,22 @@ def _norm_stats(x):
 
 # --- QSGDMaxNorm ---------------------------------------------------------------------------
 
+@_inline
+def _checked(xi, W):
+    """``(v, |v|, v non-finite, |v| > W)`` for ``v`` = x_i widened to float64 (W: the shared norm)."""
+    v = np.float64(xi)
+    a = abs(v)
+    return v, a, (v - v) != 0.0, a > W
+
+
+@_inline
+def _scale_index(idx_i, N):
+    """``(j, out of range)``: the scale index ``idx_i`` as an int64, 0 where it lies outside ``0..N-1``."""
+    j = np.int64(idx_i)
+    out = j < 0 or j >= N
+    return (0 if out else j), out
+
+
 @_jit
 def _qsgd_encode(x, W, Wdiv, s, offset, k0, k1, codes):
     """``codes[i] = sign(x_i) * sround(|x_i| / W * s) + offset``; returns the error flags."""
@@ -91,10 +107,9 @@ def _qsgd_encode(x, W, Wdiv, s, offset, k0, k1, codes):
     bad = False
     over = False
     for i in range(x.shape[0]):
-        v = np.float64(x[i])
-        bad |= (v - v) != 0.0
-        a = abs(v)
-        over |= a > W
+        v, a, nonfinite, above = _checked(x[i], W)
+        bad |= nonfinite
+        over |= above
         mag = np.int64(round_stochastic((a / Wdiv) * S, k0, k1, i))
         codes[i] = (-mag if v < 0.0 else mag) + offset
     return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
@@ -125,10 +140,9 @@ def _ms_index(x, W, Wdiv, levels, idx):
     bad = False
     over = False
     for i in range(x.shape[0]):
-        v = np.float64(x[i])
-        bad |= (v - v) != 0.0
-        a = abs(v)
-        over |= a > W
+        v, a, nonfinite, above = _checked(x[i], W)
+        bad |= nonfinite
+        over |= above
         idx[i] = np.uint8(_admissible(a / Wdiv, levels, s_min))
     return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
 
@@ -143,14 +157,12 @@ def _ms_encode_int(x, W, Wdiv, levels, idx, k0, k1, codes):
     badidx = False
     level = False
     for i in range(x.shape[0]):
-        v = np.float64(x[i])
-        bad |= (v - v) != 0.0
-        a = abs(v)
-        over |= a > W
-        j = np.int64(idx[i])
-        out_of_range = j < 0 or j >= N
+        v, a, nonfinite, above = _checked(x[i], W)
+        bad |= nonfinite
+        over |= above
+        j, out_of_range = _scale_index(idx[i], N)
         badidx |= out_of_range
-        t = (a / Wdiv) * levels[0 if out_of_range else j]
+        t = (a / Wdiv) * levels[j]
         level |= t > s_min
         mag = np.int64(round_stochastic(t, k0, k1, i))
         codes[i] = -mag if v < 0.0 else mag
@@ -168,10 +180,9 @@ def _ms_encode_words(x, W, Wdiv, levels, code_bits, k0, k1, words):
     bad = False
     over = False
     for i in range(x.shape[0]):
-        v = np.float64(x[i])
-        bad |= (v - v) != 0.0
-        a = abs(v)
-        over |= a > W
+        v, a, nonfinite, above = _checked(x[i], W)
+        bad |= nonfinite
+        over |= above
         r = a / Wdiv
         j = 0
         lev = s_min
@@ -190,10 +201,9 @@ def _ms_decode_sum(codes, idx, W, levels, m, out):
     N = levels.shape[0]
     badidx = False
     for i in range(codes.shape[0]):
-        j = np.int64(idx[i])
-        out_of_range = j < 0 or j >= N
+        j, out_of_range = _scale_index(idx[i], N)
         badidx |= out_of_range
-        out[i] = ((float(codes[i]) * W) / levels[0 if out_of_range else j]) / m
+        out[i] = ((float(codes[i]) * W) / levels[j]) / m
     return badidx
 
 
