@@ -86,10 +86,11 @@ def _norm_stats(x):
 
 @_inline
 def _checked(xi, W):
-    """``(v, |v|, v non-finite, |v| > W)`` for ``v`` = x_i widened to float64 (W: the shared norm)."""
+    """``(v, |v|, flags)`` for ``v`` = x_i widened to float64: FLAG_NONFINITE, FLAG_OVER
+    (``|v|`` above the shared norm W)."""
     v = np.float64(xi)
     a = abs(v)
-    return v, a, (v - v) != 0.0, a > W
+    return v, a, (FLAG_NONFINITE if (v - v) != 0.0 else 0) | (FLAG_OVER if a > W else 0)
 
 
 @_inline
@@ -104,15 +105,13 @@ def _scale_index(idx_i, N):
 def _qsgd_encode(x, W, Wdiv, s, offset, k0, k1, codes):
     """``codes[i] = sign(x_i) * sround(|x_i| / W * s) + offset``; returns the error flags."""
     S = float(s)
-    bad = False
-    over = False
+    flags = 0
     for i in range(x.shape[0]):
-        v, a, nonfinite, above = _checked(x[i], W)
-        bad |= nonfinite
-        over |= above
+        v, a, f = _checked(x[i], W)
+        flags |= f
         mag = np.int64(round_stochastic((a / Wdiv) * S, k0, k1, i))
         codes[i] = (-mag if v < 0.0 else mag) + offset
-    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
+    return flags
 
 
 @_jit
@@ -137,14 +136,12 @@ def _admissible(a, levels, s_min):
 def _ms_index(x, W, Wdiv, levels, idx):
     """Per-coordinate admissible scale index (uint8); returns the error flags."""
     s_min = levels[0]
-    bad = False
-    over = False
+    flags = 0
     for i in range(x.shape[0]):
-        v, a, nonfinite, above = _checked(x[i], W)
-        bad |= nonfinite
-        over |= above
+        v, a, f = _checked(x[i], W)
+        flags |= f
         idx[i] = np.uint8(_admissible(a / Wdiv, levels, s_min))
-    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
+    return flags
 
 
 @_jit
@@ -152,22 +149,19 @@ def _ms_encode_int(x, W, Wdiv, levels, idx, k0, k1, codes):
     """Signed codes against the agreed per-coordinate scale ``levels[idx[i]]``."""
     s_min = levels[0]
     N = levels.shape[0]
-    bad = False
-    over = False
+    flags = 0
     badidx = False
     level = False
     for i in range(x.shape[0]):
-        v, a, nonfinite, above = _checked(x[i], W)
-        bad |= nonfinite
-        over |= above
+        v, a, f = _checked(x[i], W)
+        flags |= f
         j, out_of_range = _scale_index(idx[i], N)
         badidx |= out_of_range
         t = (a / Wdiv) * levels[j]
         level |= t > s_min
         mag = np.int64(round_stochastic(t, k0, k1, i))
         codes[i] = -mag if v < 0.0 else mag
-    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0) | (FLAG_INDEX if badidx else 0) \
-        | (FLAG_LEVEL if level else 0)
+    return flags | (FLAG_INDEX if badidx else 0) | (FLAG_LEVEL if level else 0)
 
 
 @_jit
@@ -177,12 +171,10 @@ def _ms_encode_words(x, W, Wdiv, levels, code_bits, k0, k1, words):
     the loop stays branch-free); the chosen scale is tracked with the index, no gather."""
     s_min = levels[0]
     off = np.int64(s_min)
-    bad = False
-    over = False
+    flags = 0
     for i in range(x.shape[0]):
-        v, a, nonfinite, above = _checked(x[i], W)
-        bad |= nonfinite
-        over |= above
+        v, a, f = _checked(x[i], W)
+        flags |= f
         r = a / Wdiv
         j = 0
         lev = s_min
@@ -192,7 +184,7 @@ def _ms_encode_words(x, W, Wdiv, levels, code_bits, k0, k1, words):
             lev = levels[k] if ok else lev
         mag = np.int64(round_stochastic(r * lev, k0, k1, i))
         words[i] = (np.int64(j) << code_bits) | ((-mag if v < 0.0 else mag) + off)
-    return (FLAG_NONFINITE if bad else 0) | (FLAG_OVER if over else 0)
+    return flags
 
 
 @_jit
