@@ -29,7 +29,7 @@ import torch
 
 from ..nested import _MAX_INDEX as MAX_INDEX  # NDQSG's fine index is exact below it in float64
 from ..qsgd import exact_ratio as ratio
-from .cpu import _jit, as_numba, keys, nonfinite, pack, uniform, unpack
+from .cpu import _inline, _jit, as_numba, keys, nonfinite, pack, uniform, unpack
 
 __all__ = ["code_dtype", "host_values", "index_limit", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode", "dithered_decode", "nested_encode", "nested_decode",
            "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
@@ -163,6 +163,13 @@ def _nested_decode(codes, y, alpha, delta1, delta2, inv_delta2, k0, k1, out):
 
 # --- QSGD -------------------------------------------------------------------------------------
 
+@_inline
+def _bucket(j, bucket, n):
+    """``(start, stop)`` of QSGD's bucket ``j`` of ``n`` elements (the last may be shorter)."""
+    start = j * bucket
+    return start, min(n, start + bucket)
+
+
 @_jit
 def _qsgd_sumsq(x, bucket, out):
     """``out[j]`` = the sum of ``x_i^2`` over bucket ``j``, added in index order; returns
@@ -170,7 +177,8 @@ def _qsgd_sumsq(x, bucket, out):
     n = x.shape[0]
     bad = False
     for j in range(out.shape[0]):
-        xs = x[j * bucket:min(n, (j + 1) * bucket)]
+        start, stop = _bucket(j, bucket, n)
+        xs = x[start:stop]
         sq = 0.0
         for i in range(xs.shape[0]):
             v = np.float64(xs[i])
@@ -188,9 +196,8 @@ def _qsgd_encode(x, factor, bucket, s, k0, k1, codes):
     sf = float(s)
     for j in range(factor.shape[0]):
         inv = factor[j]
-        start = j * bucket
-        xs = x[start:min(n, start + bucket)]
-        cs = codes[start:start + xs.shape[0]]
+        start, stop = _bucket(j, bucket, n)
+        xs, cs = x[start:stop], codes[start:stop]
         for i in range(xs.shape[0]):
             xv = np.float64(xs[i])
             v = abs(xv) * inv
@@ -207,9 +214,8 @@ def _qsgd_decode(codes, step, bucket, s, out):
     sf = float(s)
     for j in range(step.shape[0]):
         st = step[j]
-        start = j * bucket
-        cs = codes[start:min(n, start + bucket)]
-        os = out[start:start + cs.shape[0]]
+        start, stop = _bucket(j, bucket, n)
+        cs, os = codes[start:stop], out[start:stop]
         for i in range(cs.shape[0]):
             os[i] = (np.float64(cs[i]) - sf) * st
 

@@ -14,20 +14,16 @@ shared norm), ``FLAG_INDEX`` (a scale index outside ``0..N-1``), ``FLAG_LEVEL``
 
 from __future__ import annotations
 
-import numba
 import numpy as np
 import torch
 
-from .cpu import _jit, as_numba, keys, mix32, np_view, round_stochastic
+from .cpu import _inline, _jit, as_numba, keys, mix32, np_view, round_stochastic
 
 FLAG_NONFINITE = 1
 FLAG_OVER = 2
 FLAG_INDEX = 4
 FLAG_LEVEL = 8
 
-# helpers called per element from other kernels: inlined by numba (a plain call to a
-# cached function costs ~40 ns here)
-_inline = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy", inline="always")
 
 LANES = 8  # the fixed-order sum of squares: 8 interleaved float64 lanes, combined pairwise
 
