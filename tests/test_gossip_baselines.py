@@ -52,7 +52,7 @@ def test_choco_is_algorithm_1(codec):
     X0, A, b = _problem()
     topo, W = _ring()
     gamma = 0.7
-    traj, states, sent = _run(lambda t: ChocoSGD(t, topo, codec=codec, gamma=gamma, seed=SEED), X0, A, b)
+    traj, states, sent = _run(lambda t: ChocoSGD(codec=codec, gamma=gamma).worker(t, topo, seed=SEED), X0, A, b)
     X, Xh = X0.clone(), torch.zeros_like(X0)
     I = torch.eye(N, dtype=torch.float64)
     for k in range(STEPS):
@@ -215,7 +215,7 @@ def test_extra_memory_is_the_papers():
 
     def worker(t):
         out = []
-        for algo in (ChocoSGD(t, topo), DCDPSGD(t, topo), ECDPSGD(t, topo), DeepSqueeze(t, topo),
+        for algo in (ChocoSGD().worker(t, topo), DCDPSGD(t, topo), ECDPSGD(t, topo), DeepSqueeze(t, topo),
                      LowPrecisionDecentralized(t, topo), LowPrecisionDecentralized(t, topo, peer_selection="shift_one")):
             algo.setup(torch.zeros(d))
             out.append(algo.extra_memory_bytes())
@@ -254,8 +254,8 @@ def test_bad_options_raise_clear_errors():
     topo = make_topology("ring", 3)
 
     def worker(t):
-        for make, word in ((lambda: ChocoSGD(t, topo, gamma=0.0), "gamma"),
-                           (lambda: ChocoSGD(t, topo, gamma=1.5), "gamma"),
+        for make, word in ((lambda: ChocoSGD(gamma=0.0), "gamma"),
+                           (lambda: ChocoSGD(gamma=1.5), "gamma"),
                            (lambda: DeepSqueeze(t, topo, eta=-0.1), "eta"),
                            (lambda: LowPrecisionDecentralized(t, topo, peer_selection="ring"), "peer_selection"),
                            (lambda: LowPrecisionDecentralized(t, topo, peer_selection="shift_one"), "even"),
@@ -287,7 +287,7 @@ def _all_algorithms(t, steps=4):
     X0, A, b = _problem(n)
     topo = make_topology("ring", n)
     q = MinMaxCodec(bits=3, rounding="stochastic")
-    makers = [lambda: ChocoSGD(t, topo, codec=q, seed=SEED), lambda: DCDPSGD(t, topo, codec=q, seed=SEED),
+    makers = [lambda: ChocoSGD(codec=q).worker(t, topo, seed=SEED), lambda: DCDPSGD(t, topo, codec=q, seed=SEED),
               lambda: ECDPSGD(t, topo, codec=q, seed=SEED), lambda: DeepSqueeze(t, topo, codec=q, seed=SEED),
               lambda: LowPrecisionDecentralized(t, topo, seed=SEED, hierarchical=False),
               lambda: LowPrecisionDecentralized(t, topo, peer_selection="shift_one", rounding="stochastic",
