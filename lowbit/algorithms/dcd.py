@@ -159,7 +159,7 @@ class ECDPSGD(_ReplicaGossip):
 
     @classmethod
     def check_config(cls, cfg):
-        check_unbiased(cls._codec(cfg))
+        cls.from_config(cfg)  # check_unbiased, before any worker starts
 
     @classmethod
     def from_config(cls, cfg):

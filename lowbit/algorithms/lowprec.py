@@ -242,20 +242,15 @@ class LowPrecisionDecentralized(GossipAlgorithm):
 
     @classmethod
     def check_config(cls, cfg):
-        if cfg.peer_selection not in PEER_SELECTIONS:
-            raise ValueError(f"peer_selection must be one of {PEER_SELECTIONS}, got {cfg.peer_selection!r}")
-        if cfg.peer_selection == "shift_one":
-            shift_one_peer(0, cfg.workers, 0)  # n even
         if (cfg.codec or cls.codecs[0]) == "bagua_minmax" and cfg.rounding not in (None, "nearest"):
             raise ValueError(f"rounding={cfg.rounding!r}: Bagua's min-max codec rounds to nearest; "
                              f"use --codec minmax for stochastic rounding")
-        for name, lo in (("communication_interval", 1), ("bucket_bytes", 1)):
-            v = getattr(cfg, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        L = cfg.node_size
-        if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1 or cfg.workers % L):
-            raise ValueError(f"node_size must be an int >= 1 dividing workers={cfg.workers}, got {L!r}")
+        algo = cls.from_config(cfg)  # the options' own checks
+        # and what init checks against the workers, before any worker starts
+        if algo.peer_selection == "shift_one":
+            shift_one_peer(0, cfg.workers, 0)  # n even
+        elif algo.node_size is not None and cfg.workers % algo.node_size:
+            raise ValueError(f"node_size must be an int >= 1 dividing workers={cfg.workers}, got {algo.node_size!r}")
         if cfg.topology != "ring":
             raise ValueError(f"topology={cfg.topology!r}: Bagua's low precision decentralized SGD gossips on a ring")
         if cfg.weights != "uniform":
