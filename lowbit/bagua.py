@@ -24,7 +24,7 @@ a node is ``LOCAL_WORLD_SIZE`` consecutive ranks under torchrun, or
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -41,7 +41,9 @@ class LowPrecisionDecentralizedAlgorithm:
     lowbit's extra keyword options: ``node_size`` (workers per node; None:
     ``LOCAL_WORLD_SIZE`` under torchrun, 1 on a given in-process transport),
     ``bucket_bytes`` (Bagua's default 10 MiB) and ``seed``. They are checked
-    when the algorithm is built (bad values raise ValueError there)."""
+    here, by :class:`~lowbit.algorithms.lowprec.LowPrecisionDecentralized` (bad values
+    raise ValueError); what depends on the workers (``node_size`` dividing their number)
+    when the model is wrapped."""
 
     hierarchical: bool = True
     communication_interval: int = 1
@@ -50,19 +52,15 @@ class LowPrecisionDecentralizedAlgorithm:
     seed: int = 0
 
     def __post_init__(self):
-        if not isinstance(self.hierarchical, bool):
-            raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
-        if isinstance(self.communication_interval, bool) or not isinstance(self.communication_interval, int) \
-                or self.communication_interval < 1:
-            raise ValueError(f"communication_interval must be an int >= 1, got {self.communication_interval!r}")
+        self.build()
 
-    def options(self) -> dict[str, Any]:
-        """The constructor options of ``LowPrecisionDecentralized``."""
-        return dict(hierarchical=self.hierarchical, communication_interval=self.communication_interval,
-                    node_size=self.node_size, bucket_bytes=self.bucket_bytes, seed=self.seed)
-
-    def algorithm_class(self):
-        return LowPrecisionDecentralized
+    def build(self, param_sizes: Sequence[int] | None = None) -> LowPrecisionDecentralized:
+        """The lowbit algorithm this stands for; ``param_sizes``: the element counts of the
+        module's parameters, which Bagua's buckets hold."""
+        return LowPrecisionDecentralized(hierarchical=self.hierarchical,
+                                         communication_interval=self.communication_interval,
+                                         node_size=self.node_size, bucket_bytes=self.bucket_bytes,
+                                         param_sizes=param_sizes)
 
 
 def trainable_sizes(model: nn.Module) -> list[int]:
@@ -80,9 +78,8 @@ def with_bagua(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         raise ValueError("optimizers must be a list holding exactly one optimizer, as in with_bagua([optimizer], ...)")
     if not isinstance(algorithm, LowPrecisionDecentralizedAlgorithm):
         raise ValueError(f"algorithm must be a lowbit.bagua.LowPrecisionDecentralizedAlgorithm, got {algorithm!r}")
-    return DecentralizedDataParallel(model, optimizers[0], algorithm.algorithm_class(), topology="ring",
-                                     transport=transport, buffers=buffers, param_sizes=trainable_sizes(model),
-                                     **algorithm.options())
+    return DecentralizedDataParallel(model, optimizers[0], algorithm.build(trainable_sizes(model)), topology="ring",
+                                     transport=transport, buffers=buffers, seed=algorithm.seed)
 
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "with_bagua", "trainable_sizes"]

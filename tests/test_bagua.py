@@ -12,6 +12,7 @@ input seeds; the replica invariants (a replica is bitwise the neighbour's model)
 hold exactly.
 """
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -199,8 +200,8 @@ def test_two_nodes_weigh_the_peer_twice():
     step is x <- W x - lr g with W = [[1/3, 2/3], [2/3, 1/3]], not the 1/2-1/2 average."""
     X0, A, b = quadratic_problem(2, 6, seed=5)
     X0 = X0[:1].repeat(2, 1)  # Bagua: one initial model
-    res = run_quadratic(lambda t: LowPrecisionDecentralized(t, make_topology("ring", 2), codec=IdentityCodec(),
-                                                            hierarchical=False), X0, A, b, 5, 0.1)
+    res = run_quadratic(lambda t: LowPrecisionDecentralized(codec=IdentityCodec(), hierarchical=False).worker(
+        t, make_topology("ring", 2)), X0, A, b, 5, 0.1)
     traj = torch.stack([torch.stack(seen) for seen, *_ in res], 1)
     W3 = torch.tensor([[1 / 3, 2 / 3], [2 / 3, 1 / 3]], dtype=torch.float64)
     W2 = torch.full((2, 2), 0.5, dtype=torch.float64)
@@ -297,7 +298,7 @@ def test_different_initial_models_are_refused():
     topo = make_topology("ring", 3)
 
     def worker(t):
-        LowPrecisionDecentralized(t, topo, hierarchical=False).setup(torch.full((5,), float(t.rank)))
+        LowPrecisionDecentralized(hierarchical=False).worker(t, topo).setup(torch.full((5,), float(t.rank)))
 
     with pytest.raises(ValueError, match="initial models differ"):
         run_threads(3, worker)
@@ -306,15 +307,22 @@ def test_different_initial_models_are_refused():
 def test_bad_options_name_the_argument():
     topo = make_topology("ring", 4)
 
+    lazy = np.eye(4) / 2 + np.roll(np.eye(4), 1, axis=1) / 4 + np.roll(np.eye(4), -1, axis=1) / 4
+
     def worker(t):
         for kw, word in ((dict(communication_interval=0), "communication_interval"),
-                         (dict(node_size=3), "node_size"), (dict(bucket_bytes=0), "bucket_bytes"),
-                         (dict(hierarchical="yes"), "hierarchical"), (dict(weights="metropolis"), "weights"),
+                         (dict(node_size=0), "node_size"), (dict(bucket_bytes=0), "bucket_bytes"),
+                         (dict(hierarchical="yes"), "hierarchical"),
                          (dict(peer_selection="shift_one", node_size=2), "shift_one")):
             with pytest.raises(ValueError, match=word):
-                LowPrecisionDecentralized(t, topo, **kw)
-        with pytest.raises(ValueError, match="ring"):
-            LowPrecisionDecentralized(t, make_topology("complete", 4))
+                LowPrecisionDecentralized(**kw)
+        x = torch.zeros(5)
+        # what depends on the workers is checked when the worker starts
+        for make, word in ((lambda: LowPrecisionDecentralized(node_size=3).worker(t, topo), "node_size"),
+                           (lambda: LowPrecisionDecentralized().worker(t, topo, W=lazy), "weights"),
+                           (lambda: LowPrecisionDecentralized().worker(t, make_topology("complete", 4)), "ring")):
+            with pytest.raises(ValueError, match=word):
+                make().setup(x)
         return True
 
     assert all(run_threads(4, worker))
@@ -349,7 +357,7 @@ def test_shift_one_is_lowbits_own():
     topo = make_topology("ring", 4)
 
     def worker(t):
-        a = LowPrecisionDecentralized(t, topo, peer_selection="shift_one")
+        a = LowPrecisionDecentralized(peer_selection="shift_one").worker(t, topo)
         x = torch.full((6,), float(t.rank))
         a.setup(x)  # sends x_0 once: different initial models are fine here
         for k in range(3):
@@ -358,9 +366,9 @@ def test_shift_one_is_lowbits_own():
             x -= 0.1 * g
             a.after_update(k, x, g, 0.1)
         with pytest.raises(ValueError, match="communication_interval"):
-            LowPrecisionDecentralized(t, topo, peer_selection="shift_one", communication_interval=2)
+            LowPrecisionDecentralized(peer_selection="shift_one", communication_interval=2)
         return x, sorted(a.state_tensors())
 
     res = run_threads(4, worker)
-    assert res[0][1] == ["mirror_2", "mirror_3", "xhat_2", "xhat_3"]
+    assert res[0][1] == ["mirror.2", "mirror.3", "xhat.2", "xhat.3"]
     assert len({float(x.mean()) for x, _ in res}) > 1  # pairwise gossip, not yet at consensus

@@ -4,40 +4,43 @@ the paper's Algorithm 1 (one x_hat per neighbour: (degree + 1) x d), written
 here as the reference. Same codec, same shared randomness, float32 models, the
 thread runtime; rings and a torus."""
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from quadratic import quadratic_problem, run_quadratic
 
-from lowbit.algorithms import ChocoSGD
-from lowbit.algorithms.gossip import exchange_compressed
+from lowbit.algorithms import ChocoSGD, State
+from lowbit.algorithms.gossip import exchange_compressed, mix
 from lowbit.codecs import IdentityCodec, MinMaxCodec
 from lowbit.topology import make_topology
 
 SEED, LR, STEPS, D = 5, 0.01, 60, 1000  # far from converged: the models still move
 
 
+@dataclass
+class PerNeighbourState(State):
+    xh: dict  # {j: xh_j} for self and every neighbour
+
+
+@dataclass(frozen=True)
 class PerNeighbourChoco(ChocoSGD):
     """Algorithm 1 as written: xh_j for self and every neighbour, line 9 summed
     neighbour by neighbour."""
 
     name = "choco-per-neighbour"
 
-    def setup(self, x):
-        self.xh = {j: torch.zeros_like(x) for j in (self.rank, *self.neighbors)}
+    def init(self, x, ctx):
+        return PerNeighbourState({j: torch.zeros_like(x) for j in (ctx.rank, *ctx.neighbors)})
 
-    def state_tensors(self):
-        return {f"xhat_{j}": t for j, t in sorted(self.xh.items())}
-
-    def after_update(self, k, x, g, lr):
-        q_i, received = exchange_compressed(self, self.codec, k, x - self.xh[self.rank], self.neighbors)
-        self.xh[self.rank].add_(q_i)
-        for j in self.neighbors:
-            self.xh[j].add_(received[j])
-        xh_i = self.xh[self.rank]
-        delta = torch.zeros_like(x)
-        for j in self.neighbors:
-            delta.add_(self.xh[j] - xh_i, alpha=self.w[j])
-        x.add_(delta, alpha=self.gamma)
+    def after_update(self, state, ctx, k, x, g, lr):
+        xh = state.xh
+        q_i, received = exchange_compressed(ctx, self.codec, k, x - xh[ctx.rank], ctx.neighbors)
+        xh[ctx.rank].add_(q_i)
+        for j in ctx.neighbors:
+            xh[j].add_(received[j])
+        x.add_(mix(ctx, xh[ctx.rank], {j: xh[j] for j in ctx.neighbors}, relative=True), alpha=self.gamma)
+        return state
 
 
 CODECS = {"fp32": IdentityCodec, "minmax8": lambda: MinMaxCodec(bits=8),
@@ -50,7 +53,7 @@ def _final(cls, topo, codec, dtype):
     """Every worker's model after STEPS steps of the quadratic problem, its extra memory, its bytes sent."""
     X0, A, b = quadratic_problem(topo.n, D, seed=1, scale=1.0)
     X0, A, b = X0.to(dtype), A.to(dtype), b.to(dtype)
-    res = run_quadratic(lambda t: cls(t, topo, codec=codec(), gamma=GAMMA, seed=SEED), X0, A, b, STEPS, LR,
+    res = run_quadratic(lambda t: cls(codec=codec(), gamma=GAMMA).worker(t, topo, seed=SEED), X0, A, b, STEPS, LR,
                         observe=lambda k, x, algo, t: None)
     assert (res[0][3] - X0[0]).norm() > 0.1 * X0[0].norm()  # far from the start: the test can tell forms apart
     return torch.stack([x for *_, x in res]), [algo.extra_memory_bytes() for _, algo, _, _ in res], \
@@ -97,15 +100,15 @@ def test_state_is_xhat_and_consensus_term():
     def seen(k, x, algo, t):
         return {n: v.clone() for n, v in algo.state_tensors().items()}
 
-    ref = run_quadratic(lambda t: PerNeighbourChoco(t, topo, codec=codec(), gamma=GAMMA, seed=SEED), X0, A, b,
+    ref = run_quadratic(lambda t: PerNeighbourChoco(codec=codec(), gamma=GAMMA).worker(t, topo, seed=SEED), X0, A, b,
                         5, LR, observe=seen)
-    new = run_quadratic(lambda t: ChocoSGD(t, topo, codec=codec(), gamma=GAMMA, seed=SEED), X0, A, b, 5, LR,
+    new = run_quadratic(lambda t: ChocoSGD(codec=codec(), gamma=GAMMA).worker(t, topo, seed=SEED), X0, A, b, 5, LR,
                         observe=seen)
     for (states_ref, algo, _, _), (states, _, _, _) in zip(ref, new):
         i = algo.rank
         for k in range(5):
             r, s = states_ref[k], states[k]
             assert set(s) == {"xhat", "consensus"}
-            torch.testing.assert_close(s["xhat"], r[f"xhat_{i}"], rtol=1e-12, atol=1e-14)
-            e = sum(algo.w[j] * (r[f"xhat_{j}"] - r[f"xhat_{i}"]) for j in topo.neighbors(i))
+            torch.testing.assert_close(s["xhat"], r[f"xh.{i}"], rtol=1e-12, atol=1e-14)
+            e = sum(algo.ctx.w[j] * (r[f"xh.{j}"] - r[f"xh.{i}"]) for j in topo.neighbors(i))
             torch.testing.assert_close(s["consensus"], e, rtol=1e-10, atol=1e-12)

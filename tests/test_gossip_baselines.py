@@ -52,7 +52,7 @@ def test_choco_is_algorithm_1(codec):
     X0, A, b = _problem()
     topo, W = _ring()
     gamma = 0.7
-    traj, states, sent = _run(lambda t: ChocoSGD(t, topo, codec=codec, gamma=gamma, seed=SEED), X0, A, b)
+    traj, states, sent = _run(lambda t: ChocoSGD(codec=codec, gamma=gamma).worker(t, topo, seed=SEED), X0, A, b)
     X, Xh = X0.clone(), torch.zeros_like(X0)
     I = torch.eye(N, dtype=torch.float64)
     for k in range(STEPS):
@@ -71,7 +71,7 @@ def test_choco_is_algorithm_1(codec):
 def test_dcd_is_algorithm_1(codec):
     X0, A, b = _problem()
     topo, W = _ring()
-    traj, states, sent = _run(lambda t: DCDPSGD(t, topo, codec=codec, seed=SEED), X0, A, b)
+    traj, states, sent = _run(lambda t: DCDPSGD(codec=codec).worker(t, topo, seed=SEED), X0, A, b)
     X = X0.clone()
     for k in range(STEPS):
         Xhalf = W @ X - LR * (A * X - b)                            # lines 2-3 (replicas are the models)
@@ -79,7 +79,7 @@ def test_dcd_is_algorithm_1(codec):
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
         for i in range(N):  # line 6: the replica of j is bitwise j's model
             for j in topo.neighbors(i):
-                assert torch.equal(states[i][k][f"xhat_{j}"], traj[k, j]), (k, i, j)
+                assert torch.equal(states[i][k][f"xhat.{j}"], traj[k, j]), (k, i, j)
     setup_bytes = 2 * D * 8  # x_0 (float64 here) to two neighbours, once
     assert sent == [setup_bytes + STEPS * 2 * _payload_bytes(codec)] * N
 
@@ -88,7 +88,7 @@ def test_dcd_is_algorithm_1(codec):
 def test_ecd_is_algorithm_2(codec):
     X0, A, b = _problem()
     topo, W = _ring()
-    traj, states, sent = _run(lambda t: ECDPSGD(t, topo, codec=codec, seed=SEED), X0, A, b)
+    traj, states, sent = _run(lambda t: ECDPSGD(codec=codec).worker(t, topo, seed=SEED), X0, A, b)
     X, Y = X0.clone(), X0.clone()
     for k in range(STEPS):
         t = k + 1
@@ -98,9 +98,9 @@ def test_ecd_is_algorithm_2(codec):
         X = Xnew
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
         for i in range(N):
-            torch.testing.assert_close(states[i][k][f"xhat_{i}"], Y[i], atol=1e-6, rtol=0)
+            torch.testing.assert_close(states[i][k][f"y.{i}"], Y[i], atol=1e-6, rtol=0)
             for j in topo.neighbors(i):  # i's estimate of j is bitwise j's estimate of itself
-                assert torch.equal(states[i][k][f"xhat_{j}"], states[j][k][f"xhat_{j}"]), (k, i, j)
+                assert torch.equal(states[i][k][f"y.{j}"], states[j][k][f"y.{j}"]), (k, i, j)
     if isinstance(codec, IdentityCodec):  # C = float32 rounding only: the estimates track the models
         torch.testing.assert_close(Y, X, atol=1e-6, rtol=0)
     assert sent == [2 * D * 8 + STEPS * 2 * _payload_bytes(codec)] * N
@@ -111,7 +111,7 @@ def test_deepsqueeze_is_algorithm_1(codec):
     X0, A, b = _problem()
     topo, W = _ring()
     eta = 0.6
-    traj, states, sent = _run(lambda t: DeepSqueeze(t, topo, codec=codec, eta=eta, seed=SEED), X0, A, b)
+    traj, states, sent = _run(lambda t: DeepSqueeze(codec=codec, eta=eta).worker(t, topo, seed=SEED), X0, A, b)
     X, Delta = X0.clone(), torch.zeros_like(X0)
     I = torch.eye(N, dtype=torch.float64)
     for k in range(STEPS):
@@ -137,8 +137,8 @@ def test_lowprec_all_is_bagua_algorithm(rounding):
     X0 = X0[:1].repeat(N, 1)  # Bagua: every worker starts from one model
     topo, W = _ring()
     codec = MinMaxCodec(bits=8, rounding=rounding)
-    traj, states, sent = _run(lambda t: LowPrecisionDecentralized(t, topo, codec=codec, seed=SEED,
-                                                                  hierarchical=False), X0, A, b)
+    traj, states, sent = _run(lambda t: LowPrecisionDecentralized(codec=codec, hierarchical=False).worker(
+        t, topo, seed=SEED), X0, A, b)
     X = X0.clone()
     for k in range(STEPS):
         T = W @ X - LR * (A * X - b) - X                            # steps 2-3 (replicas are the models)
@@ -154,7 +154,7 @@ def test_lowprec_fp32_codec_is_dpsgd():
     X0, A, b = _problem()
     X0 = X0[:1].repeat(N, 1)
     topo, W = _ring()
-    traj, _, _ = _run(lambda t: LowPrecisionDecentralized(t, topo, codec=IdentityCodec(), hierarchical=False),
+    traj, _, _ = _run(lambda t: LowPrecisionDecentralized(codec=IdentityCodec(), hierarchical=False).worker(t, topo),
                       X0, A, b)
     X = X0.clone()
     for k in range(STEPS):
@@ -182,8 +182,8 @@ def test_lowprec_shift_one(codec):
     n = 6
     X0, A, b = _problem(n)
     topo = make_topology("ring", n)
-    traj, states, sent = _run(lambda t: LowPrecisionDecentralized(t, topo, peer_selection="shift_one",
-                                                                  codec=codec, seed=SEED), X0, A, b)
+    traj, states, sent = _run(lambda t: LowPrecisionDecentralized(peer_selection="shift_one", codec=codec).worker(
+        t, topo, seed=SEED), X0, A, b)
     X = X0.clone()
     known = {(i, j): X0[i].clone() for i in range(n) for j in range(n)}  # i's model as j knows it
     for k in range(STEPS):
@@ -196,8 +196,8 @@ def test_lowprec_shift_one(codec):
             known[i, Pn[i]] = X[i].clone()
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
         for i in range(n):  # the replica of the next peer is bitwise that peer's model
-            assert torch.equal(states[i][k][f"xhat_{Pn[i]}"], traj[k, Pn[i]])
-            assert torch.equal(states[i][k][f"mirror_{Pn[i]}"], traj[k, i])
+            assert torch.equal(states[i][k][f"xhat.{Pn[i]}"], traj[k, Pn[i]])
+            assert torch.equal(states[i][k][f"mirror.{Pn[i]}"], traj[k, i])
     if isinstance(codec, IdentityCodec):  # lossless: pairwise gossip averaging
         X = X0.clone()
         for k in range(STEPS):
@@ -215,8 +215,9 @@ def test_extra_memory_is_the_papers():
 
     def worker(t):
         out = []
-        for algo in (ChocoSGD(t, topo), DCDPSGD(t, topo), ECDPSGD(t, topo), DeepSqueeze(t, topo),
-                     LowPrecisionDecentralized(t, topo), LowPrecisionDecentralized(t, topo, peer_selection="shift_one")):
+        for algo in (ChocoSGD(), DCDPSGD(), ECDPSGD(), DeepSqueeze(), LowPrecisionDecentralized(),
+                     LowPrecisionDecentralized(peer_selection="shift_one")):
+            algo = algo.worker(t, topo)
             algo.setup(torch.zeros(d))
             out.append(algo.extra_memory_bytes())
         return out
@@ -233,7 +234,7 @@ def test_state_dict_round_trip_continues_exactly():
 
     def worker(t):
         x = X0[t.rank].clone()
-        a = ECDPSGD(t, topo, seed=SEED)
+        a = ECDPSGD().worker(t, topo, seed=SEED)
         a.setup(x)
         for k in range(3):
             g = A[t.rank] * x - b[t.rank]
@@ -241,10 +242,10 @@ def test_state_dict_round_trip_continues_exactly():
             x -= LR * g
             a.after_update(k, x, g, LR)
         state = a.state_dict()
-        bcopy = ECDPSGD(t, topo, seed=SEED)
+        bcopy = ECDPSGD().worker(t, topo, seed=SEED)
         bcopy.setup(x)
         bcopy.load_state_dict(state)
-        assert bcopy.t == a.t == 4
+        assert bcopy.state.t == a.state.t == 4
         return all(torch.equal(u, v) for u, v in zip(a.state_tensors().values(), bcopy.state_tensors().values()))
 
     assert all(run_threads(N, worker))
@@ -254,14 +255,15 @@ def test_bad_options_raise_clear_errors():
     topo = make_topology("ring", 3)
 
     def worker(t):
-        for make, word in ((lambda: ChocoSGD(t, topo, gamma=0.0), "gamma"),
-                           (lambda: ChocoSGD(t, topo, gamma=1.5), "gamma"),
-                           (lambda: DeepSqueeze(t, topo, eta=-0.1), "eta"),
-                           (lambda: LowPrecisionDecentralized(t, topo, peer_selection="ring"), "peer_selection"),
-                           (lambda: LowPrecisionDecentralized(t, topo, peer_selection="shift_one"), "even"),
-                           (lambda: LowPrecisionDecentralized(t, topo, bits=9), "bits"),
-                           (lambda: LowPrecisionDecentralized(t, topo, rounding="up"), "rounding"),
-                           (lambda: ECDPSGD(t, topo, codec=MinMaxCodec(rounding="nearest")), "unbiased")):
+        for make, word in ((lambda: ChocoSGD(gamma=0.0), "gamma"),
+                           (lambda: ChocoSGD(gamma=1.5), "gamma"),
+                           (lambda: DeepSqueeze(eta=-0.1), "eta"),
+                           (lambda: LowPrecisionDecentralized(peer_selection="ring"), "peer_selection"),
+                           (lambda: LowPrecisionDecentralized(peer_selection="shift_one").worker(t, topo).setup(
+                               torch.zeros(3)), "even"),  # the number of workers: known to the worker
+                           (lambda: LowPrecisionDecentralized(bits=9), "bits"),
+                           (lambda: LowPrecisionDecentralized(rounding="up"), "rounding"),
+                           (lambda: ECDPSGD(codec=MinMaxCodec(rounding="nearest")), "unbiased")):
             with pytest.raises(ValueError, match=word):
                 make()
         return True
@@ -287,15 +289,13 @@ def _all_algorithms(t, steps=4):
     X0, A, b = _problem(n)
     topo = make_topology("ring", n)
     q = MinMaxCodec(bits=3, rounding="stochastic")
-    makers = [lambda: ChocoSGD(t, topo, codec=q, seed=SEED), lambda: DCDPSGD(t, topo, codec=q, seed=SEED),
-              lambda: ECDPSGD(t, topo, codec=q, seed=SEED), lambda: DeepSqueeze(t, topo, codec=q, seed=SEED),
-              lambda: LowPrecisionDecentralized(t, topo, seed=SEED, hierarchical=False),
-              lambda: LowPrecisionDecentralized(t, topo, peer_selection="shift_one", rounding="stochastic",
-                                                seed=SEED)]
+    algos = [ChocoSGD(codec=q), DCDPSGD(codec=q), ECDPSGD(codec=q), DeepSqueeze(codec=q),
+             LowPrecisionDecentralized(hierarchical=False),
+             LowPrecisionDecentralized(peer_selection="shift_one", rounding="stochastic")]
     out = []
-    for i, make in enumerate(makers):
+    for i, algo in enumerate(algos):
         x = X0[0 if i == 4 else t.rank].clone()  # Bagua's lowprec: every worker starts from one model
-        algo = make()
+        algo = algo.worker(t, topo, seed=SEED)
         algo.setup(x)
         for k in range(steps):
             quadratic_step(algo, t, k, x, A, b, LR)

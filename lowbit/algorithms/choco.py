@@ -36,17 +36,20 @@ is our fixed choice, not a tuned value).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from ..codecs import Codec, IdentityCodec, MinMaxCodec
-from .legacy import GossipAlgorithm
-from .gossip import REPLICA_CODECS, exchange_compressed
+from .base import GossipAlgorithm, State
+from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, exchange_compressed, mix
 
 DEFAULT_GAMMA = 0.5
 
 
 def check_gamma(gamma, name: str = "gamma") -> float:
+    """``gamma`` as a float if it is a number in (0, 1] (a consensus step size); a
+    ValueError naming ``name`` and the range otherwise."""
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) \
             or not 0 < gamma <= 1:
         raise ValueError(f"{name} must be a number in (0, 1], got {gamma!r}")
@@ -54,40 +57,57 @@ def check_gamma(gamma, name: str = "gamma") -> float:
 
 
 def default_gamma(codec: Codec) -> float:
+    """The consensus step size when none is given: 1.0 for the lossless codec (fp32),
+    :data:`DEFAULT_GAMMA` for a lossy one."""
     return 1.0 if isinstance(codec, IdentityCodec) else DEFAULT_GAMMA
 
 
+@dataclass
+class ChocoState(State):
+    """CHOCO-SGD's memory on worker i: its public estimate xh_i and the consensus term
+    e_i = sum_j w_ij (xh_j - xh_i) (both zero at the start)."""
+
+    xhat: torch.Tensor       # xh_i
+    consensus: torch.Tensor  # e_i
+
+
+@dataclass(frozen=True)
 class ChocoSGD(GossipAlgorithm):
+    """CHOCO-SGD: each worker takes its gradient step, sends its neighbours a compressed
+    correction of a public estimate of its model, and moves its model towards its
+    neighbours' estimates.
+
+    Options: ``codec`` compresses the corrections (min-max 8 bits by default); ``gamma``
+    is the consensus step size, how far a worker moves towards its neighbours each step,
+    in (0, 1] (None: 1.0 for the lossless fp32 codec, 0.5 for a lossy one). This is
+    Algorithm 1 of Koloskova et al. 2019 (see the module docstring) in its
+    memory-efficient form: 2 x d of extra memory whatever the degree."""
+
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8))
+    gamma: float | None = None
     name = "choco"
     codecs = REPLICA_CODECS
+    options = (*CODEC_OPTIONS, "gamma")
+
+    def __post_init__(self):
+        check_codec(self.codec)
+        object.__setattr__(self, "gamma",
+                           default_gamma(self.codec) if self.gamma is None else check_gamma(self.gamma))
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, codec=cfg.make_codec(cls.codecs), gamma=cfg.gamma,
-                   weights=cfg.weights, seed=cfg.seed)
-
-    def __init__(self, transport, topology, *, codec: Codec | None = None, gamma: float | None = None, **kw):
-        super().__init__(transport, topology, **kw)
-        self.codec = codec if codec is not None else MinMaxCodec(bits=8)
-        self.gamma = check_gamma(gamma) if gamma is not None else default_gamma(self.codec)
-        self.xhat: torch.Tensor | None = None  # xh_i
-        self.e: torch.Tensor | None = None     # e_i = sum_{j in N(i)} w_ij (xh_j - xh_i)
+    def from_config(cls, cfg):
+        return cls(codec=cfg.make_codec(cls.codecs), gamma=cfg.gamma)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def setup(self, x):
-        self.xhat, self.e = torch.zeros_like(x), torch.zeros_like(x)
+    def init(self, x, ctx):
+        return ChocoState(torch.zeros_like(x), torch.zeros_like(x))  # xh_i = 0: the paper's start
 
-    def state_tensors(self):
-        return {"xhat": self.xhat, "consensus": self.e}
-
-    def after_update(self, k, x, g, lr):
+    def after_update(self, state, ctx, k, x, g, lr):
         # x is x_{t+1/2} here (line 4 was the optimizer step)
-        q_i, received = exchange_compressed(self, self.codec, k, x - self.xhat, self.neighbors)  # 5
-        self.xhat.add_(q_i)                                                                        # 6-8
-        step = torch.zeros_like(x)  # sum_j w_ij (q_j - q_i): one rounding of e_i per step
-        for j in self.neighbors:
-            step.add_(received[j] - q_i, alpha=self.w[j])
-        self.e.add_(step)
-        x.add_(self.e, alpha=self.gamma)                                                           # 9
+        q_i, q = exchange_compressed(ctx, self.codec, k, x - state.xhat, ctx.neighbors)  # 5
+        state.xhat.add_(q_i)                                                               # 6-8
+        state.consensus.add_(mix(ctx, q_i, q, relative=True))  # e_i += sum_j w_ij (q_j - q_i): one rounding
+        x.add_(state.consensus, alpha=self.gamma)                                          # 9
+        return state

@@ -31,7 +31,7 @@ compressor (the paper's assumption): its default min-max rounding is
 "stochastic", and biased codecs (nearest rounding, sign, fp16) are rejected.
 
 Both papers assume a common x_0 on all workers and initialise the replicas
-to it. :meth:`setup` here sends x_0 once, uncompressed, to each neighbour (counted in
+to it. ``init`` here sends x_0 once, uncompressed, to each neighbour (counted in
 the ledger at step 0), so the replicas are exact even when the x_0 differ.
 
 Randomness of a stochastic C: worker p at step k draws from
@@ -42,12 +42,14 @@ Randomness of a stochastic C: worker p at step k draws from
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 
 import torch
 
 from ..codecs import Codec, MinMaxCodec
-from .legacy import GossipAlgorithm
-from .gossip import REPLICA_CODECS, exchange_compressed, exchange_initial_models
+from .base import Context, GossipAlgorithm, State, transient
+from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, exchange_compressed, exchange_initial_models, mix
+
 
 def check_unbiased(codec: Codec) -> None:
     """ECD-PSGD's analysis needs E[C(z)] = z (Assumption 1 of the paper)."""
@@ -56,68 +58,97 @@ def check_unbiased(codec: Codec) -> None:
                          f"(use rounding='stochastic' for minmax, or uniform, terngrad, fp32)")
 
 
-class _ReplicaGossip(GossipAlgorithm):
-    """Shared by DCD/ECD/Bagua: a codec, neighbour replicas set up from x_0."""
+def send_difference(ctx: Context, codec: Codec, k: int, x: torch.Tensor, ref: torch.Tensor,
+                    xhat: dict[int, torch.Tensor], peers) -> None:
+    """DCD-PSGD's lines 4-6 towards ``peers``: z = x - ref, send C(z); x <- ref + C(z) (the
+    model as the peers know it); xh^(j) <- xh^(j) + C(z^(j)) for every peer j."""
+    cz, received = exchange_compressed(ctx, codec, k, x - ref, peers)   # line 4
+    x.copy_(ref + cz)                                                    # line 5
+    for j in peers:                                                      # line 6
+        xhat[j].add_(received[j])
 
+
+@dataclass(frozen=True)
+class _ReplicaGossip(GossipAlgorithm):
+    """The options DCD-PSGD and ECD-PSGD share: the codec C of the messages."""
+
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8))
     codecs = REPLICA_CODECS
+    options = CODEC_OPTIONS
+
+    def __post_init__(self):
+        check_codec(self.codec)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, codec=cfg.make_codec(cls.codecs), weights=cfg.weights, seed=cfg.seed)
-
-    def __init__(self, transport, topology, *, codec: Codec | None = None, **kw):
-        super().__init__(transport, topology, **kw)
-        if codec is not None and not isinstance(codec, Codec):
-            raise TypeError(f"codec must be a lowbit Codec, got {type(codec).__name__}")
-        self.codec = codec if codec is not None else MinMaxCodec(bits=8)
-        self.replicas: dict[int, torch.Tensor] = {}
-        self._x_t: torch.Tensor | None = None  # x_t within one step (not kept between steps)
+    def from_config(cls, cfg):
+        return cls(codec=cfg.make_codec(cls.codecs))
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def state_tensors(self):
-        return {f"xhat_{j}": r for j, r in sorted(self.replicas.items())}
 
-    def _mix(self, x: torch.Tensor, own: torch.Tensor) -> None:
-        """x <- W_ii own + sum_j W_ij xh^(j) (W symmetric)."""
-        mixed = own * self.w_self
-        for j in self.neighbors:
-            mixed.add_(self.replicas[j], alpha=self.w[j])
-        x.copy_(mixed)
+@dataclass
+class DCDState(State):
+    """DCD-PSGD's memory on worker i: a replica xh^(j) of every neighbour's model."""
+
+    xhat: dict[int, torch.Tensor]
+    x_t: torch.Tensor | None = transient(default=None)  # x_t between the two phases of a step
 
 
+@dataclass(frozen=True)
 class DCDPSGD(_ReplicaGossip):
-    """DCD-PSGD, Algorithm 1 of Tang et al. 2018 (see the module docstring).
+    """DCD-PSGD: each worker averages its model with replicas of its neighbours' models,
+    takes its gradient step, and sends its neighbours the compressed change of its model,
+    which it applies to its own model too so that the replicas stay exact.
 
-    Extra memory: one replica per neighbour, degree x d (the own replica is the
-    model itself)."""
+    Option: ``codec``, how the model changes are compressed (min-max 8 bits by default).
+    This is Algorithm 1 (difference compression) of Tang et al. 2018 (see the module
+    docstring). Extra memory: one replica per neighbour, degree x d (the own replica is
+    the model itself)."""
 
     name = "dcd"
 
-    def setup(self, x):
-        self.replicas = exchange_initial_models(self, x, self.neighbors)
+    def init(self, x, ctx):
+        return DCDState(exchange_initial_models(ctx, x, ctx.neighbors))
 
-    def before_update(self, k, x, g, lr):
-        self._x_t = x.detach().clone()
-        self._mix(x, self._x_t)                                             # line 2
+    def before_update(self, state, ctx, k, x, g, lr):
+        state.x_t = x.detach().clone()
+        x.copy_(mix(ctx, state.x_t, state.xhat))                           # line 2
+        return state
 
-    def after_update(self, k, x, g, lr):
-        x_t, self._x_t = self._x_t, None
-        cz, received = exchange_compressed(self, self.codec, k, x - x_t, self.neighbors)  # line 4
-        x.copy_(x_t + cz)                                                   # line 5
-        for j in self.neighbors:                                            # line 6
-            self.replicas[j].add_(received[j])
+    def after_update(self, state, ctx, k, x, g, lr):
+        x_t, state.x_t = state.x_t, None
+        send_difference(ctx, self.codec, k, x, x_t, state.xhat, ctx.neighbors)  # lines 4-6
+        return state
 
 
+@dataclass
+class ECDState(State):
+    """ECD-PSGD's memory on worker i: the estimates y^(j) of its own model (j = i) and of
+    its neighbours', and the paper's step counter t (from 1)."""
+
+    y: dict[int, torch.Tensor]
+    t: int = 1
+    x_t: torch.Tensor | None = transient(default=None)  # x_t between the two phases of a step
+
+
+@dataclass(frozen=True)
 class ECDPSGD(_ReplicaGossip):
-    """ECD-PSGD, Algorithm 2 of Tang et al. 2018 (see the module docstring).
+    """ECD-PSGD: each worker averages its model with estimates of its neighbours' models,
+    takes its gradient step, and sends a compressed extrapolation of its model from
+    which every receiver updates its estimate, averaging the compression noise away.
 
-    Extra memory: the estimates y of the neighbours and of itself,
-    (degree + 1) x d. The step counter t is checkpointed in extra_state."""
+    Option: ``codec``, how the extrapolations are compressed; it must be unbiased (min-max
+    8 bits with stochastic rounding by default). This is Algorithm 2 (extrapolation
+    compression) of Tang et al. 2018 (see the module docstring). Extra memory: the
+    estimates of the neighbours and of itself, (degree + 1) x d; the state keeps t."""
 
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8, rounding="stochastic"))
     name = "ecd"
     codecs = ("minmax", "uniform", "terngrad", "fp32")
+
+    def __post_init__(self):
+        check_unbiased(check_codec(self.codec))
 
     @classmethod
     def _codec(cls, cfg) -> Codec:
@@ -128,47 +159,30 @@ class ECDPSGD(_ReplicaGossip):
 
     @classmethod
     def check_config(cls, cfg):
-        check_unbiased(cls._codec(cfg))
+        cls.from_config(cfg)  # check_unbiased, before any worker starts
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, codec=cls._codec(cfg), weights=cfg.weights, seed=cfg.seed)
+    def from_config(cls, cfg):
+        return cls(codec=cls._codec(cfg))
 
-    def __init__(self, transport, topology, *, codec: Codec | None = None, **kw):
-        codec = codec if codec is not None else MinMaxCodec(bits=8, rounding="stochastic")
-        check_unbiased(codec)
-        super().__init__(transport, topology, codec=codec, **kw)
-        self.y_self: torch.Tensor | None = None
-        self.t = 1  # the paper's iteration counter, starting at 1
+    def init(self, x, ctx):
+        y = {ctx.rank: x.detach().clone()}
+        y.update(exchange_initial_models(ctx, x, ctx.neighbors))
+        return ECDState(y)
 
-    def setup(self, x):
-        self.replicas = exchange_initial_models(self, x, self.neighbors)
-        self.y_self = x.detach().clone()
+    def before_update(self, state, ctx, k, x, g, lr):
+        state.x_t = x.detach().clone()
+        y = state.y
+        x.copy_(mix(ctx, y[ctx.rank], {j: y[j] for j in ctx.neighbors}))  # line 2
+        return state
 
-    def state_tensors(self):
-        out = super().state_tensors()
-        if self.y_self is not None:
-            out[f"xhat_{self.rank}"] = self.y_self
-        return out
-
-    def extra_state(self):
-        return {"t": self.t}
-
-    def load_extra_state(self, extra):
-        if "t" in extra:
-            self.t = int(extra["t"])
-
-    def before_update(self, k, x, g, lr):
-        self._x_t = x.detach().clone()
-        self._mix(x, self.y_self)                                           # line 2
-
-    def after_update(self, k, x, g, lr):
-        x_t, self._x_t = self._x_t, None
-        t = self.t
+    def after_update(self, state, ctx, k, x, g, lr):
+        x_t, state.x_t = state.x_t, None
+        t = state.t
         z = x_t * (1 - 0.5 * t) + x * (0.5 * t)                             # line 4
-        cz, received = exchange_compressed(self, self.codec, k, z, self.neighbors)
+        cz, received = exchange_compressed(ctx, self.codec, k, z, ctx.neighbors)
         a = 2.0 / t
-        self.y_self.mul_(1 - a).add_(cz, alpha=a)                            # line 5
-        for j in self.neighbors:
-            self.replicas[j].mul_(1 - a).add_(received[j], alpha=a)
-        self.t += 1
+        for j, c in ((ctx.rank, cz), *received.items()):                    # line 5
+            state.y[j].mul_(1 - a).add_(c, alpha=a)
+        state.t += 1
+        return state

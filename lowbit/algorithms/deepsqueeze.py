@@ -9,7 +9,8 @@ Per worker i at step t::
     4: C(v_t) sent to neighbours;  delta_t = v_t - C(v_t)
     5: x_{t+1} = x_{t+1/2} + eta sum_j (W_ij - I_ij) C(v_t^(j))       (j = i included)
 
-with delta_{-1} = 0. The error memory delta is the only extra state: d per
+with delta_{-1} = 0 (lines 3-4 are :mod:`~lowbit.algorithms.feedback`'s compensate and
+remember, the error feedback every algorithm shares). The error memory delta is the only extra state: d per
 worker (the Theta(n d) of Table 1 in the Moniqua paper). eta, the consensus
 step size, is ``--gamma`` in the CLI (in (0, 1]); default 1.0 for a lossless
 codec (then step 5 is x_{t+1} = sum_j W_ij x_{t+1/2}^(j)) and 0.5 for a lossy
@@ -18,43 +19,61 @@ one (our fixed choice; the paper tunes it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from ..codecs import Codec, MinMaxCodec
-from .legacy import GossipAlgorithm
+from .base import GossipAlgorithm, State
 from .choco import check_gamma, default_gamma
-from .gossip import REPLICA_CODECS, exchange_compressed
+from .feedback import compensate, remember
+from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, exchange_compressed, mix
 
 
+@dataclass
+class DeepSqueezeState(State):
+    """DeepSqueeze's memory on worker i: the compression error delta not yet sent (zero at
+    the start)."""
+
+    delta: torch.Tensor
+
+
+@dataclass(frozen=True)
 class DeepSqueeze(GossipAlgorithm):
+    """DeepSqueeze: each worker takes its gradient step, sends its neighbours its model
+    compressed with the error of its previous compression added back, and moves its model
+    towards the compressed models it received.
+
+    Options: ``codec`` compresses the models (min-max 8 bits by default); ``eta`` is the
+    consensus step size, how far a worker moves towards its neighbours each step, in
+    (0, 1] (``--gamma`` on the command line; None: 1.0 for the lossless fp32 codec, 0.5
+    for a lossy one). This is Algorithm 1 of Tang et al. 2019 (see the module
+    docstring). Extra memory: the error, d."""
+
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8))
+    eta: float | None = None
     name = "deepsqueeze"
     codecs = REPLICA_CODECS
+    options = (*CODEC_OPTIONS, "gamma")
+
+    def __post_init__(self):
+        check_codec(self.codec)
+        object.__setattr__(self, "eta",
+                           default_gamma(self.codec) if self.eta is None else check_gamma(self.eta, "eta (--gamma)"))
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, codec=cfg.make_codec(cls.codecs), eta=cfg.gamma,
-                   weights=cfg.weights, seed=cfg.seed)
-
-    def __init__(self, transport, topology, *, codec: Codec | None = None, eta: float | None = None, **kw):
-        super().__init__(transport, topology, **kw)
-        self.codec = codec if codec is not None else MinMaxCodec(bits=8)
-        self.eta = check_gamma(eta, "eta (--gamma)") if eta is not None else default_gamma(self.codec)
-        self.delta: torch.Tensor | None = None
+    def from_config(cls, cfg):
+        return cls(codec=cfg.make_codec(cls.codecs), eta=cfg.gamma)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def setup(self, x):
-        self.delta = torch.zeros_like(x)
+    def init(self, x, ctx):
+        return DeepSqueezeState(torch.zeros_like(x))  # delta_{-1} = 0
 
-    def state_tensors(self):
-        return {} if self.delta is None else {"delta": self.delta}
-
-    def after_update(self, k, x, g, lr):
-        v = x + self.delta                                                         # line 3
-        cv, received = exchange_compressed(self, self.codec, k, v, self.neighbors)  # line 4
-        self.delta.copy_(v - cv)
-        step = cv * (self.w_self - 1.0)                                            # line 5, j = i
-        for j in self.neighbors:
-            step.add_(received[j], alpha=self.w[j])
-        x.add_(step, alpha=self.eta)
+    def after_update(self, state, ctx, k, x, g, lr):
+        v = compensate(x, state.delta)                                            # line 3
+        cv, received = exchange_compressed(ctx, self.codec, k, v, ctx.neighbors)  # line 4
+        remember(state.delta, v, cv)
+        x.add_(mix(ctx, cv, received, w_self=ctx.w_self - 1.0), alpha=self.eta)   # line 5: sum_j (W - I)_ij C(v_j)
+        return state

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..codecs import Codec, IdentityCodec, UniformCodec
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm
+from .gossip import mix
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,12 @@ class QuantizedGossip(GossipAlgorithm):
         gen = shared_generator(ctx.seed, k, ctx.rank)
         wire = self.codec.encode(x, generator=gen).to_wire()
         received = ctx.transport.neighbor_exchange(wire, ctx.neighbors)
-        mixed = x * ctx.w_self
+        decoded = {}
         for j in ctx.neighbors:
             # a dithered codec's receiver regenerates sender j's dither from the shared seed
             gen_j = shared_generator(ctx.seed, k, j) if self.codec.dither_on_decode else None
-            xj = self.codec.decode(self.codec.payload_from_wire(received[j]), generator=gen_j)
-            mixed.add_(xj.to(x.dtype), alpha=ctx.w[j])
-        x.copy_(mixed)
+            decoded[j] = self.codec.decode(self.codec.payload_from_wire(received[j]), generator=gen_j).to(x.dtype)
+        x.copy_(mix(ctx, x, decoded))
         return state
 
 

@@ -1,42 +1,78 @@
-"""What the decentralized algorithms exchange with their neighbours, written once: a
-compressed vector (its own decode as any receiver decodes it, and the neighbours'), and
-the initial models. The mixing rules stay with each paper's algorithm."""
+"""What the decentralized algorithms exchange with their neighbours and how they mix it,
+written once: a compressed vector (its own decode as any receiver decodes it, and the
+neighbours'), the initial models, and the neighbour mix with the weights of the mixing
+matrix W. Every function takes the worker's :class:`~lowbit.algorithms.base.Context`."""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 import torch
 
 from ..codecs import Codec
 from ..codecs.rng import clone_generator, shared_generator
+from .base import Context
 
-__all__ = ["REPLICA_CODECS", "exchange_compressed", "exchange_initial_models"]
+__all__ = ["CODEC_OPTIONS", "REPLICA_CODECS", "check_codec", "exchange_compressed", "exchange_initial_models", "mix"]
 
 # The --codec names the replica-based baselines accept (default first).
 REPLICA_CODECS = ("minmax", "uniform", "fp32", "half", "sign", "terngrad")
+# The options (AlgorithmOptions names) that building one of those codecs reads (Codec.from_options).
+CODEC_OPTIONS = ("codec", "bits", "rounding", "delta")
 
 
-def exchange_compressed(algo, codec: Codec, k: int, v: torch.Tensor, neighbors) -> tuple[torch.Tensor, dict]:
+def check_codec(codec) -> Codec:
+    """``codec`` if it is a lowbit Codec; a TypeError naming the argument otherwise."""
+    if not isinstance(codec, Codec):
+        raise TypeError(f"codec must be a lowbit.codecs.Codec, got {type(codec).__name__}")
+    return codec
+
+
+def mix(ctx: Context, x_i: torch.Tensor, received: Mapping[int, torch.Tensor], *, relative: bool = False,
+        w_self: float | None = None, w: Mapping[int, float] | None = None) -> torch.Tensor:
+    """Worker i's neighbour mix of the vectors ``received`` ({j: x_j}, summed in that
+    order) with its row of W (``ctx.w_self`` = W_ii, ``ctx.w[j]`` = W_ij), as a new tensor:
+
+    - ``relative=False``: ``sum_j W_ij x_j`` with j = i included, i.e.
+      ``W_ii x_i + sum_{j in N(i)} W_ij x_j`` (the gossip average, X W);
+    - ``relative=True``: ``sum_{j in N(i)} W_ij (x_j - x_i)`` (the consensus term, X (W - I)).
+
+    ``w_self`` and ``w`` replace W_ii and the W_ij (e.g. ``w_self = W_ii - 1`` gives
+    ``sum_j (W - I)_ij x_j`` summed as written; a pairwise exchange weighs 1/2 and 1/2)."""
+    w = ctx.w if w is None else w
+    if relative:
+        out = torch.zeros_like(x_i)
+        for j, x_j in received.items():
+            out.add_(x_j - x_i, alpha=w[j])
+        return out
+    out = x_i * (ctx.w_self if w_self is None else w_self)
+    for j, x_j in received.items():
+        out.add_(x_j, alpha=w[j])
+    return out
+
+
+def exchange_compressed(ctx: Context, codec: Codec, k: int, v: torch.Tensor, neighbors) -> tuple[torch.Tensor, dict]:
     """Send C(v) to ``neighbors`` and receive theirs. Returns (C(v) as decoded by
-    any receiver, {j: C(v_j)}), all in v's dtype. Worker p's randomness at step
-    k is ``shared_generator(algo.seed, k, p)``."""
-    gen = shared_generator(algo.seed, k, algo.rank)
+    any receiver, {j: C(v_j)} in ``neighbors`` order), all in v's dtype. Worker p's
+    randomness at step k is ``shared_generator(ctx.seed, k, p)``."""
+    gen = shared_generator(ctx.seed, k, ctx.rank)
     own_gen = clone_generator(gen) if codec.dither_on_decode else None
     wire = codec.encode(v, generator=gen).to_wire()
-    received = algo.transport.neighbor_exchange(wire, neighbors)
+    received = ctx.transport.neighbor_exchange(wire, neighbors)
     # decode our own payload from its wire bytes exactly as a receiver does
     own = codec.decode(codec.payload_from_wire(wire), generator=own_gen).to(v.dtype)
     out = {}
     for j in neighbors:
-        gen_j = shared_generator(algo.seed, k, j) if codec.dither_on_decode else None
+        gen_j = shared_generator(ctx.seed, k, j) if codec.dither_on_decode else None
         out[j] = codec.decode(codec.payload_from_wire(received[j]), generator=gen_j).to(v.dtype)
     return own, out
 
 
-def exchange_initial_models(algo, x: torch.Tensor, neighbors) -> dict[int, torch.Tensor]:
-    """x_0 of every neighbour, sent once as the raw bytes of x's own dtype
-    (lossless: 4 bytes per element for a float32 model)."""
+def exchange_initial_models(ctx: Context, x: torch.Tensor, neighbors) -> dict[int, torch.Tensor]:
+    """x_0 of every neighbour ({j: x_0^(j)} in ``neighbors`` order), sent once as the raw
+    bytes of x's own dtype (lossless: 4 bytes per element for a float32 model)."""
     flat = x.detach().contiguous().view(-1)
-    received = algo.transport.neighbor_exchange(flat.view(torch.uint8), neighbors)
+    received = ctx.transport.neighbor_exchange(flat.view(torch.uint8), neighbors)
     out = {}
     for j in neighbors:
         buf = received[j]

@@ -36,7 +36,7 @@ operation by operation:
   into consecutive slices of ``bucket_bytes``.
 * **Step 0.** No model is sent before training: Bagua starts every replica from
   the worker's own initial model, assuming all workers start equal (it
-  broadcasts rank 0's model). :meth:`setup` checks that assumption (an
+  broadcasts rank 0's model). ``init`` checks that assumption (an
   untracked max/min all-reduce) and raises if the models differ.
 * **Hierarchical** (``hierarchical=True``, Bagua's default): the workers of a
   node (``node_size`` consecutive ranks; under torchrun ``LOCAL_WORLD_SIZE``)
@@ -63,7 +63,8 @@ low-precision shift_one (its ``shift_one`` exists only at full precision). See
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -72,9 +73,9 @@ from ..codecs import Codec, IdentityCodec, MinMaxCodec
 from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..codecs.quantize import check_rounding
 from ..codecs.rng import shared_generator
-from .legacy import Algorithm
-from .dcd import DCDPSGD
-from .gossip import exchange_compressed, exchange_initial_models
+from .base import GossipAlgorithm, State, transient
+from .dcd import send_difference
+from .gossip import check_codec, exchange_initial_models, mix
 
 PEER_SELECTIONS = ("all", "shift_one")
 BAGUA_BUCKET_BYTES = 10 * 1024 ** 2  # Bagua's default bucket size
@@ -133,172 +134,197 @@ def default_node_size(transport) -> int:
     return 1
 
 
-class LowPrecisionDecentralized(Algorithm):
-    """Bagua's ``LowPrecisionDecentralizedAlgorithm`` (see the module docstring).
+class NodeLayout(NamedTuple):
+    """Where a worker sits in Bagua's hierarchy: ``size`` workers per node (consecutive
+    ranks), its ``node`` and ``local_rank`` there, the number of ``nodes``, its node's
+    ``leader`` and (on a leader) the other ``members``, and the leaders of the ``left``
+    and ``right`` neighbour nodes on the ring of nodes."""
 
-    Options: ``hierarchical`` (Bagua's default True), ``communication_interval``
-    (>= 1), ``node_size`` (workers per node; None: ``LOCAL_WORLD_SIZE`` under
-    torchrun, else 1), ``bucket_bytes`` (Bagua's 10 MiB), ``param_sizes``,
-    ``codec`` (Bagua's MinMaxUInt8 by default), ``peer_selection``
-    (``"all"``: Bagua's ring; ``"shift_one"``: lowbit's own variant).
-    ``bits``/``rounding`` build lowbit's ``MinMaxCodec`` when given other than
-    Bagua's (8, "nearest") and no codec is passed.
+    size: int
+    node: int
+    local_rank: int
+    nodes: int
+    leader: int
+    members: tuple[int, ...]
+    left: int
+    right: int
+
+    @property
+    def is_leader(self) -> bool:
+        return self.local_rank == 0
+
+
+def node_layout(rank: int, n: int, size: int) -> NodeLayout:
+    """The :class:`NodeLayout` of ``rank`` among ``n`` workers in nodes of ``size``."""
+    node, local_rank = divmod(rank, size)
+    nodes, leader = n // size, node * size
+    return NodeLayout(size, node, local_rank, nodes, leader, tuple(range(leader + 1, leader + size)),
+                      ((node - 1) % nodes) * size, ((node + 1) % nodes) * size)
+
+
+@dataclass
+class LowPrecisionState(State):
+    """Bagua's states on a node leader: its model ``weight`` (w) and its replicas of the
+    ring neighbours' models (``left_peer_weight``, ``right_peer_weight``), as of the last
+    communication; None on the other workers of a node. The buckets and the node layout
+    follow from the options and the context."""
+
+    weight: torch.Tensor | None
+    left_peer_weight: torch.Tensor | None
+    right_peer_weight: torch.Tensor | None
+    buckets: list[tuple[int, int]] = transient(default_factory=list)
+    layout: NodeLayout | None = transient(default=None)
+
+
+@dataclass(frozen=True)
+class LowPrecisionDecentralized(GossipAlgorithm):
+    """Bagua's low precision decentralized SGD: after each optimizer step, each worker
+    sends its two ring neighbours the 8-bit quantized difference between its ring average
+    and its last communicated model, and keeps exact replicas of theirs.
+
+    Options, as Bagua's ``LowPrecisionDecentralizedAlgorithm`` (see the module docstring):
+    ``hierarchical`` (True, Bagua's default: the workers of a node average first and only
+    the node leaders gossip), ``communication_interval`` (communicate every this many
+    steps, >= 1), ``node_size`` (workers per node; None: ``LOCAL_WORLD_SIZE`` under
+    torchrun, else 1), ``bucket_bytes`` (bytes per bucket, each quantized with its own min
+    and max; Bagua's 10 MiB), ``param_sizes`` (the module's parameter sizes, from which
+    the buckets are cut), ``codec`` (Bagua's MinMaxUInt8 by default), ``peer_selection``
+    (``"all"``: Bagua's ring; ``"shift_one"``: lowbit's own variant,
+    :class:`ShiftOneLowPrecision`). ``bits``/``rounding`` build lowbit's ``MinMaxCodec``
+    when given other than Bagua's (8, "nearest") and no codec is passed.
 
     Extra memory on a leader: ``w``, ``left``, ``right``: 3 x d (Bagua's states);
     0 on the other workers of a node."""
 
+    bits: int = 8
+    rounding: str = "nearest"
+    peer_selection: str = "all"
+    codec: Codec | None = None
+    hierarchical: bool = True
+    communication_interval: int = 1
+    node_size: int | None = None
+    bucket_bytes: int = BAGUA_BUCKET_BYTES
+    param_sizes: Sequence[int] | None = None
     name = "lowprec-decentralized"
-    family = "decentralized"
     codecs = ("bagua_minmax", "minmax", "fp32")
+    options = ("codec", "bits", "rounding", "peer_selection", "hierarchical", "communication_interval",
+               "node_size", "bucket_bytes")
+
+    def __post_init__(self):
+        if self.peer_selection not in PEER_SELECTIONS:
+            raise ValueError(f"peer_selection must be one of {PEER_SELECTIONS}, got {self.peer_selection!r}")
+        check_rounding(self.rounding)
+        codec = self.codec
+        if codec is None:
+            bagua = (self.bits, self.rounding) == (8, "nearest")
+            codec = BaguaMinMaxCodec() if bagua else MinMaxCodec(bits=self.bits, rounding=self.rounding)
+            object.__setattr__(self, "codec", codec)
+        if not isinstance(check_codec(codec), (BaguaMinMaxCodec, MinMaxCodec, IdentityCodec)):
+            raise ValueError(f"codec must be BaguaMinMaxCodec, MinMaxCodec or IdentityCodec, got {codec!r}")
+        if not isinstance(self.hierarchical, bool):
+            raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
+        if isinstance(self.communication_interval, bool) or not isinstance(self.communication_interval, int) \
+                or self.communication_interval < 1:
+            raise ValueError(f"communication_interval must be an int >= 1, got {self.communication_interval!r}")
+        L = self.node_size
+        if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1):
+            raise ValueError(f"node_size must be an int >= 1 dividing the number of workers, got {L!r}")
+        bagua_buckets(0, 4, self.bucket_bytes)  # validates bucket_bytes
+        if self.param_sizes is not None:
+            object.__setattr__(self, "param_sizes", tuple(int(s) for s in self.param_sizes))
+        if self.peer_selection == "shift_one":
+            if self.hierarchical and (self.node_size or 1) > 1:
+                raise ValueError("peer_selection='shift_one' (lowbit's own) has no hierarchical mode; "
+                                 "pass hierarchical=False or node_size=1")
+            if self.communication_interval != 1:
+                raise ValueError("peer_selection='shift_one' (lowbit's own) communicates every step: "
+                                 "communication_interval must be 1")
 
     @classmethod
     def check_config(cls, cfg):
-        if cfg.peer_selection not in PEER_SELECTIONS:
-            raise ValueError(f"peer_selection must be one of {PEER_SELECTIONS}, got {cfg.peer_selection!r}")
-        if cfg.peer_selection == "shift_one":
-            shift_one_peer(0, cfg.workers, 0)  # n even
         if (cfg.codec or cls.codecs[0]) == "bagua_minmax" and cfg.rounding not in (None, "nearest"):
             raise ValueError(f"rounding={cfg.rounding!r}: Bagua's min-max codec rounds to nearest; "
                              f"use --codec minmax for stochastic rounding")
-        for name, lo in (("communication_interval", 1), ("bucket_bytes", 1)):
-            v = getattr(cfg, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-        L = cfg.node_size
-        if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1 or cfg.workers % L):
-            raise ValueError(f"node_size must be an int >= 1 dividing workers={cfg.workers}, got {L!r}")
+        algo = cls.from_config(cfg)  # the options' own checks
+        # and what init checks against the workers, before any worker starts
+        if algo.peer_selection == "shift_one":
+            shift_one_peer(0, cfg.workers, 0)  # n even
+        elif algo.node_size is not None and cfg.workers % algo.node_size:
+            raise ValueError(f"node_size must be an int >= 1 dividing workers={cfg.workers}, got {algo.node_size!r}")
         if cfg.topology != "ring":
             raise ValueError(f"topology={cfg.topology!r}: Bagua's low precision decentralized SGD gossips on a ring")
         if cfg.weights != "uniform":
             raise ValueError(f"weights={cfg.weights!r}: Bagua's ring weights are uniform (1/3)")
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, codec=cfg.make_codec(cls.codecs), peer_selection=cfg.peer_selection,
-                   seed=cfg.seed, hierarchical=cfg.hierarchical,
-                   communication_interval=cfg.communication_interval, node_size=cfg.node_size,
-                   bucket_bytes=cfg.bucket_bytes)
-
-    def __init__(self, transport, topology=None, *, bits: int = 8, rounding: str = "nearest",
-                 peer_selection: str = "all", codec: Codec | None = None, weights: str = "uniform",
-                 seed: int = 0, hierarchical: bool = True, communication_interval: int = 1,
-                 node_size: int | None = None, bucket_bytes: int = BAGUA_BUCKET_BYTES,
-                 param_sizes: Sequence[int] | None = None):
-        super().__init__(transport, seed=seed)
-        if peer_selection not in PEER_SELECTIONS:
-            raise ValueError(f"peer_selection must be one of {PEER_SELECTIONS}, got {peer_selection!r}")
-        check_rounding(rounding)
-        if codec is None:
-            bagua = (bits, rounding) == (8, "nearest")
-            codec = BaguaMinMaxCodec() if bagua else MinMaxCodec(bits=bits, rounding=rounding)
-        if not isinstance(codec, Codec):
-            raise TypeError(f"codec must be a lowbit Codec, got {type(codec).__name__}")
-        if not isinstance(codec, (BaguaMinMaxCodec, MinMaxCodec, IdentityCodec)):
-            raise ValueError(f"codec must be BaguaMinMaxCodec, MinMaxCodec or IdentityCodec, got {codec!r}")
-        if topology is not None and (topology.name != "ring" or topology.n != self.world_size):
-            raise ValueError(f"topology must be a ring of the {self.world_size} workers (Bagua gossips on a ring), "
-                             f"got {topology.name} of {topology.n}")
-        if weights != "uniform":
-            raise ValueError(f"weights must be 'uniform' (Bagua's ring weights 1/3), got {weights!r}")
-        if not isinstance(hierarchical, bool):
-            raise ValueError(f"hierarchical must be True or False, got {hierarchical!r}")
-        if isinstance(communication_interval, bool) or not isinstance(communication_interval, int) \
-                or communication_interval < 1:
-            raise ValueError(f"communication_interval must be an int >= 1, got {communication_interval!r}")
-        bagua_buckets(0, 4, bucket_bytes)  # validates bucket_bytes
-        self.codec = codec
-        self.bits = bits
-        self.rounding = rounding
-        self.peer_selection = peer_selection
-        self.hierarchical = bool(hierarchical)
-        self.communication_interval = communication_interval
-        self.bucket_bytes = bucket_bytes
-        self.param_sizes = None if param_sizes is None else tuple(int(s) for s in param_sizes)
-        n = self.world_size
-        if peer_selection == "shift_one":
-            if self.hierarchical and (node_size or 1) > 1:
-                raise ValueError("peer_selection='shift_one' (lowbit's own) has no hierarchical mode; "
-                                 "pass hierarchical=False or node_size=1")
-            if communication_interval != 1:
-                raise ValueError("peer_selection='shift_one' (lowbit's own) communicates every step: "
-                                 "communication_interval must be 1")
-            self._shift = ShiftOneLowPrecision(transport, codec=codec, seed=seed)
-            self.node_size = 1
-            return
-        self._shift = None
-        L = default_node_size(transport) if node_size is None else node_size
-        if isinstance(L, bool) or not isinstance(L, int) or L < 1 or n % L:
-            raise ValueError(f"node_size must be an int >= 1 dividing the {n} workers, got {L!r}")
-        self.node_size = L if self.hierarchical else 1
-        L = self.node_size
-        self.node, self.local_rank = divmod(self.rank, L)
-        self.nodes = n // L
-        self.leader = self.node * L
-        self.members = tuple(range(self.leader + 1, self.leader + L))  # the leader's workers
-        m, v = self.nodes, self.node
-        self.left = ((v - 1) % m) * L   # the leaders of the neighbour nodes on the ring of nodes
-        self.right = ((v + 1) % m) * L
-        self.w: torch.Tensor | None = None
-        self.left_w: torch.Tensor | None = None
-        self.right_w: torch.Tensor | None = None
-        self.buckets: list[tuple[int, int]] = []
-
-    @property
-    def is_leader(self) -> bool:
-        return self.local_rank == 0
+    def from_config(cls, cfg):
+        return cls(codec=cfg.make_codec(cls.codecs), peer_selection=cfg.peer_selection,
+                   hierarchical=cfg.hierarchical, communication_interval=cfg.communication_interval,
+                   node_size=cfg.node_size, bucket_bytes=cfg.bucket_bytes)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def state_tensors(self):
-        if self._shift is not None:
-            return self._shift.state_tensors()
-        if self.w is None:
-            return {}
-        return {"weight": self.w, "left_peer_weight": self.left_w, "right_peer_weight": self.right_w}
+    def _shift_one(self) -> "ShiftOneLowPrecision | None":
+        """The gossip of ``peer_selection="shift_one"`` (None for Bagua's ring)."""
+        return ShiftOneLowPrecision(codec=self.codec) if self.peer_selection == "shift_one" else None
 
-    def setup(self, x):
-        if self._shift is not None:
-            return self._shift.setup(x)
-        with self.transport.untracked():  # Bagua's assumption: every worker starts from one model
-            same = self.world_size == 1 or torch.equal(self.transport.all_reduce(x.detach(), "max"),
-                                                       self.transport.all_reduce(x.detach(), "min"))
+    def init(self, x, ctx):
+        n = ctx.world_size
+        if ctx.topology.name != "ring" or ctx.topology.n != n:
+            raise ValueError(f"topology must be a ring of the {n} workers (Bagua gossips on a ring), "
+                             f"got {ctx.topology.name} of {ctx.topology.n}")
+        if not np.array_equal(ctx.W, ctx.topology.mixing_matrix("uniform")):
+            raise ValueError("weights must be 'uniform' (Bagua's ring weights 1/3)")
+        shift = self._shift_one()
+        if shift is not None:
+            return shift.init(x, ctx)
+        L = default_node_size(ctx.transport) if self.node_size is None else self.node_size
+        if isinstance(L, bool) or not isinstance(L, int) or L < 1 or n % L:
+            raise ValueError(f"node_size must be an int >= 1 dividing the {n} workers, got {L!r}")
+        layout = node_layout(ctx.rank, n, L if self.hierarchical else 1)
+        with ctx.transport.untracked():  # Bagua's assumption: every worker starts from one model
+            same = n == 1 or torch.equal(ctx.transport.all_reduce(x.detach(), "max"),
+                                         ctx.transport.all_reduce(x.detach(), "min"))
         if not same:
             raise ValueError("lowprec-decentralized: the workers' initial models differ; Bagua starts every "
                              "replica from the worker's own model and sends none (with_bagua broadcasts rank 0's "
                              "model first): start all workers from the same parameters")
-        self.buckets = bagua_buckets(x.numel(), x.element_size(), self.bucket_bytes, self.param_sizes)
-        if self.is_leader:
-            self.w, self.left_w, self.right_w = (x.detach().clone() for _ in range(3))
+        buckets = bagua_buckets(x.numel(), x.element_size(), self.bucket_bytes, self.param_sizes)
+        w = [x.detach().clone() for _ in range(3)] if layout.is_leader else [None] * 3
+        return LowPrecisionState(*w, buckets=buckets, layout=layout)
 
-    def before_update(self, k, x, g, lr):
-        if self._shift is not None:
-            self._shift.before_update(k, x, g, lr)
+    def before_update(self, state, ctx, k, x, g, lr):
+        shift = self._shift_one()
+        return state if shift is None else shift.before_update(state, ctx, k, x, g, lr)
 
-    def after_update(self, k, x, g, lr):
-        if self._shift is not None:
-            return self._shift.after_update(k, x, g, lr)
+    def after_update(self, state, ctx, k, x, g, lr):
+        shift = self._shift_one()
+        if shift is not None:
+            return shift.after_update(state, ctx, k, x, g, lr)
         if k % self.communication_interval:
-            return
+            return state
+        nodes, transport = state.layout, ctx.transport
         stochastic = getattr(self.codec, "rounding", None) == "stochastic"
-        gen = shared_generator(self.seed, k, self.rank) if stochastic else None
+        gen = shared_generator(ctx.seed, k, ctx.rank) if stochastic else None
         empty = torch.empty(0, dtype=torch.uint8, device=x.device)
-        for s, e in self.buckets:
+        for s, e in state.buckets:
             xb = x[s:e]
-            if self.node_size == 1:
-                self._ring_step(xb, s, e, gen)
-            elif self.is_leader:
-                parts = self.transport.neighbor_exchange(empty, self.members)  # reduce (average)
+            if nodes.size == 1:
+                self._ring_step(state, ctx, xb, s, e, gen)
+            elif nodes.is_leader:
+                parts = transport.neighbor_exchange(empty, nodes.members)  # reduce (average)
                 t = xb.detach().clone()
-                for j in self.members:
+                for j in nodes.members:
                     t.add_(parts[j].view(x.dtype).to(x.device))
-                xb.copy_(t.div_(self.node_size))
-                self._ring_step(xb, s, e, gen)
-                self.transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), self.members)  # broadcast
+                xb.copy_(t.div_(nodes.size))
+                self._ring_step(state, ctx, xb, s, e, gen)
+                transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), nodes.members)  # broadcast
             else:
-                self.transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), (self.leader,))
-                got = self.transport.neighbor_exchange(empty, (self.leader,))[self.leader]
+                transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), (nodes.leader,))
+                got = transport.neighbor_exchange(empty, (nodes.leader,))[nodes.leader]
                 xb.copy_(got.view(x.dtype).to(x.device))
+        return state
 
     def _decode(self, wire: torch.Tensor, numel: int, dtype) -> torch.Tensor:
         payload = self.codec.payload_from_wire(wire)
@@ -306,22 +332,23 @@ class LowPrecisionDecentralized(Algorithm):
             return self.codec.decode(payload, numel=numel, dtype=dtype)
         return self.codec.decode(payload).to(dtype)
 
-    def _ring_step(self, xb: torch.Tensor, s: int, e: int, gen) -> None:
+    def _ring_step(self, state: LowPrecisionState, ctx, xb: torch.Tensor, s: int, e: int, gen) -> None:
         """Bagua's kernel on one bucket, on the ring of nodes (this rank a leader)."""
-        w, lw, rw = self.w[s:e], self.left_w[s:e], self.right_w[s:e]
+        nodes = state.layout
+        w, lw, rw = state.weight[s:e], state.left_peer_weight[s:e], state.right_peer_weight[s:e]
         t = xb.detach().clone()   # products rounded, then added: the same numbers on every device
         t.add_(lw * THIRD)
         t.add_(rw * THIRD)
         t.add_(w * MINUS_FIVE_THIRDS)
         wire = self.codec.encode(t, generator=gen).to_wire()
-        if self.nodes == 1:       # its own left and right neighbour: nothing crosses the wire
+        if nodes.nodes == 1:      # its own left and right neighbour: nothing crosses the wire
             from_left = from_right = wire
-        elif self.nodes == 2:     # the one peer is the left and the right neighbour: two messages
-            from_left = self.transport.neighbor_exchange(wire, (self.left,))[self.left]
-            from_right = self.transport.neighbor_exchange(wire, (self.right,))[self.right]
+        elif nodes.nodes == 2:    # the one peer is the left and the right neighbour: two messages
+            from_left = ctx.transport.neighbor_exchange(wire, (nodes.left,))[nodes.left]
+            from_right = ctx.transport.neighbor_exchange(wire, (nodes.right,))[nodes.right]
         else:
-            got = self.transport.neighbor_exchange(wire, (self.left, self.right))
-            from_left, from_right = got[self.left], got[self.right]
+            got = ctx.transport.neighbor_exchange(wire, (nodes.left, nodes.right))
+            from_left, from_right = got[nodes.left], got[nodes.right]
         n, dt = e - s, xb.dtype
         lw.add_(self._decode(from_left, n, dt))
         rw.add_(self._decode(from_right, n, dt))
@@ -331,10 +358,23 @@ class LowPrecisionDecentralized(Algorithm):
         xb.copy_(t)
 
 
-class ShiftOneLowPrecision(DCDPSGD):
-    """lowbit's own low-precision shift_one (Bagua has none: its shift_one is
-    full precision only). n must be even. At step k worker r mixes with exactly
-    one peer, Bagua's pairing of the lower half with the upper half::
+@dataclass
+class ShiftOneState(State):
+    """The shift_one memory on worker i: for each worker j it can be paired with, the
+    replica xh^(j) of j's model and the mirror m^(j), i's model as j knows it."""
+
+    xhat: dict[int, torch.Tensor]
+    mirror: dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ShiftOneLowPrecision(GossipAlgorithm):
+    """lowbit's own low-precision shift_one: each step a worker averages its model with one
+    peer's, and sends the next step's peer the compressed change of its model since that
+    peer last heard from it (Bagua has no such mode: its shift_one is full precision only).
+
+    ``codec`` compresses the changes. n must be even. At step k worker r mixes with
+    exactly one peer, Bagua's pairing of the lower half with the upper half::
 
         r <  n/2:  peer = n/2 + (k + r) mod (n/2)
         r >= n/2:  peer = (r - n/2 - k) mod (n/2)
@@ -343,45 +383,37 @@ class ShiftOneLowPrecision(DCDPSGD):
     A replica of a peer is exact only if the peer's difference is taken against
     what *this* worker last received, so worker i keeps, for each of the n/2
     workers it can be paired with, the replica xh^(j) and the mirror m^(j)
-    (i's model as j knows it), and at the end of step k, with p = peer(k + 1)::
+    (i's model as j knows it), and at the end of step k, with p = peer(k + 1),
+    DCD-PSGD's difference step (:func:`~lowbit.algorithms.dcd.send_difference`)
+    against m^(p)::
 
         z = x_{t+1/2} - m^(p);  x_{t+1} = m^(p) + Q(z);  m^(p) = x_{t+1};  send Q(z) to p
         xh^(p) <- xh^(p) + Q(z^(p))
 
     One message per step for the whole model (no buckets); the replicas start
-    from x_0 sent once, uncompressed, in :meth:`setup`. Extra memory: n x d."""
+    from x_0 sent once, uncompressed, in ``init``. Extra memory: n x d. Run it as
+    ``LowPrecisionDecentralized(peer_selection="shift_one")``."""
 
+    codec: Codec = field(default_factory=BaguaMinMaxCodec)
     name = "lowprec-decentralized"
 
-    def __init__(self, transport, *, codec: Codec, seed: int = 0):
-        from ..topology import make_topology
+    def __post_init__(self):
+        check_codec(self.codec)
 
-        n = transport.world_size
-        shift_one_peer(transport.rank, n, 0)  # n even
-        super().__init__(transport, make_topology("ring", n), codec=codec, seed=seed)
-        h = n // 2
-        self.partners = tuple(range(h, n)) if self.rank < h else tuple(range(h))
-        self.mirrors: dict[int, torch.Tensor] = {}
+    def init(self, x, ctx):
+        n, h = ctx.world_size, ctx.world_size // 2
+        shift_one_peer(ctx.rank, n, 0)  # n even
+        partners = tuple(range(h, n)) if ctx.rank < h else tuple(range(h))
+        return ShiftOneState(exchange_initial_models(ctx, x, partners), {j: x.detach().clone() for j in partners})
 
-    def peer(self, k: int) -> int:
-        return shift_one_peer(self.rank, self.world_size, k)
+    def before_update(self, state, ctx, k, x, g, lr):
+        p = shift_one_peer(ctx.rank, ctx.world_size, k)
+        x.copy_(mix(ctx, x, {p: state.xhat[p]}, w_self=0.5, w={p: 0.5}))
+        return state
 
-    def state_tensors(self):
-        out = super().state_tensors()
-        out.update({f"mirror_{j}": m for j, m in sorted(self.mirrors.items())})
-        return out
-
-    def setup(self, x):
-        self.replicas = exchange_initial_models(self, x, self.partners)
-        self.mirrors = {j: x.detach().clone() for j in self.partners}
-
-    def before_update(self, k, x, g, lr):
-        x.mul_(0.5).add_(self.replicas[self.peer(k)], alpha=0.5)
-
-    def after_update(self, k, x, g, lr):
-        p = self.peer(k + 1)
-        m = self.mirrors[p]
-        q, received = exchange_compressed(self, self.codec, k, x - m, (p,))
-        x.copy_(m + q)
+    def after_update(self, state, ctx, k, x, g, lr):
+        p = shift_one_peer(ctx.rank, ctx.world_size, k + 1)
+        m = state.mirror[p]
+        send_difference(ctx, self.codec, k, x, m, state.xhat, (p,))
         m.copy_(x)
-        self.replicas[p].add_(received[p])
+        return state
