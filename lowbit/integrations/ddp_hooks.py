@@ -106,11 +106,19 @@ differs (per-parameter error memory still carries over exactly).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..algorithms import ALGORITHMS
+from ..algorithms.allreduce import AllReduceSGD
+from ..algorithms.base import Algorithm, Context
+from ..algorithms.compressed import GatheredAlgorithm, PowerSGD
+from ..algorithms.dqsg import NDQSG
+from ..algorithms.maxnorm import MaxNormSGD, agree_scale_by, kept_count
+from ..algorithms.options import AlgorithmOptions
 from ..codecs.base import Codec, SummableCodec, is_summable
 from ..codecs.dithered import DitheredCodec
 from ..codecs.identity import IdentityCodec
@@ -129,6 +137,9 @@ from ..comm.netmodel import op_messages_and_bytes
 
 __all__ = [
     "HOOKS",
+    "algorithm_codec",
+    "centralized_names",
+    "hook_algorithm",
     "HOOK_STREAM",
     "WIRE_METHODS",
     "LowbitHookState",
@@ -143,7 +154,7 @@ HOOK_STREAM = 0x484F4F4B << 20  # "HOOK"
 #: stream of the PowerSGD warm-start draws (plus the bucket index).
 POWERSGD_STREAM = 0x50535344 << 20  # "PSSD"
 
-WIRE_METHODS = ("allreduce-float", "allreduce-int", "allreduce-randk", "allgather", "powersgd")
+WIRE_METHODS = ("allreduce-float", "allreduce-int", "allreduce-randk", "allgather", "powersgd", "algorithm")
 
 # Plain codecs whose payload length depends only on the input length, so that the
 # ranks' payloads have one size and can be all-gathered.
@@ -155,9 +166,15 @@ def _float_wire_dtype(codec: Codec) -> torch.dtype:
     return torch.float32 if isinstance(codec, IdentityCodec) else codec.torch_dtype
 
 
-def wire_method(codec: Codec) -> str:
+def wire_method(codec: Codec | Algorithm) -> str:
     """How ``codec`` travels in a DDP hook (one of :data:`WIRE_METHODS`); ValueError
-    for a codec the hooks do not support."""
+    for a codec the hooks do not support. A centralized algorithm (an instance) travels
+    as itself (``"algorithm"``: its own exchange, run on the bucket)."""
+    if isinstance(codec, Algorithm):
+        if codec.family != "centralized":
+            raise ValueError(f"algorithm {codec.name!r} is {codec.family}: the DDP hooks average gradients, "
+                             f"which is what the centralized algorithms do")
+        return "algorithm"
     if not isinstance(codec, Codec):
         raise ValueError(f"codec must be a lowbit Codec, got {type(codec).__name__}")
     if isinstance(codec, _FLOAT_WIRE):
@@ -200,11 +217,26 @@ class LowbitHookState:
     Public counters: ``step``, ``bytes_sent``, ``messages``, ``fp32_bytes_sent``,
     ``last_step_bytes``, ``bucket_bytes`` and ``bucket_numel`` (latest, per bucket index),
     ``memory_resets`` (error memories reset by a bucket change), ``powersgd_resets``.
+
+    ``codec`` may also be a centralized algorithm (an instance): the hook then runs the
+    algorithm's own step on each bucket over the default process group, one algorithm state
+    per bucket (``"algorithm"``; :func:`make_hook` does this for NDQSG, whose two groups no
+    codec path carries). ``sum_dtype`` (the integer dtype of a summable code sum, default the
+    narrowest that cannot overflow) and ``kept`` (GlobalRandK's kept fraction of each bucket,
+    below 1; the codec's ``k`` is then replaced per bucket) are what :func:`make_hook` takes
+    from a max-norm algorithm.
     """
 
-    def __init__(self, codec: Codec, process_group=None, seed: int = 0, error_feedback: bool | None = None,
-                 model: torch.nn.Module | None = None) -> None:
+    def __init__(self, codec: Codec | Algorithm, process_group=None, seed: int = 0,
+                 error_feedback: bool | None = None, model: torch.nn.Module | None = None, *,
+                 sum_dtype: torch.dtype | None = None, kept: float | None = None) -> None:
         self.method = wire_method(codec)
+        if self.method == "algorithm" and error_feedback:
+            raise ValueError(f"error_feedback: algorithm {codec.name!r} keeps its own memory, if any")
+        if kept is not None:
+            if not (isinstance(codec, RandKCodec) and 0 < kept < 1):
+                raise ValueError(f"kept (a fraction in (0, 1) of each bucket) is for a global RandK codec, "
+                                 f"got {kept!r} with {type(codec).__name__}")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if error_feedback is None:
@@ -230,6 +262,10 @@ class LowbitHookState:
         self.param_memory: dict[str, torch.Tensor] = {}
         self.per_parameter = False
         self.powersgd_q: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self.sum_dtype = sum_dtype
+        self.kept = kept
+        self.algorithm_states: dict[int, tuple[tuple, Any]] = {}  # "algorithm": per bucket
+        self._transport = None  # "algorithm": the default group's transport, made at the first bucket
         self._param_names: dict[int, str] | None = None
         if model is not None:
             self.bind_model(model)
@@ -250,6 +286,7 @@ class LowbitHookState:
         d = dict(self.__dict__)
         d["process_group"] = None
         d["_param_names"] = None
+        d["_transport"] = None
         return d
 
     def __setstate__(self, d: dict) -> None:
@@ -261,7 +298,9 @@ class LowbitHookState:
         return self.process_group if self.process_group is not None else dist.group.WORLD
 
     def _count(self, op: str, nbytes: int, world: int, bucket: int) -> None:
-        msgs, sent = op_messages_and_bytes(op, nbytes, world)
+        self._add(*op_messages_and_bytes(op, nbytes, world), bucket)
+
+    def _add(self, msgs: int, sent: int, bucket: int) -> None:
         self.bytes_sent += sent
         self.messages += msgs
         self._step_bytes += sent
@@ -351,19 +390,18 @@ def _float_allreduce(state, codec, x, world, group, bidx):
 
 
 def _scale_rounds(state, codec: SummableCodec, x, world, group, bidx):
-    agreed: list[torch.Tensor] = []
-    for op in codec.scale_reduce_ops:
-        stat = codec.shared_scale(x, tuple(agreed))
-        if op == "max":
-            state._count("all_reduce", stat.numel() * stat.element_size(), world, bidx)
-            dist.all_reduce(stat, op=dist.ReduceOp.MAX, group=group)
-        elif stat.dtype == torch.uint8 and isinstance(codec, MultiScaleMaxNormCodec) and len(codec.scales) - 1 <= 7:
-            stat = _min_by_bitplanes(state, stat, len(codec.scales) - 1, world, group, bidx)
-        else:
-            state._count("all_reduce", stat.numel() * stat.element_size(), world, bidx)
-            dist.all_reduce(stat, op=dist.ReduceOp.MIN, group=group)
-        agreed.append(stat)
-    return agreed[0] if len(agreed) == 1 else tuple(agreed)
+    """The max-norm algorithm's scale agreement (:func:`~lowbit.algorithms.maxnorm.agree_scale_by`)
+    over ``group``, the MIN of small scale indices as packed bit-planes."""
+
+    def reduce(stat, op):
+        if op == "min" and stat.dtype == torch.uint8 and isinstance(codec, MultiScaleMaxNormCodec) \
+                and len(codec.scales) - 1 <= 7:
+            return _min_by_bitplanes(state, stat, len(codec.scales) - 1, world, group, bidx)
+        state._count("all_reduce", stat.numel() * stat.element_size(), world, bidx)
+        dist.all_reduce(stat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)
+        return stat
+
+    return agree_scale_by(codec, x, reduce)
 
 
 def _min_by_bitplanes(state, idx: torch.Tensor, planes: int, world, group, bidx) -> torch.Tensor:
@@ -386,7 +424,7 @@ def _min_by_bitplanes(state, idx: torch.Tensor, planes: int, world, group, bidx)
 def _int_allreduce(state, codec: SummableCodec, x, world, group, bidx, gen):
     scale = _scale_rounds(state, codec, x, world, group, bidx)
     codes = codec.encode_int(x, scale, gen)
-    dtype = codec.sum_dtype(world)
+    dtype = codec.sum_dtype(world, state.sum_dtype)
     if dtype == torch.int16:  # no backend reduces int16
         dtype = torch.int32
     t = codes.to(dtype)
@@ -424,6 +462,8 @@ def _allgather(state, codec, x, world, group, bidx, rank):
 
 def _randk(state, codec: RandKCodec, x, world, group, bidx, rank, gen):
     d = x.numel()
+    if state.kept is not None:  # a fraction of each bucket
+        codec = dataclasses.replace(codec, k=kept_count(state.kept, d))
     sel_seed = derive_seed(state.seed, state.step, bidx, GLOBAL_RANDK_STREAM)
     idx = codec.indices(d, sel_seed, device=x.device)
     factor = d / idx.numel() if codec.rescale and idx.numel() else 1.0
@@ -517,6 +557,30 @@ def _powersgd(state, codec: PowerSGDCodec, x, world, group, bidx, sig, bucket):
     return fut.then(finish), own
 
 
+def _algorithm(state, algo: Algorithm, x, group, bidx, sig, dtype):
+    """The algorithm's own step on the bucket, over the default group: its before_update
+    replaces the bucket's gradient by the aggregate; the bytes are its transport's ledger's."""
+    from ..comm.distributed import TorchDistributedTransport
+
+    if state.process_group is not None and state.process_group is not dist.group.WORLD:
+        raise ValueError(f"algorithm {algo.name!r} runs over the default process group; process_group "
+                         f"must be None")
+    if state._transport is None:
+        state._transport = TorchDistributedTransport()
+    t = state._transport
+    ctx = Context.make(t, seed=state.seed)
+    g = x.to(dtype)
+    entry = state.algorithm_states.get(bidx)
+    s = entry[1] if entry is not None and entry[0] == sig else algo.init(g, ctx)
+    t.set_step(state.step)
+    sent, msgs = t.ledger.bytes_sent, t.ledger.messages_sent
+    s = algo.before_update(s, ctx, state.step, g, g, 0.0)
+    state.algorithm_states[bidx] = (sig, s)
+    state._add(t.ledger.messages_sent - msgs, t.ledger.bytes_sent - sent, bidx)
+    out = g.to(torch.float64)
+    return _ok_future(out), lambda: out
+
+
 def _ok_future(value) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
@@ -559,6 +623,8 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
             fut, own = _randk(state, codec, x, world, group, bidx, rank, gen)
         elif state.method == "allgather":
             fut, own = _allgather(state, codec, x, world, group, bidx, rank)
+        elif state.method == "algorithm":
+            fut, own = _algorithm(state, codec, x, group, bidx, sig, buf.dtype)
         else:
             fut, own = _powersgd(state, codec, x, world, group, bidx, sig, bucket)
     finally:
@@ -580,7 +646,7 @@ lowbit_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.f
 
 # --- by name ---------------------------------------------------------------------------------
 
-HOOKS: dict[str, tuple[Any, str]] = {  # name -> (codec factory, description)
+HOOKS: dict[str, tuple[Any, str]] = {  # codec hooks: name -> (codec factory, description)
     "fp32": (lambda: IdentityCodec(), "plain fp32 all-reduce average (exact reference)"),
     "fp16": (lambda: HalfCodec("fp16"), "fp16 cast, all-reduce, cast back"),
     "bf16": (lambda: HalfCodec("bf16"), "bf16 cast, all-reduce, cast back"),
@@ -597,29 +663,74 @@ HOOKS: dict[str, tuple[Any, str]] = {  # name -> (codec factory, description)
                                   "GlobalRandKMaxNormMultiScale: shared k coordinates, multi-scale on them"),
     "grandk_fp32": (lambda k=10000, rescale=True: RandKCodec(IdentityCodec(), k=k, rescale=rescale),
                     "global random-k, fp32 values of the shared coordinates"),
-    "qsgd": (lambda levels=4, bucket=None: QSGDCodec(levels=levels, bucket=bucket),
-             "QSGD (own norm per rank): all-gather of packed payloads"),
-    "terngrad": (lambda: TernGradCodec(), "TernGrad: all-gather of 2-bit payloads"),
     "sign": (lambda scale="mean_abs": SignCodec(scale=scale),
              "scaled sign (EF-SignSGD), error feedback on: all-gather of 1-bit payloads"),
     "dithered": (lambda levels=1, subtractive=True, partitions=1:
                  DitheredCodec(levels=levels, subtractive=subtractive, partitions=partitions),
                  "DQSG: all-gather, decode with each sender's regenerated dither"),
-    "powersgd": (lambda rank=1: PowerSGDCodec(rank=rank),
-                 "PowerSGD rank-r, error feedback on: all-reduce of P then Q"),
 }
 
 _STATE_OPTIONS = ("process_group", "seed", "error_feedback", "model")
 
 
+def centralized_names() -> list[str]:
+    """The centralized algorithms of the registry (``lowbit train --algorithm`` names), each
+    a hook name of :func:`make_hook` with the algorithm's own options."""
+    return [name for name, cls in ALGORITHMS.items() if cls.family == "centralized"]
+
+
+def hook_algorithm(name: str, **options) -> Algorithm:
+    """The centralized algorithm ``name`` with ``options`` (names of
+    :class:`~lowbit.algorithms.options.AlgorithmOptions`, as ``lowbit train`` takes them: its
+    defaults for the others): ValueError for an option the algorithm does not read (listing
+    those it reads) or out of range."""
+    cls = ALGORITHMS[name]
+    unknown = sorted(set(options) - set(cls.options))
+    if unknown:
+        raise ValueError(f"algorithm {name!r} does not take option(s) {', '.join(unknown)}; it takes: "
+                         f"{', '.join(cls.options) or 'none'} (and the hook's {', '.join(_STATE_OPTIONS)})")
+    opts = AlgorithmOptions(algorithm=name, **options)
+    opts.check_options()
+    if "k" in cls.options and opts.k is None:
+        raise ValueError(f"algorithm {name!r} needs k (coordinates kept: an int, or a fraction of d if < 1)")
+    return cls.from_config(opts)
+
+
+def algorithm_codec(algo: Algorithm) -> tuple[Codec | Algorithm, dict]:
+    """What a hook sends for the centralized algorithm ``algo``: ``(codec, state options)``
+    for :class:`LowbitHookState`. The algorithm's codec and rank, so that a hook and ``lowbit
+    train`` quantize alike; the algorithm itself where no codec path carries it (NDQSG)."""
+    if isinstance(algo, AllReduceSGD):
+        return IdentityCodec(), {}
+    if isinstance(algo, MaxNormSGD):
+        inner, kw = algo.inner, {"sum_dtype": algo.sum_dtype}
+        if algo.k is None:
+            return inner, kw
+        if algo.k < 1:  # a fraction of each bucket
+            return RandKCodec(inner, k=1), {**kw, "kept": algo.k}
+        return RandKCodec(inner, k=int(algo.k)), kw
+    if isinstance(algo, PowerSGD):
+        return algo.codec, {}
+    if isinstance(algo, GatheredAlgorithm) and not isinstance(algo, NDQSG):
+        if algo.server != "allgather":
+            raise ValueError(f"server={algo.server!r}: the DDP hooks all-gather the payloads (server='allgather')")
+        return algo.codec, {}
+    return algo, {}
+
+
 def make_hook(name: str, **options) -> tuple[LowbitHookState, Any]:
-    """``(state, hook)`` for the hook ``name`` (see :data:`HOOKS`), e.g.
-    ``make_hook("qsgd_maxnorm", bits=4, seed=1)``. ``process_group``, ``seed``,
-    ``error_feedback`` and ``model`` go to :class:`LowbitHookState`; the other options
-    build the codec."""
-    if name not in HOOKS:
-        raise ValueError(f"name must be one of {sorted(HOOKS)}, got {name!r}")
+    """``(state, hook)`` for the hook ``name``: a centralized algorithm of ``lowbit train``
+    (:func:`centralized_names`, e.g. ``make_hook("qsgd", bits=4, seed=1)``, its options named
+    as the CLI names them: ``bits``, ``k``, ``scales``, ``powersgd_rank``, ``levels``,
+    ``sum_dtype``...), or a codec hook of :data:`HOOKS` (e.g. ``make_hook("qsgd_maxnorm",
+    bits=4)``, the options of its codec). ``process_group``, ``seed``, ``error_feedback`` and
+    ``model`` go to :class:`LowbitHookState`."""
     state_kw = {k: options.pop(k) for k in _STATE_OPTIONS if k in options}
+    if name in ALGORITHMS and ALGORITHMS[name].family == "centralized":
+        codec, kw = algorithm_codec(hook_algorithm(name, **options))
+        return LowbitHookState(codec, **state_kw, **kw), lowbit_hook
+    if name not in HOOKS:
+        raise ValueError(f"name must be one of {sorted(set(HOOKS) | set(centralized_names()))}, got {name!r}")
     factory = HOOKS[name][0]
     try:
         codec = factory(**options)
@@ -628,6 +739,17 @@ def make_hook(name: str, **options) -> tuple[LowbitHookState, Any]:
     return LowbitHookState(codec, **state_kw), lowbit_hook
 
 
+def _first_sentence(cls) -> str:
+    doc = " ".join((cls.__doc__ or "").split())
+    return doc.split(". ")[0].rstrip(".") + "." if doc else ""
+
+
 def hook_table() -> list[tuple[str, str, str]]:
-    """(name, wire method, description) of every named hook, for docs and the CLI."""
-    return [(name, wire_method(factory()), desc) for name, (factory, desc) in HOOKS.items()]
+    """(name, wire method, description) of every hook name: the centralized algorithms (at
+    their defaults; GlobalRandK with k = 1) and the codec hooks of :data:`HOOKS`."""
+    rows = []
+    for name in centralized_names():
+        cls = ALGORITHMS[name]
+        codec, _ = algorithm_codec(hook_algorithm(name, **({"k": 1} if "k" in cls.options else {})))
+        rows.append((name, wire_method(codec), _first_sentence(cls)))
+    return rows + [(name, wire_method(factory()), desc) for name, (factory, desc) in HOOKS.items()]
