@@ -201,6 +201,26 @@ def orthogonalize(P: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(P.to(torch.float64), mode="reduced").Q
 
 
+# One power step of PowerSGD in three parts, around its two all-reduces (of P, then of Q); the
+# algorithm below and the DDP hook (lowbit.integrations.ddp_hooks, per gradient matrix) both use them.
+
+def power_p(M: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """``P = M Q`` (float64 product with the float32 ``Q``), float32 as it travels."""
+    return (M @ Q.to(torch.float64)).to(torch.float32)
+
+
+def power_q(M: torch.Tensor, P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the all-reduced ``P``: ``P_hat = orthogonalize(P)`` as every worker holds it (float32
+    values, float64 tensor) and this worker's ``Q_m = M^T P_hat`` (float64)."""
+    P_hat = orthogonalize(P).to(torch.float32).to(torch.float64)
+    return P_hat, M.T @ P_hat
+
+
+def power_product(P_hat: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """``P_hat Q^T`` of ``Q`` as it travels (float32), flattened, float64."""
+    return (P_hat @ Q.to(torch.float32).to(torch.float64).T).reshape(-1)
+
+
 @dataclass
 class PowerSGDState(State):
     """PowerSGD's memory: the error ``e`` (like ``x``) and the warm-start ``Q`` (``m x r``)."""
@@ -251,16 +271,14 @@ class PowerSGD(CentralizedAlgorithm):
         n, m, _ = self.codec.matrix_shape(d)
         p = compensate(g.to(torch.float64), state.error.to(torch.float64))
         M = torch.nn.functional.pad(p, (0, n * m - d)).view(n, m)
-        P = t.all_reduce((M @ state.Q.to(torch.float64)).to(torch.float32), "sum") / N
-        P_hat = orthogonalize(P).to(torch.float32).to(torch.float64)  # what every worker holds
-        Q_m = M.T @ P_hat
+        P = t.all_reduce(power_p(M, state.Q), "sum") / N
+        P_hat, Q_m = power_q(M, P)
         Q = t.all_reduce(Q_m.to(torch.float32), "sum") / N
-        local = (P_hat @ Q_m.to(torch.float32).to(torch.float64).T).reshape(-1)[:d]
-        remember(state.error, p, local)
-        g.copy_((P_hat @ Q.to(torch.float64).T).reshape(-1)[:d].to(g.dtype))
+        remember(state.error, p, power_product(P_hat, Q_m)[:d])  # e = M - P_hat Q_m^T
+        g.copy_(power_product(P_hat, Q)[:d].to(g.dtype))
         state.Q = Q.contiguous()
         return state
 
 
 __all__ = ["ErrorState", "GatheredAlgorithm", "OneBitEF", "PowerSGD", "PowerSGDState", "QSGD", "SERVERS",
-           "TernGrad", "check_server", "orthogonalize", "qsgd_levels"]
+           "TernGrad", "check_server", "orthogonalize", "power_p", "power_product", "power_q", "qsgd_levels"]

@@ -1,12 +1,19 @@
-"""PyTorch DDP communication hooks for lowbit's centralized codecs.
+"""PyTorch DDP communication hooks: lowbit's centralized algorithms and codecs.
 
 Usage::
 
-    state, hook = make_hook("qsgd_maxnorm", bits=4)          # or LowbitHookState(codec)
+    state, hook = make_hook("maxnorm", bits=4, seed=1)         # a lowbit train --algorithm name
+    state, hook = make_hook("qsgd_maxnorm", bits=4)            # or a codec hook; or LowbitHookState(codec)
     ddp_model.register_comm_hook(state, hook)
     ...
     state.bytes_sent, state.last_step_bytes                    # the wire cost
 
+``make_hook`` takes every centralized algorithm of ``lowbit train`` by its name, with the
+options as ``lowbit train`` names them (:class:`~lowbit.algorithms.options.AlgorithmOptions`:
+``bits``, ``k``, ``scales``, ``powersgd_rank``, ``levels``, ``sum_dtype``...; the same
+defaults), and sends what the algorithm sends: its codec, rank and code-sum dtype
+(:func:`algorithm_codec`); NDQSG, whose two groups no codec path carries, runs as itself on
+each bucket. The codec hooks of :data:`HOOKS` name codecs directly (fp16, the l-inf norm...).
 One hook function, :func:`lowbit_hook`, serves every codec; the state says which
 codec and how its bucket travels. DDP calls the hook once per gradient bucket
 with the bucket's flat, *local* gradient; the hook returns a future whose value
@@ -51,7 +58,12 @@ How each codec travels (``WIRE_METHODS``):
   together with the uncompressed vectors (biases), in one all-reduce; each ``P``
   orthogonalised (QR, the same on every rank); ``Q = M^T P`` averaged by a second
   all-reduce; output ``P Q^T``. The averaged ``Q`` warm-starts the bucket's next step
-  (the first ``Q`` is drawn from the shared seed, the same on every rank).
+  (the first ``Q`` is drawn from the shared seed, the same on every rank). The three
+  parts of the step are the algorithm's (``algorithms.compressed.power_p``, ``power_q``,
+  ``power_product``).
+* ``algorithm`` -- a centralized algorithm (an instance) that runs its own step on the
+  bucket over the default process group (NDQSG), one algorithm state per bucket; its
+  transport's ledger gives the bytes.
 
 Asynchrony. The one big transfer of a bucket (the float, integer, gathered or
 ``Q`` tensor) is issued with ``async_op=True`` and decoded in a ``.then``
@@ -115,7 +127,7 @@ import torch.distributed as dist
 from ..algorithms import ALGORITHMS
 from ..algorithms.allreduce import AllReduceSGD
 from ..algorithms.base import Algorithm, Context
-from ..algorithms.compressed import GatheredAlgorithm, PowerSGD
+from ..algorithms.compressed import GatheredAlgorithm, PowerSGD, power_p, power_product, power_q
 from ..algorithms.dqsg import NDQSG
 from ..algorithms.maxnorm import MaxNormSGD, agree_scale_by, kept_count
 from ..algorithms.options import AlgorithmOptions
@@ -507,30 +519,30 @@ def _powersgd(state, codec: PowerSGDCodec, x, world, group, bidx, sig, bucket):
     mats, dense = _powersgd_plan(codec, bucket)
     entry = state.powersgd_q.get(bidx)
     if entry is not None and entry[0] == sig:
-        qs = [q.to(device=x.device, dtype=torch.float64) for q in entry[1]]
+        qs = [q.to(device=x.device) for q in entry[1]]
     else:
         if entry is not None:
             state.powersgd_resets += 1
         gen = make_generator(derive_seed(state.seed, state.step, bidx, POWERSGD_STREAM))
-        qs = [torch.randn(m, r, generator=gen, dtype=torch.float32).to(device=x.device, dtype=torch.float64)
-              for (_, _, m, r) in mats]
+        qs = [torch.randn(m, r, generator=gen, dtype=torch.float32).to(device=x.device) for (_, _, m, r) in mats]
     Ms = [x[off:off + n * m].view(n, m) for (off, n, m, _) in mats]
-    first = torch.cat([(M @ q).reshape(-1) for M, q in zip(Ms, qs)]
-                      + [x[off:off + size] / world for off, size in dense]).to(torch.float32)
+    first = torch.cat([power_p(M, q).reshape(-1) for M, q in zip(Ms, qs)]
+                      + [(x[off:off + size] / world).to(torch.float32) for off, size in dense])
     state._count("all_reduce", first.numel() * 4, world, bidx)
     dist.all_reduce(first, group=group)
-    p_hats, pos = [], 0
-    for (_, n, _, r) in mats:
-        p_hats.append(torch.linalg.qr(first[pos:pos + n * r].view(n, r).to(torch.float64), mode="reduced").Q)
+    p_hats, q_own, pos = [], [], 0
+    for M, (_, n, _, r) in zip(Ms, mats):
+        p_hat, q_m = power_q(M, first[pos:pos + n * r].view(n, r))  # P summed: orthogonalize ignores 1/N
+        p_hats.append(p_hat)
+        q_own.append(q_m.to(torch.float32))
         pos += n * r
     dense_avg = first[pos:].to(torch.float64)
-    q_own = [(M.T @ ph).to(torch.float32) for M, ph in zip(Ms, p_hats)]
     second = torch.cat([q.reshape(-1) for q in q_own]) if q_own else x.new_empty(0, dtype=torch.float32)
 
     def assemble(qs_used, dense_part) -> torch.Tensor:
         out = torch.empty(x.numel(), dtype=torch.float64, device=x.device)
         for (off, n, m, _), ph, q in zip(mats, p_hats, qs_used):
-            out[off:off + n * m] = (ph @ q.to(torch.float64).T).reshape(-1)
+            out[off:off + n * m] = power_product(ph, q)
         pos = 0
         for off, size in dense:
             out[off:off + size] = dense_part[pos:pos + size]
