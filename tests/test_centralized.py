@@ -410,6 +410,20 @@ def test_maxnorm_family_is_algorithms_1_and_2(cls, levels, k_keep, n):
     assert sent[0] == [expect] * STEPS
 
 
+def test_maxnorm_presets_are_maxnormsgd_with_other_defaults():
+    """The four registry names are one class: each preset runs as MaxNormSGD with the same options."""
+    x0, A, b = _problem(2)
+    for preset, opts in ((MaxNormMultiScaleSGD(), dict(scales=(2, 6))), (GlobalRandKMaxNormSGD(k=3), dict(k=3)),
+                         (GlobalRandKMaxNormMultiScaleSGD(k=0.5), dict(scales=(2, 6), k=0.5))):
+        composed = MaxNormSGD(**opts)
+        assert (preset.bits, preset.scales, preset.k) == (composed.bits, composed.scales, composed.k)
+        traj_p, sent_p = _run(2, lambda t: preset.worker(t, seed=SEED), x0, A, b)
+        traj_c, sent_c = _run(2, lambda t: composed.worker(t, seed=SEED), x0, A, b)
+        assert torch.equal(traj_p, traj_c) and sent_p == sent_c
+    with pytest.raises(TypeError, match="k"):
+        GlobalRandKMaxNormSGD()  # k has no default
+
+
 def test_maxnorm_sum_dtype_widens_with_workers_in_process():
     """130 workers with s = 1 (bits=1): the code sum reaches 130 > int8: the algorithm sends int16."""
     n, d = 130, 3
