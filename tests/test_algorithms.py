@@ -38,7 +38,7 @@ def test_dpsgd_is_x_w_minus_lr_g():
 def test_allreduce_sgd_is_mean_gradient():
     X0, A, b = _problem()
     X0[:] = X0[0]
-    traj, _ = _run(lambda t: AllReduceSGD(t), X0, A, b)
+    traj, _ = _run(lambda t: AllReduceSGD().worker(t), X0, A, b)
     x = X0[0].clone()
     for k in range(STEPS):
         x = x - LR * (A * x - b).mean(0)
@@ -113,7 +113,7 @@ def test_moniqua_and_dpsgd_hold_no_extra_memory():
 
     def worker(t):
         out = []
-        for a in (DPSGD().worker(t, topo), Moniqua(t, topo), AllReduceSGD(t), NaiveQuantizedDPSGD().worker(t, topo)):
+        for a in (DPSGD().worker(t, topo), Moniqua(t, topo), AllReduceSGD().worker(t), NaiveQuantizedDPSGD().worker(t, topo)):
             a.setup(torch.zeros(D))
             out.append(a.extra_memory_bytes())
         return out

@@ -63,7 +63,7 @@ def _f32_up(v: float) -> float:
 def test_dqsg_is_algorithm_1(server, n):
     M = 2
     x0, A, b = _problem(n)
-    traj, sent = _run(n, lambda t: DQSG(t, levels=M, server=server, seed=SEED), x0, A, b)
+    traj, sent = _run(n, lambda t: DQSG(levels=M, server=server).worker(t, seed=SEED), x0, A, b)
 
     def aggregate(k, G):
         rec = []
@@ -136,8 +136,8 @@ def test_ndqsg_is_algorithm_2(server, n, frac):
     assert (nested.delta1, nested.delta2, nested.alpha, nested.k) == (1 / 3, 1.0, 1.0, 3)
     assert nested.bits == level_bits(3) == 1.6  # 5 trits per byte
     x0, A, b = _problem(n, spread=0.05)
-    traj, sent = _run(n, lambda t: NDQSG(t, levels=M, nested=nested, nested_fraction=frac, server=server,
-                                         seed=SEED), x0, A, b)
+    traj, sent = _run(n, lambda t: NDQSG(levels=M, nested=nested, nested_fraction=frac, server=server)
+                      .worker(t, seed=SEED), x0, A, b)
     n2 = min(n - 1, int(math.floor(frac * n + 0.5)))
     assert n2 >= 1
     torch.testing.assert_close(traj, _reference(n, x0, A, b, _ndqsg_reference(n, n2, M, nested)), atol=1e-6, rtol=0)
@@ -166,7 +166,7 @@ def test_ndqsg_decodes_close_side_information_exactly():
     bound = (kap[: n - n2].sum() * 0.5 / 2 + kap[n - n2:].sum() * nested.delta1 / 2) / n
     assert float((agg - exact).abs().max()) <= float(bound) + 1e-12
     # and the algorithm agrees with it
-    traj, _ = _run(n, lambda t: NDQSG(t, levels=2, nested=nested, seed=SEED), x0, A, b, steps=1)
+    traj, _ = _run(n, lambda t: NDQSG(levels=2, nested=nested).worker(t, seed=SEED), x0, A, b, steps=1)
     torch.testing.assert_close(traj[0], x0 - LR * agg, atol=1e-9, rtol=0)
 
 
@@ -248,7 +248,7 @@ def test_ndqsg_default_is_theorem6_on_the_measured_noise(server, n):
                         failure=cfg.nested_failure) is None  # the auto setting
     assert (cfg.nested_k, cfg.nested_failure, cfg.nested_fraction) == (2, 0.001, 0.5)
     x0, A, b = _problem(n, spread=0.05)
-    traj, sent = _run(n, lambda t: NDQSG(t, levels=M, server=server, seed=SEED), x0, A, b)
+    traj, sent = _run(n, lambda t: NDQSG(levels=M, server=server).worker(t, seed=SEED), x0, A, b)
     n2 = min(n - 1, int(math.floor(0.5 * n + 0.5)))
     torch.testing.assert_close(traj, _reference(n, x0, A, b, _ndqsg_auto_reference(n, n2, M, server)),
                                atol=1e-6, rtol=0)
@@ -292,17 +292,17 @@ def test_measured_sigma_recovers_the_side_information_noise():
 
 def test_ndqsg_auto_checkpoints_its_measured_noise():
     def worker(t):
-        algo = NDQSG(t, levels=1, seed=SEED)
+        algo = NDQSG(levels=1).worker(t, seed=SEED)
         x = torch.zeros(D)
         algo.setup(x)
         for k in range(2):
             t.set_step(k)
             algo.before_update(k, x, torch.randn(D, generator=torch.Generator().manual_seed(k + t.rank)), LR)
         state = algo.state_dict()
-        fresh = NDQSG(t, levels=1, seed=SEED)
+        fresh = NDQSG(levels=1).worker(t, seed=SEED)
         fresh.setup(x)
         fresh.load_state_dict(state)
-        return algo.sigma_z, fresh.sigma_z
+        return algo.state.sigma_z, fresh.state.sigma_z
 
     (s0, f0), (s1, f1) = run_threads(2, worker)
     assert s0 is None and f0 is None  # rank 0 is in P1
@@ -318,9 +318,9 @@ def test_qsgd_and_terngrad_average_the_decodes(name, server):
     n = 3
     x0, A, b = _problem(n)
     if name == "qsgd":
-        codec, make = QSGDCodec(levels=7), (lambda t: QSGD(t, bits=4, server=server, seed=SEED))
+        codec, make = QSGDCodec(levels=7), (lambda t: QSGD(bits=4, server=server).worker(t, seed=SEED))
     else:
-        codec, make = TernGradCodec(), (lambda t: TernGrad(t, server=server, seed=SEED))
+        codec, make = TernGradCodec(), (lambda t: TernGrad(server=server).worker(t, seed=SEED))
     traj, sent = _run(n, make, x0, A, b)
 
     def aggregate(k, G):
@@ -335,7 +335,7 @@ def test_qsgd_and_terngrad_average_the_decodes(name, server):
 def test_onebit_error_feedback():
     n = 4
     x0, A, b = _problem(n)
-    traj, sent = _run(n, lambda t: OneBitEF(t, seed=SEED), x0, A, b)
+    traj, sent = _run(n, lambda t: OneBitEF().worker(t, seed=SEED), x0, A, b)
     E = torch.zeros(n, D, dtype=torch.float64)
 
     def aggregate(k, G):
@@ -348,7 +348,7 @@ def test_onebit_error_feedback():
     assert sent[0] == [3 * (8 + 1)] * STEPS  # header (numel, scale) + 7 bits in one byte, to 3 others
 
     def worker(t):
-        a = OneBitEF(t)
+        a = OneBitEF().worker(t)
         a.setup(torch.zeros(D))
         return a.extra_memory_bytes()
 
@@ -398,7 +398,8 @@ def _maxnorm_reference(n, levels, k_keep=None, d=D):
 @pytest.mark.parametrize("n", [2, 8])
 def test_maxnorm_family_is_algorithms_1_and_2(cls, levels, k_keep, n):
     x0, A, b = _problem(n)
-    traj, sent = _run(n, lambda t: cls(t, bits=2, scales=(2, 6), k=k_keep, seed=SEED), x0, A, b)
+    opts = dict(bits=2, **({"scales": (2, 6)} if len(levels) > 1 else {}), **({"k": k_keep} if k_keep else {}))
+    traj, sent = _run(n, lambda t: cls(**opts).worker(t, seed=SEED), x0, A, b)
     torch.testing.assert_close(traj, _reference(n, x0, A, b, _maxnorm_reference(n, levels, k_keep)),
                                atol=1e-6, rtol=0)
     kept = D if k_keep is None else k_keep
@@ -409,6 +410,20 @@ def test_maxnorm_family_is_algorithms_1_and_2(cls, levels, k_keep, n):
     assert sent[0] == [expect] * STEPS
 
 
+def test_maxnorm_presets_are_maxnormsgd_with_other_defaults():
+    """The four registry names are one class: each preset runs as MaxNormSGD with the same options."""
+    x0, A, b = _problem(2)
+    for preset, opts in ((MaxNormMultiScaleSGD(), dict(scales=(2, 6))), (GlobalRandKMaxNormSGD(k=3), dict(k=3)),
+                         (GlobalRandKMaxNormMultiScaleSGD(k=0.5), dict(scales=(2, 6), k=0.5))):
+        composed = MaxNormSGD(**opts)
+        assert (preset.bits, preset.scales, preset.k) == (composed.bits, composed.scales, composed.k)
+        traj_p, sent_p = _run(2, lambda t: preset.worker(t, seed=SEED), x0, A, b)
+        traj_c, sent_c = _run(2, lambda t: composed.worker(t, seed=SEED), x0, A, b)
+        assert torch.equal(traj_p, traj_c) and sent_p == sent_c
+    with pytest.raises(TypeError, match="k"):
+        GlobalRandKMaxNormSGD()  # k has no default
+
+
 def test_maxnorm_sum_dtype_widens_with_workers_in_process():
     """130 workers with s = 1 (bits=1): the code sum reaches 130 > int8: the algorithm sends int16."""
     n, d = 130, 3
@@ -417,8 +432,9 @@ def test_maxnorm_sum_dtype_widens_with_workers_in_process():
     b[:] = -1.0  # every worker's gradient is x0 + 1: with the linf norm every code is +-1 at once
 
     def make(t):
-        a = MaxNormSGD(t, bits=1, seed=SEED)
-        assert a.dtype == torch.int16
+        a = MaxNormSGD(bits=1).worker(t, seed=SEED)
+        a.setup(torch.zeros(d))
+        assert a.state.sum_dtype == torch.int16
         return a
 
     traj, sent = _run(n, make, x0, A, b, steps=1)
@@ -478,7 +494,7 @@ def test_randk_codec_sees_the_global_selection():
 def test_powersgd_is_vogels_algorithm():
     n, d, r = 3, 12, 2  # 4 x 3 matrix, rank 2
     x0, A, b = _problem(n, d=d)
-    traj, sent = _run(n, lambda t: PowerSGD(t, rank=r, seed=SEED), x0, A, b)
+    traj, sent = _run(n, lambda t: PowerSGD(rank=r).worker(t, seed=SEED), x0, A, b)
     Q = torch.randn(3, r, generator=shared_generator(SEED, 0, 0), dtype=torch.float32).double()
     E = torch.zeros(n, d, dtype=torch.float64)
 
@@ -508,7 +524,8 @@ def _two_algorithms(t):
     max-norm (int8 SUM, uint8 MIN, float32 MAX all-reduces), on the quadratic of _problem."""
     x0, A, b = _problem(t.world_size, spread=0.05)
     out = []
-    for algo in (NDQSG(t, levels=2, server="ps", seed=SEED), MaxNormMultiScaleSGD(t, scales=(2, 6), seed=SEED)):
+    for algo in (NDQSG(levels=2, server="ps").worker(t, seed=SEED),
+                 MaxNormMultiScaleSGD(scales=(2, 6)).worker(t, seed=SEED)):
         x = x0.clone().float()
         algo.setup(x)
         for k in range(3):
@@ -589,7 +606,7 @@ def test_multiscale_nominal_bits_are_the_wire_bits_per_coordinate(scales):
     assert codec.bits == r
 
     def nominal(t):
-        algo = MaxNormMultiScaleSGD(t, scales=scales, seed=SEED)
+        algo = MaxNormMultiScaleSGD(scales=scales).worker(t, seed=SEED)
         algo.setup(x.float())
         return algo.nominal_bits_per_element()
 

@@ -21,10 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lowbit.codecs import ModuloCodec, QSGDCodec, QSGDMaxNormCodec, RandKCodec
 from lowbit.codecs.radix import radix_nbytes
 from lowbit.comm import launch
-from lowbit.integrations.ddp_hooks import (HOOKS, LowbitHookState, hook_table, lowbit_hook, make_hook,
-                                           wire_method)
+from lowbit.integrations.ddp_hooks import (HOOKS, LowbitHookState, centralized_names, hook_table, lowbit_hook,
+                                           make_hook, wire_method)
 
-ALL = list(HOOKS)
+# the codec hooks, and three algorithm names (the algorithm's codec, options as lowbit train names them)
+ALL = list(HOOKS) + ["qsgd", "terngrad", "powersgd"]
 K = 50  # random-k kept coordinates per bucket in these tests
 UNBIASED = ["qsgd_maxnorm", "qsgd_maxnorm_multiscale", "grandk_maxnorm", "grandk_maxnorm_multiscale",
             "grandk_fp32", "qsgd", "terngrad", "dithered"]
@@ -33,16 +34,18 @@ TRAIN_HOOKS = ["fp32", "qsgd_maxnorm", "qsgd_maxnorm_multiscale", "sign", "power
 REPEATS = 12
 # fine settings whose error has a small deterministic bound per coordinate (see _check_tight)
 TIGHT = {"qsgd_maxnorm": {"bits": 16}, "qsgd_maxnorm_multiscale": {"scales": (12, 16)},
-         "grandk_maxnorm": {"k": 100000, "bits": 16}, "qsgd": {"levels": 1000}, "dithered": {"levels": 1000}}
+         "grandk_maxnorm": {"k": 100000, "bits": 16}, "qsgd": {"bits": 8}, "dithered": {"levels": 1000}}
 LR = 0.05
 # 2-bit multi-scale with the l2 norm over a 644-element bucket is noisier than the gradient
 # (Lemma 2: up to (1 + sqrt(n) / 3) W^2); the l-inf norm makes it a usable training codec
-TRAIN_OPTIONS = {"qsgd_maxnorm_multiscale": {"norm": "linf"}}
+TRAIN_OPTIONS = {"qsgd_maxnorm_multiscale": {"norm": "linf"}, "powersgd": {"powersgd_rank": 1}}
 FOUR = ["fp32", "fp16", "qsgd_maxnorm", "qsgd_maxnorm_multiscale", "grandk_maxnorm", "dithered", "sign",
         "powersgd"]
 
 
 def _options(name: str) -> dict:
+    if name == "powersgd":
+        return {"powersgd_rank": 1}
     return {"k": K} if name.startswith("grandk") else {}
 
 
@@ -120,7 +123,7 @@ def _ef_identity(rank: int) -> dict:
     out = {}
     for name in EF_HOOKS:
         m = DDP(_net(), bucket_cap_mb_list=[0.001] * 3)
-        state, hook = make_hook(name, seed=5, model=m)
+        state, hook = make_hook(name, seed=5, model=m, **_options(name))
         log = []
 
         def logging_hook(st, bucket, log=log, hook=hook):
@@ -139,7 +142,7 @@ def _ef_identity(rank: int) -> dict:
         out[name] = (total, mem, log, state.memory_resets, state.powersgd_resets)
         # the same with memory per bucket: the rebuild resets the changed bucket's memory
         m = DDP(_net(), bucket_cap_mb_list=[0.001] * 3)
-        st2, hook2 = make_hook(name, seed=5)
+        st2, hook2 = make_hook(name, seed=5, **_options(name))
         m.register_comm_hook(st2, hook2)
         for _ in range(3):
             m.zero_grad()
@@ -255,8 +258,8 @@ def _expected_bucket_bytes(name: str, n: int, world: int) -> int:
         return _ring(4, world) + _ring(math.ceil(kk / 8), world) + _ring(kk, world)
     if name == "grandk_fp32":
         return _ring(4 * kk, world)
-    if name == "qsgd":  # levels 4: 9 codes in mixed radix (5 in 16 bits), header numel + norm
-        return gather * (8 + radix_nbytes(n, 9))
+    if name == "qsgd":  # bits 2 (lowbit train's default): s = 1, 3 codes in mixed radix, header numel + norm
+        return gather * (8 + radix_nbytes(n, 3))
     if name in ("terngrad", "dithered"):  # 3 codes (dithered levels 1) in mixed radix: 5 per byte
         return gather * (8 + radix_nbytes(n, 3))
     if name == "sign":
@@ -310,7 +313,7 @@ def _check_tight(results):
     w2 = max(float(p.norm()) for p in per)  # >= every rank's l2 norm of any bucket
     winf = max(float(p.abs().max()) for p in per)
     bounds = {"qsgd_maxnorm": w2 / 32767, "qsgd_maxnorm_multiscale": w2 / 4095, "grandk_maxnorm": w2 / 32767,
-              "qsgd": w2 / 1000, "dithered": winf / 1000}  # subtractive dither: kappa / (2M) per coordinate
+              "qsgd": w2 / 127, "dithered": winf / 1000}  # subtractive dither: kappa / (2M) per coordinate
     for name, bound in bounds.items():
         err = (r0[(name, "tight")] - ref).abs().max()
         assert 0 < float(err) <= bound + 1e-6, (name, float(err), bound)
@@ -380,6 +383,72 @@ def test_checkpoint_continues_identically(two):
             assert no_group and step2 == step1 == 6 and same_bytes
 
 
+# --- every centralized algorithm by its lowbit train name ----------------------------------
+
+# options as lowbit train names them (AlgorithmOptions), not the default everywhere
+CLI_OPTIONS = {"allreduce": {}, "dqsg": {"bits": 3}, "ndqsg": {"nested_fraction": 0.5}, "qsgd": {"bits": 4},
+               "terngrad": {}, "onebit-ef": {}, "maxnorm": {"bits": 3, "sum_dtype": "int32"},
+               "maxnorm-multiscale": {"scales": "2,6"}, "grandk-maxnorm": {"k": 0.1},
+               "grandk-maxnorm-multiscale": {"k": 30}, "powersgd": {"powersgd_rank": 1}}
+# the hook's average against the algorithm's aggregate on the same bucket: fp32, the deterministic
+# 1-bit sign (the hook encodes in float64, the algorithm in float32), NDQSG (the algorithm itself)
+SAME_AS_ALGORITHM = {"allreduce": 1e-6, "onebit-ef": 1e-6, "ndqsg": 0.0}
+
+
+def _algorithm_hooks(transport):
+    from lowbit.comm.distributed import TorchDistributedTransport
+    from lowbit.integrations.ddp_hooks import hook_algorithm
+
+    rank = dist.get_rank()
+    out = {}
+    for name in centralized_names():
+        state, hook = make_hook(name, seed=6, **CLI_OPTIONS[name])
+        m = DDP(_net())  # one bucket of 676 gradients
+        seen = []
+
+        def spy(st, bucket, seen=seen, hook=hook):
+            seen.append(bucket.buffer().detach().clone())
+            return hook(st, bucket).then(lambda f: seen.append(f.value().detach().clone()) or f.value())
+
+        m.register_comm_hook(state, spy)
+        _loss(m, rank, 0).backward()
+        local, avg = seen
+        out[name] = {"avg": avg, "bytes": state.bytes_sent, "method": state.method, "step": state.step}
+        if name in SAME_AS_ALGORITHM:  # the algorithm on the same bucket, same seed, step 0
+            w = hook_algorithm(name, **CLI_OPTIONS[name]).worker(TorchDistributedTransport(), seed=6)
+            g = local.clone()
+            w.setup(g)
+            w.before_update(0, g, g, 0.0)
+            out[name]["algorithm"] = g
+    return out
+
+
+@pytest.fixture(scope="module")
+def named():
+    return launch(2, _algorithm_hooks, timeout_s=300)
+
+
+def test_make_hook_takes_every_centralized_algorithm_with_cli_options(named):
+    assert set(CLI_OPTIONS) == set(centralized_names())
+    ref, _ = _ref_grads(2, 0)
+    for name in CLI_OPTIONS:
+        a, b = named[0][name], named[1][name]
+        assert torch.equal(a["avg"], b["avg"]), name  # every rank ends with the same average
+        assert a["step"] == 1 and a["bytes"] > 0, name
+        assert bool(torch.isfinite(a["avg"]).all()), name
+        if name == "allreduce":
+            assert a["method"] == "allreduce-float" and float((a["avg"].sum() - ref.sum()).abs()) < 1e-5
+        if name == "ndqsg":
+            assert a["method"] == "algorithm"
+
+
+def test_hook_average_is_the_algorithm_aggregate(named):
+    for res in named:
+        for name, tol in SAME_AS_ALGORITHM.items():
+            hook, algo = res[name]["avg"], res[name]["algorithm"]
+            assert float((hook - algo).abs().max()) <= tol * float(algo.abs().max()), name
+
+
 # --- without processes ---------------------------------------------------------------------
 
 
@@ -390,6 +459,16 @@ def test_make_hook_and_table():
     assert make_hook("sign")[0].error_feedback and make_hook("powersgd")[0].error_feedback
     assert make_hook("sign", error_feedback=False)[0].error_feedback is False
     methods = {name: method for name, method, _ in hook_table()}
+    assert set(centralized_names()) | set(HOOKS) == set(methods)
+    assert methods["maxnorm"] == methods["maxnorm-multiscale"] == "allreduce-int"
+    assert methods["grandk-maxnorm"] == "allreduce-randk" and methods["ndqsg"] == "algorithm"
+    assert methods["allreduce"] == "allreduce-float" and methods["dqsg"] == methods["onebit-ef"] == "allgather"
+    # the algorithm's codec and defaults: one name, one default per concept
+    assert make_hook("qsgd", bits=4)[0].codec == QSGDCodec(levels=7)
+    assert make_hook("maxnorm")[0].codec == QSGDMaxNormCodec(bits=3)  # lowbit train's bits=2: p = 2
+    assert make_hook("powersgd")[0].codec.rank == 2 and make_hook("onebit-ef")[0].error_feedback
+    st = make_hook("grandk-maxnorm", k=0.25, sum_dtype="int32")[0]
+    assert st.kept == 0.25 and st.sum_dtype == torch.int32
     assert methods["qsgd_maxnorm"] == methods["qsgd_maxnorm_multiscale"] == "allreduce-int"
     assert methods["dithered"] == methods["sign"] == methods["qsgd"] == methods["terngrad"] == "allgather"
     assert methods["grandk_maxnorm"] == "allreduce-randk" and methods["powersgd"] == "powersgd"
@@ -411,10 +490,21 @@ def test_bad_input():
         LowbitHookState(ModuloCodec(bits=2, theta=0.5))
     with pytest.raises(ValueError, match="bits"):
         make_hook("qsgd_maxnorm", bits=1)
+    # an algorithm name takes lowbit train's option names: anything else is named, with the list
+    with pytest.raises(ValueError, match="levels.*bits, server"):
+        make_hook("qsgd", levels=4)
+    with pytest.raises(ValueError, match="rank.*powersgd_rank"):
+        make_hook("powersgd", rank=2)
+    with pytest.raises(ValueError, match="needs k"):
+        make_hook("grandk-maxnorm")
+    with pytest.raises(ValueError, match="server"):
+        make_hook("dqsg", server="ps")
+    with pytest.raises(ValueError, match="bits must be an integer in 2..8"):
+        make_hook("qsgd", bits=1)
 
 
 def test_state_pickles_without_group():
-    state, _ = make_hook("powersgd", rank=2, seed=9)
+    state, _ = make_hook("powersgd", powersgd_rank=2, seed=9)
     state.process_group = object()  # stands for a (non-picklable) process group
     state.step = 5
     state.bucket_memory[0] = (((3,),), torch.ones(3))

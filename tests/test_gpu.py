@@ -32,7 +32,7 @@ from device_cases import CODEC_CASES, DIM, WORKERS, algo_cases, inputs, roundtri
 from lowbit.codecs import make_codec
 from lowbit.codecs.base import CodecKind
 from lowbit.codecs.rng import shared_generator
-from lowbit.integrations.ddp_hooks import HOOKS, make_hook
+from lowbit.integrations.ddp_hooks import HOOKS, centralized_names, make_hook
 from quadratic import quadratic_problem
 
 pytestmark = pytest.mark.gpu
@@ -174,7 +174,7 @@ def _ddp_hook_run(name: str, device: torch.device, backend: str, steps: int = 3)
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", list(HOOKS))
+@pytest.mark.parametrize("name", list(HOOKS) + centralized_names())  # codec hooks and algorithm names
 def test_ddp_hook_on_cuda_matches_the_cpu(name):
     backend = "nccl" if dist.is_nccl_available() else "gloo"  # gloo moves the CUDA tensors through the CPU
     cpu, cpu_bytes = _ddp_hook_run(name, torch.device("cpu"), "gloo")

@@ -261,6 +261,12 @@ class Algorithm:
         """Bits per element of the code before any framing (the paper's count)."""
         return 32.0
 
+    def worker_bits_per_element(self, state: State | None, ctx: Context) -> float:
+        """The nominal bits per element of the worker with ``state`` and ``ctx``, where they
+        depend on the vector's length (PowerSGD's factors, GlobalRandK's kept fraction) or on
+        the worker's rank (NDQSG's two groups): by default :meth:`nominal_bits_per_element`."""
+        return self.nominal_bits_per_element()
+
     def extra_memory_bytes(self, state: State) -> int:
         """Bytes of state a worker keeps between steps beyond the model and the
         optimizer: by default the state's tensors."""
@@ -362,7 +368,7 @@ class Worker:
         return self.algorithm.run_warning(report)
 
     def nominal_bits_per_element(self) -> float:
-        return self.algorithm.nominal_bits_per_element()
+        return self.algorithm.worker_bits_per_element(self.state, self.ctx)
 
     def extra_memory_bytes(self) -> int:
         return self.algorithm.extra_memory_bytes(self._ready())

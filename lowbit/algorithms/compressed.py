@@ -17,8 +17,8 @@ QSGD (Alistarh et al. 2017): ``QSGDCodec(levels=s)``, ``s = (2^bits - 1) // 2``
 so the ``2s + 1`` codes fill ``bits`` bits. TernGrad (Wen et al. 2017, eq. 2):
 ``TernGradCodec``. 1-bit SGD with error feedback (Seide et al. 2014, in the
 scaled-sign form of EF-SignSGD): per worker, ``p = g + e``, send ``C(p) =
-||p||_1 / d sign(p)``, ``e <- p - C(p)``. The randomness of worker ``p`` at
-step ``k`` comes from ``shared_generator(seed, k, p)``.
+||p||_1 / d sign(p)``, ``e <- p - C(p)`` (:mod:`.feedback`). The randomness of
+worker ``p`` at step ``k`` comes from ``shared_generator(seed, k, p)``.
 
 PowerSGD (Vogels, Karimireddy, Jaggi 2019, Algorithms 1 and 2): the flat
 gradient plus the error memory, ``M = reshape(g + e)`` (``n x m`` as
@@ -33,77 +33,96 @@ P and Q travel as float32.
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..codecs import PowerSGDCodec, QSGDCodec, SignCodec, TernGradCodec
 from ..codecs.base import Codec, Payload
 from ..codecs.rng import shared_generator
-from .legacy import CentralizedAlgorithm
+from .base import CentralizedAlgorithm, State
+from .feedback import compensate, remember
 
 SERVERS = ("ps", "allgather")
 
 
 def check_server(server) -> str:
+    """``server`` if it is a placement of :data:`SERVERS` (``"ps"`` or ``"allgather"``);
+    a ValueError naming the choices otherwise."""
     if server not in SERVERS:
         raise ValueError(f"server must be one of {SERVERS}, got {server!r}")
     return server
 
 
+@dataclass
+class ErrorState(State):
+    """The error-feedback memory ``e`` of one worker (zeros at the start)."""
+
+    error: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GatheredAlgorithm(CentralizedAlgorithm):
     """Base of the centralized algorithms whose packed payloads are gathered
-    (``server="ps"``) or all-gathered (``"allgather"``) and decoded one by one."""
+    (``server="ps"``) or all-gathered (``"allgather"``) and decoded one by one.
 
-    def __init__(self, transport, *, server: str = "allgather", seed: int = 0):
-        super().__init__(transport, seed=seed)
-        self.server = check_server(server)
+    ``server``: where the payloads are decoded, on rank 0 acting as parameter server
+    (``"ps"``, which broadcasts the fp32 average) or on every worker (``"allgather"``)."""
+
+    server: str = "allgather"
+    options = ("server",)
+
+    def __post_init__(self):
+        check_server(self.server)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, server=cfg.server, seed=cfg.seed)
+    def from_config(cls, cfg):
+        return cls(server=cfg.server)
 
     # what a subclass provides -------------------------------------------------------
-    @abstractmethod
-    def encode(self, k: int, g: torch.Tensor) -> Payload:
+    def encode(self, state: State, ctx, k: int, g: torch.Tensor) -> Payload:
         """This worker's gradient at step k as a payload of the same size on every rank."""
+        raise NotImplementedError
 
-    @abstractmethod
-    def decode(self, k: int, sender: int, wire: torch.Tensor) -> torch.Tensor:
+    def decode(self, ctx, k: int, sender: int, wire: torch.Tensor) -> torch.Tensor:
         """The float64 gradient of ``sender`` from its wire buffer."""
+        raise NotImplementedError
 
-    def average(self, k: int, wires: list[torch.Tensor]) -> torch.Tensor:
+    def average(self, ctx, k: int, wires: list[torch.Tensor]) -> torch.Tensor:
         """The float64 average of the decoded payloads (rank order)."""
         acc = None
         for p, w in enumerate(wires):
-            x = self.decode(k, p, w).to(torch.float64)
+            x = self.decode(ctx, k, p, w).to(torch.float64)
             acc = x if acc is None else acc + x
         return acc / len(wires)
 
     # the exchange ----------------------------------------------------------------------
-    def exchange(self, k: int, wire: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    def exchange(self, state: State, ctx, k: int, wire: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Gather/all-gather ``wire`` and return the average (float, like ``g``)."""
-        t = self.transport
+        t = ctx.transport
         if self.server == "allgather":
-            return self.average(k, t.all_gather(wire)).to(g.dtype)
+            return self.average(ctx, k, t.all_gather(wire)).to(g.dtype)
         wires = t.gather(wire, dst=0)
-        out = self.average(k, wires) if self.rank == 0 else torch.empty(g.shape, device=g.device)
+        out = self.average(ctx, k, wires) if ctx.rank == 0 else torch.empty(g.shape, device=g.device)
         return t.broadcast(out.to(device=g.device, dtype=torch.float32), src=0).to(g.dtype)  # the server sends fp32
 
-    def before_update(self, k, x, g, lr):
-        payload = self.encode(k, g)
-        g.copy_(self.exchange(k, payload.to_wire(), g))
+    def before_update(self, state, ctx, k, x, g, lr):
+        payload = self.encode(state, ctx, k, g)
+        g.copy_(self.exchange(state, ctx, k, payload.to_wire(), g))
+        return state
 
 
+@dataclass(frozen=True)
 class _CodecGathered(GatheredAlgorithm):
     """A stateless codec; the sender's generator is ``shared_generator(seed, k, rank)``."""
 
-    codec: Codec
+    codec: ClassVar[Codec]
 
-    def encode(self, k, g):
-        return self.codec.encode(g, generator=shared_generator(self.seed, k, self.rank))
+    def encode(self, state, ctx, k, g):
+        return self.codec.encode(g, generator=shared_generator(ctx.seed, k, ctx.rank))
 
-    def decode(self, k, sender, wire):
+    def decode(self, ctx, k, sender, wire):
         return self.codec.decode(self.codec.payload_from_wire(wire), dtype=torch.float64)
 
     def nominal_bits_per_element(self):
@@ -117,44 +136,64 @@ def qsgd_levels(bits: int) -> int:
     return (2**bits - 1) // 2
 
 
+@dataclass(frozen=True)
 class QSGD(_CodecGathered):
-    name = "qsgd"
+    """QSGD: every worker sends its gradient stochastically rounded to one of ``2s + 1`` levels
+    of its own norm (unbiased), and all workers apply the average of the decoded gradients.
 
-    def __init__(self, transport, *, bits: int = 4, server: str = "allgather", seed: int = 0):
-        super().__init__(transport, server=server, seed=seed)
-        self.codec = QSGDCodec(levels=qsgd_levels(bits))
+    ``bits``: the width of one code, 2..8; the levels are ``s = (2^bits - 1) // 2``.
+    ``server``: see :class:`GatheredAlgorithm`. Alistarh et al. 2017 (``QSGDCodec``)."""
+
+    bits: int = 4
+    name = "qsgd"
+    options = ("bits", "server")
+
+    def __post_init__(self):
+        super().__post_init__()
+        qsgd_levels(self.bits)
+
+    @property
+    def codec(self) -> Codec:
+        return QSGDCodec(levels=qsgd_levels(self.bits))
 
     @classmethod
     def check_config(cls, cfg):
         qsgd_levels(cfg.bits)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, bits=cfg.bits, server=cfg.server, seed=cfg.seed)
+    def from_config(cls, cfg):
+        return cls(bits=cfg.bits, server=cfg.server)
 
 
+@dataclass(frozen=True)
 class TernGrad(_CodecGathered):
+    """TernGrad: every worker sends its gradient stochastically rounded to {-1, 0, +1} times its
+    largest magnitude (unbiased, 2 bits), and all workers apply the average of the decoded
+    gradients. ``server``: see :class:`GatheredAlgorithm`. Wen et al. 2017, eq. (2)."""
+
+    codec: ClassVar[Codec] = TernGradCodec()
     name = "terngrad"
-    codec = TernGradCodec()
 
 
+@dataclass(frozen=True)
 class OneBitEF(_CodecGathered):
-    """1-bit SGD with error feedback: ``p = g + e``, send ``C(p)``, ``e = p - C(p)``."""
+    """1-bit SGD with error feedback: every worker sends the sign of its gradient plus the error
+    it left out before, scaled by the mean magnitude, and remembers what this message left out.
 
+    Per worker ``p = g + e``, send ``C(p) = ||p||_1 / d sign(p)``, ``e = p - C(p)``.
+    ``server``: see :class:`GatheredAlgorithm`. Seide et al. 2014, in EF-SignSGD's scaled form."""
+
+    codec: ClassVar[Codec] = SignCodec("mean_abs")
     name = "onebit-ef"
-    codec = SignCodec("mean_abs")
 
-    def setup(self, x):
-        self.e = torch.zeros_like(x)
+    def init(self, x, ctx):
+        return ErrorState(torch.zeros_like(x))
 
-    def encode(self, k, g):
-        p = g + self.e
+    def encode(self, state, ctx, k, g):
+        p = compensate(g, state.error)
         payload = self.codec.encode(p)
-        self.e.copy_(p - self.codec.decode(payload, dtype=torch.float64).to(p.dtype))
+        remember(state.error, p, self.codec.decode(payload, dtype=torch.float64).to(p.dtype))
         return payload
-
-    def state_tensors(self):
-        return {"error": self.e}
 
 
 def orthogonalize(P: torch.Tensor) -> torch.Tensor:
@@ -162,48 +201,84 @@ def orthogonalize(P: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(P.to(torch.float64), mode="reduced").Q
 
 
+# One power step of PowerSGD in three parts, around its two all-reduces (of P, then of Q); the
+# algorithm below and the DDP hook (lowbit.integrations.ddp_hooks, per gradient matrix) both use them.
+
+def power_p(M: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """``P = M Q`` (float64 product with the float32 ``Q``), float32 as it travels."""
+    return (M @ Q.to(torch.float64)).to(torch.float32)
+
+
+def power_q(M: torch.Tensor, P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the all-reduced ``P``: ``P_hat = orthogonalize(P)`` as every worker holds it (float32
+    values, float64 tensor) and this worker's ``Q_m = M^T P_hat`` (float64)."""
+    P_hat = orthogonalize(P).to(torch.float32).to(torch.float64)
+    return P_hat, M.T @ P_hat
+
+
+def power_product(P_hat: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
+    """``P_hat Q^T`` of ``Q`` as it travels (float32), flattened, float64."""
+    return (P_hat @ Q.to(torch.float32).to(torch.float64).T).reshape(-1)
+
+
+@dataclass
+class PowerSGDState(State):
+    """PowerSGD's memory: the error ``e`` (like ``x``) and the warm-start ``Q`` (``m x r``)."""
+
+    error: torch.Tensor
+    Q: torch.Tensor
+
+
+@dataclass(frozen=True)
 class PowerSGD(CentralizedAlgorithm):
-    """Rank-``rank`` PowerSGD with error feedback and warm start; see the module docstring."""
+    """PowerSGD: the workers agree on a rank-``rank`` approximation of their average gradient
+    by one step of power iteration per SGD step, warm-started from the previous step, with
+    error feedback; only the two thin factors travel (see the module docstring).
 
+    ``rank``: the rank r of the approximation (CLI ``--rank``); more is closer and costs
+    ``32 (n + m) r`` bits per step for an ``n x m`` matrix. Vogels et al. 2019, Algorithms 1-2."""
+
+    rank: int = 2
     name = "powersgd"
+    options = ("powersgd_rank",)
 
-    def __init__(self, transport, *, rank: int = 2, seed: int = 0):
-        super().__init__(transport, seed=seed)
-        self.codec = PowerSGDCodec(rank=rank)  # validates rank, fixes the matrix layout
+    def __post_init__(self):
+        PowerSGDCodec(rank=self.rank)  # validates rank
+
+    @property
+    def codec(self) -> PowerSGDCodec:
+        """The codec fixing the matrix layout and the rank (``codec.matrix_shape``)."""
+        return PowerSGDCodec(rank=self.rank)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, rank=cfg.powersgd_rank, seed=cfg.seed)
+    def from_config(cls, cfg):
+        return cls(rank=cfg.powersgd_rank)
 
-    def setup(self, x):
-        self.d = x.numel()
-        self.n, self.m, self.r = self.codec.matrix_shape(self.d)
-        self.e = torch.zeros_like(x)
-        self.Q = self.codec.init_state(self.d, shared_generator(self.seed, 0, 0), device=x.device)
+    def init(self, x, ctx):
+        Q = self.codec.init_state(x.numel(), shared_generator(ctx.seed, 0, 0), device=x.device)
+        return PowerSGDState(torch.zeros_like(x), Q)
 
-    def state_tensors(self):
-        return {"error": self.e, "Q": self.Q}
-
-    def nominal_bits_per_element(self):
+    def worker_bits_per_element(self, state, ctx):
         """32-bit factors: ``32 (n + m) r / d`` bits per element."""
-        if not hasattr(self, "d"):
-            raise ValueError("PowerSGD.nominal_bits_per_element needs setup(x) first (it depends on d)")
-        return 32.0 * (self.n + self.m) * self.r / self.d if self.d else 0.0
+        if state is None:
+            raise ValueError("PowerSGD's bits per element need setup(x) first (they depend on d)")
+        d = state.error.numel()
+        n, m, r = self.codec.matrix_shape(d)
+        return 32.0 * (n + m) * r / d if d else 0.0
 
-    def before_update(self, k, x, g, lr):
-        t, N = self.transport, self.world_size
-        d, n, m = self.d, self.n, self.m
-        p = g.to(torch.float64) + self.e.to(torch.float64)
+    def before_update(self, state, ctx, k, x, g, lr):
+        t, N, d = ctx.transport, ctx.world_size, g.numel()
+        n, m, _ = self.codec.matrix_shape(d)
+        p = compensate(g.to(torch.float64), state.error.to(torch.float64))
         M = torch.nn.functional.pad(p, (0, n * m - d)).view(n, m)
-        P = t.all_reduce((M @ self.Q.to(torch.float64)).to(torch.float32), "sum") / N
-        P_hat = orthogonalize(P).to(torch.float32).to(torch.float64)  # what every worker holds
-        Q_m = M.T @ P_hat
+        P = t.all_reduce(power_p(M, state.Q), "sum") / N
+        P_hat, Q_m = power_q(M, P)
         Q = t.all_reduce(Q_m.to(torch.float32), "sum") / N
-        local = (P_hat @ Q_m.to(torch.float32).to(torch.float64).T).reshape(-1)[:d]
-        self.e.copy_((p - local).to(self.e.dtype))
-        g.copy_((P_hat @ Q.to(torch.float64).T).reshape(-1)[:d].to(g.dtype))
-        self.Q = Q.contiguous()
+        remember(state.error, p, power_product(P_hat, Q_m)[:d])  # e = M - P_hat Q_m^T
+        g.copy_(power_product(P_hat, Q)[:d].to(g.dtype))
+        state.Q = Q.contiguous()
+        return state
 
 
-__all__ = ["GatheredAlgorithm", "OneBitEF", "PowerSGD", "QSGD", "SERVERS", "TernGrad", "check_server",
-           "orthogonalize", "qsgd_levels"]
+__all__ = ["ErrorState", "GatheredAlgorithm", "OneBitEF", "PowerSGD", "PowerSGDState", "QSGD", "SERVERS",
+           "TernGrad", "check_server", "orthogonalize", "power_p", "power_product", "power_q", "qsgd_levels"]

@@ -80,6 +80,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 
@@ -88,6 +89,7 @@ from ..codecs.base import Payload, pack_header, unpack_header
 from ..codecs.dithered import _float32_up
 from ..codecs.quantize import check_int_range
 from ..codecs.rng import shared_generator
+from .base import State
 from .compressed import GatheredAlgorithm
 
 
@@ -103,31 +105,47 @@ def dqsg_levels(levels, bits) -> int:
     return (2**bits - 1) // 2
 
 
+@dataclass(frozen=True)
 class DQSG(GatheredAlgorithm):
-    """Algorithm 1: subtractive dithered quantization, ``M`` levels (``Delta = 1/M``)."""
+    """DQSG: every worker sends its gradient quantized with a random dither that the server
+    regenerates and subtracts (subtractive dithered quantization), and all workers apply the
+    average of the decoded gradients.
 
+    ``levels``: ``M``, the indices per sign (``2M + 1`` in all, step ``Delta = 1/M`` of the
+    gradient's largest magnitude; ``lowbit train`` takes the largest ``M`` that ``bits``
+    holds unless ``levels`` is given). ``server``: see :class:`GatheredAlgorithm`.
+    Algorithm 1 of the paper: ``DitheredCodec``, the dither ``u_p`` from ``shared_generator(seed,
+    k, p)``."""
+
+    levels: int = 2
     name = "dqsg"
+    options = ("bits", "levels", "server")
 
-    def __init__(self, transport, *, levels: int = 2, server: str = "allgather", seed: int = 0):
-        super().__init__(transport, server=server, seed=seed)
-        self.codec = DitheredCodec(levels=dqsg_levels(levels, None), subtractive=True)
+    def __post_init__(self):
+        super().__post_init__()
+        dqsg_levels(self.levels, None)
+
+    @property
+    def codec(self) -> DitheredCodec:
+        """P1's (DQSG's) quantizer: ``M`` levels, subtractive dither."""
+        return DitheredCodec(levels=self.levels, subtractive=True)
 
     @classmethod
     def check_config(cls, cfg):
         dqsg_levels(cfg.levels, cfg.bits)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, levels=dqsg_levels(cfg.levels, cfg.bits), server=cfg.server, seed=cfg.seed)
+    def from_config(cls, cfg):
+        return cls(levels=dqsg_levels(cfg.levels, cfg.bits), server=cfg.server)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def encode(self, k, g):
-        return self.codec.encode(g, generator=shared_generator(self.seed, k, self.rank))
+    def encode(self, state, ctx, k, g):
+        return self.codec.encode(g, generator=shared_generator(ctx.seed, k, ctx.rank))
 
-    def decode(self, k, sender, wire):
-        gen = shared_generator(self.seed, k, sender)  # the server regenerates u_p
+    def decode(self, ctx, k, sender, wire):
+        gen = shared_generator(ctx.seed, k, sender)  # the server regenerates u_p
         return self.codec.decode(self.codec.payload_from_wire(wire), generator=gen, dtype=torch.float64)
 
 
@@ -176,6 +194,7 @@ def nested_codec(*, delta1=None, k: int = DEFAULT_K, alpha=None, sigma=None,
 
 
 def check_failure(failure) -> float:
+    """``failure`` as a float if it is a probability in (0, 1); a ValueError otherwise."""
     if isinstance(failure, bool) or not isinstance(failure, numbers.Real) or not 0 < failure < 1:
         raise ValueError(f"nested_failure must be a number in (0, 1), got {failure!r}")
     return float(failure)
@@ -215,25 +234,47 @@ def measured_sigma(g_hat: torch.Tensor, g_bar: torch.Tensor, kappa: float, delta
 _SIGMA_FLOOR = 1e-6  # relative to kappa: the side information can never be trusted beyond this
 
 
-class NDQSG(DQSG):
-    """Algorithm 2: P1 sends DQSG, P2 sends nested dithered codes decoded against ``g_bar``."""
+@dataclass
+class NDQSGState(State):
+    """What an NDQSG worker remembers: in the auto setting, the side-information noise
+    ``sigma_z`` (relative to kappa) that its last nested payload showed (None before the
+    first measurement, and always on a P1 worker)."""
 
+    sigma_z: float | None = None
+
+
+@dataclass(frozen=True)
+class NDQSG(DQSG):
+    """NDQSG: like DQSG, but a group of workers sends fewer bits with a nested (coarse-modulo)
+    dithered quantizer that the server decodes against the average of the gradients it has
+    already decoded (side information).
+
+    ``levels``: DQSG's ``M`` for the first group (P1). ``nested``: the second group's (P2's)
+    quantizer, or None for the auto setting (Theorem 6 every step, from the noise measured at
+    the previous one). ``nested_fraction``: the share of workers in P2 (the last ranks), in
+    [0, 1). ``k``: the auto setting's ``Delta2 / Delta1`` (``ceil(log2 k)`` bits per element).
+    ``failure``: the auto setting's per-element decoding-failure target. ``server``: see
+    :class:`GatheredAlgorithm`. Algorithm 2 of the paper; see the module docstring."""
+
+    nested: NestedDitheredCodec | None = None
+    nested_fraction: float = 0.5
+    k: int = DEFAULT_K
+    failure: float = DEFAULT_FAILURE
     name = "ndqsg"
+    options = ("bits", "levels", "server", "nested_fraction", "nested_delta1", "nested_k", "nested_alpha",
+               "nested_sigma", "nested_failure")
     _KAPPA = "f"  # the P2 worker's float32 scale, in front of the nested payload
     _AUTO = "ff"  # auto setting: (Delta1, alpha) of this payload's codec; Delta1 = 0: a DQSG payload follows
 
-    def __init__(self, transport, *, levels: int = 2, nested: NestedDitheredCodec | None = None,
-                 nested_fraction: float = 0.5, k: int = DEFAULT_K, failure: float = DEFAULT_FAILURE,
-                 server: str = "allgather", seed: int = 0):
-        super().__init__(transport, levels=levels, server=server, seed=seed)
-        if nested is not None and not isinstance(nested, NestedDitheredCodec):
-            raise ValueError(f"nested must be a NestedDitheredCodec or None (auto), got {type(nested).__name__}")
-        self.nested = nested  # None: the auto setting
-        self.k = nested.k if nested is not None else check_int_range(k, "nested_k", 2, 2**32)
-        self.failure = check_failure(failure)
-        self.sigma_z: float | None = None  # auto: this P2 worker's side-information noise, last measured
-        self.n2 = nested_group_size(self.world_size, nested_fraction)
-        self.n1 = self.world_size - self.n2
+    def __post_init__(self):
+        super().__post_init__()
+        if self.nested is not None and not isinstance(self.nested, NestedDitheredCodec):
+            raise ValueError(f"nested must be a NestedDitheredCodec or None (auto), got {type(self.nested).__name__}")
+        if self.nested is not None:
+            object.__setattr__(self, "k", self.nested.k)  # the fixed codec's k
+        check_int_range(self.k, "nested_k", 2, 2**32)
+        object.__setattr__(self, "failure", check_failure(self.failure))
+        nested_group_size(2, self.nested_fraction)  # checks the fraction
 
     @property
     def auto(self) -> bool:
@@ -251,114 +292,124 @@ class NDQSG(DQSG):
         nested_group_size(cfg.workers, cfg.nested_fraction)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, levels=dqsg_levels(cfg.levels, cfg.bits), nested=cls._nested_from(cfg),
+    def from_config(cls, cfg):
+        return cls(levels=dqsg_levels(cfg.levels, cfg.bits), nested=cls._nested_from(cfg),
                    nested_fraction=cfg.nested_fraction, k=cfg.nested_k, failure=cfg.nested_failure,
-                   server=cfg.server, seed=cfg.seed)
+                   server=cfg.server)
 
-    def extra_state(self):
-        return {"sigma_z": self.sigma_z}
+    def init(self, x, ctx):
+        return NDQSGState()
 
-    def load_extra_state(self, extra):
-        self.sigma_z = extra.get("sigma_z")
+    def n1(self, ctx) -> int:
+        """The size of P1 (the first ranks) among ``ctx.world_size`` workers."""
+        return ctx.world_size - nested_group_size(ctx.world_size, self.nested_fraction)
 
-    def in_p2(self, rank: int) -> bool:
-        return rank >= self.n1
+    def in_p2(self, ctx, rank: int) -> bool:
+        """Whether ``rank`` is in P2 (sends nested codes)."""
+        return rank >= self.n1(ctx)
 
-    def nominal_bits_per_element(self):
+    def worker_bits_per_element(self, state, ctx):
         """P2: the nested codec's bits per element, which depend on ``k`` alone (the auto setting's
         first step, which sends DQSG, is not counted)."""
-        if not self.in_p2(self.rank):
+        if not self.in_p2(ctx, ctx.rank):
             return float(self.codec.bits)
         return float((self.nested or NestedDitheredCodec(delta1=1.0, k=self.k)).bits)
 
     # --- P2 encode ----------------------------------------------------------------------------
-    def _encode_nested(self, k, g, codec: NestedDitheredCodec) -> Payload:
+    def _encode_nested(self, ctx, k, g, codec: NestedDitheredCodec) -> Payload:
         x64 = g.detach().to(torch.float64)
         kappa = float(_float32_up(x64.abs().amax().reshape(1))[0]) if x64.numel() else 0.0
         v = x64 / kappa if kappa > 0 else torch.zeros_like(x64)
-        inner = codec.encode(v, generator=shared_generator(self.seed, k, self.rank))
+        inner = codec.encode(v, generator=shared_generator(ctx.seed, k, ctx.rank))
         return Payload(header=torch.cat([pack_header(self._KAPPA, kappa, device=g.device), inner.header]),
                        data=inner.data)
 
-    def encode(self, k, g):
-        if not self.in_p2(self.rank):
-            return super().encode(k, g)
+    def encode(self, state, ctx, k, g):
+        if not self.in_p2(ctx, ctx.rank):
+            return super().encode(state, ctx, k, g)
         if not self.auto:
-            return self._encode_nested(k, g, self.nested)
-        if self.sigma_z is None:  # nothing measured yet: this step's payload is DQSG's
-            inner, d1, alpha = super().encode(k, g), 0.0, 0.0
+            return self._encode_nested(ctx, k, g, self.nested)
+        if state.sigma_z is None:  # nothing measured yet: this step's payload is DQSG's
+            inner, d1, alpha = super().encode(state, ctx, k, g), 0.0, 0.0
         else:
-            codec = theorem6_codec(self.sigma_z, self.k, self.failure)
-            inner, d1, alpha = self._encode_nested(k, g, codec), codec.delta1, codec.alpha
+            codec = theorem6_codec(state.sigma_z, self.k, self.failure)
+            inner, d1, alpha = self._encode_nested(ctx, k, g, codec), codec.delta1, codec.alpha
         return Payload(header=torch.cat([pack_header(self._AUTO, d1, alpha, device=g.device), inner.header]),
                        data=inner.data)
 
     # --- decode ------------------------------------------------------------------------------
-    def decode_nested(self, k, sender, wire, g_bar, codec: NestedDitheredCodec | None = None):
+    def decode_nested(self, ctx, k, sender, wire, g_bar, codec: NestedDitheredCodec | None = None):
         """Eq. (7) against ``g_bar``; returns the decoded gradient and the sender's kappa."""
         codec = self.nested if codec is None else codec
         (kappa,) = unpack_header(self._KAPPA, wire[:4])
         if kappa == 0:
             return torch.zeros_like(g_bar), 0.0
         inner = codec.payload_from_wire(wire[4:])
-        gen = shared_generator(self.seed, k, sender)
+        gen = shared_generator(ctx.seed, k, sender)
         return codec.decode(inner, ref=g_bar / kappa, generator=gen) * kappa, kappa
 
-    def decode_p2(self, k, sender, wire, g_bar):
+    def decode_p2(self, ctx, k, sender, wire, g_bar):
         """A P2 payload against ``g_bar``: the gradient and, in the auto setting, the
         side-information noise it shows (:func:`measured_sigma`; ``None`` otherwise)."""
         if not self.auto:
-            return self.decode_nested(k, sender, wire, g_bar)[0], None
+            return self.decode_nested(ctx, k, sender, wire, g_bar)[0], None
         d1, alpha = unpack_header(self._AUTO, wire[:8])
         rest = wire[8:]
         if d1 == 0:  # a DQSG payload (the sender had measured nothing yet)
-            g_p = self.decode(k, sender, rest)
+            g_p = self.decode(ctx, k, sender, rest)
             _, kappa = unpack_header(self.codec.header_format, self.codec.payload_from_wire(rest).header)[:2]
             return g_p, measured_sigma(g_p, g_bar, kappa, self.codec.step, 1.0)
-        g_p, kappa = self.decode_nested(k, sender, rest, g_bar, NestedDitheredCodec(delta1=d1, k=self.k, alpha=alpha))
+        codec = NestedDitheredCodec(delta1=d1, k=self.k, alpha=alpha)
+        g_p, kappa = self.decode_nested(ctx, k, sender, rest, g_bar, codec)
         return g_p, measured_sigma(g_p, g_bar, kappa, d1, alpha)
 
-    def average(self, k, wires):
-        """The average over all workers and, per P2 rank, the noise its payload showed."""
-        g_bar = sum(self.decode(k, p, wires[p]) for p in range(self.n1)) / self.n1
+    def average_measured(self, ctx, k, wires):
+        """Algorithm 2's decoder: the average over all workers and, per P2 rank, the noise its
+        payload showed."""
+        n1 = self.n1(ctx)
+        g_bar = sum(self.decode(ctx, k, p, wires[p]) for p in range(n1)) / n1
         sigmas = {}
-        for i, p in enumerate(range(self.n1, self.world_size)):
-            g_p, sigmas[p] = self.decode_p2(k, p, wires[p], g_bar)
-            g_bar = (g_bar * (self.n1 + i) + g_p) / (self.n1 + i + 1)  # the running average, Algorithm 2
+        for i, p in enumerate(range(n1, ctx.world_size)):
+            g_p, sigmas[p] = self.decode_p2(ctx, k, p, wires[p], g_bar)
+            g_bar = (g_bar * (n1 + i) + g_p) / (n1 + i + 1)  # the running average, Algorithm 2
         return g_bar, sigmas
 
-    def _keep_sigma(self, sigma) -> None:
-        if sigma is not None and math.isfinite(sigma):
-            self.sigma_z = sigma
+    def average(self, ctx, k, wires):
+        return self.average_measured(ctx, k, wires)[0]
 
-    def exchange(self, k, wire, g):
-        t, n = self.transport, self.world_size
+    @staticmethod
+    def _keep_sigma(state: NDQSGState, sigma) -> None:
+        if sigma is not None and math.isfinite(sigma):
+            state.sigma_z = sigma
+
+    def exchange(self, state, ctx, k, wire, g):
+        t, n, rank, n1 = ctx.transport, ctx.world_size, ctx.rank, self.n1(ctx)
         if self.server == "allgather":
-            others = [j for j in range(n) if j != self.rank]
+            others = [j for j in range(n) if j != rank]
             got = t.neighbor_exchange(wire, others) if others else {}
-            got[self.rank] = wire
-            avg, sigmas = self.average(k, [got[j] for j in range(n)])
-            self._keep_sigma(sigmas.get(self.rank))  # every rank decodes the same: its own noise is known
+            got[rank] = wire
+            avg, sigmas = self.average_measured(ctx, k, [got[j] for j in range(n)])
+            self._keep_sigma(state, sigmas.get(rank))  # every rank decodes the same: its own noise is known
             return avg.to(g.dtype)
-        if self.rank == 0:
+        if rank == 0:
             got = t.neighbor_exchange(torch.empty(0, dtype=torch.uint8, device=wire.device), list(range(1, n))) \
                 if n > 1 else {}
             got[0] = wire
-            avg, sigmas = self.average(k, [got[j] for j in range(n)])
+            avg, sigmas = self.average_measured(ctx, k, [got[j] for j in range(n)])
             out = avg.reshape(-1)
             if self.auto:  # the server tells each P2 worker its measured noise (float32, NaN: none)
-                tail = torch.tensor([math.nan if sigmas[p] is None else sigmas[p] for p in range(self.n1, n)],
+                tail = torch.tensor([math.nan if sigmas[p] is None else sigmas[p] for p in range(n1, n)],
                                     dtype=torch.float64, device=out.device)
                 out = torch.cat([out, tail])
         else:
             t.neighbor_exchange(wire, [0])
-            out = torch.empty(g.numel() + (self.n2 if self.auto else 0), device=g.device)
+            out = torch.empty(g.numel() + (n - n1 if self.auto else 0), device=g.device)
         out = t.broadcast(out.to(device=g.device, dtype=torch.float32), src=0)  # fp32 average (and noises)
-        if self.auto and self.in_p2(self.rank):
-            self._keep_sigma(float(out[g.numel() + self.rank - self.n1]))
+        if self.auto and self.in_p2(ctx, rank):
+            self._keep_sigma(state, float(out[g.numel() + rank - n1]))
         return out[: g.numel()].reshape(g.shape).to(g.dtype)
 
 
-__all__ = ["AUTO", "DQSG", "NDQSG", "dqsg_levels", "measured_sigma", "nested_codec", "nested_group_size",
+__all__ = ["AUTO", "DQSG", "NDQSG", "NDQSGState", "check_failure", "dqsg_levels", "measured_sigma", "nested_codec",
+           "nested_group_size",
            "theorem6_codec"]

@@ -25,6 +25,10 @@ nothing sent for them); only those go through lines 5-10, and the average is
 scattered back and rescaled by ``d / K`` (unbiased). ``K``: an int, or a
 fraction of ``d`` when below 1.
 
+One class, :class:`MaxNormSGD`, is all four: its options pick the quantizer
+(``scales`` empty: Algorithm 1; given: Algorithm 2) and GlobalRandK (``k``
+given); the registry's four names are presets of it with other defaults.
+
 Bits: ``bits`` is the paper's precision ``p = log2(s + 1)`` ("QSGD-MN 2"), so
 the codec is ``QSGDMaxNormCodec(bits=p + 1)`` with ``s = 2^p - 1`` levels;
 ``scales=(2, 6)`` is the paper's two-scale "(2, 6)". The nominal bits per
@@ -41,20 +45,24 @@ bits count.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ..codecs import MultiScaleMaxNormCodec, QSGDMaxNormCodec, RandKCodec, global_index_seed
 from ..codecs.base import SUM_DTYPES, SummableCodec
 from ..codecs.rng import shared_generator
-from .legacy import CentralizedAlgorithm
+from .base import CentralizedAlgorithm, State, transient
 
 SUM_DTYPE_NAMES = {str(d).replace("torch.", ""): d for d in SUM_DTYPES}
 
 
 def parse_sum_dtype(name) -> torch.dtype | None:
-    if name is None:
-        return None
+    """The integer dtype named ``name`` (``"int8"``, ``"int16"``, ``"int32"``, ``"int64"``, or a
+    torch dtype of those), None for None; a ValueError naming the choices otherwise."""
+    if name is None or name in SUM_DTYPES:
+        return name
     if name not in SUM_DTYPE_NAMES:
         raise ValueError(f"sum_dtype must be one of {', '.join(SUM_DTYPE_NAMES)}, got {name!r}")
     return SUM_DTYPE_NAMES[name]
@@ -82,100 +90,145 @@ def maxnorm_inner(precision: int, scales: tuple = ()) -> SummableCodec:
     return QSGDMaxNormCodec(bits=precision + 1)
 
 
+def agree_scale_by(codec: SummableCodec, x: torch.Tensor, reduce: Callable[[torch.Tensor, str], torch.Tensor]):
+    """Lines 5 and 7: the shared scale of a summable codec, agreed round by round. Each round
+    reduces this worker's statistic ``codec.shared_scale(x, agreed so far)`` over the workers
+    by ``reduce(stat, op)`` (``op`` is ``codec.scale_reduce_ops[r]``, ``"max"`` or ``"min"``; a
+    transport's ``all_reduce``); returns the agreed tensor (one round) or the tuple of them."""
+    agreed: list[torch.Tensor] = []
+    for op in codec.scale_reduce_ops:
+        agreed.append(reduce(codec.shared_scale(x, tuple(agreed)), op))
+    return agreed[0] if len(agreed) == 1 else tuple(agreed)
+
+
+@dataclass
+class MaxNormState(State):
+    """Nothing is remembered between steps: the vector's length ``d`` and the integer dtype of
+    the code sum, fixed at setup, are kept as a cache (not checkpointed)."""
+
+    d: int = transient(default=0)
+    sum_dtype: torch.dtype | None = transient(default=None)
+
+
+@dataclass(frozen=True)
 class MaxNormSGD(CentralizedAlgorithm):
-    """QSGDMaxNorm / QSGDMaxNormMultiScale, optionally GlobalRandK; see the module docstring."""
+    """Max-norm quantized SGD: every worker rounds its gradient to integer codes against one
+    scale that all workers agree on (the largest gradient norm), so the codes themselves can
+    be summed by an ordinary all-reduce; all workers apply the decoded average.
 
+    ``bits``: the precision ``p`` of Algorithm 1 (``s = 2^p - 1`` levels per sign).
+    ``scales``: precisions of Algorithm 2's multi-scale quantizer, e.g. ``(2, 6)``
+    (each coordinate takes the finest scale no worker overflows; ``bits`` then unused); empty
+    for one scale. ``k``: GlobalRandK, the coordinates kept at each step (an int, or a
+    fraction of ``d`` below 1; the same ones on every worker), None for all.
+    ``sum_dtype``: the integer dtype of the code sum (default: the narrowest that cannot
+    overflow). Paper 004, Algorithms 1 and 2 and section 3.3; see the module docstring."""
+
+    bits: int = 2
+    scales: tuple[int, ...] = ()
+    k: float | None = None
+    sum_dtype: str | torch.dtype | None = None
     name = "maxnorm"
-    multiscale = False
-    randk = False
+    options = ("bits", "sum_dtype")
 
-    def __init__(self, transport, *, bits: int = 2, scales: tuple = (2, 6), k=None,
-                 sum_dtype: torch.dtype | str | None = None, seed: int = 0):
-        super().__init__(transport, seed=seed)
-        self.inner = maxnorm_inner(bits, scales if self.multiscale else ())
-        if isinstance(sum_dtype, str) or sum_dtype is None:
-            sum_dtype = parse_sum_dtype(sum_dtype)
-        self.dtype = self.inner.sum_dtype(self.world_size, sum_dtype)  # ValueError when it cannot hold the sum
-        if self.randk:
-            if k is None:
-                raise ValueError(f"{self.name} needs k (coordinates kept: an int, or a fraction of d if < 1)")
-            kept_count(k, 1)
-        self.k = k
+    def __post_init__(self):
+        object.__setattr__(self, "scales", tuple(self.scales or ()))
+        maxnorm_inner(self.bits, self.scales)
+        object.__setattr__(self, "sum_dtype", parse_sum_dtype(self.sum_dtype))
+        if self.k is not None:
+            kept_count(self.k, 1)
+
+    @property
+    def inner(self) -> SummableCodec:
+        """The quantizer of the kept coordinates (Algorithm 1's or Algorithm 2's)."""
+        return maxnorm_inner(self.bits, self.scales)
 
     @classmethod
-    def _scales(cls, cfg):
-        if not cls.multiscale:
-            return ()
-        return cfg.scale_bits() or (2, 6)
+    def _options(cls, cfg) -> dict:
+        kw = {"bits": cfg.bits, "scales": cfg.scale_bits(), "k": cfg.k, "sum_dtype": cfg.sum_dtype}
+        return {o: kw[o] for o in cls.options if kw[o] not in (None, ())}  # absent: the preset's default
 
     @classmethod
     def check_config(cls, cfg):
-        inner = maxnorm_inner(cfg.bits, cls._scales(cfg))
+        kw = cls._options(cfg)
+        if "k" in cls.options and "k" not in kw:
+            raise ValueError(f"algorithm={cls.name!r} needs --k (coordinates kept: an int, or a fraction of d "
+                             f"if < 1)")
+        algo = cls(**kw)
+        inner = algo.inner
         try:
-            inner.sum_dtype(cfg.workers, parse_sum_dtype(cfg.sum_dtype))
+            inner.sum_dtype(cfg.workers, algo.sum_dtype)
         except ValueError:
-            if cls.multiscale or cfg.sum_dtype is None:
+            if algo.scales or cfg.sum_dtype is None:
                 raise
             fits = str(inner.sum_dtype(cfg.workers, None)).replace("torch.", "")
             raise ValueError(f"sum_dtype={cfg.sum_dtype} would overflow: at bits={cfg.bits} a code is in "
                              f"[-{inner.max_code}, {inner.max_code}] (a sign and {cfg.bits} magnitude bits), and "
                              f"the sum of workers={cfg.workers} codes can reach {cfg.workers * inner.max_code}; "
                              f"use --sum-dtype {fits} or wider") from None
-        if cls.randk and cfg.k is None:
-            raise ValueError(f"algorithm={cls.name!r} needs --k (coordinates kept: an int, or a fraction of d if < 1)")
-        if cls.randk:
-            kept_count(cfg.k, 1)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, bits=cfg.bits, scales=cls._scales(cfg), k=cfg.k, sum_dtype=cfg.sum_dtype,
-                   seed=cfg.seed)
+    def from_config(cls, cfg):
+        return cls(**cls._options(cfg))
 
-    def setup(self, x):
-        self.d = x.numel()
-        self.K = kept_count(self.k, self.d) if self.randk else None
+    def init(self, x, ctx):
+        # a ValueError when sum_dtype cannot hold the sum of world_size codes
+        return MaxNormState(x.numel(), self.inner.sum_dtype(ctx.world_size, self.sum_dtype))
 
-    def codec_at(self, step: int) -> SummableCodec:
-        """The codec of step ``step`` (GlobalRandK: with that step's shared selection seed)."""
-        if not self.randk:
+    def codec_at(self, ctx, step: int, d: int) -> SummableCodec:
+        """The codec of step ``step`` for ``d`` elements (GlobalRandK: that step's shared
+        selection of ``K`` coordinates, seeded by ``global_index_seed(seed, step)``)."""
+        if self.k is None:
             return self.inner
-        return RandKCodec(self.inner, k=self.K).with_seed(global_index_seed(self.seed, step))
+        return RandKCodec(self.inner, k=kept_count(self.k, d)).with_seed(global_index_seed(ctx.seed, step))
 
-    def nominal_bits_per_element(self):
+    def worker_bits_per_element(self, state, ctx):
         # bits per coordinate of a message: multi-scale's index, sign and code; single-scale's
         # 2s + 1 levels at log2 (level_bits: 2.83 for precision 2, p + 1 from precision 4 on)
-        p = self.inner.bits if self.multiscale else self.inner.wire_bits
-        if self.randk and getattr(self, "d", 0):
-            return float(p) * min(self.K, self.d) / self.d
+        p = self.inner.bits if self.scales else self.inner.wire_bits
+        if self.k is not None and state is not None and state.d:
+            return float(p) * min(kept_count(self.k, state.d), state.d) / state.d
         return float(p)
 
-    def before_update(self, k, x, g, lr):
-        t = self.transport
-        codec = self.codec_at(k)
-        agreed: list[torch.Tensor] = []
-        for op in codec.scale_reduce_ops:  # line 5 (MAX of the norm), line 7 (MIN of the scale index)
-            agreed.append(t.all_reduce(codec.shared_scale(g, tuple(agreed)), op))
-        scale = agreed[0] if len(agreed) == 1 else tuple(agreed)
-        zeta = codec.encode_int(g, scale, shared_generator(self.seed, k, self.rank))  # line 8
-        total = t.all_reduce(zeta.to(self.dtype), "sum")  # line 9, in the overflow-safe dtype
-        g.copy_(codec.decode_sum(total, scale, self.world_size, numel=self.d, dtype=g.dtype))  # line 10
+    def before_update(self, state, ctx, k, x, g, lr):
+        t = ctx.transport
+        codec = self.codec_at(ctx, k, state.d)
+        scale = agree_scale_by(codec, g, t.all_reduce)  # line 5 (MAX of the norm), line 7 (MIN of the index)
+        zeta = codec.encode_int(g, scale, shared_generator(ctx.seed, k, ctx.rank))  # line 8
+        total = t.all_reduce(zeta.to(state.sum_dtype), "sum")  # line 9, in the overflow-safe dtype
+        g.copy_(codec.decode_sum(total, scale, ctx.world_size, numel=state.d, dtype=g.dtype))  # line 10
+        return state
 
 
+@dataclass(frozen=True)
 class MaxNormMultiScaleSGD(MaxNormSGD):
+    """Multi-scale max-norm quantized SGD (Algorithm 2): :class:`MaxNormSGD` with the paper's
+    two scales ``(2, 6)`` by default."""
+
+    scales: tuple[int, ...] = (2, 6)
     name = "maxnorm-multiscale"
-    multiscale = True
+    options = ("scales", "sum_dtype")
 
 
+@dataclass(frozen=True)
 class GlobalRandKMaxNormSGD(MaxNormSGD):
+    """GlobalRandK max-norm quantized SGD (section 3.3): :class:`MaxNormSGD` on ``k`` coordinates
+    shared by all workers; ``k`` has no default."""
+
+    k: float = field(kw_only=True)
     name = "grandk-maxnorm"
-    randk = True
+    options = ("bits", "k", "sum_dtype")
 
 
-class GlobalRandKMaxNormMultiScaleSGD(MaxNormSGD):
+@dataclass(frozen=True)
+class GlobalRandKMaxNormMultiScaleSGD(MaxNormMultiScaleSGD):
+    """GlobalRandK multi-scale max-norm quantized SGD (section 3.4): :class:`MaxNormMultiScaleSGD`
+    on ``k`` coordinates shared by all workers; ``k`` has no default."""
+
+    k: float = field(kw_only=True)
     name = "grandk-maxnorm-multiscale"
-    multiscale = True
-    randk = True
+    options = ("scales", "k", "sum_dtype")
 
 
 __all__ = ["GlobalRandKMaxNormMultiScaleSGD", "GlobalRandKMaxNormSGD", "MaxNormMultiScaleSGD", "MaxNormSGD",
-           "kept_count", "maxnorm_inner", "parse_sum_dtype"]
+           "MaxNormState", "agree_scale_by", "kept_count", "maxnorm_inner", "parse_sum_dtype"]

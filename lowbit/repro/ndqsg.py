@@ -244,15 +244,16 @@ def _probe_worker(transport, cfg: TrainConfig, capture_from: int):
     """The training loop without evaluations, keeping the payloads the algorithm sends."""
     captured: dict[int, object] = {}
 
-    def keep_payloads(algo):
+    def keep_payloads(worker):
+        algo = worker.algorithm
         if isinstance(algo, GatheredAlgorithm):
             encode = algo.encode  # the algorithm's own before_update runs; its payload is kept
 
-            def capture(k, g):
-                captured[k] = payload = encode(k, g)
+            def capture(state, ctx, k, g):
+                captured[k] = payload = encode(state, ctx, k, g)
                 return payload
 
-            algo.encode = capture
+            object.__setattr__(algo, "encode", capture)  # this worker's own (frozen) instance
 
     res = run_worker(transport, cfg, evaluate=False, instrument=keep_payloads)
     d, bits = res.params.numel(), res.nominal_bits_per_element
@@ -314,13 +315,13 @@ def _size_worker(transport, cfg: TrainConfig, d: int):
     cls = ALGORITHMS[cfg.algorithm]
     if not issubclass(cls, GatheredAlgorithm):  # the fp32 all-reduce: d float32 values
         return {"payload_bits": 32 * d, "nominal_bits": 32.0}
-    algo = cls.from_config(cfg, transport, None)
-    x = torch.zeros(d)
-    algo.setup(x)
-    if getattr(algo, "auto", False):
-        algo.sigma_z = 1.0  # as after a measured step: the nested payload, whose size no sigma changes
+    worker = cls.from_config(cfg).worker(transport, seed=cfg.seed)
+    worker.setup(torch.zeros(d))
+    if getattr(worker.algorithm, "auto", False):
+        worker.state.sigma_z = 1.0  # as after a measured step: the nested payload, whose size no sigma changes
     g = torch.randn(d, generator=torch.Generator().manual_seed(transport.rank))
-    return {"payload_bits": 8 * algo.encode(0, g).nbytes, "nominal_bits": float(algo.nominal_bits_per_element())}
+    payload = worker.algorithm.encode(worker.state, worker.ctx, 0, g)
+    return {"payload_bits": 8 * payload.nbytes, "nominal_bits": float(worker.nominal_bits_per_element())}
 
 
 def probe_sizes(cfg: TrainConfig, opts: dict, d: int) -> dict:
@@ -376,6 +377,8 @@ def kbits_to_reach(row: dict, target: float) -> float | None:
 
 
 def run(out: Path, quick: bool = False) -> dict:
+    """Paper 002's tables and Figure 6 (see the module docstring) into ``out``: ``results.json``,
+    ``table.md`` and the plots; ``quick`` runs on digits in under a minute."""
     sc = _scale(quick)
     if not quick:
         from ..data import find_dataset_dir

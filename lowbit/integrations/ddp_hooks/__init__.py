@@ -1,0 +1,143 @@
+"""PyTorch DDP communication hooks: lowbit's centralized algorithms and codecs.
+
+Usage::
+
+    state, hook = make_hook("maxnorm", bits=4, seed=1)         # a lowbit train --algorithm name
+    state, hook = make_hook("qsgd_maxnorm", bits=4)            # or a codec hook; or LowbitHookState(codec)
+    ddp_model.register_comm_hook(state, hook)
+    ...
+    state.bytes_sent, state.last_step_bytes                    # the wire cost
+
+``make_hook`` takes every centralized algorithm of ``lowbit train`` by its name, with the
+options as ``lowbit train`` names them (:class:`~lowbit.algorithms.options.AlgorithmOptions`:
+``bits``, ``k``, ``scales``, ``powersgd_rank``, ``levels``, ``sum_dtype``...; the same
+defaults), and sends what the algorithm sends: its codec, rank and code-sum dtype
+(:func:`algorithm_codec`); NDQSG, whose two groups no codec path carries, runs as itself on
+each bucket. The codec hooks of :data:`HOOKS` name codecs directly (fp16, the l-inf norm...).
+One hook function, :func:`lowbit_hook`, serves every codec; the state says which
+codec and how its bucket travels. DDP calls the hook once per gradient bucket
+with the bucket's flat, *local* gradient; the hook returns a future whose value
+is the bucket's gradient averaged over the process group.
+
+How each codec travels (``WIRE_METHODS``):
+
+* ``allreduce-float`` -- fp32 (:class:`IdentityCodec`; the exact reference) and
+  fp16/bf16 (:class:`HalfCodec`): each rank divides by the world size, casts to the
+  wire dtype (the codec's overflow check applies), one SUM all-reduce, cast back.
+* ``allreduce-int`` -- summable codecs (QSGDMaxNorm, multi-scale, GlobalRandK around
+  them): the codec's scale rounds (MAX all-reduce of the float32 norm; for the
+  multi-scale codec a MIN of the per-coordinate scale indices), then one SUM
+  all-reduce of the integer codes in ``codec.sum_dtype(world_size)`` (int16 is
+  widened to int32: neither gloo nor NCCL reduces int16), then ``decode_sum``.
+  The MIN of the scale indices travels as ``N - 1`` packed bit-planes (plane ``p``
+  holds ``index >= p``) combined by bitwise AND, which is exactly the MIN, when
+  that is narrower than one uint8 per coordinate (``N <= 8`` scales; for the
+  paper's two scales one bit per coordinate, its ``ceil(log2 N)``); otherwise a
+  uint8 MIN all-reduce. Integers on the wire take whole bytes (the paper's
+  section on framework support): ``bits=4`` (codes -7..7) sums in int8 up to 18
+  ranks; ``bits=8`` already needs int16 for 2 ranks, sent as int32, i.e. no saving
+  over fp32 -- hence ``make_hook``'s default ``bits=4``.
+* ``allreduce-randk`` -- :class:`RandKCodec` with ``send_indices=False``: every
+  rank keeps the same ``k`` coordinates of a bucket, chosen from the seed
+  ``derive_seed(seed, step, bucket_index, GLOBAL_RANDK_STREAM)`` (the codec's own
+  ``seed`` field is replaced by it), and the kept values travel as the inner
+  codec does (integers for a summable inner codec, fp32/fp16 floats for an
+  identity/half inner codec, all-gather otherwise); the average is scattered back
+  (times ``d / k`` when ``rescale``).
+* ``allgather`` -- codecs whose codes cannot be added (QSGD, TernGrad, sign, DQSG
+  dithered, min-max, uniform, RandK with explicit indices): every rank all-gathers
+  the packed wire payloads (``payload.to_wire()``, header included) and decodes all
+  of them, a subtractive-dither decode with the sender's regenerated generator
+  ``shared_generator(seed, step, sender, stream)``, then averages.
+* ``powersgd`` -- PowerSGD's distributed rank-r step (Vogels et al., Algorithm 1),
+  the codec giving the rank (:class:`PowerSGDCodec`'s own layout, the whole vector
+  as one near-square matrix, has no low-rank structure for a bucket of unrelated
+  tensors, so the hook delegates to the paper's per-tensor form, as torch's
+  PowerSGD hook does): each gradient with 2+ dims is an ``n x m`` matrix ``M``
+  (``shape[0]`` rows) compressed when ``(n + m) r < n m``; ``P = M Q`` of all of them,
+  together with the uncompressed vectors (biases), in one all-reduce; each ``P``
+  orthogonalised (QR, the same on every rank); ``Q = M^T P`` averaged by a second
+  all-reduce; output ``P Q^T``. The averaged ``Q`` warm-starts the bucket's next step
+  (the first ``Q`` is drawn from the shared seed, the same on every rank). The three
+  parts of the step are the algorithm's (``algorithms.compressed.power_p``, ``power_q``,
+  ``power_product``).
+* ``algorithm`` -- a centralized algorithm (an instance) that runs its own step on the
+  bucket over the default process group (NDQSG), one algorithm state per bucket; its
+  transport's ledger gives the bytes.
+
+Asynchrony. The one big transfer of a bucket (the float, integer, gathered or
+``Q`` tensor) is issued with ``async_op=True`` and decoded in a ``.then``
+callback, so DDP overlaps it with the rest of the backward pass. The small
+rounds before it (the 4-byte norm MAX and the scale-index MIN of the max-norm
+codecs, PowerSGD's ``P``) are done synchronously inside the hook: a later round
+needs the earlier one's result to encode, and waiting inside a future callback
+can deadlock a backend with few worker threads.
+
+Randomness. Rank ``r``'s stochastic rounding / dither for bucket ``b`` at step ``k``
+comes from ``shared_generator(seed, k, r, HOOK_STREAM + b)``; ``seed`` must be the
+same on every rank. The step counter ``state.step`` advances once per iteration,
+when the hook has processed the bucket with ``bucket.is_last()``.
+
+Error feedback (``error_feedback=True``; the default for the biased sign and
+PowerSGD codecs, False for the others): rank ``m`` compresses
+``x_m = g_m + e_m`` and keeps ``e_m <- x_m - D(C(x_m))``, where ``D(C(x_m))`` is its
+own contribution to the average (for PowerSGD, ``P Q_m^T`` with its own ``Q_m``, and
+its own vectors as sent in float32).
+The memory is keyed
+
+* per parameter (by name) when the state knows the model
+  (``LowbitHookState(..., model=ddp_model)`` or :meth:`LowbitHookState.bind_model`):
+  a bucket's memory is assembled from, and split back into, the memories of its
+  parameters, so DDP's bucket rebuild after the first iteration, and restoring a
+  checkpoint into a freshly built DDP model, keep the memory exactly;
+* otherwise per bucket index, with the bucket's signature (its parameters'
+  shapes in bucket order): when DDP's rebuild changes a bucket's size or layout,
+  that bucket's memory is RESET to zero (counted in ``state.memory_resets``), never
+  misapplied.
+
+PowerSGD's warm-start ``Q`` is always per bucket and is re-drawn on a signature
+change (counted in ``state.powersgd_resets``).
+
+Bytes. ``state.bytes_sent`` counts what this rank puts on the wire, by the same
+rule as :func:`lowbit.comm.netmodel.op_messages_and_bytes`: an all-reduce of
+``m`` bytes as the ring's ``2(n-1)/n * m``, an all-gather of ``m`` bytes per rank as
+``(n-1) m``. ``state.fp32_bytes_sent`` counts what plain fp32 all-reduce of the
+same buckets would have sent; ``state.last_step_bytes`` is the latest complete
+iteration's total and ``state.bucket_bytes[b]`` the latest bytes of bucket ``b``.
+
+Pickling (checkpoints): the state pickles without its process group (restored as
+the default group, or set ``state.process_group`` again) and without the
+parameter-identity map (call :meth:`LowbitHookState.bind_model` with the new
+model after unpickling, when the memory is per parameter). A restored run
+continues exactly as the original when the new DDP model meets the same buckets
+(the randomness, per-bucket memories and PowerSGD's ``Q`` follow the bucket
+layout); DDP without ``find_unused_parameters`` starts a fresh model with one
+bucket and rebuilds after the first iteration, so there the first restored step
+differs (per-parameter error memory still carries over exactly).
+
+Layout: one module per wire family, as torch's ``ddp_comm_hooks``: ``floats``
+(``allreduce-float``), ``maxnorm`` (``allreduce-int``, ``allreduce-randk``), ``gathered``
+(``allgather``), ``powersgd``, ``algorithm``; ``state`` (:class:`LowbitHookState`,
+:func:`wire_method`), ``hook`` (:func:`lowbit_hook`) and ``names`` (:func:`make_hook`,
+:data:`HOOKS`, :func:`hook_table`).
+"""
+
+from .hook import lowbit_hook
+from .names import HOOKS, algorithm_codec, centralized_names, hook_algorithm, hook_table, make_hook
+from .powersgd import POWERSGD_STREAM
+from .state import HOOK_STREAM, WIRE_METHODS, LowbitHookState, wire_method
+
+__all__ = [
+    "HOOKS",
+    "algorithm_codec",
+    "centralized_names",
+    "hook_algorithm",
+    "HOOK_STREAM",
+    "POWERSGD_STREAM",
+    "WIRE_METHODS",
+    "LowbitHookState",
+    "lowbit_hook",
+    "make_hook",
+    "hook_table",
+    "wire_method",
+]

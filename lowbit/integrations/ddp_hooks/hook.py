@@ -1,0 +1,68 @@
+"""The one hook function, :func:`lowbit_hook`: the bucket through its state's wire method."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...comm.netmodel import op_messages_and_bytes
+from .algorithm import algorithm_step
+from .floats import float_allreduce
+from .gathered import allgather
+from .maxnorm import int_allreduce, randk_allreduce
+from .powersgd import powersgd_step
+from .state import LowbitHookState, _offsets, _signature
+
+
+def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, lowbit_hook)``."""
+    if not isinstance(state, LowbitHookState):
+        raise ValueError(f"state must be a LowbitHookState, got {type(state).__name__}")
+    group = state._group()
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    buf = bucket.buffer()
+    bidx = bucket.index()
+    is_last = bucket.is_last()
+    sig = _signature(bucket)
+    state.bucket_bytes[bidx] = 0
+    state.bucket_numel[bidx] = buf.numel()
+    fp32_msgs, fp32_sent = op_messages_and_bytes("all_reduce", 4 * buf.numel(), world)
+    state.fp32_bytes_sent += fp32_sent
+    codec = state.codec
+    ef = state.error_feedback
+    x = buf.detach().to(torch.float64)
+    layout = None
+    if ef:
+        if state.per_parameter:
+            layout = list(zip(state._names(bucket), _offsets(bucket)))
+        x = x + state._load_memory(bucket, buf)
+    gen = state._generator(rank, bidx)
+    try:
+        if state.method == "allreduce-float":
+            fut, own = float_allreduce(state, codec, x, world, group, bidx)
+        elif state.method == "allreduce-int":
+            fut, own = int_allreduce(state, codec, x, world, group, bidx, gen)
+        elif state.method == "allreduce-randk":
+            fut, own = randk_allreduce(state, codec, x, world, group, bidx, rank, gen)
+        elif state.method == "allgather":
+            fut, own = allgather(state, codec, x, world, group, bidx, rank)
+        elif state.method == "algorithm":
+            fut, own = algorithm_step(state, codec, x, group, bidx, sig, buf.dtype)
+        else:
+            fut, own = powersgd_step(state, codec, x, world, group, bidx, sig, bucket)
+    finally:
+        state._finish_bucket(is_last)
+
+    def write(f):
+        avg = f.value()
+        if ef:
+            state._store_memory(bidx, sig, layout, x - own())
+        buf.copy_(avg.to(buf.dtype))
+        return buf
+
+    return fut.then(write)
+
+
+# DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation)
+lowbit_hook.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})

@@ -1,0 +1,254 @@
+"""The hook's state (:class:`LowbitHookState`), how a codec travels (:func:`wire_method`) and
+the helpers every wire family shares."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ...algorithms.base import Algorithm
+from ...codecs.base import Codec, is_summable
+from ...codecs.dithered import DitheredCodec
+from ...codecs.identity import IdentityCodec
+from ...codecs.lowp import HalfCodec
+from ...codecs.minmax import MinMaxCodec
+from ...codecs.powersgd import PowerSGDCodec
+from ...codecs.qsgd import QSGDCodec
+from ...codecs.randk import RandKCodec
+from ...codecs.rng import shared_generator
+from ...codecs.sign import SignCodec
+from ...codecs.terngrad import TernGradCodec
+from ...codecs.uniform import UniformCodec
+from ...comm.netmodel import op_messages_and_bytes
+
+#: ``stream`` of :func:`derive_seed` for the hooks' per-rank randomness (plus the bucket index).
+HOOK_STREAM = 0x484F4F4B << 20  # "HOOK"
+
+WIRE_METHODS = ("allreduce-float", "allreduce-int", "allreduce-randk", "allgather", "powersgd", "algorithm")
+
+# Plain codecs whose payload length depends only on the input length, so that the
+# ranks' payloads have one size and can be all-gathered.
+_GATHERABLE = (QSGDCodec, TernGradCodec, SignCodec, DitheredCodec, MinMaxCodec, UniformCodec)
+_FLOAT_WIRE = (IdentityCodec, HalfCodec)
+
+
+def _float_wire_dtype(codec: Codec) -> torch.dtype:
+    return torch.float32 if isinstance(codec, IdentityCodec) else codec.torch_dtype
+
+
+def wire_method(codec: Codec | Algorithm) -> str:
+    """How ``codec`` travels in a DDP hook (one of :data:`WIRE_METHODS`); ValueError
+    for a codec the hooks do not support. A centralized algorithm (an instance) travels
+    as itself (``"algorithm"``: its own exchange, run on the bucket)."""
+    if isinstance(codec, Algorithm):
+        if codec.family != "centralized":
+            raise ValueError(f"algorithm {codec.name!r} is {codec.family}: the DDP hooks average gradients, "
+                             f"which is what the centralized algorithms do")
+        return "algorithm"
+    if not isinstance(codec, Codec):
+        raise ValueError(f"codec must be a lowbit Codec, got {type(codec).__name__}")
+    if isinstance(codec, _FLOAT_WIRE):
+        return "allreduce-float"
+    if isinstance(codec, PowerSGDCodec):
+        return "powersgd"
+    if isinstance(codec, RandKCodec):
+        if codec.send_indices:
+            if not isinstance(codec.inner, _GATHERABLE + _FLOAT_WIRE):
+                raise ValueError(f"codec: RandK with send_indices needs a fixed-size inner codec, got "
+                                 f"{type(codec.inner).__name__}")
+            return "allgather"
+        if not (is_summable(codec.inner) or isinstance(codec.inner, _GATHERABLE + _FLOAT_WIRE)):
+            raise ValueError(f"codec: the inner codec of a global RandK must be summable, fp32/half or one of "
+                             f"{[c.__name__ for c in _GATHERABLE]}, got {type(codec.inner).__name__}")
+        return "allreduce-randk"
+    if is_summable(codec):
+        return "allreduce-int"
+    if isinstance(codec, _GATHERABLE):
+        return "allgather"
+    raise ValueError(
+        f"codec {type(codec).__name__} (kind {codec.kind.value}) has no DDP hook: supported are fp32, half, "
+        "qsgd_maxnorm(_multiscale), randk, qsgd, terngrad, sign, dithered, minmax, uniform, powersgd "
+        "(side-information codecs need a receiver reference; entropy-coded payloads vary in size)"
+    )
+
+
+# --- the state ---------------------------------------------------------------------------
+
+
+class LowbitHookState:
+    """State of :func:`lowbit_hook` for one DDP model.
+
+    ``codec``: a lowbit codec (see :func:`wire_method`). ``process_group``: None for the
+    default group. ``seed``: the run seed (same on every rank) behind all shared
+    randomness. ``error_feedback``: None picks the method's default (True for the biased
+    sign and PowerSGD codecs, False otherwise). ``model``: optionally the (DDP) model,
+    to key error memory per parameter (see the module docstring).
+
+    Public counters: ``step``, ``bytes_sent``, ``messages``, ``fp32_bytes_sent``,
+    ``last_step_bytes``, ``bucket_bytes`` and ``bucket_numel`` (latest, per bucket index),
+    ``memory_resets`` (error memories reset by a bucket change), ``powersgd_resets``.
+
+    ``codec`` may also be a centralized algorithm (an instance): the hook then runs the
+    algorithm's own step on each bucket over the default process group, one algorithm state
+    per bucket (``"algorithm"``; :func:`make_hook` does this for NDQSG, whose two groups no
+    codec path carries). ``sum_dtype`` (the integer dtype of a summable code sum, default the
+    narrowest that cannot overflow) and ``kept`` (GlobalRandK's kept fraction of each bucket,
+    below 1; the codec's ``k`` is then replaced per bucket) are what :func:`make_hook` takes
+    from a max-norm algorithm.
+    """
+
+    def __init__(self, codec: Codec | Algorithm, process_group=None, seed: int = 0,
+                 error_feedback: bool | None = None, model: torch.nn.Module | None = None, *,
+                 sum_dtype: torch.dtype | None = None, kept: float | None = None) -> None:
+        self.method = wire_method(codec)
+        if self.method == "algorithm" and error_feedback:
+            raise ValueError(f"error_feedback: algorithm {codec.name!r} keeps its own memory, if any")
+        if kept is not None:
+            if not (isinstance(codec, RandKCodec) and 0 < kept < 1):
+                raise ValueError(f"kept (a fraction in (0, 1) of each bucket) is for a global RandK codec, "
+                                 f"got {kept!r} with {type(codec).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {seed!r}")
+        if error_feedback is None:
+            error_feedback = isinstance(codec, (SignCodec, PowerSGDCodec))
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be a bool or None, got {error_feedback!r}")
+        self.codec = codec
+        self.process_group = process_group
+        self.seed = seed
+        self.error_feedback = error_feedback
+        self.step = 0
+        self.bytes_sent = 0
+        self.messages = 0
+        self.fp32_bytes_sent = 0
+        self.last_step_bytes = 0
+        self.bucket_bytes: dict[int, int] = {}
+        self.bucket_numel: dict[int, int] = {}
+        self.memory_resets = 0
+        self.powersgd_resets = 0
+        self._step_bytes = 0
+        # error memory: per bucket {index: (signature, tensor)} or per parameter {name: tensor}
+        self.bucket_memory: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self.param_memory: dict[str, torch.Tensor] = {}
+        self.per_parameter = False
+        self.powersgd_q: dict[int, tuple[tuple, torch.Tensor]] = {}
+        self.sum_dtype = sum_dtype
+        self.kept = kept
+        self.algorithm_states: dict[int, tuple[tuple, Any]] = {}  # "algorithm": per bucket
+        self._transport = None  # "algorithm": the default group's transport, made at the first bucket
+        self._param_names: dict[int, str] | None = None
+        if model is not None:
+            self.bind_model(model)
+
+    def bind_model(self, model: torch.nn.Module) -> None:
+        """Key error memory per parameter name of ``model`` (the DDP model or its module).
+        Call again after unpickling the state, with the model it now serves."""
+        if not isinstance(model, torch.nn.Module):
+            raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        names = {}
+        for name, p in model.named_parameters():
+            names[id(p)] = name[len("module."):] if name.startswith("module.") else name
+        self._param_names = names
+        self.per_parameter = True
+
+    # pickling: no process group, no parameter ids (not meaningful in another process)
+    def __getstate__(self) -> dict:
+        d = dict(self.__dict__)
+        d["process_group"] = None
+        d["_param_names"] = None
+        d["_transport"] = None
+        return d
+
+    def __setstate__(self, d: dict) -> None:
+        self.__dict__.update(d)
+
+    # --- helpers used by the hook ---------------------------------------------------------
+
+    def _group(self):
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _count(self, op: str, nbytes: int, world: int, bucket: int) -> None:
+        self._add(*op_messages_and_bytes(op, nbytes, world), bucket)
+
+    def _add(self, msgs: int, sent: int, bucket: int) -> None:
+        self.bytes_sent += sent
+        self.messages += msgs
+        self._step_bytes += sent
+        self.bucket_bytes[bucket] = self.bucket_bytes.get(bucket, 0) + sent
+
+    def _generator(self, rank: int, bucket: int) -> torch.Generator:
+        return shared_generator(self.seed, self.step, rank, HOOK_STREAM + bucket)
+
+    def _names(self, bucket) -> list[str]:
+        if self._param_names is None:
+            raise ValueError("this state keys error memory per parameter but knows no model: call "
+                             "state.bind_model(model) (needed after unpickling)")
+        try:
+            return [self._param_names[id(p)] for p in bucket.parameters()]
+        except KeyError:
+            raise ValueError("a bucket holds a parameter of another model than the one bound with "
+                             "state.bind_model(model)") from None
+
+    def _load_memory(self, bucket, buf: torch.Tensor) -> torch.Tensor:
+        """The bucket's error memory (zeros where there is none), float64."""
+        n = buf.numel()
+        idx = bucket.index()
+        if self.per_parameter:
+            mem = torch.zeros(n, dtype=torch.float64, device=buf.device)
+            for name, (off, size) in zip(self._names(bucket), _offsets(bucket)):
+                e = self.param_memory.get(name)
+                if e is not None and e.numel() == size:
+                    mem[off:off + size] = e.to(mem.device)
+            return mem
+        sig = _signature(bucket)
+        entry = self.bucket_memory.get(idx)
+        if entry is not None and entry[0] == sig:
+            return entry[1].to(device=buf.device, dtype=torch.float64)
+        if entry is not None:
+            self.memory_resets += 1
+        return torch.zeros(n, dtype=torch.float64, device=buf.device)
+
+    def _store_memory(self, bucket_index: int, sig: tuple, layout, e: torch.Tensor) -> None:
+        if self.per_parameter:
+            for name, (off, size) in layout:
+                self.param_memory[name] = e[off:off + size].clone()
+        else:
+            self.bucket_memory[bucket_index] = (sig, e.clone())
+
+    def _finish_bucket(self, is_last: bool) -> None:
+        if is_last:
+            self.last_step_bytes = self._step_bytes
+            self._step_bytes = 0
+            self.step += 1
+
+    def __repr__(self) -> str:
+        return (f"LowbitHookState(codec={self.codec!r}, method={self.method!r}, seed={self.seed}, "
+                f"error_feedback={self.error_feedback}, step={self.step}, bytes_sent={self.bytes_sent})")
+
+
+def _signature(bucket) -> tuple:
+    return tuple(tuple(p.shape) for p in bucket.parameters())
+
+
+def _offsets(bucket) -> list[tuple[int, int]]:
+    """(offset, numel) of each parameter's gradient inside the bucket buffer."""
+    buf = bucket.buffer()
+    base = buf.data_ptr()
+    size = buf.element_size()
+    out = []
+    for g in bucket.gradients():
+        out.append(((g.data_ptr() - base) // size, g.numel()))
+    return out
+
+
+def _ok(fut) -> bool:
+    """Re-raise a failed collective's error inside a ``.then`` callback (True otherwise)."""
+    fut.value()
+    return True
+
+def _ok_future(value) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
