@@ -77,13 +77,13 @@ class ChocoSGD(GossipAlgorithm):
     correction of a public estimate of its model, and moves its model towards its
     neighbours' estimates.
 
-    Options: ``codec`` compresses the corrections (min-max 8 bits by default); ``gamma``
+    Options: ``codec`` compresses the corrections (min-max 2 bits by default, as --bits); ``gamma``
     is the consensus step size, how far a worker moves towards its neighbours each step,
     in (0, 1] (None: 1.0 for the lossless fp32 codec, 0.5 for a lossy one). This is
     Algorithm 1 of Koloskova et al. 2019 (see the module docstring) in its
     memory-efficient form: 2 x d of extra memory whatever the degree."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8))
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2))
     gamma: float | None = None
     name = "choco"
     codecs = REPLICA_CODECS

@@ -144,7 +144,7 @@ class QSGD(_CodecGathered):
     ``bits``: the width of one code, 2..8; the levels are ``s = (2^bits - 1) // 2``.
     ``server``: see :class:`GatheredAlgorithm`. Alistarh et al. 2017 (``QSGDCodec``)."""
 
-    bits: int = 4
+    bits: int = 2
     name = "qsgd"
     options = ("bits", "server")
 

@@ -72,7 +72,7 @@ def send_difference(ctx: Context, codec: Codec, k: int, x: torch.Tensor, ref: to
 class _ReplicaGossip(GossipAlgorithm):
     """The options DCD-PSGD and ECD-PSGD share: the codec C of the messages."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8))
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2))
     codecs = REPLICA_CODECS
     options = CODEC_OPTIONS
 
@@ -101,7 +101,7 @@ class DCDPSGD(_ReplicaGossip):
     takes its gradient step, and sends its neighbours the compressed change of its model,
     which it applies to its own model too so that the replicas stay exact.
 
-    Option: ``codec``, how the model changes are compressed (min-max 8 bits by default).
+    Option: ``codec``, how the model changes are compressed (min-max 2 bits by default, as --bits).
     This is Algorithm 1 (difference compression) of Tang et al. 2018 (see the module
     docstring). Extra memory: one replica per neighbour, degree x d (the own replica is
     the model itself)."""
@@ -139,11 +139,11 @@ class ECDPSGD(_ReplicaGossip):
     which every receiver updates its estimate, averaging the compression noise away.
 
     Option: ``codec``, how the extrapolations are compressed; it must be unbiased (min-max
-    8 bits with stochastic rounding by default). This is Algorithm 2 (extrapolation
+    2 bits (as --bits) with stochastic rounding by default). This is Algorithm 2 (extrapolation
     compression) of Tang et al. 2018 (see the module docstring). Extra memory: the
     estimates of the neighbours and of itself, (degree + 1) x d; the state keeps t."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8, rounding="stochastic"))
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2, rounding="stochastic"))
     name = "ecd"
     codecs = ("minmax", "uniform", "terngrad", "fp32")
 

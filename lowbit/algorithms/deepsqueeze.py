@@ -44,13 +44,13 @@ class DeepSqueeze(GossipAlgorithm):
     compressed with the error of its previous compression added back, and moves its model
     towards the compressed models it received.
 
-    Options: ``codec`` compresses the models (min-max 8 bits by default); ``eta`` is the
+    Options: ``codec`` compresses the models (min-max 2 bits by default, as --bits); ``eta`` is the
     consensus step size, how far a worker moves towards its neighbours each step, in
     (0, 1] (``--gamma`` on the command line; None: 1.0 for the lossless fp32 codec, 0.5
     for a lossy one). This is Algorithm 1 of Tang et al. 2019 (see the module
     docstring). Extra memory: the error, d."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=8))
+    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2))
     eta: float | None = None
     name = "deepsqueeze"
     codecs = REPLICA_CODECS

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..codecs import Codec, IdentityCodec, UniformCodec
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm
-from .gossip import mix
+from .gossip import CODEC_OPTIONS, mix
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,7 @@ class NaiveQuantizedDPSGD(QuantizedGossip):
     codec: Codec = field(default_factory=lambda: UniformCodec(step=0.1))
     name = "naive"
     codecs = ("uniform", "minmax", "fp32")
+    options = CODEC_OPTIONS
 
     @classmethod
     def from_config(cls, cfg):

@@ -117,7 +117,7 @@ class DQSG(GatheredAlgorithm):
     Algorithm 1 of the paper: ``DitheredCodec``, the dither ``u_p`` from ``shared_generator(seed,
     k, p)``."""
 
-    levels: int = 2
+    levels: int = 1
     name = "dqsg"
     options = ("bits", "levels", "server")
 

@@ -150,11 +150,7 @@ class MaxNormSGD(CentralizedAlgorithm):
 
     @classmethod
     def check_config(cls, cfg):
-        kw = cls._options(cfg)
-        if "k" in cls.options and "k" not in kw:
-            raise ValueError(f"algorithm={cls.name!r} needs --k (coordinates kept: an int, or a fraction of d "
-                             f"if < 1)")
-        algo = cls(**kw)
+        algo = cls.from_config(cfg)
         inner = algo.inner
         try:
             inner.sum_dtype(cfg.workers, algo.sum_dtype)
@@ -169,7 +165,11 @@ class MaxNormSGD(CentralizedAlgorithm):
 
     @classmethod
     def from_config(cls, cfg):
-        return cls(**cls._options(cfg))
+        kw = cls._options(cfg)
+        if "k" in cls.options and "k" not in kw:
+            raise ValueError(f"algorithm={cls.name!r} needs k (--k: coordinates kept, an int, or a fraction of d "
+                             f"if < 1)")
+        return cls(**kw)
 
     def init(self, x, ctx):
         # a ValueError when sum_dtype cannot hold the sum of world_size codes
