@@ -57,7 +57,7 @@ def test_asynchronous_gossip_runs_with_one_slot():
 
     def worker(t):
         x = torch.full((8,), float(t.rank), dtype=torch.float64)
-        algo = ADPSGD(t, topo, seed=0, slow={1: 2.0})
+        algo = ADPSGD(slow={1: 2.0}).worker(t, topo, seed=0)
         algo.setup(x)
         for k in range(5):
             algo.before_update(k, x, torch.zeros_like(x), 0.1)
