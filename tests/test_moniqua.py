@@ -1,6 +1,7 @@
 """Moniqua complete (slack matrix, auto theta, verification, entropy coding) and
 D2 / Moniqua-D2, each against its equations in matrix form."""
 
+import io
 import math
 import warnings
 
@@ -228,7 +229,8 @@ def test_auto_theta_starts_from_the_first_gradient_and_follows_the_wrong_blocks(
 
     monkeypatch.setattr(Moniqua, "_agree_theta", staticmethod(spy))
     traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta="auto", theta_every=every,
-                                                  verify_block=8).worker(t, topo, seed=2), X0, A, b, steps=steps, lr=lambda k: LR)
+                                                  verify_block=8).worker(t, topo, seed=2),
+                                X0, A, b, steps=steps, lr=lambda k: LR)
     theta0 = moniqua_module.THETA_START * LR * float(_grad(A, b, X0).abs().max())
     rounds = [[r for r in seen if r[0] == i] for i in range(N)]
     agreed_after = [k for k in range(steps) if k < every or (k + 1) % every == 0]  # [0, 1, 3, 5, 7]
@@ -385,10 +387,10 @@ def test_repair_sends_only_the_failed_blocks():
     d = 40
     X0, A, b = _patchy_problem(d, 8)
     topo = make_topology("ring", N)
-    _, small, _ = _run(lambda t: Moniqua(bits=2, theta=0.01, verify_block=8).worker(t, topo, seed=4), X0, A, b, steps=10,
-                       lr=lambda k: LR)
-    _, whole, _ = _run(lambda t: Moniqua(bits=2, theta=0.01, verify_block=d).worker(t, topo, seed=4), X0, A, b, steps=10,
-                       lr=lambda k: LR)
+    _, small, _ = _run(lambda t: Moniqua(bits=2, theta=0.01, verify_block=8).worker(t, topo, seed=4), X0, A, b,
+                       steps=10, lr=lambda k: LR)
+    _, whole, _ = _run(lambda t: Moniqua(bits=2, theta=0.01, verify_block=d).worker(t, topo, seed=4), X0, A, b,
+                       steps=10, lr=lambda k: LR)
     codes = 10 * 2 * -(-d * 2 // 8)
     assert small[0].bytes_sent - codes < 0.7 * (whole[0].bytes_sent - codes)
 
@@ -411,7 +413,6 @@ def test_pending_block_repairs_are_checkpointed():
 
     assert states == run_threads(N, restore)
     # what a checkpoint holds loads without running code (lowbit.integrations.checkpoint)
-    import io
     buf = io.BytesIO()
     torch.save(states, buf)
     buf.seek(0)
@@ -422,7 +423,8 @@ def test_verification_has_no_false_alarms_with_a_correct_theta():
     X0, A, b = _problem(spread=1.0, d=40)
     topo = make_topology("ring", N)
     theta0 = 20.0
-    traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta=theta0, verify_block=8, gamma=1.0).worker(t, topo, seed=4),
+    traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta=theta0, verify_block=8,
+                                                  gamma=1.0).worker(t, topo, seed=4),
                                 X0, A, b, steps=STEPS, lr=lambda k: LR)
     ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, STEPS, 4, block=8)
     assert injected == [] and theta == theta0

@@ -300,12 +300,16 @@ class MoniquaState(State):
     checkpointed, then the caches that :meth:`Moniqua.init` derives from the options and the
     context (not checkpointed)."""
 
-    theta: float | None = None  # theta; theta_k = theta alpha_k / alpha_0 when it follows alpha_k; None until "auto" sets it
+    # theta; theta_k = theta alpha_k / alpha_0 when it follows alpha_k; None until "auto" sets it
+    theta: float | None = None
     theta_start: float | None = None  # theta="auto": theta_0
     lr0: float | None = None  # alpha_0
-    window: list[int] = field(default_factory=lambda: [0, 0])  # "auto": blocks recovered wrong, and checked, since the last agreement
-    nack: dict[int, list[int]] = field(default_factory=dict)  # neighbour -> its blocks I recovered wrong (repaired next step)
-    pending_alarms: list[int] = field(default_factory=list)  # grow_theta: epochs with an alarm whose doubling is due later
+    # theta="auto": the blocks recovered wrong, and checked, since the last agreement
+    window: list[int] = field(default_factory=lambda: [0, 0])
+    # neighbour -> its blocks I recovered wrong at the last step (asked for and repaired at this one)
+    nack: dict[int, list[int]] = field(default_factory=dict)
+    # grow_theta: epochs with an alarm whose doubling is due later
+    pending_alarms: list[int] = field(default_factory=list)
     mismatches: int = 0  # wrong blocks this worker detected (and did not use)
     mismatched_messages: int = 0  # messages with at least one wrong block
     theta_doublings: int = 0  # grow_theta's doublings
