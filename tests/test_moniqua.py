@@ -186,6 +186,7 @@ def test_moniqua_d2_is_d2_with_modulo_gossip():
     assert MoniquaD2(bits=2, theta=theta, gamma=1.0) == MoniquaD2(moniqua) == MoniquaD2(gossip=moniqua)
     with pytest.raises(TypeError, match="gossip"):
         MoniquaD2(DPSGD())
+    assert "blocks in" in MoniquaD2.run_warning({"theta": 1.0, "mismatched_blocks": 3, "mismatched_messages": 2})
 
 
 def test_d2_rejects_momentum_and_takes_weight_decay():

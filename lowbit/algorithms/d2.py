@@ -150,3 +150,7 @@ class MoniquaD2(D2):
     @classmethod
     def from_config(cls, cfg):
         return cls(Moniqua.from_config(cfg))
+
+    @classmethod
+    def run_warning(cls, report):
+        return Moniqua.run_warning(report)  # the report is its gossip's
