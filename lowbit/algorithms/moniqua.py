@@ -211,8 +211,9 @@ fetches the blocks asked for in fp32 (:meth:`Moniqua._repair`) and mixes
 from __future__ import annotations
 
 import dataclasses
-import math
+import importlib.util
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -683,9 +684,6 @@ def _check_entropy(entropy) -> None:
         return
     if entropy not in ENTROPY_METHODS:
         raise ValueError(f"entropy must be None or one of {ENTROPY_METHODS}, got {entropy!r}")
-    if entropy == "ans":
-        try:
-            import constriction  # noqa: F401, PLC0415
-        except ImportError:
-            raise ValueError("entropy='ans' needs the optional 'constriction' package (pip install constriction); "
-                             "zlib, bz2 and lzma need nothing extra") from None
+    if entropy == "ans" and importlib.util.find_spec("constriction") is None:
+        raise ValueError("entropy='ans' needs the optional 'constriction' package (pip install constriction); "
+                         "zlib, bz2 and lzma need nothing extra")
