@@ -84,8 +84,8 @@ def test_moniqua_is_algorithm_1(bits, rounding):
     codec = ModuloCodec(bits=bits, theta=theta, rounding=rounding)
     # Algorithm 1 as written: plain W, and no verification (later steps break |x_i - x_j| < theta;
     # tests/test_moniqua.py checks that verification catches those)
-    traj, sent = _run(lambda t: Moniqua(t, topo, bits=bits, theta=theta, rounding=rounding, gamma=1.0,
-                                        verify=False, seed=5), X0, A, b)
+    traj, sent = _run(lambda t: Moniqua(bits=bits, theta=theta, rounding=rounding, gamma=1.0,
+                                        verify=False).worker(t, topo, seed=5), X0, A, b)
 
     def mix(k, X):
         Q = [codec.encode(X[j], generator=shared_generator(5, k, 0)) for j in range(N)]  # line 3, shared u
@@ -113,7 +113,7 @@ def test_moniqua_and_dpsgd_hold_no_extra_memory():
 
     def worker(t):
         out = []
-        for a in (DPSGD().worker(t, topo), Moniqua(t, topo), AllReduceSGD().worker(t), NaiveQuantizedDPSGD().worker(t, topo)):
+        for a in (DPSGD().worker(t, topo), Moniqua().worker(t, topo), AllReduceSGD().worker(t), NaiveQuantizedDPSGD().worker(t, topo)):
             a.setup(torch.zeros(D))
             out.append(a.extra_memory_bytes())
         return out
@@ -122,16 +122,10 @@ def test_moniqua_and_dpsgd_hold_no_extra_memory():
 
 
 def test_moniqua_rejects_bad_theta_and_bits():
-    topo = make_topology("ring", 2)
-
-    def worker(t):
-        for kw, word in ((dict(theta=0.0), "theta"), (dict(theta=-1.0), "theta"), (dict(bits=9), "bits"),
-                         (dict(bits=0), "bits"), (dict(bits=1, rounding="stochastic"), "delta")):
-            with pytest.raises(ValueError, match=word):
-                Moniqua(t, topo, **kw)
-        return True
-
-    assert all(run_threads(2, worker))
+    for kw, word in ((dict(theta=0.0), "theta"), (dict(theta=-1.0), "theta"), (dict(bits=9), "bits"),
+                     (dict(bits=0), "bits"), (dict(bits=1, rounding="stochastic"), "delta")):
+        with pytest.raises(ValueError, match=word):
+            Moniqua(**kw)
 
 
 def test_topology_must_match_world_size():

@@ -38,7 +38,7 @@ def _problem(seed=0):
 def _run(make_algo, X0, A, b, steps=STEPS):
     """The final models (N, D) and, per worker, (x, bytes sent, exchanges, answered)."""
     res = run_quadratic(make_algo, X0, A, b, steps, LR, finish=True)
-    out = [(x, t.ledger.bytes_sent, getattr(algo, "exchanges", 0), getattr(algo, "answered", 0))
+    out = [(x, t.ledger.bytes_sent, getattr(algo.state, "exchanges", 0), getattr(algo.state, "answered", 0))
            for _, algo, t, x in res]
     return torch.stack([r[0] for r in out]), out
 
@@ -92,9 +92,9 @@ def test_schedule_is_seeded_and_slow_workers_are_scaled():
 def test_in_process_run_is_reproducible_and_seed_dependent():
     X0, A, b = _problem()
     topo = make_topology("ring", N)
-    a, _ = _run(lambda t: ADPSGD(t, topo, seed=1), X0, A, b)
-    a2, _ = _run(lambda t: ADPSGD(t, topo, seed=1), X0, A, b)
-    c, _ = _run(lambda t: ADPSGD(t, topo, seed=2), X0, A, b)
+    a, _ = _run(lambda t: ADPSGD().worker(t, topo, seed=1), X0, A, b)
+    a2, _ = _run(lambda t: ADPSGD().worker(t, topo, seed=1), X0, A, b)
+    c, _ = _run(lambda t: ADPSGD().worker(t, topo, seed=2), X0, A, b)
     assert torch.equal(a, a2)
     assert not torch.allclose(c, a, atol=1e-9, rtol=0)
 
@@ -105,7 +105,7 @@ def test_adpsgd_matches_sequential_replay_of_the_schedule(seed, slow):
     X0, A, b = _problem(seed)
     topo = make_topology("ring", N)
     W = topo.mixing_matrix()
-    got, res = _run(lambda t: ADPSGD(t, topo, seed=seed, slow=slow), X0, A, b)
+    got, res = _run(lambda t: ADPSGD(slow=slow).worker(t, topo, seed=seed), X0, A, b)
     ref = _replay(seed, X0, A, b, topo, W, slow)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     # the asynchronous answer is not D-PSGD's synchronous one
@@ -132,7 +132,7 @@ def test_moniqua_async_matches_replay():
     topo = make_topology("ring", N)
     W = topo.mixing_matrix()
     codec = ModuloCodec(bits=6, theta=2.0, rounding="stochastic")
-    got, res = _run(lambda t: MoniquaAsync(t, topo, bits=6, theta=2.0, seed=3), X0, A, b)
+    got, res = _run(lambda t: MoniquaAsync(bits=6, theta=2.0).worker(t, topo, seed=3), X0, A, b)
     ref = _replay(3, X0, A, b, topo, W, codec=codec)
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     per_msg = 4 + (D * 6 + 7) // 8  # header (numel) + 6-bit codes, really packed
@@ -152,8 +152,8 @@ def test_moniqua_async_pairwise_average_within_lemma_2(bits, rounding):
 
     def worker(t, xs=(x0, x1)):
         x = xs[t.rank].clone()
-        algo = MoniquaAsync(t, topo, bits=bits, theta=theta, rounding=rounding, seed=0,
-                            slow={1: 10.0})  # rank 0 gossips first (alone), then rank 1
+        algo = MoniquaAsync(bits=bits, theta=theta, rounding=rounding,
+                            slow={1: 10.0}).worker(t, topo, seed=0)  # rank 0 gossips first (alone), then rank 1
         algo.setup(x)
         algo.before_update(0, x, torch.zeros_like(x), 0.0)
         out = x.clone()
@@ -180,7 +180,7 @@ def test_moniqua_async_decode_breaks_beyond_theta():
 
     def worker(t):
         x = (x0, x1)[t.rank].clone()
-        algo = MoniquaAsync(t, topo, bits=8, theta=theta, seed=0, slow={1: 10.0})
+        algo = MoniquaAsync(bits=8, theta=theta, slow={1: 10.0}).worker(t, topo, seed=0)
         algo.setup(x)
         algo.before_update(0, x, torch.zeros_like(x), 0.0)
         out = x.clone()
@@ -204,8 +204,8 @@ def test_clear_errors():
 
     def worker(t):
         errors = []
-        for make in (lambda: ADPSGD(t, topo, mix=0.7), lambda: ADPSGD(t, topo, slow={1: 0.5}),
-                     lambda: MoniquaAsync(t, topo, theta=-1.0), lambda: MoniquaAsync(t, topo, theta="auto")):
+        for make in (lambda: ADPSGD(mix=0.7), lambda: ADPSGD(slow={1: 0.5}),
+                     lambda: MoniquaAsync(theta=-1.0), lambda: MoniquaAsync(theta="auto")):
             with pytest.raises(ValueError) as e:
                 make()
             errors.append(str(e.value))
@@ -245,7 +245,7 @@ def _torch_gossip_worker(t, steps, compute_s, slow, algorithm):
     n = t.world_size
     topo = make_topology("ring", n)
     x = torch.full((256,), float(t.rank), dtype=torch.float64)
-    algo = (ADPSGD(t, topo, seed=0) if algorithm == "adpsgd" else DPSGD().worker(t, topo))
+    algo = (ADPSGD().worker(t, topo, seed=0) if algorithm == "adpsgd" else DPSGD().worker(t, topo))
     algo.setup(x)
     applied = torch.zeros_like(x)
     times = []

@@ -27,7 +27,7 @@ def _moniqua_and_collectives(t, steps=6):
     collective, on per-rank data: what each rank ends with."""
     g = torch.Generator().manual_seed(t.rank)
     x = torch.randn(D, generator=g, dtype=torch.float64) * (0.05 + 0.2 * (t.rank == 2))
-    algo = Moniqua(t, make_topology("ring", t.world_size), bits=2, theta=0.2, seed=1)
+    algo = Moniqua(bits=2, theta=0.2).worker(t, make_topology("ring", t.world_size), seed=1)
     algo.setup(x)
     out = []
     for k in range(steps):
@@ -36,7 +36,7 @@ def _moniqua_and_collectives(t, steps=6):
         x -= 0.01 * torch.sin(x * (t.rank + 1))
         out += [t.all_reduce(x, "sum"), t.broadcast(x, k % t.world_size), *t.all_gather(x[:3])]
         t.barrier()
-    return x.clone(), torch.cat([o.reshape(-1) for o in out]), algo.mismatches, t.ledger.bytes_sent
+    return x.clone(), torch.cat([o.reshape(-1) for o in out]), algo.state.mismatches, t.ledger.bytes_sent
 
 
 @pytest.mark.filterwarnings("ignore:moniqua")
@@ -57,7 +57,7 @@ def test_asynchronous_gossip_runs_with_one_slot():
 
     def worker(t):
         x = torch.full((8,), float(t.rank), dtype=torch.float64)
-        algo = ADPSGD(t, topo, seed=0, slow={1: 2.0})
+        algo = ADPSGD(slow={1: 2.0}).worker(t, topo, seed=0)
         algo.setup(x)
         for k in range(5):
             algo.before_update(k, x, torch.zeros_like(x), 0.1)

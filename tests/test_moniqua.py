@@ -1,6 +1,7 @@
 """Moniqua complete (slack matrix, auto theta, verification, entropy coding) and
 D2 / Moniqua-D2, each against its equations in matrix form."""
 
+import io
 import math
 import warnings
 
@@ -77,10 +78,10 @@ def test_one_bit_moniqua_with_slack_matrix_is_theorem_3(rounding):
     W = topo.mixing_matrix()
     gamma, theta = 0.3, 4.0
     codec = ModuloCodec(bits=1, theta=theta, rounding="nearest")
-    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=1, theta=theta, gamma=gamma, rounding=rounding,
-                                                  seed=5), X0, A, b)
+    traj, ledgers, algos = _run(lambda t: Moniqua(bits=1, theta=theta, gamma=gamma,
+                                                  rounding=rounding).worker(t, topo, seed=5), X0, A, b)
     assert all(a.codec.rounding == "nearest" and a.gamma == gamma for a in algos)  # 1 bit defaults to nearest
-    assert all(a.dither == (rounding is None) for a in algos)
+    assert all(a.dithered == (rounding is None) for a in algos)
     X = X0.clone()
     wrong = []
     for k in range(STEPS):
@@ -88,7 +89,7 @@ def test_one_bit_moniqua_with_slack_matrix_is_theorem_3(rounding):
         Y = _modulo_mix(codec, X, W, topo.neighbors, gamma, lambda: None, wrong, dither=dither)
         X = Y - _lr(k) * _grad(A, b, X)
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
-    assert wrong == [] and sum(a.mismatches for a in algos) == 0
+    assert wrong == [] and sum(a.state.mismatches for a in algos) == 0
     # x_{k+1/2} = X W~ exactly when nothing is quantized: W~ = gamma W + (1 - gamma) I
     Wt = torch.tensor(slack_matrix(W, gamma))
     torch.testing.assert_close(X0 + gamma * (torch.tensor(W).T @ X0 - X0), Wt.T @ X0, atol=1e-12, rtol=0)
@@ -104,9 +105,13 @@ def test_default_gamma_keeps_the_rounding_noise_inside_theta():
     def g(r):
         return 2 * r / (1 + r)
 
+    def gamma(t, topo, bits):
+        w = Moniqua(bits=bits).worker(t, topo)
+        w.setup(torch.zeros(D))
+        return w.state.gamma  # None picks it for the worker's W
+
     def worker(t, topo):
-        one = Moniqua(t, topo, bits=1)
-        return one.codec.rounding, one.gamma, Moniqua(t, topo, bits=2).gamma, Moniqua(t, topo, bits=3).gamma
+        return Moniqua(bits=1).codec.rounding, gamma(t, topo, 1), gamma(t, topo, 2), gamma(t, topo, 3)
 
     for topo, lam_min in ((make_topology("ring", 8), -1 / 3), (make_topology("complete", 5), 0.0)):
         for rounding, g1, g2, g3 in run_threads(topo.n, lambda t: worker(t, topo)):
@@ -115,10 +120,10 @@ def test_default_gamma_keeps_the_rounding_noise_inside_theta():
             assert g2 == pytest.approx(g(GAMMA_NOISE) / (1 - lam_min))
             assert g3 == pytest.approx(min(1.0, g(3 * GAMMA_NOISE) / (1 - lam_min)))
     # one worker: W = [[1]] mixes nothing, any gamma does the same (the CLI fuzz test found a division by 0)
-    assert run_threads(1, lambda t: Moniqua(t, make_topology("ring", 1), bits=2).gamma) == [1.0]
+    assert run_threads(1, lambda t: gamma(t, make_topology("ring", 1), 2)) == [1.0]
     # the mode that decays slowest, not the spectral gap: one gamma on every ring with 1/3 weights
     expect = pytest.approx(g(GAMMA_NOISE) / (4 / 3))
-    assert run_threads(4, lambda t: Moniqua(t, make_topology("ring", 4), bits=2).gamma) == [expect] * 4
+    assert run_threads(4, lambda t: gamma(t, make_topology("ring", 4), 2)) == [expect] * 4
 
 
 # ---- 2. D2 and Moniqua-D2 ---------------------------------------------------------------
@@ -166,7 +171,7 @@ def test_moniqua_d2_is_d2_with_modulo_gossip():
     W = topo.mixing_matrix()
     theta = 50.0  # D2's extrapolation moves the models further apart than D-PSGD's step
     codec = ModuloCodec(bits=2, theta=theta)
-    traj, _, algos = _run(lambda t: MoniquaD2(t, topo, bits=2, theta=theta, seed=7, gamma=1.0), X0, A, b)
+    traj, _, algos = _run(lambda t: MoniquaD2(bits=2, theta=theta, gamma=1.0).worker(t, topo, seed=7), X0, A, b)
     wrong = []
 
     def mix(k, H):
@@ -174,8 +179,14 @@ def test_moniqua_d2_is_d2_with_modulo_gossip():
 
     for k, X in enumerate(_d2_reference(X0, A, b, mix)):
         torch.testing.assert_close(traj[k], X, atol=1e-6, rtol=0)
-    assert wrong == [] and sum(a.mismatches for a in algos) == 0
+    assert wrong == [] and sum(a.state.gossip.mismatches for a in algos) == 0
     assert algos[0].extra_memory_bytes() == 2 * D * 8
+    moniqua = Moniqua(bits=2, theta=theta, gamma=1.0)  # D2 around Moniqua's gossip
+    assert isinstance(algos[0].algorithm, D2) and algos[0].algorithm.gossip == moniqua
+    assert MoniquaD2(bits=2, theta=theta, gamma=1.0) == MoniquaD2(moniqua) == MoniquaD2(gossip=moniqua)
+    with pytest.raises(TypeError, match="gossip"):
+        MoniquaD2(DPSGD())
+    assert "blocks in" in MoniquaD2.run_warning({"theta": 1.0, "mismatched_blocks": 3, "mismatched_messages": 2})
 
 
 def test_d2_rejects_momentum_and_takes_weight_decay():
@@ -193,9 +204,9 @@ def test_auto_theta_survives_a_zero_step_size():
     does not follow alpha_k = 0 (the codec needs theta > 0)."""
     X0, A, b = _problem()
     topo = make_topology("ring", N)
-    traj, _, algos = _run(lambda t: Moniqua(t, topo, bits=2, seed=2), X0, A, b,
+    traj, _, algos = _run(lambda t: Moniqua(bits=2).worker(t, topo, seed=2), X0, A, b,
                           lr=lambda k: 0.0 if k in (0, 3) else LR)
-    assert algos[0].theta_start == 1.0 and all(torch.isfinite(t).all() for t in traj)
+    assert algos[0].state.theta_start == 1.0 and all(torch.isfinite(t).all() for t in traj)
 
 
 @pytest.mark.parametrize("far", [False, True], ids=["close", "far"])
@@ -212,14 +223,15 @@ def test_auto_theta_starts_from_the_first_gradient_and_follows_the_wrong_blocks(
     seen = []  # (rank, theta before, wrong, checked, theta after) of every agreement
     agree = Moniqua._agree_theta
 
-    def spy(self):
-        before, window = self.theta, list(self._window)
-        agree(self)
-        seen.append((self.rank, before, *window, self.theta))
+    def spy(state, ctx):
+        before, window = state.theta, list(state.window)
+        agree(state, ctx)
+        seen.append((ctx.rank, before, *window, state.theta))
 
-    monkeypatch.setattr(Moniqua, "_agree_theta", spy)
-    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta="auto", theta_every=every, seed=2,
-                                                  verify_block=8), X0, A, b, steps=steps, lr=lambda k: LR)
+    monkeypatch.setattr(Moniqua, "_agree_theta", staticmethod(spy))
+    traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta="auto", theta_every=every,
+                                                  verify_block=8).worker(t, topo, seed=2),
+                                X0, A, b, steps=steps, lr=lambda k: LR)
     theta0 = moniqua_module.THETA_START * LR * float(_grad(A, b, X0).abs().max())
     rounds = [[r for r in seen if r[0] == i] for i in range(N)]
     agreed_after = [k for k in range(steps) if k < every or (k + 1) % every == 0]  # [0, 1, 3, 5, 7]
@@ -242,11 +254,12 @@ def test_auto_theta_starts_from_the_first_gradient_and_follows_the_wrong_blocks(
     state = algos[0].state_dict()
 
     def restore(t):
-        a = Moniqua(t, topo, theta="auto", theta_every=every)
+        a = Moniqua(theta="auto", theta_every=every).worker(t, topo)
+        a.setup(X0[t.rank].clone())
         a.load_state_dict(state)
-        return a.theta, a._window
+        return a.state.theta, a.state.window
 
-    assert run_threads(N, restore)[0] == (algos[0].theta, algos[0]._window)
+    assert run_threads(N, restore)[0] == (algos[0].state.theta, algos[0].state.window)
 
 
 # ---- 4. verification -----------------------------------------------------------------------
@@ -334,8 +347,8 @@ def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_thet
     X0, A, b = _problem(spread=1.0, d=d) if grow_theta else _patchy_problem(d, block)
     topo = make_topology("ring", N)
     theta0, steps = 0.01, 30  # ... and a far too small theta there
-    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, grow_theta=grow_theta,
-                                                  verify_block=block, gamma=1.0), X0, A, b, steps=steps,
+    traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta=theta0, grow_theta=grow_theta, verify_block=block,
+                                                  gamma=1.0).worker(t, topo, seed=4), X0, A, b, steps=steps,
                                 lr=lambda k: LR)
     ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, steps, 4, grow_theta, block)
     for k in range(steps):
@@ -347,9 +360,9 @@ def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_thet
         per_msg.setdefault((k, i, j), set()).add(c)
     assert grow_theta or any(len(blocks) < d // block for blocks in per_msg.values())
     for i in range(N):  # every wrong block detected by its receiver, and nothing else
-        assert algos[i].mismatches == sum(1 for _, r, _, _ in injected if r == i)
-        assert algos[i].mismatched_messages == sum(1 for (_, r, _) in per_msg if r == i)
-        assert algos[i].theta == theta  # all workers in lock step
+        assert algos[i].state.mismatches == sum(1 for _, r, _, _ in injected if r == i)
+        assert algos[i].state.mismatched_messages == sum(1 for (_, r, _) in per_msg if r == i)
+        assert algos[i].state.theta == theta  # all workers in lock step
     assert (theta > theta0) == grow_theta
     if grow_theta:  # theta has grown past the models' distance: no more mismatches
         assert not [w for w in injected if w[0] >= steps - 5]
@@ -357,13 +370,13 @@ def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_thet
         assert _spread(traj[-1][:, :2 * block]) < 0.5 * _spread(X0[:, :2 * block])
     # one warning for the whole run, with the counts summed over workers
     report = {k: sum(a.report()[k] for a in algos) if isinstance(v, int) else v for k, v in algos[0].report().items()}
-    assert f"{sum(a.mismatches for a in algos)} blocks in" in Moniqua.run_warning(report)
+    assert f"{sum(a.state.mismatches for a in algos)} blocks in" in Moniqua.run_warning(report)
     assert Moniqua.run_warning({**report, "mismatched_blocks": 0}) is None
     # theta='auto' that ran away (the noise sets the distance) says so
     runaway = Moniqua.run_warning({**report, "mismatched_blocks": 0, "theta_start": report["theta"] / 300})
     assert "grew 300-fold" in runaway and "--gamma" in runaway
     assert Moniqua.run_warning({**report, "mismatched_blocks": 0, "theta_start": report["theta"] / 200}) is None
-    assert algos[0].extra_state()["mismatches"] == algos[0].mismatches
+    assert algos[0].state_dict()["extra"]["mismatches"] == algos[0].state.mismatches
     # every byte counted: codes, block hashes, control byte, repair requests and the fp32 block repairs
     assert ledgers[0].bytes_sent == bytes0
     assert {r.op for recs in ledgers[0].records.values() for r in recs} == {"neighbor"}
@@ -375,10 +388,10 @@ def test_repair_sends_only_the_failed_blocks():
     d = 40
     X0, A, b = _patchy_problem(d, 8)
     topo = make_topology("ring", N)
-    _, small, _ = _run(lambda t: Moniqua(t, topo, bits=2, theta=0.01, seed=4, verify_block=8), X0, A, b, steps=10,
-                       lr=lambda k: LR)
-    _, whole, _ = _run(lambda t: Moniqua(t, topo, bits=2, theta=0.01, seed=4, verify_block=d), X0, A, b, steps=10,
-                       lr=lambda k: LR)
+    _, small, _ = _run(lambda t: Moniqua(bits=2, theta=0.01, verify_block=8).worker(t, topo, seed=4), X0, A, b,
+                       steps=10, lr=lambda k: LR)
+    _, whole, _ = _run(lambda t: Moniqua(bits=2, theta=0.01, verify_block=d).worker(t, topo, seed=4), X0, A, b,
+                       steps=10, lr=lambda k: LR)
     codes = 10 * 2 * -(-d * 2 // 8)
     assert small[0].bytes_sent - codes < 0.7 * (whole[0].bytes_sent - codes)
 
@@ -388,37 +401,35 @@ def test_pending_block_repairs_are_checkpointed():
     d, block = 40, 8
     X0, A, b = _patchy_problem(d, block)
     topo = make_topology("ring", N)
-    _, _, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=0.01, seed=4, verify_block=block), X0, A, b,
+    _, _, algos = _run(lambda t: Moniqua(bits=2, theta=0.01, verify_block=block).worker(t, topo, seed=4), X0, A, b,
                        steps=3, lr=lambda k: LR)
     states = [a.state_dict() for a in algos]
     assert any(s["extra"]["nack"] for s in states)
 
     def restore(t):
-        a = Moniqua(t, topo, bits=2, theta=0.01, verify_block=block)
+        a = Moniqua(bits=2, theta=0.01, verify_block=block).worker(t, topo)
+        a.setup(X0[t.rank].clone())
         a.load_state_dict(states[t.rank])
-        return a.extra_state()
+        return a.state_dict()
 
-    assert [s["extra"] for s in states] == run_threads(N, restore)
-
-    def reblock(t):  # another block size: the blocks covering the same elements; a whole-vector list: all
-        a = Moniqua(t, topo, bits=2, theta=0.01, verify_block=16)
-        a.load_extra_state(dict(states[0]["extra"], nack=[[1, [1, 2]], [4, [4]]]))
-        b_ = Moniqua(t, topo, bits=2, theta=0.01, verify_block=16)
-        b_.load_extra_state(dict(states[0]["extra"], nack=[1], verify_block=None))
-        return a.extra_state()["nack"], b_._nack
-
-    assert run_threads(N, reblock)[0] == ([[1, [0, 1]], [4, [2]]], {1: None})
+    assert states == run_threads(N, restore)
+    # what a checkpoint holds loads without running code (lowbit.integrations.checkpoint)
+    buf = io.BytesIO()
+    torch.save(states, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True) == states
 
 
 def test_verification_has_no_false_alarms_with_a_correct_theta():
     X0, A, b = _problem(spread=1.0, d=40)
     topo = make_topology("ring", N)
     theta0 = 20.0
-    traj, ledgers, algos = _run(lambda t: Moniqua(t, topo, bits=2, theta=theta0, seed=4, verify_block=8, gamma=1.0),
+    traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta=theta0, verify_block=8,
+                                                  gamma=1.0).worker(t, topo, seed=4),
                                 X0, A, b, steps=STEPS, lr=lambda k: LR)
     ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, STEPS, 4, block=8)
     assert injected == [] and theta == theta0
-    assert [a.mismatches for a in algos] == [0] * N
+    assert [a.state.mismatches for a in algos] == [0] * N
     assert ledgers[0].bytes_sent == bytes0 == STEPS * 2 * (-(-40 * 2 // 8) + _overhead(40, 8))
     for k in range(STEPS):
         torch.testing.assert_close(traj[k], ref[k], atol=1e-6, rtol=0)
@@ -427,7 +438,7 @@ def test_verification_has_no_false_alarms_with_a_correct_theta():
 def test_without_verification_no_word_is_sent():
     X0, A, b = _problem()
     topo = make_topology("ring", N)
-    _, ledgers, _ = _run(lambda t: Moniqua(t, topo, bits=2, theta=4.0, verify=False), X0, A, b)
+    _, ledgers, _ = _run(lambda t: Moniqua(bits=2, theta=4.0, verify=False).worker(t, topo), X0, A, b)
     assert ledgers[0].bytes_sent == STEPS * 2 * -(-D * 2 // 8)
 
 
@@ -437,29 +448,27 @@ def test_without_verification_no_word_is_sent():
 def test_entropy_coding_sends_fewer_bytes_and_the_same_values(method):
     X0, A, b = _problem(d=2000)  # models close to each other and to 0: few codes are used
     topo = make_topology("ring", N)
-    plain, lp, _ = _run(lambda t: Moniqua(t, topo, bits=4, theta=2.0, seed=1), X0, A, b, steps=3)
-    coded, lc, algos = _run(lambda t: Moniqua(t, topo, bits=4, theta=2.0, seed=1, entropy=method), X0, A, b,
+    plain, lp, _ = _run(lambda t: Moniqua(bits=4, theta=2.0).worker(t, topo, seed=1), X0, A, b, steps=3)
+    coded, lc, algos = _run(lambda t: Moniqua(bits=4, theta=2.0, entropy=method).worker(t, topo, seed=1), X0, A, b,
                             steps=3)
     assert torch.equal(plain, coded)
-    assert sum(a.mismatches for a in algos) == 0
+    assert sum(a.state.mismatches for a in algos) == 0
     assert lc[0].bytes_sent < 0.8 * lp[0].bytes_sent, (lc[0].bytes_sent, lp[0].bytes_sent)
 
 
 # ---- 6. validation ------------------------------------------------------------------------------
 
 def test_bad_options_name_the_argument():
-    topo = make_topology("ring", 2)
-
-    def worker(t):
-        for kw, word in ((dict(gamma=0.0), "gamma"), (dict(gamma=1.5), "gamma"), (dict(theta="big"), "theta"),
-                         (dict(theta_every=0), "theta_every"), (dict(theta="auto", verify=False), "verify=True"), (dict(entropy="gzip"), "entropy"),
-                         (dict(verify="yes"), "verify"), (dict(verify_block=0), "verify_block"),
-                         (dict(verify_block=2.0), "verify_block"), (dict(bits=1, rounding="stochastic"), "delta")):
-            with pytest.raises(ValueError, match=word):
-                Moniqua(t, topo, **kw)
-        return True
-
-    assert all(run_threads(2, worker))
+    for kw, word in ((dict(gamma=0.0), "gamma"), (dict(gamma=1.5), "gamma"), (dict(theta="big"), "theta"),
+                     (dict(theta_every=0), "theta_every"), (dict(theta="auto", verify=False), "verify=True"),
+                     (dict(entropy="gzip"), "entropy"), (dict(verify="yes"), "verify"),
+                     (dict(verify_block=0), "verify_block"), (dict(verify_block=2.0), "verify_block"),
+                     (dict(bits=1, rounding="stochastic"), "delta"), (dict(dither="yes"), "dither"),
+                     (dict(dither=True, rounding="stochastic"), "dither"), (dict(grow_theta=1), "grow_theta")):
+        with pytest.raises(ValueError, match=word):
+            Moniqua(**kw)
+        with pytest.raises(ValueError, match=word):
+            MoniquaD2(**kw)
     with pytest.raises(ValueError, match="entropy"):
         TrainConfig(algorithm="moniqua", entropy="gzip")
 
@@ -472,9 +481,9 @@ def _three_algorithms(t):
     torch.set_num_threads(1)
     topo = make_topology("ring", t.world_size)
     X0, A, b = _problem(spread=0.1)
-    makers = {"moniqua": lambda: Moniqua(t, topo, bits=1, theta="auto", theta_every=2, gamma=0.3, seed=3),
+    makers = {"moniqua": lambda: Moniqua(bits=1, theta="auto", theta_every=2, gamma=0.3).worker(t, topo, seed=3),
               "d2": lambda: D2().worker(t, topo),
-              "moniqua-d2": lambda: MoniquaD2(t, topo, bits=2, theta=0.05, entropy="zlib", seed=3)}
+              "moniqua-d2": lambda: MoniquaD2(bits=2, theta=0.05, entropy="zlib").worker(t, topo, seed=3)}
     out = {}
     for name, make in makers.items():
         x = X0[t.rank].clone()
@@ -482,7 +491,7 @@ def _three_algorithms(t):
         algo.setup(x)
         for k in range(STEPS):
             quadratic_step(algo, t, k, x, A, b, _lr(k))
-        out[name] = (x, algo.extra_state() if isinstance(algo, Moniqua) else None)
+        out[name] = (x, algo.state_dict()["extra"])
     return out, t.ledger.to_rows()
 
 
@@ -498,7 +507,7 @@ def test_both_runtimes_agree_exactly():
         for name in a:
             assert torch.equal(a[name][0], b[name][0]), name
             assert a[name][1] == b[name][1], name
-    assert threads[0][0]["moniqua-d2"][1]["mismatches"] > 0  # the mismatch path ran on both
+    assert threads[0][0]["moniqua-d2"][1]["gossip"]["mismatches"] > 0  # the mismatch path ran on both
 
 
 def test_train_runs_the_new_algorithms_from_their_config():

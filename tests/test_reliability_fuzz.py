@@ -122,8 +122,10 @@ def _moniqua(entropy=None):
     from lowbit.comm.inprocess import ThreadWorld
     from lowbit.topology import make_topology
 
-    return Moniqua(ThreadWorld(3).transport(0), make_topology("ring", 3), bits=2, theta=0.5, entropy=entropy,
-                   verify_block=16)
+    worker = Moniqua(bits=2, theta=0.5, entropy=entropy, verify_block=16).worker(ThreadWorld(3).transport(0),
+                                                                              make_topology("ring", 3))
+    worker.setup(torch.zeros(100))
+    return worker.state  # its frame: the message format
 
 
 @settings(max_examples=300, deadline=None)

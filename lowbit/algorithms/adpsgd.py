@@ -28,9 +28,12 @@ is back). On the in-process schedule the request is encoded at the
 exchange's turn and nothing else runs on x_i or x_j meanwhile, so this is
 exactly (x_i + x_j) / 2 on both sides.
 
-Locking: ``setup(x)`` keeps a reference to the worker's flat parameter
-tensor. Every write to it by this algorithm (the active update, the passive
-update that a responder thread makes) holds ``self.lock``; the active update
+Locking: ``init(x, ctx)`` keeps a reference to the worker's flat parameter
+tensor in the state, and opens the asynchronous gossip with a responder that
+answers from it. Every write to it by this algorithm (the active update, the
+passive update that a responder thread makes) holds the state's ``lock``
+(:class:`ADPSGDState`: the lock, the responder's wiring and the schedule are
+transient fields, not checkpointed); the active update
 keeps the lock held from the end of ``before_update`` until ``after_update``,
 so the optimizer step never interleaves with a passive update. No lock is held
 while waiting on the network (a lock held there could deadlock two workers
@@ -48,21 +51,27 @@ gradient is applied, which is the staleness the schedule decides). The
 torch runtime ignores the schedule: real time orders the exchanges, and the
 partner choice is the same seeded draw.
 
-Memory: no state between steps (extra_memory_bytes 0, as Moniqua's Table 1 and
-AD-PSGD). During one exchange a worker holds its encoded payload and, for
-``moniqua-async``, the decoded vectors (transient, O(d)).
+Variants: the two share the exchange and differ by their codec only
+(``ADPSGD.codec``: fp32; ``MoniquaAsync.codec``: the modulo codec of its
+``bits``, ``theta`` and ``rounding``).
+
+Memory: no state tensor between steps (extra_memory_bytes 0, as Moniqua's
+Table 1 and AD-PSGD); the state counts the exchanges of each side. During one
+exchange a worker holds its encoded payload and the decoded vectors
+(transient, O(d)).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from dataclasses import dataclass
 
 import torch
 
 from ..codecs import Codec, IdentityCodec, ModuloCodec
 from ..codecs.rng import derive_seed, shared_generator
-from .legacy import GossipAlgorithm
+from .base import GossipAlgorithm, State, transient
 
 # Random streams of the asynchronous family (derive_seed's ``stream``).
 STREAM_TIME, STREAM_PARTNER, STREAM_ROUNDING = 21, 22, 23
@@ -80,11 +89,7 @@ class GossipSchedule:
     def __init__(self, seed: int, slow: dict[int, float] | None = None):
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-        slow = dict(slow or {})
-        for r, f in slow.items():
-            if not (isinstance(r, int) and r >= 0 and isinstance(f, (int, float)) and math.isfinite(f) and f >= 1):
-                raise ValueError(f"slow must map ranks >= 0 to factors >= 1, got {r!r}: {f!r}")
-        self.seed, self.slow = seed, slow
+        self.seed, self.slow = seed, check_slow(slow)
         self._cum: dict[int, list[float]] = {}
 
     def time(self, rank: int, step: int) -> float:
@@ -98,6 +103,7 @@ class GossipSchedule:
         return cum[step]
 
     def clock(self, rank: int):
+        """``rank``'s clock, ``step -> T_{rank,step}`` (what ``Transport.gossip_open`` takes)."""
         return lambda step: self.time(rank, step)
 
 
@@ -117,153 +123,197 @@ def choose_partner(seed: int, rank: int, step: int, neighbors, W) -> int:
     return neighbors[-1]
 
 
-class ADPSGD(GossipAlgorithm):
-    """AD-PSGD with fp32 models on the wire (the codec hook serves moniqua-async)."""
+def check_slow(slow: dict[int, float] | None) -> dict[int, float]:
+    """The slow factors ``{rank: factor >= 1}`` as a dict (None: none); ValueError otherwise."""
+    slow = dict(slow or {})
+    for r, f in slow.items():
+        if not (isinstance(r, int) and r >= 0 and isinstance(f, (int, float)) and math.isfinite(f) and f >= 1):
+            raise ValueError(f"slow must map ranks >= 0 to factors >= 1, got {r!r}: {f!r}")
+    return slow
 
+
+@dataclass
+class ADPSGDState(State):
+    """An asynchronous worker's state: the exchanges it made as the active side and answered
+    as the passive side (checkpointed), then what the responder needs (transient): the
+    worker's parameters, the lock that guards them, whether the active side holds it through
+    the optimizer step, whether the gossip is open, the codec and the virtual-time schedule."""
+
+    exchanges: int = 0
+    answered: int = 0
+    x: torch.Tensor | None = transient(default=None)
+    lock: threading.Lock = transient(default_factory=threading.Lock)
+    held: bool = transient(default=False)
+    open: bool = transient(default=False)
+    codec: Codec | None = transient(default=None)
+    schedule: GossipSchedule | None = transient(default=None)
+
+
+@dataclass(frozen=True)
+class ADPSGD(GossipAlgorithm):
+    """Asynchronous decentralized SGD: after each gradient a worker averages its model with one
+    neighbour, drawn at random, without waiting for the others; fp32 models on the wire.
+
+    Parameters:
+        mix: how far each side of an exchange moves towards the other's model, in (0, 0.5]
+            (0.5: the pair averages, as AD-PSGD).
+        slow: ``{rank: factor >= 1}``, workers whose gradients take that many times longer in
+            the in-process runtime's virtual-time schedule (None: none); the torch runtime
+            runs in real time and ignores it.
+
+    AD-PSGD, Lian et al. 2018 (the module docstring has the exchange and its locking)."""
+
+    mix: float = 0.5
+    slow: dict[int, float] | None = None
     name = "adpsgd"
     synchronous = False
 
-    @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, weights=cfg.weights, seed=cfg.seed, slow=cfg.slow_factors())
+    def __post_init__(self):
+        if isinstance(self.mix, bool) or not (isinstance(self.mix, (int, float)) and 0 < self.mix <= 0.5):
+            raise ValueError(f"mix must be in (0, 0.5] (0.5: the pair averages), got {self.mix!r}")
+        check_slow(self.slow)
 
-    def __init__(self, transport, topology, *, mix: float = 0.5, slow: dict[int, float] | None = None, **kw):
-        super().__init__(transport, topology, **kw)
-        if not (isinstance(mix, (int, float)) and 0 < mix <= 0.5):
-            raise ValueError(f"mix must be in (0, 0.5] (0.5: the pair averages), got {mix!r}")
-        self.mix = float(mix)
-        self.schedule = GossipSchedule(self.seed, slow)
-        self.lock = threading.Lock()
-        self.x: torch.Tensor | None = None
-        self._held = False
-        self._open = False
-        self.exchanges = 0  # as the active side
-        self.answered = 0  # as the passive side
-
-    # ---- what goes on the wire -------------------------------------------
-    def _codec(self) -> Codec:
+    @property
+    def codec(self) -> Codec:
+        """What goes on the wire: the model in fp32."""
         return IdentityCodec()
 
-    def _encode(self, x: torch.Tensor, gen_step: int, gen_rank: int):
-        """(wire buffer, this side's own term xh_self, the reference to decode against)."""
-        c = self._codec()
-        payload = c.encode(x)
-        # the model as it went on the wire (fp32): both sides mix wire values, so the sum is conserved
-        return payload.to_wire(), c.decode(payload).to(x.dtype), None
+    @classmethod
+    def from_config(cls, cfg):
+        # slow: the run's slow workers (a TrainConfig's --slow), when cfg has them
+        return cls(slow=cfg.slow_factors() if hasattr(cfg, "slow_factors") else None)
 
-    def _decode(self, wire: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-        c = self._codec()
-        return c.decode(c.payload_from_wire(wire)).to(self.x.dtype)
+    def nominal_bits_per_element(self):
+        return float(self.codec.bits)
 
-    # ---- the contract ------------------------------------------------------
-    def setup(self, x):
-        self.x = x
-        if self.neighbors:
-            self.transport.gossip_open(self.neighbors, self._answer, clock=self.schedule.clock(self.rank))
-            self._open = True
+    def init(self, x, ctx):
+        """The state, and the gossip opened: from now on neighbours may average with ``x``."""
+        state = ADPSGDState(x=x, codec=self.codec, schedule=GossipSchedule(ctx.seed, self.slow))
+        if ctx.neighbors:
+            ctx.transport.gossip_open(ctx.neighbors, lambda src, step, request: self._answer(
+                state, ctx, src, step, request), clock=state.schedule.clock(ctx.rank))
+            state.open = True
+        return state
 
-    def partner(self, k: int) -> int:
-        return choose_partner(self.seed, self.rank, k, self.neighbors, self.W)
+    def _encode(self, state: ADPSGDState, ctx, x: torch.Tensor, gen_step: int, gen_rank: int):
+        """(wire buffer, this side's own term xh_self, the reference to decode against): line 3
+        and 4 for Moniqua. One rounding stream per exchange, (seed, active step, active rank), on
+        both sides (shared randomness). The reference is x as sent, so that both sides mix the
+        values that went on the wire and, with fp32, the sum of the models is conserved."""
+        gen = shared_generator(ctx.seed, gen_step, gen_rank, STREAM_ROUNDING)
+        ref = x.detach().clone()
+        payload = state.codec.encode(ref, generator=gen)
+        return payload.to_wire(), state.codec.decode(payload, ref=ref).to(x.dtype), ref
 
-    def before_update(self, k, x, g, lr):
-        if self.x is None:
-            raise RuntimeError(f"{self.name}: call setup(x) before the first step")
-        if x.data_ptr() != self.x.data_ptr():
-            raise ValueError(f"{self.name}: before_update got another parameter tensor than setup(x)")
-        if self.neighbors:
-            j = self.partner(k)
+    @staticmethod
+    def _decode(state: ADPSGDState, wire: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+        """The other side's model, decoded against ``ref`` (line 5 for Moniqua)."""
+        return state.codec.decode(state.codec.payload_from_wire(wire), ref=ref).to(ref.dtype)
+
+    def before_update(self, state, ctx, k, x, g, lr):
+        """The active side: exchange with the partner of step k, x += mix (x_j - x_i); the lock
+        is then held through the optimizer step (released by :meth:`after_update`)."""
+        if x.data_ptr() != state.x.data_ptr():
+            raise ValueError(f"{self.name}: before_update got another parameter tensor than init(x)")
+        if ctx.neighbors:
+            j = choose_partner(ctx.seed, ctx.rank, k, ctx.neighbors, ctx.W)
             sent = {}
 
             def request():  # called when the request leaves (in-process: at the exchange's turn)
-                with self.lock:
-                    wire, sent["mine"], sent["ref"] = self._encode(x, k, self.rank)
+                with state.lock:
+                    wire, sent["mine"], sent["ref"] = self._encode(state, ctx, x, k, ctx.rank)
                 return wire
 
-            reply = self.transport.gossip(j, request, k)  # no lock held while waiting
-            mine, ref = sent["mine"], sent["ref"]
-            self.lock.acquire()  # held through the optimizer step, released in after_update
-            self._held = True
-            theirs = self._decode(reply, ref)  # against the model as sent (line 5 uses x_{k,i})
-            x.add_(theirs - mine, alpha=self.mix)
-            self.exchanges += 1
+            reply = ctx.transport.gossip(j, request, k)  # no lock held while waiting
+            state.lock.acquire()  # held through the optimizer step, released in after_update
+            state.held = True
+            theirs = self._decode(state, reply, sent["ref"])  # against the model as sent (line 5 uses x_{k,i})
+            x.add_(theirs - sent["mine"], alpha=self.mix)
+            state.exchanges += 1
         else:
-            self.lock.acquire()
-            self._held = True
+            state.lock.acquire()
+            state.held = True
+        return state
 
-    def after_update(self, k, x, g, lr):
-        if self._held:
-            self._held = False
-            self.lock.release()
+    def after_update(self, state, ctx, k, x, g, lr):
+        _release(state)
+        return state
 
-    def _answer(self, src: int, step: int, request: torch.Tensor) -> torch.Tensor:
+    def _answer(self, state: ADPSGDState, ctx, src: int, step: int, request: torch.Tensor) -> torch.Tensor:
         """The passive side (a responder thread, or the active thread in-process)."""
-        x = self.x
-        with self.lock:
-            wire, mine, ref = self._encode(x, step, src)
-            theirs = self._decode(request, ref)
+        x = state.x
+        with state.lock:
+            wire, mine, ref = self._encode(state, ctx, x, step, src)
+            theirs = self._decode(state, request, ref)
             x.add_(theirs - mine, alpha=self.mix)
-            self.answered += 1
+            state.answered += 1
         return wire
 
-    def finish(self):
-        if self._held:
-            self._held = False
-            self.lock.release()
-        if self._open:
-            self._open = False
-            self.transport.gossip_close()
+    def finish(self, state, ctx):
+        """Release the lock and close the gossip (after the neighbours' last exchanges)."""
+        _release(state)
+        if state.open:
+            state.open = False
+            ctx.transport.gossip_close()
+        return state
 
-    def extra_memory_bytes(self):
-        return 0
+
+def _release(state: ADPSGDState) -> None:
+    if state.held:
+        state.held = False
+        state.lock.release()
 
 
 # moniqua-async's theta when none is given: it has no verification to drive theta="auto"
 ASYNC_THETA = 0.05
 
 
+@dataclass(frozen=True)
 class MoniquaAsync(ADPSGD):
-    """Moniqua on AD-PSGD: the pairwise exchange sends modulo codes (see module doc)."""
+    """AD-PSGD whose exchanges send Moniqua's modulo codes, ``bits`` per element, instead of fp32.
 
+    Parameters (and ADPSGD's ``mix`` and ``slow``):
+        bits: bits sent per element (1 to 8).
+        theta: the largest difference between the two models of an exchange, element by
+            element, that decoding tolerates (a number > 0: no verification drives "auto" here).
+        rounding: ``"stochastic"`` or ``"nearest"`` rounding of the codes.
+
+    Moniqua on AD-PSGD, section 5 and Theorem 5 of the Moniqua paper: Algorithm 1's lines
+    3-6 applied to the pair."""
+
+    bits: int = 8
+    theta: float = ASYNC_THETA
+    rounding: str = "stochastic"
     name = "moniqua-async"
+    options = ("bits", "theta", "rounding")
 
-    @classmethod
-    def _theta(cls, theta):
-        if theta == "auto":
-            raise ValueError("theta='auto' is for the synchronous variants (moniqua); moniqua-async needs a "
-                             "number: give --theta a value > 0")
-        if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta)
-                and theta > 0):
-            raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
-        return float(theta)
+    def __post_init__(self):
+        super().__post_init__()
+        _check_theta(self.theta)
+        self.codec  # validates bits, rounding and delta < 1/2
+
+    @property
+    def codec(self) -> ModuloCodec:
+        """What goes on the wire: the modulo codes of ``bits``, ``theta`` and ``rounding``."""
+        return ModuloCodec(bits=self.bits, theta=float(self.theta), rounding=self.rounding)
 
     @classmethod
     def check_config(cls, cfg):
-        ModuloCodec(bits=cfg.bits, theta=cls._theta(ASYNC_THETA if cfg.theta is None else cfg.theta),
+        ModuloCodec(bits=cfg.bits, theta=_check_theta(ASYNC_THETA if cfg.theta is None else cfg.theta),
                     rounding=cfg.rounding or "stochastic")
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, bits=cfg.bits, theta=ASYNC_THETA if cfg.theta is None else cfg.theta,
-                   rounding=cfg.rounding or "stochastic", weights=cfg.weights, seed=cfg.seed,
-                   slow=cfg.slow_factors())
+    def from_config(cls, cfg):
+        return cls(bits=cfg.bits, theta=ASYNC_THETA if cfg.theta is None else cfg.theta,
+                   rounding=cfg.rounding or "stochastic",
+                   slow=cfg.slow_factors() if hasattr(cfg, "slow_factors") else None)
 
-    def __init__(self, transport, topology, *, bits: int = 8, theta: float = ASYNC_THETA, rounding: str = "stochastic",
-                 **kw):
-        super().__init__(transport, topology, **kw)
-        self.codec = ModuloCodec(bits=bits, theta=self._theta(theta), rounding=rounding)
 
-    def nominal_bits_per_element(self):
-        return float(self.codec.bits)
-
-    def _codec(self):
-        return self.codec
-
-    def _encode(self, x, gen_step, gen_rank):
-        # One rounding stream per exchange: (seed, active step, active rank), on both sides.
-        gen = shared_generator(self.seed, gen_step, gen_rank, STREAM_ROUNDING)
-        ref = x.detach().clone()
-        payload = self.codec.encode(ref, generator=gen)                                # line 3
-        return payload.to_wire(), self.codec.decode(payload, ref=ref), ref           # line 4: xh_self
-
-    def _decode(self, wire, ref):
-        return self.codec.decode(self.codec.payload_from_wire(wire), ref=ref)  # line 5
+def _check_theta(theta) -> float:
+    if theta == "auto":
+        raise ValueError("theta='auto' is for the synchronous variants (moniqua); moniqua-async needs a "
+                         "number: give --theta a value > 0")
+    if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta)
+            and theta > 0):
+        raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
+    return float(theta)

@@ -22,7 +22,7 @@ correction ``- u_k + u_{k-1}`` would no longer cancel the outer variance as
 D2's equations require.
 
 State: X_{k-1} and u_{k-1} (two vectors of d, ``state_tensors``). Moniqua-D2
-reuses :class:`~lowbit.algorithms.moniqua.Moniqua`'s gossip (theta, auto
+is D2 with :class:`~lowbit.algorithms.moniqua.Moniqua` as its gossip (theta, auto
 theta, slack matrix, verification, entropy coding); with ``theta="auto"``
 the first theta comes from the first step actually taken, u_0 (Theorem 4's
 constant (6 D_1 n + 8) depends on eigenvalue constants D_1 the paper defines
@@ -72,6 +72,8 @@ def step_taken(prev_step: torch.Tensor, x: torch.Tensor) -> None:
 
 @dataclass
 class D2State(State):
+    """D2's memory: the previous iterate, the previous step and the mixing rule's state."""
+
     prev_x: torch.Tensor     # X_{k-1}
     prev_step: torch.Tensor  # u_{k-1} = a_{k-1} G_{k-1} (x_pre between the two phases)
     gossip: State            # the mixing rule's own state
@@ -80,7 +82,9 @@ class D2State(State):
 @dataclass(frozen=True)
 class D2(GossipAlgorithm):
     """D2's recursion around a mixing rule ``gossip`` (a decentralized algorithm whose
-    ``before_update`` applies X W): fp32 D-PSGD gossip by default."""
+    ``before_update`` applies X W): fp32 D-PSGD gossip by default. The gossip's
+    ``before_update`` runs after the optimizer step on x_{k+1/2}, with the step taken,
+    u_k, in place of the gradient."""
 
     gossip: GossipAlgorithm = field(default_factory=DPSGD)
     name = "d2"
@@ -106,45 +110,47 @@ class D2(GossipAlgorithm):
 
     def after_update(self, state, ctx, k, x, g, lr):
         step_taken(state.prev_step, x)
-        state.gossip = self.gossip.before_update(state.gossip, ctx, k, x, None, lr)
+        # the gossip's "gradient" is the step just taken, u_k (Moniqua's theta="auto" takes
+        # theta_0 from u_0; D-PSGD's mixing reads none)
+        state.gossip = self.gossip.before_update(state.gossip, ctx, k, x, state.prev_step, lr)
         return state
 
     def report(self, state):
         return self.gossip.report(state.gossip)
 
 
-class _D2Extrapolation:
-    """The D2 recursion around a ``gossip(k, x, lr)`` that applies X W (or its quantized
-    form), for the algorithms still on the old contract (``legacy.py``)."""
+@dataclass(frozen=True, init=False)
+class MoniquaD2(D2):
+    """D2 whose models travel as Moniqua's modulo codes: D2's extrapolation around Moniqua's gossip.
 
-    _prev_x: torch.Tensor | None = None
-    _prev_step: torch.Tensor | None = None
+    ``MoniquaD2(bits=2, theta=0.2, gamma=0.5)`` takes :class:`~lowbit.algorithms.moniqua.Moniqua`'s
+    options (what each means is said there) and is ``D2(gossip=Moniqua(bits=2, theta=0.2,
+    gamma=0.5))``; ``MoniquaD2(gossip=Moniqua(...))`` is the same. Section 5 of the Moniqua
+    paper, Theorem 4: Algorithm 1's lines 3-6 applied to X_{k+1/2}."""
+
+    gossip: Moniqua = field(default_factory=Moniqua)
+    name = "moniqua-d2"
+    options = Moniqua.options
+
+    def __init__(self, gossip: Moniqua | None = None, **moniqua_options):
+        if gossip is not None and moniqua_options:
+            raise ValueError(f"give gossip=Moniqua(...) or Moniqua's options {sorted(moniqua_options)}, not both")
+        object.__setattr__(self, "gossip", Moniqua(**moniqua_options) if gossip is None else gossip)
+        self.__post_init__()
+
+    def __post_init__(self):
+        if not isinstance(self.gossip, Moniqua):
+            raise TypeError(f"gossip must be a lowbit.algorithms.Moniqua, got {type(self.gossip).__name__}")
 
     @classmethod
     def check_config(cls, cfg):
         check_d2_config(cfg)
-        super().check_config(cfg)
+        Moniqua.check_config(cfg)
 
-    def setup(self, x):
-        self._prev_x = x.detach().clone()  # X_{-1} = X_0
-        self._prev_step = torch.zeros_like(x)  # a_{-1} G_{-1} = 0
+    @classmethod
+    def from_config(cls, cfg):
+        return cls(Moniqua.from_config(cfg))
 
-    def state_tensors(self):
-        if self._prev_x is None:
-            return {}
-        return {"prev_x": self._prev_x, "prev_step": self._prev_step}
-
-    def before_update(self, k, x, g, lr):
-        if self._prev_x is None:
-            raise RuntimeError(f"{self.name}: setup(x) must be called before the first step")
-        extrapolate(self._prev_x, self._prev_step, x)
-
-    def after_update(self, k, x, g, lr):
-        step_taken(self._prev_step, x)
-        self.gossip(k, x, lr, self._prev_step)
-
-
-class MoniquaD2(_D2Extrapolation, Moniqua):
-    """D2 whose mixing is Moniqua's modulo gossip (Algorithm 1 lines 3-6 on X_{k+1/2})."""
-
-    name = "moniqua-d2"
+    @classmethod
+    def run_warning(cls, report):
+        return Moniqua.run_warning(report)  # the report is its gossip's

@@ -131,9 +131,9 @@ its recovery is right, and a wrong block goes undetected with probability
 
 * a wrong block's values are never used: that neighbour's term of line 6 is
   left out for the coordinates of that block only, the neighbour's other
-  blocks mix normally. :attr:`Moniqua.mismatches` counts wrong *blocks*
-  (:attr:`Moniqua.mismatched_messages` the messages with at least one; both
-  in ``extra_state``); ``lowbit train`` logs one warning per run with the
+  blocks mix normally. :attr:`MoniquaState.mismatches` counts wrong *blocks*
+  (:attr:`MoniquaState.mismatched_messages` the messages with at least one;
+  both checkpointed); ``lowbit train`` logs one warning per run with the
   totals (:meth:`Moniqua.run_warning`, logger ``lowbit``), each mismatch is a
   DEBUG record of ``lowbit.algorithms.moniqua``;
 * repair of only the failed blocks: in its next message the receiver lists
@@ -186,10 +186,8 @@ bits: 512 elements at 1 bit. At 1 bit with the default gamma, 256 and 512 sent
 hashed blocks also mean more chances of a collision: each wrong block passes
 the 16-bit hash with probability ~2^-16.
 
-Pending requests (neighbour -> blocks) are part of ``extra_state``
-(``nack``, with the ``verify_block`` they refer to; a checkpoint with another
-block size is re-blocked to the blocks covering the same elements, and a
-whole-vector one, a list of ranks, asks for every block).
+Pending requests (neighbour -> blocks) are part of the checkpointed state
+(:attr:`MoniquaState.nack`; a run resumes with the same ``verify_block``).
 
 The exact-gossip warm-up of ``theta="auto"`` sends no hashes. With
 ``verify=False`` the message is the codes alone and nothing is checked.
@@ -200,15 +198,24 @@ packed codes are entropy-coded on the wire (:func:`lowbit.codecs.entropy.entropy
 
 Moniqua keeps no state tensors between steps: its extra memory is 0 (Table
 1 of the paper); theta, the alarm state, the mismatch counts and the pending
-repair requests (block lists) are in :meth:`Moniqua.extra_state`.
+repair requests (block lists) are the scalars of :class:`MoniquaState`.
+
+The code follows Algorithm 1: :meth:`Moniqua.before_update` sets theta_k
+(:meth:`Moniqua._theta_k`), sends (:meth:`Moniqua._send`, lines 3-4), reads the
+neighbours' messages (:meth:`Moniqua._receive`, line 5 and verification),
+fetches the blocks asked for in fp32 (:meth:`Moniqua._repair`) and mixes
+(:meth:`Moniqua._mix`, line 6). The message format is
+:class:`~lowbit.codecs.modulo_frame.ModuloFrame`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import importlib.util
 import logging
+import math
 from collections import deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -218,7 +225,7 @@ from ..codecs.entropy import ENTROPY_METHODS
 from ..codecs.modulo_frame import ModuloFrame
 from ..codecs.rng import shared_generator
 from ..topology import Topology
-from .legacy import GossipAlgorithm
+from .base import GossipAlgorithm, State, transient
 
 THETA_SCHEDULES = ("constant", "lr")
 # theta="auto" (module docstring): every THETA_EVERY steps all workers agree on the fraction of blocks
@@ -288,36 +295,166 @@ def default_rounding(bits: int) -> str:
     return "nearest" if bits == 1 else "stochastic"
 
 
+@dataclass
+class MoniquaState(State):
+    """A Moniqua worker's memory between steps: scalars only (Table 1: no extra tensor), all
+    checkpointed, then the caches that :meth:`Moniqua.init` derives from the options and the
+    context (not checkpointed)."""
+
+    # theta; theta_k = theta alpha_k / alpha_0 when it follows alpha_k; None until "auto" sets it
+    theta: float | None = None
+    theta_start: float | None = None  # theta="auto": theta_0
+    lr0: float | None = None  # alpha_0
+    # theta="auto": the blocks recovered wrong, and checked, since the last agreement
+    window: list[int] = field(default_factory=lambda: [0, 0])
+    # neighbour -> its blocks I recovered wrong at the last step (asked for and repaired at this one)
+    nack: dict[int, list[int]] = field(default_factory=dict)
+    # grow_theta: epochs with an alarm whose doubling is due later
+    pending_alarms: list[int] = field(default_factory=list)
+    mismatches: int = 0  # wrong blocks this worker detected (and did not use)
+    mismatched_messages: int = 0  # messages with at least one wrong block
+    theta_doublings: int = 0  # grow_theta's doublings
+    gamma: float = transient(default=1.0)  # the slack matrix's gamma: the option, or default_gamma of this W
+    period: int = transient(default=1)  # P = diameter + 1: steps per alarm epoch
+    frame: ModuloFrame | None = transient(default=None)  # this worker's message format
+    codec: ModuloCodec | None = transient(default=None)  # the codec of the last theta_k (validated once per theta_k)
+
+
+@dataclass
+class _Sent:
+    """What :meth:`Moniqua._send` sent at step k: the wire message, y (x, or x + v with the shared
+    dither v), xh_{k,i} (line 4, v subtracted, in x's dtype), the one-call kernels and my requests."""
+
+    wire: torch.Tensor
+    y: torch.Tensor
+    v: torch.Tensor | None
+    x_hat_i: torch.Tensor
+    K: object
+    asked: dict[int, set[int]]
+
+
+@dataclass
+class _Heard:
+    """What :meth:`Moniqua._receive` read: each neighbour's xh_{k,j} (line 5), the element mask of
+    its blocks verified right (None: all), the blocks of each edge to mix in fp32 this step
+    (``repair``: asked by either end), the blocks to ask next step (``nack``), and line 6's sum
+    ``delta`` when the one-call kernels built it already (``mixed``)."""
+
+    delta: torch.Tensor
+    repair: dict[int, set[int]]
+    mixed: bool = True
+    x_hat: dict[int, torch.Tensor] = field(default_factory=dict)
+    good: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    nack: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Moniqua(GossipAlgorithm):
     """Decentralized SGD that sends each model to its neighbours at ``bits`` bits per element.
 
-    Each step a worker averages its model with its neighbours' on ``topology`` (D-PSGD), but
-    sends only the low-order part of each weight (:class:`~lowbit.codecs.ModuloCodec`): a
-    neighbour recovers the rest from its own, nearby model. This needs the models to stay
-    within ``theta`` of each other, element by element, which Moniqua keeps checking.
+    Each step a worker averages its model with its neighbours' (D-PSGD), but sends only the
+    low-order part of each weight (:class:`~lowbit.codecs.ModuloCodec`): a neighbour recovers
+    the rest from its own, nearby model. This needs the models to stay within ``theta`` of
+    each other, element by element, which Moniqua keeps checking.
 
-    Parameters (plain words first; the module docstring has the paper's symbols):
-        transport, topology: the workers' network and who talks to whom.
+    Parameters (the options, in plain words; the module docstring has the paper's symbols):
         bits: bits sent per element (1 to 8). 2 is the paper's main setting.
         theta: the largest difference between two neighbours' weights that decoding tolerates.
             ``"auto"`` (default) starts from the first gradient and follows the step size,
             doubling where verification finds blocks decoded wrong; a number fixes it.
-        rounding: ``"stochastic"`` or ``"nearest"`` rounding of the sent codes (default: by bits).
+        rounding: ``"stochastic"`` or ``"nearest"`` rounding of the sent codes (None: nearest
+            at 1 bit, stochastic above).
         theta_schedule: with a fixed theta, ``"lr"`` scales it with the step size.
         theta_every: steps between two agreements of ``theta="auto"``.
         shared_randomness: every worker rounds with the same random draws each step, so that
             nearby models round alike (default True).
         gamma: how far each step moves towards the neighbours' average, in (0, 1]; None picks
-            it from the grid step and the topology (:func:`default_gamma`).
+            it from the grid step and the topology when a worker starts (:func:`default_gamma`).
         verify: send a 16-bit hash per block of ``verify_block`` elements so the receiver can
             tell a wrong decode; wrong blocks are left out of the mix and resent in fp32.
         entropy: also entropy-code the codes (``"zlib"``, ``"bz2"``, ``"lzma"``, ``"ans"``).
-        dither: at 1 bit, add a shared random offset before rounding (default: on at 1 bit).
+        dither: add a shared random offset before rounding (None: on at 1 bit with the default
+            rounding and shared randomness); :attr:`dithered` says what a run does.
         grow_theta: double theta when no neighbour's message decodes right (an alarm).
-        verify_block: elements per verified block (None: :func:`default_verify_block`).
+        verify_block: elements per verified block (None: :func:`default_verify_block`);
+            :attr:`block` says what a run uses.
+
+    In the paper: Algorithm 1 (``bits`` sets the quantizer Q_delta, ``theta`` the a priori
+    bound theta_k), Theorem 3's slack matrix (``gamma``), section 6's shared randomness,
+    verification and entropy coding.
     """
 
+    bits: int = 2
+    theta: float | str = "auto"
+    rounding: str | None = None
+    theta_schedule: str = "constant"
+    theta_every: int = THETA_EVERY
+    shared_randomness: bool = True
+    gamma: float | None = None
+    verify: bool = True
+    entropy: str | None = None
+    dither: bool | None = None
+    grow_theta: bool = False
+    verify_block: int | None = None
+
     name = "moniqua"
+    options = ("bits", "theta", "rounding", "theta_schedule", "theta_every", "shared_randomness", "gamma",
+               "verify", "entropy", "verify_block")
+
+    def __post_init__(self):
+        if not self.auto_theta and not (isinstance(self.theta, (int, float)) and not isinstance(self.theta, bool)
+                                        and math.isfinite(self.theta) and self.theta > 0):
+            raise ValueError(f"theta must be a finite number > 0 or 'auto', got {self.theta!r}")
+        if self.theta_schedule not in THETA_SCHEDULES:
+            raise ValueError(f"theta_schedule must be one of {THETA_SCHEDULES}, got {self.theta_schedule!r}")
+        if isinstance(self.theta_every, bool) or not isinstance(self.theta_every, int) or self.theta_every < 1:
+            raise ValueError(f"theta_every must be an integer >= 1 (steps between two theta agreements), "
+                             f"got {self.theta_every!r}")
+        self.codec  # validates bits, rounding and delta < 1/2
+        gamma = self.gamma
+        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))
+                                  or not 0 < gamma <= 1):
+            raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be True or False, got {self.verify!r}")
+        if self.auto_theta and not self.verify:
+            raise ValueError("theta='auto' (the default) follows the blocks verification finds wrong: it needs "
+                             "verify=True; without verification give theta a number (--theta)")
+        block = self.verify_block
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"verify_block must be an integer >= 1 (elements per hashed block), got {block!r}")
+        _check_entropy(self.entropy)
+        if self.dither is not None and not isinstance(self.dither, bool):
+            raise ValueError(f"dither must be True, False or None, got {self.dither!r}")
+        if self.dithered and (self.codec.rounding != "nearest" or not self.shared_randomness):
+            raise ValueError("dither=True needs rounding='nearest' and shared_randomness=True "
+                             "(the receiver subtracts the sender's dither)")
+        if not isinstance(self.grow_theta, bool):
+            raise ValueError(f"grow_theta must be True or False, got {self.grow_theta!r}")
+
+    # ---- the options as a run uses them ------------------------------------------------
+    @property
+    def auto_theta(self) -> bool:
+        """theta is tuned (``theta="auto"``)."""
+        return isinstance(self.theta, str) and self.theta == "auto"
+
+    @property
+    def codec(self) -> ModuloCodec:
+        """The modulo codec of ``bits`` and ``rounding`` (theta 1 until "auto" sets it)."""
+        return ModuloCodec(bits=self.bits, theta=1.0 if self.auto_theta else float(self.theta),
+                           rounding=self.rounding or default_rounding(self.bits))
+
+    @property
+    def dithered(self) -> bool:
+        """Whether the codes round x plus a shared subtractive dither (``dither``, or its default)."""
+        if self.dither is None:  # the 1-bit default: nearest rounding of a shared subtractive dither
+            return self.rounding is None and self.bits == 1 and bool(self.shared_randomness)
+        return self.dither
+
+    @property
+    def block(self) -> int:
+        """Elements per verified block (``verify_block``, or :func:`default_verify_block`)."""
+        return self.verify_block if self.verify_block is not None else default_verify_block(self.bits)
 
     @classmethod
     def check_config(cls, cfg):
@@ -326,236 +463,188 @@ class Moniqua(GossipAlgorithm):
         _check_entropy(cfg.entropy)
 
     @classmethod
-    def from_config(cls, cfg, transport, topology):
-        return cls(transport, topology, bits=cfg.bits, theta="auto" if cfg.theta is None else cfg.theta,
-                   rounding=cfg.rounding, theta_schedule=cfg.theta_schedule, theta_every=cfg.theta_every,
+    def from_config(cls, cfg):
+        return cls(bits=cfg.bits, theta="auto" if cfg.theta is None else cfg.theta, rounding=cfg.rounding,
+                   theta_schedule=cfg.theta_schedule, theta_every=cfg.theta_every,
                    shared_randomness=cfg.shared_randomness, gamma=cfg.gamma, verify=cfg.verify,
-                   entropy=cfg.entropy, weights=cfg.weights, seed=cfg.seed,
-                   verify_block=cfg.verify_block)
+                   entropy=cfg.entropy, verify_block=cfg.verify_block)
 
     def nominal_bits_per_element(self):
-        return float(self.codec.bits)
+        return float(self.bits)
 
-    def __init__(self, transport, topology, *, bits: int = 2, theta: float | str = "auto",
-                 rounding: str | None = None, theta_schedule: str = "constant", theta_every: int = THETA_EVERY,
-                 shared_randomness: bool = True, gamma: float | None = None, verify: bool = True,
-                 entropy: str | None = None, dither: bool | None = None, grow_theta: bool = False,
-                 verify_block: int | None = None, **kw):
-        super().__init__(transport, topology, **kw)
-        self.auto_theta = theta == "auto"
-        if not self.auto_theta and not (isinstance(theta, (int, float)) and not isinstance(theta, bool)
-                                        and math.isfinite(theta) and theta > 0):
-            raise ValueError(f"theta must be a finite number > 0 or 'auto', got {theta!r}")
-        if theta_schedule not in THETA_SCHEDULES:
-            raise ValueError(f"theta_schedule must be one of {THETA_SCHEDULES}, got {theta_schedule!r}")
-        if isinstance(theta_every, bool) or not isinstance(theta_every, int) or theta_every < 1:
-            raise ValueError(f"theta_every must be an integer >= 1 (steps between two theta agreements), "
-                             f"got {theta_every!r}")
-        if dither is None:  # the 1-bit default: nearest rounding of a shared subtractive dither
-            dither = rounding is None and bits == 1 and bool(shared_randomness)
-        if rounding is None:
-            rounding = default_rounding(bits)
-        # validates bits, rounding and delta < 1/2
-        self.codec = ModuloCodec(bits=bits, theta=1.0 if self.auto_theta else float(theta), rounding=rounding)
-        self._codec_at = self.codec  # the codec of the last theta_k used
-        if gamma is None:
-            gamma = default_gamma(self.codec, self.W)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
-        if not isinstance(verify, bool):
-            raise ValueError(f"verify must be True or False, got {verify!r}")
-        if self.auto_theta and not verify:
-            raise ValueError("theta='auto' (the default) follows the blocks verification finds wrong: it needs "
-                             "verify=True; without verification give theta a number (--theta)")
-        if verify_block is None:
-            verify_block = default_verify_block(self.codec.bits)
-        if isinstance(verify_block, bool) or not isinstance(verify_block, int) or verify_block < 1:
-            raise ValueError(f"verify_block must be an integer >= 1 (elements per hashed block), got {verify_block!r}")
-        self.verify_block = verify_block
-        _check_entropy(entropy)
-        if not isinstance(dither, bool):
-            raise ValueError(f"dither must be True, False or None, got {dither!r}")
-        if dither and (rounding != "nearest" or not shared_randomness):
-            raise ValueError("dither=True needs rounding='nearest' and shared_randomness=True "
-                             "(the receiver subtracts the sender's dither)")
-        self.dither = dither
-        if not isinstance(grow_theta, bool):
-            raise ValueError(f"grow_theta must be True or False, got {grow_theta!r}")
-        self.grow_theta = grow_theta
-        self.gamma = float(gamma)
-        self.theta: float | None = None if self.auto_theta else float(theta)
-        self.theta_schedule = theta_schedule
-        self.theta_every = theta_every
-        self.shared_randomness = bool(shared_randomness)
-        self.verify = verify
-        self.entropy = entropy
-        self.frame = ModuloFrame(bits=self.codec.bits, block=verify_block, verify=verify, entropy=entropy,
-                                 peers=len(self.neighbors), rank=self.rank)
-        self.period = topology_diameter(topology) + 1  # P: steps per alarm epoch
-        self.mismatches = 0  # wrong blocks this worker detected (and did not use)
-        self.mismatched_messages = 0  # messages with at least one wrong block
-        self.theta_doublings = 0
-        self._pending: set[int] = set()  # epochs with a raised alarm whose doubling is due later
-        self._nack: dict[int, set[int] | None] = {}  # neighbour -> its blocks recovered wrong (repaired next step)
-        self._lr0: float | None = None
-        self._window = [0, 0]  # theta="auto": blocks recovered wrong, and checked, since the last agreement
-        self.theta_start: float | None = None  # theta="auto": theta_0
+    def init(self, x, ctx):
+        codec = self.codec
+        frame = ModuloFrame(bits=self.bits, block=self.block, verify=self.verify, entropy=self.entropy,
+                            peers=len(ctx.neighbors), rank=ctx.rank)
+        gamma = self.gamma if self.gamma is not None else default_gamma(codec, ctx.W)
+        return MoniquaState(theta=None if self.auto_theta else float(self.theta), gamma=float(gamma),
+                            period=topology_diameter(ctx.topology) + 1, frame=frame, codec=codec)
 
-    # ---- theta -----------------------------------------------------------------
-    def theta_at(self, lr: float) -> float:
-        """theta_k: constant, or theta * alpha_k / alpha_0 (``theta_schedule="lr"`` and ``"auto"``)."""
-        if self.theta is None:
-            raise RuntimeError("theta='auto' is set at the first step: no theta yet")
-        if self._lr0 is None:
-            self._lr0 = lr
-        if (self.theta_schedule == "lr" or self.auto_theta) and self._lr0 > 0 and lr > 0:
-            return self.theta * lr / self._lr0
-        return self.theta
+    # ---- one step: Algorithm 1, lines 3-6 -------------------------------------------------
+    def before_update(self, state, ctx, k, x, g, lr):
+        """Lines 3-6 in place on x (x <- x_{k+1/2}); the optimizer then takes line 7. With
+        ``theta="auto"`` the first call sets theta_0 from ``g`` (D2 passes the step it took,
+        u_0), and every ``theta_every`` steps the workers agree on the blocks found wrong."""
+        if state.lr0 is None:
+            state.lr0 = lr
+        if state.theta is None:
+            self._start_theta(state, ctx, g)
+        self._apply_due_doublings(state, k)
+        codec = self._theta_k(state, lr)
+        sent = self._send(state, ctx, k, x, codec)                                       # lines 3, 4
+        received = ctx.transport.neighbor_exchange(sent.wire, ctx.neighbors)
+        heard = self._receive(state, ctx, k, x, codec, sent, received)                   # line 5
+        exact = self._repair(state.frame, ctx, x, heard.repair)
+        self._mix(state, ctx, x, sent, heard, exact)                                     # line 6
+        state.nack = heard.nack
+        if self.grow_theta and ctx.neighbors and len(heard.nack) == len(ctx.neighbors):
+            _add(state.pending_alarms, k // state.period)  # no neighbour's message was right: theta far too small
+        if self.auto_theta and agreement_due(k, self.theta_every):
+            self._agree_theta(state, ctx)
+        return state
 
-    def _start_theta(self, g: torch.Tensor | None) -> None:
+    def _theta_k(self, state: MoniquaState, lr: float) -> ModuloCodec:
+        """The codec of theta_k: theta, or theta alpha_k / alpha_0 (``theta_schedule="lr"`` and ``"auto"``)."""
+        theta = state.theta
+        if (self.theta_schedule == "lr" or self.auto_theta) and state.lr0 > 0 and lr > 0:
+            theta = state.theta * lr / state.lr0
+        if state.codec.theta != theta:  # a new theta_k: a new codec (validated once)
+            state.codec = dataclasses.replace(state.codec, theta=theta)
+        return state.codec
+
+    def _send(self, state: MoniquaState, ctx, k: int, x: torch.Tensor, codec: ModuloCodec) -> _Sent:
+        """Line 3, q_{k,i} = Q_delta((y / B_theta) mod 1) with my repair requests and alarm bits in
+        the frame, and line 4, xh_{k,i}; y = x, or x + v with the shared dither v (1 bit)."""
+        # Shared randomness ("More efficient Moniqua", section 6): every worker draws the
+        # same rounding offsets u at step k, so nearby models round alike.
+        gen = shared_generator(ctx.seed, k, 0 if self.shared_randomness else ctx.rank + 1)
+        y, v = x.detach(), None
+        if self.dithered:  # shared subtractive dither, uniform over one grid cell, added in float64
+            y = y.to(torch.float64)
+            step = codec.B_theta / codec.levels
+            v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=gen.device).to(y.device) - 0.5) * step
+            y = y + v
+        asked = {j: set(blocks) for j, blocks in state.nack.items() if blocks}  # repair what I recovered wrong
+        K = state.frame.kernels(y, x.dtype)
+        wire, x_hat_i = state.frame.send(codec, y, gen, asked, _alarm_bits(state.pending_alarms), K)
+        x_hat_i = (x_hat_i if v is None else x_hat_i - v).to(x.dtype)
+        return _Sent(wire, y, v, x_hat_i, K, asked)
+
+    def _receive(self, state: MoniquaState, ctx, k: int, x: torch.Tensor, codec: ModuloCodec, sent: _Sent,
+                 received: dict) -> _Heard:
+        """Line 5 for each neighbour j, xh_{k,j} decoded against my y, verified block by block: a
+        wrong block is counted, left out of this step's mix and asked for next step. Each edge's
+        blocks to mix in fp32 now: those I asked for and those the neighbour asked of me."""
+        frame, d = state.frame, x.numel()
+        nb = frame.nblocks(d)
+        heard = _Heard(delta=torch.zeros_like(x), repair={j: set(b) for j, b in sent.asked.items()})
+        for j in ctx.neighbors:
+            r = frame.receive(codec, received[j], sent.y, j, sent.K, v=sent.v, x_hat_i=sent.x_hat_i, w=ctx.w[j],
+                              delta=heard.delta)
+            heard.mixed = heard.mixed and r.mixed
+            self._receive_alarm_bits(state, k, r.ctrl & 3)
+            if ctx.rank in r.requests:
+                heard.repair.setdefault(j, set()).update(r.requests[ctx.rank])
+            heard.good[j] = None
+            if self.verify:
+                state.window[1] += nb
+                if r.wrong:  # never use a wrong block: leave it out of this step's mix
+                    self._mismatch(state, ctx, k, j, len(r.wrong), nb)
+                    heard.nack[j] = sorted(r.wrong)
+                    heard.good[j] = ~frame.block_mask(r.wrong, d, x.device)
+            heard.x_hat[j] = r.x_hat
+        return heard
+
+    @staticmethod
+    def _repair(frame: ModuloFrame, ctx, x: torch.Tensor, repair: dict[int, set[int]]) -> dict:
+        """The fp32 repair round, only on the edges (and blocks) with a request: {j: (element
+        mask m of the blocks, (x_j - x_i) m)} (one counted neighbour exchange; none on most steps)."""
+        repair = {j: b for j, b in repair.items() if b}
+        if not repair:
+            return {}
+        d = x.numel()
+        x32 = x.detach().to(torch.float32)
+        got = ctx.transport.neighbor_exchange(frame.repair_message(x32, set().union(*repair.values())),
+                                              sorted(repair))
+        exact = {}
+        for j, blocks in repair.items():
+            vals = frame.read_repair(got[j], d, x.device, j)
+            m = frame.block_mask(blocks, d, x.device)
+            exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
+        return exact
+
+    @staticmethod
+    def _mix(state: MoniquaState, ctx, x: torch.Tensor, sent: _Sent, heard: _Heard, exact: dict) -> None:
+        """Line 6 with the slack matrix: x += gamma sum_j W_ji (xh_{k,j} - xh_{k,i}), block by block
+        where a block was wrong (left out) or repaired ((x_j - x_i) in fp32 instead)."""
+        delta = heard.delta
+        if not heard.mixed or exact:  # else the one-call kernels have summed every term already
+            delta.zero_()
+            for j in ctx.neighbors:
+                keep, w = heard.good[j], ctx.w[j]
+                if j in exact:
+                    m, ex = exact[j]
+                    keep = ~m if keep is None else keep & ~m
+                    delta.add_(ex, alpha=w)
+                if keep is None:  # every block right: w_j (xh_j - xh_i)
+                    delta.add_(heard.x_hat[j].to(x.dtype), alpha=w).sub_(sent.x_hat_i, alpha=w)
+                else:
+                    delta.add_((heard.x_hat[j].to(x.dtype) - sent.x_hat_i) * keep, alpha=w)
+        x.add_(delta, alpha=state.gamma)
+
+    # ---- theta="auto" ----------------------------------------------------------------------
+    @staticmethod
+    def _start_theta(state: MoniquaState, ctx, g: torch.Tensor | None) -> None:
         """theta="auto", first step: from equal models (A4) two workers drift apart by at most
         alpha_0 (|g_i| + |g_j|) in a step; theta_0 = THETA_START alpha_0 max_i ||g_i||_inf, agreed
         by one all-reduce MAX (8 bytes, counted)."""
         g_inf = float(g.abs().max()) if g is not None and g.numel() else 0.0
-        agreed = float(self.transport.all_reduce(torch.tensor([g_inf], dtype=torch.float64), "max")[0])
-        theta = THETA_START * agreed * self._lr0
+        agreed = float(ctx.transport.all_reduce(torch.tensor([g_inf], dtype=torch.float64), "max")[0])
+        theta = THETA_START * agreed * state.lr0
         # no gradient, or a first step size of 0: nothing to bound yet (verification moves it from there)
-        self.theta = theta if theta > 0 and math.isfinite(theta) else 1.0
-        self.theta_start = self.theta
+        state.theta = theta if theta > 0 and math.isfinite(theta) else 1.0
+        state.theta_start = state.theta
 
-    def _agree_theta(self) -> None:
+    @staticmethod
+    def _agree_theta(state: MoniquaState, ctx) -> None:
         """theta="auto", every ``theta_every`` steps: one all-reduce SUM (16 bytes, counted) of the
         blocks recovered wrong and checked since the last agreement; theta doubles when more than
         THETA_TARGET of them were wrong and shrinks by THETA_SHRINK when none was."""
-        wrong, checked = self.transport.all_reduce(
-            torch.tensor([self._window[0], self._window[1]], dtype=torch.float64), "sum").tolist()
+        wrong, checked = ctx.transport.all_reduce(
+            torch.tensor([state.window[0], state.window[1]], dtype=torch.float64), "sum").tolist()
         if checked > 0 and wrong > THETA_TARGET * checked:
-            self.theta *= 2.0
+            state.theta *= 2.0
         elif checked > 0 and wrong == 0:
-            self.theta *= THETA_SHRINK
-        self._window = [0, 0]
+            state.theta *= THETA_SHRINK
+        state.window = [0, 0]
 
-    # ---- alarms (verification) ---------------------------------------------------
-    def _apply_due_doublings(self, k: int) -> None:
-        for m in sorted(self._pending):
-            if (m + 2) * self.period <= k:
-                self._pending.discard(m)
-                self.theta *= 2.0
-                self.theta_doublings += 1
+    # ---- grow_theta's alarms (verification) ---------------------------------------------------
+    @staticmethod
+    def _apply_due_doublings(state: MoniquaState, k: int) -> None:
+        for m in sorted(state.pending_alarms):
+            if (m + 2) * state.period <= k:
+                state.pending_alarms.remove(m)
+                state.theta *= 2.0
+                state.theta_doublings += 1
 
-    def _alarm_bits(self) -> int:
-        bits = 0
-        for m in self._pending:
-            bits |= 1 << (m % 2)
-        return bits
-
-    def _receive_alarm_bits(self, k: int, bits: int) -> None:
-        e = k // self.period
+    @staticmethod
+    def _receive_alarm_bits(state: MoniquaState, k: int, bits: int) -> None:
+        e = k // state.period
         for p in (0, 1):
             if bits >> p & 1:
                 m = e if e % 2 == p else e - 1
                 if m >= 0:
-                    self._pending.add(m)
+                    _add(state.pending_alarms, m)
 
-    def _mismatch(self, k: int, j: int, bad: int, nb: int) -> None:
-        self.mismatches += bad
-        self._window[0] += bad
-        self.mismatched_messages += 1
+    @staticmethod
+    def _mismatch(state: MoniquaState, ctx, k: int, j: int, bad: int, nb: int) -> None:
+        state.mismatches += bad
+        state.window[0] += bad
+        state.mismatched_messages += 1
         _log.debug("moniqua: worker %d recovered %d of %d blocks of worker %d wrong at step %d (theta %g)",
-                   self.rank, bad, nb, j, k, self.theta)
+                   ctx.rank, bad, nb, j, k, state.theta)
 
-    # ---- the exchange --------------------------------------------------------------
-    def gossip(self, k: int, x: torch.Tensor, lr: float, g: torch.Tensor | None = None) -> None:
-        """Line 3-6 in place on x. With ``theta="auto"`` the first call sets theta from the
-        first gradient g (two workers' models drift apart by at most alpha (|g_i| + |g_j|) in
-        one step from equal models, A4), and every ``theta_every`` steps from the distances measured."""
-        if self._lr0 is None:
-            self._lr0 = lr
-        if self.theta is None:
-            self._start_theta(g)
-        self._apply_due_doublings(k)
-        self._modulo_gossip(k, x, lr)
-        if self.auto_theta and agreement_due(k, self.theta_every):
-            self._agree_theta()
-
-    def _modulo_gossip(self, k: int, x: torch.Tensor, lr: float) -> None:
-        theta = self.theta_at(lr)
-        if self._codec_at.theta != theta:  # a new theta_k: a new codec (validated once)
-            self._codec_at = dataclasses.replace(self.codec, theta=theta)
-        codec, frame = self._codec_at, self.frame
-        # Shared randomness ("More efficient Moniqua", section 6): every worker draws the
-        # same rounding offsets u at step k, so nearby models round alike.
-        sender = 0 if self.shared_randomness else self.rank + 1
-        gen = shared_generator(self.seed, k, sender)
-        # the codec computes in float64 whatever y's dtype (the grid integers are exact); the
-        # dither is added in float64
-        y = x.detach().to(torch.float64) if self.dither else x.detach()
-        d = x.numel()
-        nb = frame.nblocks(d)
-        v = None
-        if self.dither:  # shared subtractive dither, uniform over one grid cell
-            step = codec.B_theta / codec.levels
-            v = (torch.rand(y.shape, generator=gen, dtype=torch.float64, device=gen.device).to(y.device) - 0.5) * step
-            y = y + v
-        # my requests, sent in this message (None: every block, from a whole-vector checkpoint)
-        asked_of = {j: set(range(nb)) if b is None else {c for c in b if c < nb} for j, b in self._nack.items()}
-        asked_of = {j: b for j, b in asked_of.items() if b}
-        K = frame.kernels(y, x.dtype)
-        wire, x_hat_i = frame.send(codec, y, gen, asked_of, self._alarm_bits(), K)  # line 3, 4
-        received = self.transport.neighbor_exchange(wire, self.neighbors)
-        x_hat_i = (x_hat_i if v is None else x_hat_i - v).to(x.dtype)
-        # blocks of each edge mixed exactly this step: asked by me or by the neighbour (both ends know both)
-        repair = {j: set(b) for j, b in asked_of.items()}
-        nack: dict[int, set[int]] = {}
-        recovered: dict[int, torch.Tensor] = {}
-        good: dict[int, torch.Tensor | None] = {}  # element mask of the blocks verified right (None: all)
-        delta = torch.zeros_like(x)  # line 6's sum, built by the one-call receive where every block is right
-        mixed = True
-        for j in self.neighbors:
-            r = frame.receive(codec, received[j], y, j, K, v=v, x_hat_i=x_hat_i, w=self.w[j], delta=delta)  # line 5
-            mixed = mixed and r.mixed
-            self._receive_alarm_bits(k, r.ctrl & 3)
-            if self.rank in r.requests:
-                repair.setdefault(j, set()).update(r.requests[self.rank])
-            good[j] = None
-            if self.verify:
-                self._window[1] += nb
-                if r.wrong:  # never use a wrong block: leave it out of this step's mix
-                    self._mismatch(k, j, len(r.wrong), nb)
-                    nack[j] = set(r.wrong)
-                    good[j] = ~frame.block_mask(r.wrong, d, x.device)
-            recovered[j] = r.x_hat if v is None else r.x_hat - v
-        exact: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        repair = {j: b for j, b in repair.items() if b}
-        if repair:  # the fp32 repair round, only on edges (and blocks) where a mismatch was detected a step earlier
-            x32 = x.detach().to(torch.float32)
-            got = self.transport.neighbor_exchange(frame.repair_message(x32, set().union(*repair.values())),
-                                                   sorted(repair))
-            for j, blocks in repair.items():
-                vals = frame.read_repair(got[j], d, x.device, j)
-                m = frame.block_mask(blocks, d, x.device)
-                exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
-        if not mixed or repair:  # a wrong block or a repair: line 6 from the recovered points, block by block
-            delta.zero_()
-            for j in self.neighbors:
-                keep = good[j]
-                if j in exact:
-                    m, ex = exact[j]
-                    keep = ~m if keep is None else keep & ~m
-                    delta.add_(ex, alpha=self.w[j])
-                if keep is None:  # every block right: w_j (xh_j - xh_i)
-                    delta.add_(recovered[j].to(x.dtype), alpha=self.w[j]).sub_(x_hat_i, alpha=self.w[j])
-                else:
-                    delta.add_((recovered[j].to(x.dtype) - x_hat_i) * keep, alpha=self.w[j])
-        self._nack = nack
-        if self.grow_theta and self.neighbors and len(nack) == len(self.neighbors):
-            self._pending.add(k // self.period)  # no neighbour's message was right: theta is far too small
-        x.add_(delta, alpha=self.gamma)                                             # line 6
-
-    # ---- the algorithm contract -------------------------------------------------------
-    def before_update(self, k, x, g, lr):
-        self.gossip(k, x, lr, g)
-
+    # ---- what a run reports ------------------------------------------------------------------
     @classmethod
     def run_warning(cls, report):
         notes = []
@@ -570,45 +659,24 @@ class Moniqua(GossipAlgorithm):
                          f"--no-shared-randomness); a smaller --gamma mixes less noise in")
         return "moniqua: " + "; ".join(notes) if notes else None
 
-    def report(self):
-        out = {"theta": float(self.theta), "mismatched_blocks": int(self.mismatches),
-               "mismatched_messages": int(self.mismatched_messages), "theta_doublings": int(self.theta_doublings)}
-        if self.theta_start is not None:
-            out["theta_start"] = float(self.theta_start)
+    def report(self, state):
+        out = {"theta": float(state.theta), "mismatched_blocks": int(state.mismatches),
+               "mismatched_messages": int(state.mismatched_messages), "theta_doublings": int(state.theta_doublings)}
+        if state.theta_start is not None:
+            out["theta_start"] = float(state.theta_start)
         return out
 
-    def extra_state(self) -> dict:
-        return {"theta": self.theta, "lr0": self._lr0, "window": list(self._window), "theta_start": self.theta_start,
-                "mismatches": self.mismatches, "theta_doublings": self.theta_doublings,
-                "pending_alarms": sorted(self._pending), "mismatched_messages": self.mismatched_messages,
-                "verify_block": self.verify_block,
-                "nack": [[j, None if blocks is None else sorted(blocks)] for j, blocks in sorted(self._nack.items())]}
 
-    def load_extra_state(self, extra: dict) -> None:
-        if not extra:
-            return
-        self.theta = extra["theta"]
-        self._lr0 = extra["lr0"]
-        self._window = list(extra["window"])
-        self.theta_start = extra["theta_start"]
-        self.mismatches = extra["mismatches"]
-        self.theta_doublings = extra["theta_doublings"]
-        self._pending = set(extra["pending_alarms"])
-        self.mismatched_messages = extra.get("mismatched_messages", 0)
-        self._nack = {}
-        saved_block = extra.get("verify_block")
-        for entry in extra["nack"]:
-            if isinstance(entry, int):  # a whole-vector checkpoint: repair every block of the edge
-                self._nack[entry] = None  # None: every block (the length is known at the next step)
-                continue
-            j, blocks = entry
-            if blocks is None:
-                self._nack[int(j)] = None
-                continue
-            if saved_block != self.verify_block:  # re-block: the new blocks covering the saved ones
-                blocks = {c for b in blocks for c in range(b * saved_block // self.verify_block,
-                                                           ((b + 1) * saved_block - 1) // self.verify_block + 1)}
-            self._nack[int(j)] = set(blocks)
+def _add(epochs: list[int], m: int) -> None:
+    if m not in epochs:
+        epochs.append(m)
+
+
+def _alarm_bits(epochs: list[int]) -> int:
+    bits = 0
+    for m in epochs:
+        bits |= 1 << (m % 2)
+    return bits
 
 
 def _check_entropy(entropy) -> None:
@@ -616,9 +684,6 @@ def _check_entropy(entropy) -> None:
         return
     if entropy not in ENTROPY_METHODS:
         raise ValueError(f"entropy must be None or one of {ENTROPY_METHODS}, got {entropy!r}")
-    if entropy == "ans":
-        try:
-            import constriction  # noqa: F401, PLC0415
-        except ImportError:
-            raise ValueError("entropy='ans' needs the optional 'constriction' package (pip install constriction); "
-                             "zlib, bz2 and lzma need nothing extra") from None
+    if entropy == "ans" and importlib.util.find_spec("constriction") is None:
+        raise ValueError("entropy='ans' needs the optional 'constriction' package (pip install constriction); "
+                         "zlib, bz2 and lzma need nothing extra")

@@ -56,7 +56,8 @@ def unpack_mask(raw: bytes, nb: int) -> set[int]:
 
 @dataclass
 class Received:
-    """One neighbour's message, read: its decoded point (line 5, in ``y``'s dtype), the blocks
+    """One neighbour's message, read: its decoded point (line 5, in ``y``'s dtype, the shared
+    dither subtracted), the blocks
     whose hashes differ (wrong: left out of the mix), its control byte and its repair requests
     {rank: blocks}; ``mixed``: its line-6 term is already in the caller's ``delta``."""
 
@@ -178,10 +179,10 @@ class ModuloFrame:
                                           v, x_hat_i, w, delta)
             except OverflowError as e:
                 raise _overflow(e) from None
-            return Received(x_hat, wrong, ctrl, requests, mixed=not wrong)
+            return Received(_undither(x_hat, v), wrong, ctrl, requests, mixed=not wrong)
         x_hat, mine = self._decode(codec, self.codes(buf, d, y.device, sender), y)
         wrong = np.flatnonzero(mine.numpy() != sent).tolist() if self.verify else []
-        return Received(x_hat, wrong, ctrl, requests, mixed=False)
+        return Received(_undither(x_hat, v), wrong, ctrl, requests, mixed=False)
 
     def parse(self, buf: torch.Tensor, nb: int, sender: int):
         """Split a verified message from ``sender`` into (codes, block hashes, control byte, requests
@@ -249,6 +250,10 @@ class ModuloFrame:
         vals = torch.zeros(d, dtype=torch.float32, device=device)
         vals[mask] = buf[mask_nbytes:].cpu().clone().view(torch.float32).to(device)
         return vals
+
+
+def _undither(x_hat: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:
+    return x_hat if v is None else x_hat - v
 
 
 def _overflow(e: OverflowError) -> ValueError:
