@@ -72,11 +72,10 @@ def build_worker(algorithm, transport, topology=None, **options):
     decentralized algorithms only; ``seed``, ``weights`` and ``W`` go to the worker's
     :class:`Context`."""
     from ..topology import Topology, make_topology
-    from .legacy import Algorithm as LegacyAlgorithm
 
     if isinstance(algorithm, str):
         cls = check_algorithm(algorithm)
-    elif isinstance(algorithm, type) and issubclass(algorithm, (Algorithm, LegacyAlgorithm)):
+    elif isinstance(algorithm, type) and issubclass(algorithm, Algorithm):
         cls = algorithm
     elif isinstance(algorithm, Algorithm):
         cls = type(algorithm)
@@ -93,11 +92,6 @@ def build_worker(algorithm, transport, topology=None, **options):
         if topology is not None:
             raise ValueError(f"topology is for decentralized algorithms; {cls.name} is {cls.family or 'not'}")
         topo = None
-    if issubclass(cls, LegacyAlgorithm):
-        try:
-            return cls(*((transport, topo) if topo is not None else (transport,)), **options)
-        except TypeError as e:
-            raise ValueError(f"algorithm {cls.name!r} does not take options {sorted(options)}: {e}") from e
     run = {k: options.pop(k) for k in ("seed", "weights", "W") if k in options}
     if isinstance(algorithm, str):
         algorithm = from_options(algorithm, **options)

@@ -273,7 +273,7 @@ class MoniquaAsync(ADPSGD):
     """AD-PSGD whose exchanges send Moniqua's modulo codes, ``bits`` per element, instead of fp32.
 
     Parameters (and ADPSGD's ``mix`` and ``slow``):
-        bits: bits sent per element (1 to 8).
+        bits: bits sent per element (1 to 8; default 2, as --bits).
         theta: the largest difference between the two models of an exchange, element by
             element, that decoding tolerates (a number > 0: no verification drives "auto" here).
         rounding: ``"stochastic"`` or ``"nearest"`` rounding of the codes.
@@ -281,7 +281,7 @@ class MoniquaAsync(ADPSGD):
     Moniqua on AD-PSGD, section 5 and Theorem 5 of the Moniqua paper: Algorithm 1's lines
     3-6 applied to the pair."""
 
-    bits: int = 8
+    bits: int = 2
     theta: float = ASYNC_THETA
     rounding: str = "stochastic"
     name = "moniqua-async"

@@ -81,7 +81,10 @@ class D2State(State):
 
 @dataclass(frozen=True)
 class D2(GossipAlgorithm):
-    """D2's recursion around a mixing rule ``gossip`` (a decentralized algorithm whose
+    """D2: decentralized SGD that extrapolates each model from its last two iterates and
+    steps before mixing, which cancels the spread that workers' different local data cause.
+
+    ``gossip`` is the mixing rule it wraps (a decentralized algorithm whose
     ``before_update`` applies X W): fp32 D-PSGD gossip by default. The gossip's
     ``before_update`` runs after the optimizer step on x_{k+1/2}, with the step taken,
     u_k, in place of the gradient."""

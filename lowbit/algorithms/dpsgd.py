@@ -48,7 +48,8 @@ class QuantizedGossip(GossipAlgorithm):
 
 @dataclass(frozen=True)
 class DPSGD(QuantizedGossip):
-    """D-PSGD: the models travel in fp32 (the codec is fixed)."""
+    """D-PSGD: each worker averages its model with its neighbours' models, sent in full
+    precision (fp32; the codec is fixed), and takes its gradient step."""
 
     name = "dpsgd"
 
@@ -59,7 +60,11 @@ class DPSGD(QuantizedGossip):
 
 @dataclass(frozen=True)
 class NaiveQuantizedDPSGD(QuantizedGossip):
-    """Eq. (4) with Theorem 1's quantizer by default: unbiased, points {delta n}, delta 0.1."""
+    """Naive quantized gossip: D-PSGD whose neighbours' models are sent quantized, which
+    stalls at a noise floor set by the quantizer (the Moniqua paper's baseline).
+
+    Eq. (4) of the Moniqua paper, with Theorem 1's quantizer by default: unbiased, points
+    {delta n}, ``delta`` 0.1; ``codec`` chooses another (``--codec``)."""
 
     codec: Codec = field(default_factory=lambda: UniformCodec(step=0.1))
     name = "naive"

@@ -18,6 +18,7 @@ wrapper and the hooks, and ignored by ``lowbit train`` (whose other algorithms m
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field, fields
 
 from ..codecs import CODECS, ROUNDINGS, Codec
@@ -158,6 +159,7 @@ def algorithm_table() -> str:
     for name, cls in ALGORITHMS.items():
         doc = " ".join((cls.__doc__ or "").split())
         first = doc.split(". ")[0].rstrip(".") + "." if doc else ""
+        first = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", first).replace("``", "`")  # reST roles to markdown
         rows.append(f"| `{name}` | {cls.family} | {first.replace('|', '/')} | "
                     f"{', '.join(f'`{c}`' for c in cls.codecs) or '-'} | "
                     f"{', '.join(f'`{o}`' for o in cls.options) or '-'} |")

@@ -78,7 +78,6 @@ import torch
 from torch import nn
 
 from ..algorithms import Algorithm, Worker, build_worker
-from ..algorithms.legacy import Algorithm as LegacyAlgorithm
 from ..comm.base import Transport
 from ..comm.ledger import Ledger
 from ..topology import Topology
@@ -133,7 +132,7 @@ class DecentralizedDataParallel(nn.Module):
         _check_not_hooked(optimizer)
         params = _optimizer_params(module, optimizer)
 
-        if isinstance(algorithm, (Worker, LegacyAlgorithm)):
+        if isinstance(algorithm, Worker):
             if algorithm_options:
                 raise ValueError(f"algorithm is bound to a worker; options {sorted(algorithm_options)} cannot be "
                                  "applied to it")
@@ -154,7 +153,7 @@ class DecentralizedDataParallel(nn.Module):
         self.buffers_policy = buffers
         self.optimizer = optimizer
         self.module = module
-        self.algorithm = algorithm if isinstance(algorithm, (Worker, LegacyAlgorithm)) else \
+        self.algorithm = algorithm if isinstance(algorithm, Worker) else \
             build_worker(algorithm, transport, topology, **algorithm_options)
         self.flat = FlatParams(module, params)
         flat_ids = {id(p) for p in self.flat.params}

@@ -14,7 +14,6 @@ import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.base import Worker, make_worker
-from ..algorithms.legacy import Algorithm as LegacyAlgorithm
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..comm.inprocess import blocking
@@ -34,12 +33,10 @@ RESUME_MAY_DIFFER = ("steps", "timeout", "stall_timeout", "tensorboard", "checkp
 _INIT_LOCK = threading.Lock()
 
 
-def build_algorithm(cfg: TrainConfig, transport: Transport) -> Worker | LegacyAlgorithm:
+def build_algorithm(cfg: TrainConfig, transport: Transport) -> Worker:
     """This worker's algorithm for the run config ``cfg``, bound to ``transport``."""
     cls = ALGORITHMS[cfg.algorithm]
     topo = make_topology(cfg.topology, cfg.workers) if cls.family == "decentralized" else None
-    if issubclass(cls, LegacyAlgorithm):
-        return cls.from_config(cfg, transport, topo)
     return make_worker(cls.from_config(cfg), transport, topo, weights=cfg.weights, seed=cfg.seed)
 
 
