@@ -18,6 +18,8 @@ import torch
 from torch import nn
 
 from lowbit.algorithms import DPSGD, Algorithm
+from lowbit.bench.overlap import bench_overlap
+from lowbit.cli import main
 from lowbit.codecs import DitheredCodec
 from lowbit.comm import run_threads
 from lowbit.integrations import DecentralizedDataParallel
@@ -271,3 +273,24 @@ def test_torchrun_overlap_is_bit_identical():
         r = res[algorithm]
         assert r["overlapped_on"] == r["steps"] and r["overlapped_off"] == 0 and r["bytes_sent"] > 0
         assert r["identical"] and r["same_ledger"]
+
+
+# ---- the benchmark ----------------------------------------------------------------------------
+def test_bench_overlap_cli_runs_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "overlap.json"
+    assert main(["bench", "overlap", "--hidden", "32", "--layers", "2", "--batch", "4", "--steps", "4", "--warmup", "1",
+                 "--rounds", "2", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "overlap / no overlap" in text and "exchange alone" in text
+    report = json.loads(out.read_text())
+    assert report["params"] == 2 * (32 * 32 + 32) and len(report["per_round"]) == 2
+    for key in ("step_ms_overlap", "step_ms_no_overlap", "compute_ms", "exchange_ms", "x_no_overlap"):
+        assert report[key] > 0
+
+
+@pytest.mark.parametrize("kwargs,match", [({"algorithm": "moniqua"}, "algorithm must be one of"),
+                                          ({"workers": 1}, "workers"), ({"warmup": 19}, "warmup"),
+                                          ({"latency_ms": -1.0}, "latency_ms"), ({"bandwidth_mbit": 0}, "bandwidth")])
+def test_bench_overlap_checks_its_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        bench_overlap(**kwargs)
