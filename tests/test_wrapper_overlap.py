@@ -261,6 +261,32 @@ def test_checkpoints_between_steps_only_and_averaged_module_waits():
         torch.testing.assert_close(avg_m[1:], avg_a[:-1], atol=1e-6, rtol=0)  # the average of x_k, before step k
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_overlap_on_cuda_is_bit_identical():
+    """On a GPU the thread's kernels run on the stream current at the forward (after the copy
+    of x_k), and the step's copy of x_{k+1/2} follows them on that stream."""
+    steps = 4
+
+    def fn(t, overlap):
+        net = _net().cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        ddp = DecentralizedDataParallel(net, opt, "dpsgd", transport=t, overlap=overlap)
+        overlapped = []
+        for k in range(steps):
+            x, y = _batch(t.rank, k)
+            opt.zero_grad()
+            nn.functional.cross_entropy(ddp(x.cuda()), y.cuda()).backward()
+            opt.step()
+            overlapped.append(ddp.stats()["overlapped"])
+        return _result(ddp, t, overlapped)
+
+    on = run_threads(2, lambda t: fn(t, True), device="cuda")
+    off = run_threads(2, lambda t: fn(t, False), device="cuda")
+    for (x_on, rows_on, ov_on, _), (x_off, rows_off, ov_off, _) in zip(on, off):
+        assert ov_on == [1] * steps and ov_off == [0] * steps
+        assert x_on.is_cuda and torch.equal(x_on, x_off) and rows_on == rows_off
+
+
 # ---- torchrun: two gloo processes -----------------------------------------------------------
 def test_torchrun_overlap_is_bit_identical():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
