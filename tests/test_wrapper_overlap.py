@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +107,60 @@ def test_overlap_only_where_the_algorithm_allows_it():
 
     assert run_threads(1, fn) == [(True, False, 3, 2)]
     assert DPSGD.overlap and not Algorithm.overlap
+
+
+def _count_concurrent_ops(t) -> list[int]:
+    """Make every operation of transport ``t`` last 20 ms longer and count how many run at once;
+    returns a one-element list holding the most seen."""
+    lock, active, most = threading.Lock(), [0], [0]
+
+    def counted(op):
+        def run(*args, **kwargs):
+            with lock:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+            try:
+                time.sleep(0.02)
+                return op(*args, **kwargs)
+            finally:
+                with lock:
+                    active[0] -= 1
+        return run
+
+    for name in ("neighbor_exchange", "all_reduce", "all_gather", "broadcast", "gather", "barrier"):
+        setattr(t, name, counted(getattr(t, name)))
+    return most
+
+
+@pytest.mark.parametrize("second", ["dpsgd", "moniqua"])
+def test_two_wrappers_on_one_transport_take_turns(second):
+    """Two models, two optimizers, two wrappers on one process group (a GAN): the second
+    wrapper's exchange (or its step's communication) waits for the first's in flight, so the
+    ranks issue them in program order; bit-identical to no overlap, ledger included."""
+    steps = 3
+
+    def fn(t, overlap):
+        net_a, ddp_a = _wrap(t, "dpsgd", overlap)
+        net_b, ddp_b = _wrap(t, second, overlap, **({"bits": 2, "theta": 2.0} if second == "moniqua" else {}))
+        most = _count_concurrent_ops(t)
+        for k in range(steps):
+            x, y = _batch(t.rank, k)
+            ddp_a.optimizer.zero_grad()
+            ddp_b.optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(ddp_a(x) + ddp_b(x), y)  # both forwards before either step
+            loss.backward()
+            ddp_a.optimizer.step()
+            ddp_b.optimizer.step()
+        assert most == [1]  # never two operations at once on this rank's channel
+        out = ddp_a.flat.data.clone(), ddp_b.flat.data.clone(), t.ledger.to_rows(), ddp_b.stats()["overlapped"]
+        ddp_a.close()
+        ddp_b.close()
+        return out
+
+    on, off = run_threads(N, lambda t: fn(t, True)), run_threads(N, lambda t: fn(t, False))
+    for (a_on, b_on, rows_on, ov_b), (a_off, b_off, rows_off, _) in zip(on, off):
+        assert ov_b == (second == "dpsgd")
+        assert torch.equal(a_on, a_off) and torch.equal(b_on, b_off) and rows_on == rows_off
 
 
 # ---- an evaluation forward sends nothing -------------------------------------------------------

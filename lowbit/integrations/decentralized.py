@@ -55,7 +55,10 @@ An error in the thread is raised by the step (or :meth:`close`). Between the
 forward and the step the transport is busy: run no collectives of your own
 on its process group there (after ``optimizer.step()`` is fine); the
 wrapper's own (``averaged_module``) wait for the exchange first, and
-checkpoints are taken between steps. The exchange is one message per
+checkpoints are taken between steps. Several wrappers on one process group
+(two models with two optimizers, as a GAN) take turns: one waits for
+another's exchange in flight before it communicates, so the ranks issue the
+operations in program order. The exchange is one message per
 neighbour, not buckets as DDP's gradient all-reduce: all of ``x_k`` is
 ready at once, so buckets would only add messages.
 
@@ -201,6 +204,7 @@ class DecentralizedDataParallel(nn.Module):
         self.local_params = [p for p in module.parameters() if p.requires_grad and id(p) not in flat_ids]
         _bound_messages(transport, len(self.flat))
         if sync_initial and transport.world_size > 1:
+            _wait_channel(transport)
             self._broadcast_from_rank0()
         self.algorithm.setup(self.flat.data)
         self.step_count = 0  # k of the next step
@@ -260,6 +264,7 @@ class DecentralizedDataParallel(nn.Module):
             self.flat.data.copy_(self._x_half)
             self._overlapped = 1
         else:
+            _wait_channel(self.transport)
             self.transport.set_step(k)
             self.algorithm.before_update(k, self.flat.data, self.flat.grad, lr)
             self._overlapped = 0
@@ -284,8 +289,9 @@ class DecentralizedDataParallel(nn.Module):
             self._x_half = torch.empty_like(self.flat.data)
         with torch.no_grad():
             self._x_half.copy_(self.flat.data)
+        _wait_channel(self.transport)
         self.transport.set_step(k)
-        self._exchange = _Exchange(self.algorithm, k, self._x_half, lr, self._versions())
+        self._exchange = _start_exchange(self.transport, self.algorithm, k, self._x_half, lr, self._versions())
 
     def _versions(self) -> tuple[int, ...]:
         """The in-place version counters of the flat buffer and of every parameter (views of
@@ -307,8 +313,9 @@ class DecentralizedDataParallel(nn.Module):
                 "between a training forward and the step, or pass overlap=False")
 
     def _wait_exchange(self) -> None:
-        """Wait for the exchange in flight before ``what`` uses the transport (keeping its result
-        for the step, re-raising its error)."""
+        """Before the wrapper uses the transport between steps: wait for its exchange in flight
+        (keeping the result for the step, re-raising its error) and for any other wrapper's on
+        the same process group."""
         ex = self._exchange
         if ex is not None:
             with blocking():
@@ -316,6 +323,7 @@ class DecentralizedDataParallel(nn.Module):
             if ex.error is not None:
                 self._exchange = None
                 raise ex.error
+        _wait_channel(self.transport)
 
     def _no_exchange(self, what: str) -> None:
         if self._exchange is not None:
@@ -328,6 +336,7 @@ class DecentralizedDataParallel(nn.Module):
             raise RuntimeError("the optimizer's step post-hook ran without its pre-hook")
         k, lr = self._in_step
         self._in_step = None
+        _wait_channel(self.transport)
         self.algorithm.after_update(k, self.flat.data, self.flat.grad, lr)
         self.step_count = k + 1
         self._last_stats = self._step_stats(k, lr)
@@ -401,6 +410,7 @@ class DecentralizedDataParallel(nn.Module):
             if self._exchange is not None:  # a forward without its step: its result is dropped
                 self._finish_exchange(check=False)
         finally:
+            _wait_channel(self.transport)
             self.algorithm.finish()
             self.transport.set_step(self.step_count)
             if self._owns_transport:
@@ -571,6 +581,7 @@ class DecentralizedDataParallel(nn.Module):
         :class:`~lowbit.integrations.checkpoint.CheckpointError` when checkpoints exist but no
         step is common to all ranks. Made for restarts (``torchrun --max-restarts``)."""
         self._no_exchange("resume_latest()")
+        _wait_channel(self.transport)
         path = os.fspath(path)
         found = candidates(path)
         mine = torch.tensor([s for s, _ in found], dtype=torch.int64)
@@ -590,6 +601,7 @@ class DecentralizedDataParallel(nn.Module):
         :class:`~lowbit.integrations.checkpoint.CheckpointError` on every rank
         (instead of a hang at the first exchange). A corrupt file is refused."""
         self._no_exchange("load_checkpoint()")
+        _wait_channel(self.transport)
         error = None
         try:
             state = load_checkpoint(path, map_location=self.flat.data.device)
@@ -696,6 +708,43 @@ class _ForwardHook:
 
     def __reduce__(self):
         return _ForwardHook, (None,)
+
+
+# The last exchange started on each communication channel: a process group (the default one of
+# torch.distributed, or a thread worker's rank in the in-process runtime). Another wrapper on the
+# same channel (two models, two optimizers: a GAN) waits for it before it communicates, so that
+# the channel never carries two operations at once and every rank issues them in program order.
+_CHANNELS: dict[tuple, "_Exchange"] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _channel(transport: Transport) -> tuple:
+    from ..comm.distributed import TorchDistributedTransport
+    from ..comm.inprocess import ThreadTransport
+
+    if isinstance(transport, ThreadTransport):
+        return ("thread", id(transport.world), transport.rank)
+    if isinstance(transport, TorchDistributedTransport):
+        return ("torch.distributed",)
+    return ("transport", id(transport))
+
+
+def _start_exchange(transport: Transport, algorithm, k: int, x: torch.Tensor, lr: float,
+                    versions: tuple[int, ...]) -> "_Exchange":
+    ex = _Exchange(algorithm, k, x, lr, versions)
+    with _CHANNELS_LOCK:
+        _CHANNELS[_channel(transport)] = ex
+    return ex
+
+
+def _wait_channel(transport: Transport) -> None:
+    """Wait for the exchange in flight on ``transport``'s channel, if any (whichever wrapper
+    started it: its errors are that wrapper's to raise)."""
+    with _CHANNELS_LOCK:
+        ex = _CHANNELS.get(_channel(transport))
+    if ex is not None and not ex.done():
+        with blocking():
+            ex.join()
 
 
 class _Exchange:
