@@ -37,7 +37,7 @@ quantized gossip): the gossip step ``x_{k+1/2} = sum_j W_ji x_j`` reads the
 model ``x_k``, never the gradient, and ``x_k`` is final once the forward of
 step k starts. So the wrapper starts it there (a forward pre-hook on the
 module: ``model(x)`` and ``net(x)`` alike), on a copy of ``x_k``, in a
-background thread (one per wrapper, at most one exchange in flight), while
+background thread (a short-lived one per step; at most one exchange in flight), while
 forward and backward compute; the step pre-hook waits for it, copies
 ``x_{k+1/2}`` into the parameters and the optimizer applies ``g_k``. The
 arithmetic and the ledger are those of ``overlap=False``, bit for bit; it
