@@ -72,6 +72,22 @@ def _add_bench(sub) -> None:
     s.add_argument("--algorithms", default=None,
                    help="comma-separated algorithms (default: all; dpsgd and allreduce always run)")
     s.add_argument("--json", default=None, help="also write the report to this JSON file")
+    o = what.add_parser("overlap", help="the wrapper's step time with its exchange overlapped with backward, and without",
+                        description="DecentralizedDataParallel on real gloo processes training an MLP, overlap=True "
+                                    "against overlap=False in interleaved rounds; the median of per-round ratios, "
+                                    "and the forward+backward and the exchange timed alone.")
+    o.add_argument("--algorithm", default="dpsgd", help="dpsgd (default) or naive")
+    o.add_argument("--workers", type=int, default=2, help="processes (ring)")
+    o.add_argument("--hidden", type=int, default=1024, help="MLP width")
+    o.add_argument("--layers", type=int, default=4, help="MLP layers (hidden x hidden each)")
+    o.add_argument("--batch", type=int, default=64, help="batch size per worker")
+    o.add_argument("--steps", type=int, default=20, help="steps per run")
+    o.add_argument("--warmup", type=int, default=5, help="first steps of each run left out of the timing")
+    o.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
+    o.add_argument("--latency-ms", type=float, default=0.0, help="latency added per message (user space)")
+    o.add_argument("--bandwidth-mbit", type=float, default=None,
+                   help="shape each rank's link to this rate (needs Linux, root, ip and tc; default: loopback)")
+    o.add_argument("--json", default=None, help="also write the report to this JSON file")
 
 
 def _add_plot(sub) -> None:
@@ -141,12 +157,20 @@ def _bench(args) -> int:
         report = run(size=args.size, rounds=args.rounds, device=args.device, codecs=args.codecs,
                      min_run_time=args.min_run_time, clock=args.clock, **kw)
         print(format_report(report))
+    elif args.bench_what == "overlap":
+        from .bench.overlap import bench_overlap, format_overlap_report
+
+        report = bench_overlap(algorithm=args.algorithm, workers=args.workers, hidden=args.hidden, layers=args.layers,
+                               batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+                               latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit)
+        print(format_overlap_report(report))
     elif args.bench_what == "step":
         report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,
                             rounds=args.rounds, device=args.device, algorithms=args.algorithms)
         print(format_step_report(report))
     else:
-        print("lowbit: error: choose what to benchmark: lowbit bench codecs | lowbit bench step", file=sys.stderr)
+        print("lowbit: error: choose what to benchmark: lowbit bench codecs | lowbit bench step | "
+              "lowbit bench overlap", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as f:

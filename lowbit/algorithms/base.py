@@ -212,6 +212,12 @@ class Algorithm:
     # The options (names in lowbit.algorithms.options.AlgorithmOptions) that from_config
     # reads: what lowbit train, the wrapper and the hooks let a user set for it.
     options: ClassVar[tuple[str, ...]] = ()
+    # True when before_update reads only x (with k, lr, its state and the context), never g,
+    # and writes only x and its state (a gossip step x_{k+1/2} = sum_j W_ji x_j): x_k is final
+    # once the forward starts, so DecentralizedDataParallel may run it on a copy of x_k on a
+    # background thread while forward and backward compute (passing g=None), and copy the
+    # result into the parameters at the optimizer step; the same arithmetic, bit for bit.
+    overlap: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -25,6 +25,7 @@ class QuantizedGossip(GossipAlgorithm):
 
     codec: Codec = field(default_factory=IdentityCodec)
     name = "naive"
+    overlap = True  # reads x_k only, never g: the wrapper may gossip during forward/backward
 
     def __post_init__(self):
         if not isinstance(self.codec, Codec):

@@ -25,9 +25,42 @@ The wrapper registers a step pre-hook and post-hook on the optimizer
 from the optimizer's first parameter group::
 
     transport.set_step(k)
-    algo.before_update(k, x, g, lr)     # gossip (rewrites x) or aggregation (rewrites g)
+    algo.before_update(k, x, g, lr)     # gossip (rewrites x) or aggregation (rewrites g),
+                                        # or, overlapped, x <- the x_{k+1/2} it computed
+                                        # during forward and backward
     <the optimizer's own update>
     algo.after_update(k, x, g, lr)
+
+Overlap (``overlap=True``, the default, for an algorithm whose
+:attr:`~lowbit.algorithms.Algorithm.overlap` is True: D-PSGD and naive
+quantized gossip): the gossip step ``x_{k+1/2} = sum_j W_ji x_j`` reads the
+model ``x_k``, never the gradient, and ``x_k`` is final once the forward of
+step k starts. So the wrapper starts it there (a forward pre-hook on the
+module: ``model(x)`` and ``net(x)`` alike), on a copy of ``x_k``, in a
+background thread (a short-lived one per step; at most one exchange in flight), while
+forward and backward compute; the step pre-hook waits for it, copies
+``x_{k+1/2}`` into the parameters and the optimizer applies ``g_k``. The
+arithmetic and the ledger are those of ``overlap=False``, bit for bit; it
+costs one more copy of the model in memory. The exchange starts only at a
+forward in training mode with gradients enabled (``module.training`` and
+``torch.is_grad_enabled()``): an evaluation forward (``model.eval()`` or
+``torch.no_grad()``) sends nothing, as it may not be followed by a step or
+may run on one rank only. A step whose exchange no forward started (an eval
+forward, gradients set by hand) communicates in its pre-hook, as with
+``overlap=False`` (``stats()["overlapped"]`` is 0 then). More forwards
+before the step (gradient accumulation, activation checkpointing) reuse the
+exchange in flight, provided the parameters are not changed in place in
+between (a RuntimeError at the step: the neighbours got the old ``x_k``).
+An error in the thread is raised by the step (or :meth:`close`). Between the
+forward and the step the transport is busy: run no collectives of your own
+on its process group there (after ``optimizer.step()`` is fine); the
+wrapper's own (``averaged_module``) wait for the exchange first, and
+checkpoints are taken between steps. Several wrappers on one process group
+(two models with two optimizers, as a GAN) take turns: one waits for
+another's exchange in flight before it communicates, so the ranks issue the
+operations in program order. The exchange is one message per
+neighbour, not buckets as DDP's gradient all-reduce: all of ``x_k`` is
+ready at once, so buckets would only add messages.
 
 ``model.step()`` is the same ``optimizer.step()`` (kept for older code; it does
 not communicate twice). One wrapper per optimizer; :meth:`close` removes the
@@ -65,6 +98,7 @@ parameters (all of them: communicated, local and frozen) and buffers
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import random
@@ -79,6 +113,7 @@ from torch import nn
 
 from ..algorithms import Algorithm, Worker, build_worker
 from ..comm.base import Transport
+from ..comm.inprocess import blocking
 from ..comm.ledger import Ledger
 from ..topology import Topology
 from .checkpoint import (CheckpointError, candidates, ledger_state, load_checkpoint, newest_common_step, restore_ledger, rng_state,
@@ -114,12 +149,17 @@ class DecentralizedDataParallel(nn.Module):
     ``sync_initial``: start every rank from rank 0's parameters and buffers.
     ``on_step``: None or ``callback(step, stats)``, called after every step with
     :meth:`stats` (the attribute ``on_step`` may also be set later).
+    ``overlap``: True (default): where the algorithm allows it
+    (:attr:`~lowbit.algorithms.Algorithm.overlap`), its exchange runs during the
+    forward and backward of the step, in a background thread (see the module
+    docstring); False: the algorithm communicates in the optimizer's step
+    pre-hook, after backward. The attribute ``overlap`` says which is in effect.
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: str | type[Algorithm] | Algorithm | Worker = "moniqua", topology: str | Topology | None = None,
                  transport: Transport | None = None, *, buffers: str = "local", sync_initial: bool = True,
-                 on_step: StepCallback | None = None, **algorithm_options: Any):
+                 on_step: StepCallback | None = None, overlap: bool = True, **algorithm_options: Any):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -129,6 +169,8 @@ class DecentralizedDataParallel(nn.Module):
             raise ValueError(f"buffers must be one of {BUFFER_POLICIES}, got {buffers!r}")
         if on_step is not None and not callable(on_step):
             raise TypeError(f"on_step must be a callable (step, stats) or None, got {type(on_step).__name__}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be True or False, got {overlap!r}")
         _check_not_hooked(optimizer)
         params = _optimizer_params(module, optimizer)
 
@@ -161,6 +203,7 @@ class DecentralizedDataParallel(nn.Module):
         self.local_params = [p for p in module.parameters() if p.requires_grad and id(p) not in flat_ids]
         _bound_messages(transport, len(self.flat))
         if sync_initial and transport.world_size > 1:
+            _wait_channel(transport)
             self._broadcast_from_rank0()
         self.algorithm.setup(self.flat.data)
         self.step_count = 0  # k of the next step
@@ -169,7 +212,14 @@ class DecentralizedDataParallel(nn.Module):
         self._in_step: tuple[int, float] | None = None  # (k, lr) between the optimizer's pre- and post-hook
         self._last_stats: dict[str, float] = {}
         self._totals = _LedgerTotals()
+        # overlap: the algorithm's exchange of step k runs during its forward and backward
+        self.overlap = overlap and bool(getattr(self.algorithm, "overlap", False))
+        self._exchange: _Exchange | None = None  # the exchange in flight (started by a forward)
+        self._x_half: torch.Tensor | None = None  # where it writes x_{k+1/2}
+        self._overlapped = 0  # whether the step in progress was overlapped (stats)
         self._hooks = _attach_hooks(optimizer, self)
+        if self.overlap:
+            self._hooks += (module.register_forward_pre_hook(_ForwardHook(self)),)
 
     # ---- training ------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -208,9 +258,76 @@ class DecentralizedDataParallel(nn.Module):
         self.flat.check_aliasing()
         k = self.step_count
         lr = float(self.optimizer.param_groups[0]["lr"])
-        self.transport.set_step(k)
-        self.algorithm.before_update(k, self.flat.data, self.flat.grad, lr)
+        if self._exchange is not None:  # started by the forward: x <- x_{k+1/2}
+            self._finish_exchange(check=True)
+            self.flat.data.copy_(self._x_half)
+            self._overlapped = 1
+        else:
+            _wait_channel(self.transport)
+            self.transport.set_step(k)
+            self.algorithm.before_update(k, self.flat.data, self.flat.grad, lr)
+            self._overlapped = 0
         self._in_step = (k, lr)
+
+    # ---- overlap: the exchange of step k during its forward and backward ---------------
+    def _forward_pre(self, module: nn.Module, args: tuple) -> None:
+        """The module's forward pre-hook: start step k's exchange on a copy of x_k (training
+        forwards only; a second forward before the step reuses the exchange in flight)."""
+        if not (module.training and torch.is_grad_enabled()) or self._closed:
+            return
+        ex = self._exchange
+        if ex is not None:
+            if ex.done() and ex.error is not None:
+                self._finish_exchange(check=False)  # raises the thread's error now
+            if ex.versions != self._versions():
+                self._finish_exchange(check=True)  # raises: x changed under the exchange
+            return
+        k = self.step_count
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if self._x_half is None:
+            self._x_half = torch.empty_like(self.flat.data)
+        with torch.no_grad():
+            self._x_half.copy_(self.flat.data)
+        _wait_channel(self.transport)
+        self.transport.set_step(k)
+        self._exchange = _start_exchange(self.transport, self.algorithm, k, self._x_half, lr, self._versions())
+
+    def _versions(self) -> tuple[int, ...]:
+        """The in-place version counters of the flat buffer and of every parameter (views of
+        it with counters of their own): they move when something writes the parameters."""
+        return (self.flat.data._version, *(p._version for p in self.flat.params))
+
+    def _finish_exchange(self, check: bool) -> None:
+        """Wait for the exchange in flight (a thread worker lets another compute meanwhile),
+        re-raise its error; ``check``: raise if the parameters changed since it started."""
+        ex, self._exchange = self._exchange, None
+        with blocking():
+            ex.join()
+        if ex.error is not None:
+            raise ex.error
+        if check and ex.versions != self._versions():
+            raise RuntimeError(
+                f"the parameters were changed in place between the forward of step {ex.k} (which sent x_k to "
+                "the neighbours, overlap=True) and optimizer.step(); change them only through the optimizer "
+                "between a training forward and the step, or pass overlap=False")
+
+    def _wait_exchange(self) -> None:
+        """Before the wrapper uses the transport between steps: wait for its exchange in flight
+        (keeping the result for the step, re-raising its error) and for any other wrapper's on
+        the same process group."""
+        ex = self._exchange
+        if ex is not None:
+            with blocking():
+                ex.join()
+            if ex.error is not None:
+                self._exchange = None
+                raise ex.error
+        _wait_channel(self.transport)
+
+    def _no_exchange(self, what: str) -> None:
+        if self._exchange is not None:
+            raise RuntimeError(f"{what} between a training forward and optimizer.step(): the exchange of step "
+                               f"{self._exchange.k} is in flight (overlap=True); call it between steps")
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """The optimizer's step post-hook: after_update, the step counter, stats, ``on_step``."""
@@ -218,6 +335,7 @@ class DecentralizedDataParallel(nn.Module):
             raise RuntimeError("the optimizer's step post-hook ran without its pre-hook")
         k, lr = self._in_step
         self._in_step = None
+        _wait_channel(self.transport)
         self.algorithm.after_update(k, self.flat.data, self.flat.grad, lr)
         self.step_count = k + 1
         self._last_stats = self._step_stats(k, lr)
@@ -246,6 +364,7 @@ class DecentralizedDataParallel(nn.Module):
             "bytes_sent_step": step_bytes, "bytes_sent": total_bytes,
             "messages_step": step_messages, "messages_sent": total_messages,
             "wire_bits_per_element": 8.0 * step_bytes / len(self.flat),
+            "overlapped": self._overlapped,
         }
         report = self.algorithm.report()
         clash = sorted(set(report) & set(out))
@@ -286,10 +405,15 @@ class DecentralizedDataParallel(nn.Module):
             return
         self._closed = True
         _detach_hooks(self.optimizer, self._hooks)
-        self.algorithm.finish()
-        self.transport.set_step(self.step_count)
-        if self._owns_transport:
-            self.transport.close()
+        try:
+            if self._exchange is not None:  # a forward without its step: its result is dropped
+                self._finish_exchange(check=False)
+        finally:
+            _wait_channel(self.transport)
+            self.algorithm.finish()
+            self.transport.set_step(self.step_count)
+            if self._owns_transport:
+                self.transport.close()
 
     def __enter__(self) -> "DecentralizedDataParallel":
         return self
@@ -315,7 +439,9 @@ class DecentralizedDataParallel(nn.Module):
         """A copy of the module whose communicated parameters (the optimizer's)
         are the average over all workers; local parameters (trainable ones the
         optimizer does not hold) are this rank's, buffers per the ``buffers``
-        policy. A collective: every rank must call it. Not counted in the ledger."""
+        policy. A collective: every rank must call it. Not counted in the ledger.
+        Between a training forward and the step it first waits for the exchange in flight."""
+        self._wait_exchange()
         n = self.transport.world_size
         with self.transport.untracked():
             avg = self.transport.all_reduce(self.flat.data.detach().clone(), "sum") / n
@@ -387,6 +513,7 @@ class DecentralizedDataParallel(nn.Module):
         (``synchronous = False``): only after :meth:`close` (a consistent cut);
         resuming then continues correctly, but the stop was a global barrier
         that an uninterrupted run does not have, so it is not bit-identical."""
+        self._no_exchange("checkpoint_state()")
         if not self.algorithm.synchronous and not self._closed:
             raise RuntimeError(f"{self.algorithm.name} is asynchronous: its workers' models change while "
                                "others gossip with them, so a checkpoint is consistent only after close() "
@@ -410,6 +537,7 @@ class DecentralizedDataParallel(nn.Module):
         """Restore what :meth:`checkpoint_state` returned on the same rank of a run
         with the same world size and algorithm; training then continues exactly
         as if never interrupted."""
+        self._no_exchange("load_checkpoint_state()")
         if not isinstance(state, dict) or state.get("format") not in (1, _FORMAT):
             raise ValueError("state is not a DecentralizedDataParallel checkpoint (missing or unknown 'format')")
         for key, mine in (("world_size", self.world_size), ("rank", self.rank),
@@ -451,6 +579,8 @@ class DecentralizedDataParallel(nn.Module):
         resumed from, or None when no rank has any checkpoint (a fresh start); a
         :class:`~lowbit.integrations.checkpoint.CheckpointError` when checkpoints exist but no
         step is common to all ranks. Made for restarts (``torchrun --max-restarts``)."""
+        self._no_exchange("resume_latest()")
+        _wait_channel(self.transport)
         path = os.fspath(path)
         found = candidates(path)
         mine = torch.tensor([s for s, _ in found], dtype=torch.int64)
@@ -469,6 +599,8 @@ class DecentralizedDataParallel(nn.Module):
         the same step of a run of the same world size and algorithm; otherwise a
         :class:`~lowbit.integrations.checkpoint.CheckpointError` on every rank
         (instead of a hang at the first exchange). A corrupt file is refused."""
+        self._no_exchange("load_checkpoint()")
+        _wait_channel(self.transport)
         error = None
         try:
             state = load_checkpoint(path, map_location=self.flat.data.device)
@@ -554,6 +686,93 @@ def _detach_hooks(optimizer: torch.optim.Optimizer, handles: tuple) -> None:
         for h in handles:
             h.remove()
         _HOOKED.pop(optimizer, None)
+
+
+class _ForwardHook:
+    """The module's forward pre-hook: the wrapper's :meth:`_forward_pre`, for this module only.
+    It holds the wrapper weakly, and a copy of the module (``copy.deepcopy``, as
+    :meth:`~DecentralizedDataParallel.averaged_module` or an EMA model makes; or pickled)
+    shares or drops it: a copy's forward starts nothing."""
+
+    def __init__(self, ddp: DecentralizedDataParallel | None):
+        self.ddp = weakref.ref(ddp) if ddp is not None else None
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        ddp = self.ddp() if self.ddp is not None else None
+        if ddp is not None and module is ddp.module:
+            ddp._forward_pre(module, args)
+
+    def __deepcopy__(self, memo) -> "_ForwardHook":
+        return self
+
+    def __reduce__(self):
+        return _ForwardHook, (None,)
+
+
+# The last exchange started on each communication channel: a process group (the default one of
+# torch.distributed, or a thread worker's rank in the in-process runtime). Another wrapper on the
+# same channel (two models, two optimizers: a GAN) waits for it before it communicates, so that
+# the channel never carries two operations at once and every rank issues them in program order.
+_CHANNELS: dict[tuple, "_Exchange"] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _channel(transport: Transport) -> tuple:
+    from ..comm.distributed import TorchDistributedTransport
+    from ..comm.inprocess import ThreadTransport
+
+    if isinstance(transport, ThreadTransport):
+        return ("thread", id(transport.world), transport.rank)
+    if isinstance(transport, TorchDistributedTransport):
+        return ("torch.distributed",)
+    return ("transport", id(transport))
+
+
+def _start_exchange(transport: Transport, algorithm, k: int, x: torch.Tensor, lr: float,
+                    versions: tuple[int, ...]) -> "_Exchange":
+    ex = _Exchange(algorithm, k, x, lr, versions)
+    with _CHANNELS_LOCK:
+        _CHANNELS[_channel(transport)] = ex
+    return ex
+
+
+def _wait_channel(transport: Transport) -> None:
+    """Wait for the exchange in flight on ``transport``'s channel, if any (whichever wrapper
+    started it: its errors are that wrapper's to raise)."""
+    with _CHANNELS_LOCK:
+        ex = _CHANNELS.get(_channel(transport))
+    if ex is not None and not ex.done():
+        with blocking():
+            ex.join()
+
+
+class _Exchange:
+    """One exchange in flight: ``algorithm.before_update(k, x, None, lr)`` on ``x``, a copy of
+    x_k, in a thread of its own (on CUDA, on the stream current when it starts, so its kernels
+    follow the copy); its error is kept for the wrapper to raise. ``versions``: the parameters'
+    version counters when it started."""
+
+    def __init__(self, algorithm, k: int, x: torch.Tensor, lr: float, versions: tuple[int, ...]):
+        self.k = k
+        self.versions = versions
+        self.error: BaseException | None = None
+        stream = torch.cuda.current_stream(x.device) if x.is_cuda else None
+        self.thread = threading.Thread(target=self._run, args=(algorithm, x, lr, stream),
+                                       name=f"lowbit-overlap-{k}", daemon=True)
+        self.thread.start()
+
+    def _run(self, algorithm, x: torch.Tensor, lr: float, stream) -> None:
+        try:
+            with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+                algorithm.before_update(self.k, x, None, lr)
+        except BaseException as e:  # noqa: BLE001 - raised by the wrapper in the caller's thread
+            self.error = e
+
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> None:
+        self.thread.join()
 
 
 class _LedgerTotals:
