@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowbit.algorithms import DPSGD, Algorithm
+from lowbit.algorithms import DPSGD, Algorithm, NaiveQuantizedDPSGD
 from lowbit.bench.overlap import bench_overlap
 from lowbit.cli import main
 from lowbit.codecs import DitheredCodec
@@ -75,7 +75,9 @@ def _result(ddp, t, overlapped):
 
 
 # ---- bit-identical with and without overlap ---------------------------------------------------
-@pytest.mark.parametrize("algorithm,options", [("dpsgd", {}), ("naive", {}), ("naive", {"codec": DitheredCodec(levels=16)})])
+@pytest.mark.parametrize("algorithm,options", [("dpsgd", {}), ("naive", {}),
+                                               (NaiveQuantizedDPSGD, {"codec": DitheredCodec(levels=16)})],
+                         ids=["dpsgd", "naive", "naive-dithered"])
 @pytest.mark.parametrize("forward,micro", [("wrapper", 1), ("module", 1), ("module", 2)])
 def test_overlap_is_bit_identical(algorithm, options, forward, micro):
     steps = 4
