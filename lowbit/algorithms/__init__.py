@@ -108,11 +108,11 @@ def build_worker(algorithm, transport, topology=None, **options):
     return make_worker(algorithm, transport, topo, **run)
 
 
-def from_options(name: str, **options) -> Algorithm:
+def from_options(name: str, *, also: tuple[str, ...] = (), **options) -> Algorithm:
     """The algorithm registered as ``name`` with ``options`` (option names of
     :class:`~lowbit.algorithms.options.AlgorithmOptions`, checked there; the others keep
     their defaults, the same as ``lowbit train``'s). An option the algorithm does not read
-    is a ValueError that lists those it does."""
+    is a ValueError that lists those it does (and ``also``: what the caller itself takes)."""
     from .options import AlgorithmOptions
 
     cls = check_algorithm(name)
@@ -121,7 +121,8 @@ def from_options(name: str, **options) -> Algorithm:
         known = AlgorithmOptions.option_names()
         what = [o if o in known else f"{o} (not an option of any algorithm)" for o in unknown]
         raise ValueError(f"algorithm {name!r} does not take option(s) {', '.join(what)}; it takes: "
-                         f"{', '.join(cls.options) or 'no options'}")
+                         f"{', '.join(cls.options) or 'no options'}"
+                         + (f" (and the caller's {', '.join(also)})" if also else ""))
     opts = AlgorithmOptions(algorithm=name, **options)
     opts.check_options()
     return cls.from_config(opts)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...algorithms import ALGORITHMS
+from ...algorithms import ALGORITHMS, from_options
 from ...algorithms.allreduce import AllReduceSGD
 from ...algorithms.base import Algorithm
 from ...algorithms.compressed import GatheredAlgorithm, PowerSGD
 from ...algorithms.dqsg import NDQSG
 from ...algorithms.maxnorm import MaxNormSGD
-from ...algorithms.options import AlgorithmOptions
 from ...codecs.base import Codec
 from ...codecs.dithered import DitheredCodec
 from ...codecs.identity import IdentityCodec
@@ -60,16 +59,7 @@ def hook_algorithm(name: str, **options) -> Algorithm:
     :class:`~lowbit.algorithms.options.AlgorithmOptions`, as ``lowbit train`` takes them: its
     defaults for the others): ValueError for an option the algorithm does not read (listing
     those it reads) or out of range."""
-    cls = ALGORITHMS[name]
-    unknown = sorted(set(options) - set(cls.options))
-    if unknown:
-        raise ValueError(f"algorithm {name!r} does not take option(s) {', '.join(unknown)}; it takes: "
-                         f"{', '.join(cls.options) or 'none'} (and the hook's {', '.join(_STATE_OPTIONS)})")
-    opts = AlgorithmOptions(algorithm=name, **options)
-    opts.check_options()
-    if "k" in cls.options and opts.k is None:
-        raise ValueError(f"algorithm {name!r} needs k (coordinates kept: an int, or a fraction of d if < 1)")
-    return cls.from_config(opts)
+    return from_options(name, also=_STATE_OPTIONS, **options)
 
 
 def algorithm_codec(algo: Algorithm) -> tuple[Codec | Algorithm, dict]:
