@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, unpack_header
+from .base import Codec, CodecKind, Payload, unpack_header
 from .quantize import check_numel
 
 __all__ = ["BaguaMinMaxCodec", "align32", "BAGUA_EPS", "BAGUA_BLOCK_BYTES"]
@@ -76,7 +76,6 @@ class BaguaMinMaxCodec(Codec):
         return scale, lower
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
         n = check_numel(x)
         dev = x.device
         count = torch.full((1,), n, dtype=torch.int32, device=dev).view(torch.uint8)  # a fill, not a host copy

@@ -272,7 +272,6 @@ class DitheredCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Eq. (2)/(4): scales, then indices ``q = round(x/(kappa Delta) + u/Delta)``."""
-        check_flat(x)
         n = check_numel(x)
         self._need_generator(generator, "encode")
         K = kernels_for(x, "dither")
@@ -305,7 +304,6 @@ class DitheredCodec(Codec):
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (same bytes on the CPU)."""
-        check_flat(x)
         n = check_numel(x)
         self._need_generator(generator, "encode")
         dev = x.device

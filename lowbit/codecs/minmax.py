@@ -23,17 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .kernels import kernels_for
 from .packing import check_packed, pack_bits, unpack_bits
-from .quantize import check_int_range, check_numel, check_rounding, round_to_int
+from .quantize import Rounded, check_int_range, check_numel, check_rounding, round_to_int
 from .rng import draw_key
 
 __all__ = ["MinMaxCodec"]
 
 
 @dataclass(frozen=True)
-class MinMaxCodec(Codec):
+class MinMaxCodec(Rounded, Codec):
     """Header ``<iff``: (numel, min, max) with min/max as float32; data: codes
     ``round((x - min) * scale)`` in ``0..2^b - 1``, ``scale = (2^b - 1) / (max - min)``,
     packed ``b`` bits each (all codes 0 when ``max == min``).
@@ -63,10 +63,6 @@ class MinMaxCodec(Codec):
         return cls(bits=opts.bits, rounding=opts.rounding or "nearest")
 
     @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        return self.rounding == "stochastic"
-
-    @property
     def levels(self) -> int:
         """Largest code, ``2^bits - 1``."""
         return (1 << self.bits) - 1
@@ -91,7 +87,6 @@ class MinMaxCodec(Codec):
                        data=torch.empty(0, dtype=torch.uint8, device=x.device))
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
         n = check_numel(x)
         K = kernels_for(x, "plain")
         if K is None:
@@ -119,7 +114,6 @@ class MinMaxCodec(Codec):
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
-        check_flat(x)
         n = check_numel(x)
         if n == 0:
             return self._empty(x)

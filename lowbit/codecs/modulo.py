@@ -31,10 +31,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, check_ref, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_ref, pack_header, unpack_header
 from .kernels import kernels_for
 from .packing import pack_bits, unpack_bits
-from .quantize import (check_int_range, check_numel, check_positive, check_rounding, finite_float64,
+from .quantize import (Rounded, check_int_range, check_numel, check_positive, check_rounding, finite_float64,
                        round_to_int)
 from .rng import draw_key, mix32
 
@@ -80,7 +80,7 @@ def grid_overflow_message(reach: float, B: float, levels: int) -> str:
 
 
 @dataclass(frozen=True)
-class ModuloCodec(Codec):
+class ModuloCodec(Rounded, Codec):
     """Moniqua's modulo quantizer: send only where ``x`` sits within a window of width
     ``B_theta``, and let the receiver, whose own value is close, find which window.
 
@@ -126,12 +126,6 @@ class ModuloCodec(Codec):
             )
 
     @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        # With |x - y| < theta no wrap-around happens in (5), so x_hat = x + B_theta (Q(z) - z):
-        # unbiased exactly when Q_delta is (stochastic rounding). Outside that regime, no.
-        return self.rounding == "stochastic"
-
-    @property
     def levels(self) -> int:
         """Number of points on the circle, ``2^bits``."""
         return 1 << self.bits
@@ -153,7 +147,6 @@ class ModuloCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Algorithm 1 line 3: ``q = Q_delta((x / B_theta) mod 1)``, sent as codes."""
-        check_flat(x)
         n = check_numel(x)
         K = kernels_for(x)
         if K is None:

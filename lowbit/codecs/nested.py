@@ -76,7 +76,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, check_ref, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_ref, pack_header, unpack_header
 from .dithered import _uniforms
 from .kernels import kernels_for
 from .radix import level_bits, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
@@ -411,7 +411,6 @@ class NestedDitheredCodec(Codec):
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Eq. (6): ``c = round((alpha x + u) / Delta1) mod k``, packed."""
         self._need_generator(generator, "encode")
-        check_flat(x)
         n = check_numel(x)
         K = kernels_for(x, "dither")
         if K is None:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .kernels import fast_backend
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64
 
@@ -153,7 +153,6 @@ class PowerSGDCodec(Codec):
     def encode_with_state(self, x: torch.Tensor, state: torch.Tensor | None = None, *,
                           generator: torch.Generator | None = None) -> tuple[Payload, torch.Tensor]:
         """One warm-started power step: ``(payload, new_state)`` (see the class doc)."""
-        check_flat(x)
         N = check_numel(x)
         if N == 0 or not self._fast(x):
             return self.encode_with_state_reference(x, state, generator=generator)

@@ -37,6 +37,15 @@ def check_rounding(rounding, field: str = "rounding") -> str:
     return rounding
 
 
+class Rounded:
+    """Mixin of a codec with a ``rounding`` option (one of :data:`ROUNDINGS`, checked by
+    :func:`check_rounding`): its codes are unbiased exactly when the rounding is stochastic."""
+
+    @property
+    def unbiased(self) -> bool:
+        return self.rounding == "stochastic"
+
+
 def work_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype the rounding is done in: float64 stays, everything else is float32
     at least (half-precision uniforms would be too coarse to be unbiased)."""
@@ -92,7 +101,9 @@ def check_positive(value, field: str) -> float:
 
 
 def check_numel(x: torch.Tensor) -> int:
-    """The element count, which headers store as int32."""
+    """The element count of ``x``, checked to be a flat floating tensor (:func:`check_flat`)
+    whose count a header's int32 holds: the prelude of every encode."""
+    check_flat(x)
     n = x.numel()
     if n > INT32_MAX:
         raise ValueError(f"x has {n} elements; a payload header holds at most {INT32_MAX} (int32)")
@@ -102,7 +113,6 @@ def check_numel(x: torch.Tensor) -> int:
 def finite_float64(x: torch.Tensor, codec: str) -> tuple[int, torch.Tensor]:
     """The common prelude of an encode: ``x`` flat, floating, at most int32 long
     and finite; returns its length and a float64 copy for the arithmetic."""
-    check_flat(x)
     n = check_numel(x)
     x64 = x.detach().to(torch.float64)
     if not bool(torch.isfinite(x64).all()):

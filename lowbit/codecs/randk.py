@@ -318,7 +318,6 @@ class RandKCodec(SummableCodec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
         """Encode the kept values with ``inner``; ``scale`` (summable inner only) is passed on."""
-        check_flat(x)
         n = check_numel(x)
         seed = self.seed if self.seed is not None else self._draw_seed(generator)
         idx, vals = self._kept(n, seed, x.device, x.detach())

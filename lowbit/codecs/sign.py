@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .kernels import kernels_for
 from .packing import check_packed, pack_bits, unpack_bits
 from .quantize import check_numel, finite_float64
@@ -91,7 +91,6 @@ class SignCodec(Codec):
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """One pass: the sign bits, the finiteness flag and the scale's float64 sum (in index
         order, as the reference's ``cumsum``: the same bytes)."""
-        check_flat(x)
         n = check_numel(x)
         K = kernels_for(x, "plain")
         if K is None:

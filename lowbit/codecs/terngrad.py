@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .kernels import kernels_for
 from .radix import check_levels_packed, level_bits, pack_levels, unpack_levels
 from .qsgd import float32_up
@@ -64,7 +64,6 @@ class TernGradCodec(Codec):
         return float(float32_up(torch.tensor([max_abs], dtype=torch.float64), "scale")[0])
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        check_flat(x)
         n = check_numel(x)
         K = kernels_for(x, "plain")
         if K is None:

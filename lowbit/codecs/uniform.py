@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .kernels import kernels_for
-from .quantize import INT32_MAX, check_numel, check_positive, check_rounding, error_bound, round_to_int
+from .quantize import INT32_MAX, Rounded, check_numel, check_positive, check_rounding, error_bound, round_to_int
 from .radix import check_levels_packed, level_width, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
     unpack_levels_fast
 from .rng import draw_key
@@ -41,7 +41,7 @@ def _radix_word(L: int) -> int:
 
 
 @dataclass(frozen=True)
-class UniformCodec(Codec):
+class UniformCodec(Rounded, Codec):
     """``x -> n = round(x / step)`` (integers), sent at ``log2`` of their number of levels.
 
     Header ``<iiI``: (numel, offset = min n, top = max n - min n); data: ``n - offset``,
@@ -74,10 +74,6 @@ class UniformCodec(Codec):
         return cls(step=opts.delta, rounding=opts.rounding or "stochastic")
 
     @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        return self.rounding == "stochastic"
-
-    @property
     def bits(self) -> float:
         return 32.0
 
@@ -102,7 +98,6 @@ class UniformCodec(Codec):
         """The codes' range is bounded by ``x``'s (one statistics pass), the codes are written
         against that bound in the narrowest unsigned dtype (one pass), then re-based on the
         codes' own smallest value and packed (see ``uniform_codes`` in the kernel modules)."""
-        check_flat(x)
         n = check_numel(x)
         K = kernels_for(x, "plain")
         if K is None:
@@ -140,7 +135,6 @@ class UniformCodec(Codec):
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
-        check_flat(x)
         n = check_numel(x)
         if n == 0:
             return self._empty(x)

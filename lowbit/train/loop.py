@@ -196,7 +196,7 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
 
     if isinstance(transport, TorchDistributedTransport):  # a peer's stated sizes are bounded by the model's
         transport.max_message_bytes = max_payload_nbytes(d)
-    if cfg.k is not None and cfg.k >= 1 and cfg.k > d and getattr(ALGORITHMS[cfg.algorithm], "randk", False):
+    if cfg.k is not None and cfg.k >= 1 and cfg.k > d and "k" in ALGORITHMS[cfg.algorithm].options:
         raise ValueError(f"k={cfg.k:g} coordinates kept is more than the model's d={d} parameters; "
                          f"use k in [1, {d}] or a fraction in (0, 1)")
     algo = build_algorithm(cfg, transport)
