@@ -18,25 +18,17 @@ from lowbit.codecs.rng import shared_generator
 from lowbit.comm import ThreadWorld, run_threads
 from lowbit.integrations import DecentralizedDataParallel, FlatParams
 from lowbit.topology import make_topology
+from wrapper_models import rank_batch, small_model
 
-N, BATCH = 4, 8
+N = 4
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _model(bn=False, seed=0):
-    """Same x_0 for a given seed, without torch's global RNG (threads share it)."""
-    layers = [nn.Linear(5, 6)] + ([nn.BatchNorm1d(6)] if bn else []) + [nn.Tanh(), nn.Linear(6, 3)]
-    m = nn.Sequential(*layers)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return m
+    return small_model(bn=bn, seed=seed)
 
 
-def _batch(rank, k):
-    g = torch.Generator().manual_seed(1000 * rank + k)
-    return torch.randn(BATCH, 5, generator=g) + rank, torch.randint(0, 3, (BATCH,), generator=g)
+_batch = rank_batch
 
 
 def _opt(m):

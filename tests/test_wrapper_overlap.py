@@ -25,23 +25,17 @@ from lowbit.cli import main
 from lowbit.codecs import DitheredCodec
 from lowbit.comm import run_threads
 from lowbit.integrations import DecentralizedDataParallel
+from wrapper_models import rank_batch, small_model
 
-N, BATCH = 4, 8
+N = 4
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _net(seed=0) -> nn.Module:
-    net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
-    g = torch.Generator().manual_seed(seed)  # not the global RNG, which the thread workers share
-    with torch.no_grad():
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    return net
+    return small_model(hidden=16, seed=seed)
 
 
-def _batch(rank, k):
-    g = torch.Generator().manual_seed(1000 * rank + k)
-    return torch.randn(BATCH, 5, generator=g) + rank, torch.randint(0, 3, (BATCH,), generator=g)
+_batch = rank_batch
 
 
 def _wrap(t, algorithm="dpsgd", overlap=True, **options):
