@@ -23,7 +23,7 @@ def _add_train(sub) -> None:
                                          "make_hook)"),
               False: p.add_argument_group("run options")}
     for f in sorted(dataclasses.fields(TrainConfig), key=lambda f: f.name in algorithm_options):
-        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
         hint = hints[f.name]
         if hint is bool:
@@ -31,7 +31,7 @@ def _add_train(sub) -> None:
         else:
             base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
             kw["type"] = f.metadata.get("type", base[0] if len(base) == 1 else str)
-        groups[f.name in algorithm_options].add_argument(flag, **kw)
+        groups[f.name in algorithm_options].add_argument(*flags, **kw)
     p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json (checked before "
                                                 "training; a previous run there needs --overwrite)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")

@@ -76,7 +76,8 @@ class AlgorithmOptions:
     server: str = opt("allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}")
     scales: str | None = opt(None, "multi-scale bit widths, e.g. 2,6")
     k: float | None = opt(None, "GlobalRandK: coordinates kept (an int, or a fraction of d if < 1)")
-    powersgd_rank: int = opt(2, "PowerSGD rank", flag="--rank")
+    powersgd_rank: int = opt(2, "PowerSGD: the rank of its gradient approximation (--rank for short)",
+                             aliases=("--rank",))
     levels: int | None = opt(None, "DQSG/NDQSG: M (2M+1 indices, Delta = 1/M); default the largest M with "
                               "2M+1 <= 2^bits")
     nested_fraction: float = opt(0.5, "NDQSG: fraction of workers in P2 (nested quantizer), in [0, 1)")
