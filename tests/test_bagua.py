@@ -281,13 +281,14 @@ def test_hierarchical_ledger():
     assert [(row[2], row[3]) for row in per_step[1]] == [(4 * d, 4 * d), (0, 0)]
 
 
-def _process_worker(t):
-    seen, rows = lowbit_worker(t, 0, steps=4, hierarchical=True, node_size=2)
+def _process_worker(t, init=None):
+    seen, rows = lowbit_worker(t, 0, steps=4, init=init, hierarchical=True, node_size=2)
     return seen[-1][0], rows
 
 
 def test_hierarchical_thread_and_torch_backends_agree_exactly():
-    threads = run_threads(4, _process_worker)
+    init = init_state(0)  # drawn once: thread workers drawing from torch's global RNG at once would race
+    threads = run_threads(4, lambda t: _process_worker(t, init))
     procs = launch(4, _process_worker, backend="gloo", timeout_s=120)
     for (xa, la), (xb, lb) in zip(threads, procs):
         assert torch.equal(xa, xb)
