@@ -298,11 +298,6 @@ class MoniquaAsync(ADPSGD):
         return ModuloCodec(bits=self.bits, theta=float(self.theta), rounding=self.rounding)
 
     @classmethod
-    def check_config(cls, cfg):
-        ModuloCodec(bits=cfg.bits, theta=_check_theta(ASYNC_THETA if cfg.theta is None else cfg.theta),
-                    rounding=cfg.rounding or "stochastic")
-
-    @classmethod
     def from_config(cls, cfg):
         return cls(bits=cfg.bits, theta=ASYNC_THETA if cfg.theta is None else cfg.theta,
                    rounding=cfg.rounding or "stochastic",

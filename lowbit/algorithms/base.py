@@ -221,9 +221,9 @@ class Algorithm:
 
     @classmethod
     def check_config(cls, cfg) -> None:
-        """Raise ValueError for options of the run config ``cfg`` (a
-        ``lowbit.train.TrainConfig``) that this algorithm cannot take. Called
-        before any worker starts."""
+        """Raise ValueError for combinations of this algorithm's options with the run's (``cfg``
+        a ``lowbit.train.TrainConfig``: workers, momentum...) that it cannot take. Called before
+        any worker starts, after ``from_config(cfg)`` has checked the options themselves."""
 
     @classmethod
     def from_config(cls, cfg) -> "Algorithm":

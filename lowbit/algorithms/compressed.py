@@ -157,10 +157,6 @@ class QSGD(_CodecGathered):
         return QSGDCodec(levels=qsgd_levels(self.bits))
 
     @classmethod
-    def check_config(cls, cfg):
-        qsgd_levels(cfg.bits)
-
-    @classmethod
     def from_config(cls, cfg):
         return cls(bits=cfg.bits, server=cfg.server)
 

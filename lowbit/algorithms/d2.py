@@ -146,11 +146,6 @@ class MoniquaD2(D2):
             raise TypeError(f"gossip must be a lowbit.algorithms.Moniqua, got {type(self.gossip).__name__}")
 
     @classmethod
-    def check_config(cls, cfg):
-        check_d2_config(cfg)
-        Moniqua.check_config(cfg)
-
-    @classmethod
     def from_config(cls, cfg):
         return cls(Moniqua.from_config(cfg))
 

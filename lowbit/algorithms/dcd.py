@@ -158,10 +158,6 @@ class ECDPSGD(_ReplicaGossip):
         return codec
 
     @classmethod
-    def check_config(cls, cfg):
-        cls.from_config(cfg)  # check_unbiased, before any worker starts
-
-    @classmethod
     def from_config(cls, cfg):
         return cls(codec=cls._codec(cfg))
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ..codecs import Codec, IdentityCodec, UniformCodec
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm
-from .gossip import CODEC_OPTIONS, mix
+from .gossip import CODEC_OPTIONS, check_codec, mix
 
 
 @dataclass(frozen=True)
@@ -28,8 +28,7 @@ class QuantizedGossip(GossipAlgorithm):
     overlap = True  # reads x_k only, never g: the wrapper may gossip during forward/backward
 
     def __post_init__(self):
-        if not isinstance(self.codec, Codec):
-            raise TypeError(f"codec must be a lowbit.codecs.Codec, got {type(self.codec).__name__}")
+        check_codec(self.codec)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)

@@ -131,10 +131,6 @@ class DQSG(GatheredAlgorithm):
         return DitheredCodec(levels=self.levels, subtractive=True)
 
     @classmethod
-    def check_config(cls, cfg):
-        dqsg_levels(cfg.levels, cfg.bits)
-
-    @classmethod
     def from_config(cls, cfg):
         return cls(levels=dqsg_levels(cfg.levels, cfg.bits), server=cfg.server)
 
@@ -287,8 +283,6 @@ class NDQSG(DQSG):
 
     @classmethod
     def check_config(cls, cfg):
-        super().check_config(cfg)
-        cls._nested_from(cfg)
         nested_group_size(cfg.workers, cfg.nested_fraction)
 
     @classmethod

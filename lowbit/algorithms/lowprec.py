@@ -245,8 +245,8 @@ class LowPrecisionDecentralized(GossipAlgorithm):
         if (cfg.codec or cls.codecs[0]) == "bagua_minmax" and cfg.rounding not in (None, "nearest"):
             raise ValueError(f"rounding={cfg.rounding!r}: Bagua's min-max codec rounds to nearest; "
                              f"use --codec minmax for stochastic rounding")
-        algo = cls.from_config(cfg)  # the options' own checks
-        # and what init checks against the workers, before any worker starts
+        algo = cls.from_config(cfg)
+        # what init checks against the workers, before any worker starts
         if algo.peer_selection == "shift_one":
             shift_one_peer(0, cfg.workers, 0)  # n even
         elif algo.node_size is not None and cfg.workers % algo.node_size:

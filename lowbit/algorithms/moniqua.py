@@ -457,12 +457,6 @@ class Moniqua(GossipAlgorithm):
         return self.verify_block if self.verify_block is not None else default_verify_block(self.bits)
 
     @classmethod
-    def check_config(cls, cfg):
-        ModuloCodec(bits=cfg.bits, theta=1.0 if cfg.theta in (None, "auto") else cfg.theta,
-                    rounding=cfg.rounding or default_rounding(cfg.bits))
-        _check_entropy(cfg.entropy)
-
-    @classmethod
     def from_config(cls, cfg):
         return cls(bits=cfg.bits, theta="auto" if cfg.theta is None else cfg.theta, rounding=cfg.rounding,
                    theta_schedule=cfg.theta_schedule, theta_every=cfg.theta_every,

@@ -5,7 +5,9 @@ text is the field's ``metadata["help"]``): the algorithms' options, declared
 once in :mod:`lowbit.algorithms.options` (and checked there), and the run's own
 (task, workers, steps, network, checkpoints), declared and checked here.
 Options an algorithm does not use are ignored by it; options it cannot take
-are rejected by its ``check_config``.
+are rejected, before any worker starts, by building it (``from_config``: its
+constructor's checks) and by its ``check_config`` (combinations with the run's
+options).
 """
 
 from __future__ import annotations
@@ -177,7 +179,9 @@ class TrainConfig(AlgorithmOptions):
         if self.tensorboard is not None:
             _check_tensorboard(self.tensorboard)
         self.shaping()
-        ALGORITHMS[self.algorithm].check_config(self)
+        cls = ALGORITHMS[self.algorithm]
+        cls.from_config(self)  # the algorithm's own checks of its options (its constructor's)
+        cls.check_config(self)  # and of their combination with the run's
 
     def _check_workers_bound(self) -> None:
         """--workers has an upper bound per runtime (what one machine can set up)."""
