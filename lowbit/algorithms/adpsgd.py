@@ -72,6 +72,7 @@ import torch
 from ..codecs import Codec, IdentityCodec, ModuloCodec
 from ..codecs.rng import derive_seed, shared_generator
 from .base import GossipAlgorithm, State, transient
+from .moniqua import check_theta
 
 # Random streams of the asynchronous family (derive_seed's ``stream``).
 STREAM_TIME, STREAM_PARTNER, STREAM_ROUNDING = 21, 22, 23
@@ -308,7 +309,4 @@ def _check_theta(theta) -> float:
     if theta == "auto":
         raise ValueError("theta='auto' is for the synchronous variants (moniqua); moniqua-async needs a "
                          "number: give --theta a value > 0")
-    if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta)
-            and theta > 0):
-        raise ValueError(f"theta must be a finite number > 0, got {theta!r}")
-    return float(theta)
+    return float(check_theta(theta, auto=False))

@@ -35,25 +35,15 @@ is our fixed choice, not a tuned value).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..codecs import Codec, IdentityCodec, MinMaxCodec
 from .base import GossipAlgorithm, State
-from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, exchange_compressed, mix
+from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, check_gamma, exchange_compressed, mix
 
 DEFAULT_GAMMA = 0.5
-
-
-def check_gamma(gamma, name: str = "gamma") -> float:
-    """``gamma`` as a float if it is a number in (0, 1] (a consensus step size); a
-    ValueError naming ``name`` and the range otherwise."""
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) \
-            or not 0 < gamma <= 1:
-        raise ValueError(f"{name} must be a number in (0, 1], got {gamma!r}")
-    return float(gamma)
 
 
 def default_gamma(codec: Codec) -> float:

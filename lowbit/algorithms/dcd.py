@@ -151,15 +151,11 @@ class ECDPSGD(_ReplicaGossip):
         check_unbiased(check_codec(self.codec))
 
     @classmethod
-    def _codec(cls, cfg) -> Codec:
+    def from_config(cls, cfg):
         codec = cfg.make_codec(cls.codecs)
         if cfg.rounding is None and isinstance(codec, MinMaxCodec):
             codec = dataclasses.replace(codec, rounding="stochastic")  # the paper needs an unbiased C
-        return codec
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(codec=cls._codec(cfg))
+        return cls(codec=codec)
 
     def init(self, x, ctx):
         y = {ctx.rank: x.detach().clone()}

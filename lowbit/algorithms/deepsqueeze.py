@@ -25,9 +25,9 @@ import torch
 
 from ..codecs import Codec, MinMaxCodec
 from .base import GossipAlgorithm, State
-from .choco import check_gamma, default_gamma
+from .choco import default_gamma
 from .feedback import compensate, remember
-from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, exchange_compressed, mix
+from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, check_gamma, exchange_compressed, mix
 
 
 @dataclass

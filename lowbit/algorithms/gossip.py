@@ -5,6 +5,7 @@ matrix W. Every function takes the worker's :class:`~lowbit.algorithms.base.Cont
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -13,7 +14,7 @@ from ..codecs import Codec
 from ..codecs.rng import clone_generator, shared_generator
 from .base import Context
 
-__all__ = ["CODEC_OPTIONS", "REPLICA_CODECS", "check_codec", "exchange_compressed", "exchange_initial_models", "mix"]
+__all__ = ["CODEC_OPTIONS", "REPLICA_CODECS", "check_codec", "check_gamma", "exchange_compressed", "exchange_initial_models", "mix"]
 
 # The --codec names the replica-based baselines accept (default first).
 REPLICA_CODECS = ("minmax", "uniform", "fp32", "half", "sign", "terngrad")
@@ -26,6 +27,16 @@ def check_codec(codec) -> Codec:
     if not isinstance(codec, Codec):
         raise TypeError(f"codec must be a lowbit.codecs.Codec, got {type(codec).__name__}")
     return codec
+
+
+def check_gamma(gamma, name: str = "gamma") -> float:
+    """``gamma`` as a float if it is a number in (0, 1] (a consensus step size: CHOCO's
+    gamma, DeepSqueeze's eta, Moniqua's slack); a
+    ValueError naming ``name`` and the range otherwise."""
+    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) \
+            or not 0 < gamma <= 1:
+        raise ValueError(f"{name} must be a number in (0, 1], got {gamma!r}")
+    return float(gamma)
 
 
 def mix(ctx: Context, x_i: torch.Tensor, received: Mapping[int, torch.Tensor], *, relative: bool = False,

@@ -134,6 +134,14 @@ def default_node_size(transport) -> int:
     return 1
 
 
+def check_node_size(L, n: int) -> int:
+    """``L`` if it is a number of workers per node that divides the ``n`` workers; a
+    ValueError naming ``node_size`` otherwise."""
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1 or n % L:
+        raise ValueError(f"node_size must be an int >= 1 dividing the {n} workers, got {L!r}")
+    return L
+
+
 class NodeLayout(NamedTuple):
     """Where a worker sits in Bagua's hierarchy: ``size`` workers per node (consecutive
     ranks), its ``node`` and ``local_rank`` there, the number of ``nodes``, its node's
@@ -249,8 +257,8 @@ class LowPrecisionDecentralized(GossipAlgorithm):
         # what init checks against the workers, before any worker starts
         if algo.peer_selection == "shift_one":
             shift_one_peer(0, cfg.workers, 0)  # n even
-        elif algo.node_size is not None and cfg.workers % algo.node_size:
-            raise ValueError(f"node_size must be an int >= 1 dividing workers={cfg.workers}, got {algo.node_size!r}")
+        elif algo.node_size is not None:
+            check_node_size(algo.node_size, cfg.workers)
         if cfg.topology != "ring":
             raise ValueError(f"topology={cfg.topology!r}: Bagua's low precision decentralized SGD gossips on a ring")
         if cfg.weights != "uniform":
@@ -279,9 +287,7 @@ class LowPrecisionDecentralized(GossipAlgorithm):
         shift = self._shift_one()
         if shift is not None:
             return shift.init(x, ctx)
-        L = default_node_size(ctx.transport) if self.node_size is None else self.node_size
-        if isinstance(L, bool) or not isinstance(L, int) or L < 1 or n % L:
-            raise ValueError(f"node_size must be an int >= 1 dividing the {n} workers, got {L!r}")
+        L = check_node_size(default_node_size(ctx.transport) if self.node_size is None else self.node_size, n)
         layout = node_layout(ctx.rank, n, L if self.hierarchical else 1)
         with ctx.transport.untracked():  # Bagua's assumption: every worker starts from one model
             same = n == 1 or torch.equal(ctx.transport.all_reduce(x.detach(), "max"),

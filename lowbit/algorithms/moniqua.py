@@ -226,6 +226,7 @@ from ..codecs.modulo_frame import ModuloFrame
 from ..codecs.rng import shared_generator
 from ..topology import Topology
 from .base import GossipAlgorithm, State, transient
+from .gossip import check_gamma
 
 THETA_SCHEDULES = ("constant", "lr")
 # theta="auto" (module docstring): every THETA_EVERY steps all workers agree on the fraction of blocks
@@ -287,6 +288,17 @@ def default_verify_block(bits: int) -> int:
     codes are so narrow that a block's 16-bit hash would cost more than 1/32 of its code bits
     (512 at 1 bit; module docstring, "Block size")."""
     return max(VERIFY_BLOCK, VERIFY_CODE_BITS // bits)
+
+
+def check_theta(theta, *, auto: bool = True):
+    """``theta`` if it is a finite number > 0, or ``"auto"`` where ``auto`` allows it; a
+    ValueError naming theta and its range otherwise."""
+    if auto and isinstance(theta, str) and theta == "auto":
+        return theta
+    if not (isinstance(theta, (int, float)) and not isinstance(theta, bool) and math.isfinite(theta) and theta > 0):
+        either = " or 'auto'" if auto else ""
+        raise ValueError(f"theta must be a finite number > 0{either}, got {theta!r}")
+    return theta
 
 
 def default_rounding(bits: int) -> str:
@@ -402,19 +414,15 @@ class Moniqua(GossipAlgorithm):
                "verify", "entropy", "verify_block")
 
     def __post_init__(self):
-        if not self.auto_theta and not (isinstance(self.theta, (int, float)) and not isinstance(self.theta, bool)
-                                        and math.isfinite(self.theta) and self.theta > 0):
-            raise ValueError(f"theta must be a finite number > 0 or 'auto', got {self.theta!r}")
+        check_theta(self.theta)
         if self.theta_schedule not in THETA_SCHEDULES:
             raise ValueError(f"theta_schedule must be one of {THETA_SCHEDULES}, got {self.theta_schedule!r}")
         if isinstance(self.theta_every, bool) or not isinstance(self.theta_every, int) or self.theta_every < 1:
             raise ValueError(f"theta_every must be an integer >= 1 (steps between two theta agreements), "
                              f"got {self.theta_every!r}")
         self.codec  # validates bits, rounding and delta < 1/2
-        gamma = self.gamma
-        if gamma is not None and (isinstance(gamma, bool) or not isinstance(gamma, (int, float))
-                                  or not 0 < gamma <= 1):
-            raise ValueError(f"gamma must be in (0, 1], got {gamma!r}")
+        if self.gamma is not None:
+            check_gamma(self.gamma)
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be True or False, got {self.verify!r}")
         if self.auto_theta and not self.verify:

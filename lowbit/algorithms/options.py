@@ -25,7 +25,8 @@ from ..codecs import CODECS, ROUNDINGS, Codec
 from . import ALGORITHMS
 from .compressed import SERVERS
 from .dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
-from .moniqua import THETA_EVERY, THETA_SCHEDULES
+from .gossip import check_gamma
+from .moniqua import THETA_EVERY, THETA_SCHEDULES, check_theta
 
 __all__ = ["AlgorithmOptions", "algorithm_table", "opt"]
 
@@ -115,11 +116,10 @@ class AlgorithmOptions:
                 raise ValueError(f"{name} must be an integer >= 1, got {v}")
         if not (isinstance(self.delta, (int, float)) and math.isfinite(self.delta) and self.delta > 0):
             raise ValueError(f"delta must be > 0, got {self.delta}")
-        if self.theta is not None and self.theta != "auto" and not (
-                isinstance(self.theta, (int, float)) and math.isfinite(self.theta) and self.theta > 0):
-            raise ValueError(f"theta must be a number > 0 or 'auto', got {self.theta!r}")
-        if self.gamma is not None and not 0 < self.gamma <= 1:
-            raise ValueError(f"gamma must be in (0, 1], got {self.gamma}")
+        if self.theta is not None:
+            check_theta(self.theta)
+        if self.gamma is not None:
+            check_gamma(self.gamma)
         if self.k is not None and not (math.isfinite(self.k) and self.k > 0):
             raise ValueError(f"k must be > 0 (a count, or a fraction of d if < 1), got {self.k}")
         if self.codec is not None and not cls.codecs:
