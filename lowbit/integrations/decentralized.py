@@ -303,6 +303,7 @@ class DecentralizedDataParallel(nn.Module):
         ex, self._exchange = self._exchange, None
         with blocking():
             ex.join()
+        _release_channel(self.transport, ex)
         if ex.error is not None:
             raise ex.error
         if check and ex.versions != self._versions():
@@ -744,6 +745,15 @@ def _wait_channel(transport: Transport) -> None:
     if ex is not None and not ex.done():
         with blocking():
             ex.join()
+
+
+def _release_channel(transport: Transport, ex: "_Exchange") -> None:
+    """Forget ``ex`` (finished) as its channel's last exchange, so that the table holds no
+    finished exchange (and the model copy and the algorithm it references)."""
+    with _CHANNELS_LOCK:
+        key = _channel(transport)
+        if _CHANNELS.get(key) is ex:
+            del _CHANNELS[key]
 
 
 class _Exchange:
