@@ -28,7 +28,7 @@ from .dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
 from .gossip import check_gamma
 from .moniqua import THETA_EVERY, THETA_SCHEDULES, check_theta
 
-__all__ = ["AlgorithmOptions", "algorithm_table", "opt"]
+__all__ = ["AlgorithmOptions", "algorithm_table", "first_sentence", "opt"]
 
 def opt(default, help: str, **meta):
     """A dataclass field of an options table: its default, its help text and CLI metadata."""
@@ -152,15 +152,19 @@ class AlgorithmOptions:
         return [f.name for f in fields(cls)]
 
 
+def first_sentence(cls) -> str:
+    """What ``cls`` is: the first sentence of its docstring, on one line ("" without one)."""
+    doc = " ".join((cls.__doc__ or "").split())
+    return doc.split(". ")[0].rstrip(".") + "." if doc else ""
+
+
 def algorithm_table() -> str:
     """The markdown table of every registered algorithm (``docs/ALGORITHMS.md``): its name,
     family, what it is (its docstring's first sentence), the ``codec`` values it takes (the
     first is its default) and the options it reads, each a link-free option name."""
     rows = ["| algorithm | family | what it is | codec | options |", "|---|---|---|---|---|"]
     for name, cls in ALGORITHMS.items():
-        doc = " ".join((cls.__doc__ or "").split())
-        first = doc.split(". ")[0].rstrip(".") + "." if doc else ""
-        first = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", first).replace("``", "`")  # reST roles to markdown
+        first = re.sub(r":\w+:`~?([^`]+)`", r"`\1`", first_sentence(cls)).replace("``", "`")  # reST roles to markdown
         rows.append(f"| `{name}` | {cls.family} | {first.replace('|', '/')} | "
                     f"{', '.join(f'`{c}`' for c in cls.codecs) or '-'} | "
                     f"{', '.join(f'`{o}`' for o in cls.options) or '-'} |")

@@ -11,6 +11,7 @@ from ...algorithms.base import Algorithm
 from ...algorithms.compressed import GatheredAlgorithm, PowerSGD
 from ...algorithms.dqsg import NDQSG
 from ...algorithms.maxnorm import MaxNormSGD
+from ...algorithms.options import first_sentence
 from ...codecs.base import Codec
 from ...codecs.dithered import DitheredCodec
 from ...codecs.identity import IdentityCodec
@@ -105,11 +106,6 @@ def make_hook(name: str, **options) -> tuple[LowbitHookState, Any]:
     return LowbitHookState(codec, **state_kw), lowbit_hook
 
 
-def _first_sentence(cls) -> str:
-    doc = " ".join((cls.__doc__ or "").split())
-    return doc.split(". ")[0].rstrip(".") + "." if doc else ""
-
-
 def hook_table() -> list[tuple[str, str, str]]:
     """(name, wire method, description) of every hook name: the centralized algorithms (at
     their defaults; GlobalRandK with k = 1) and the codec hooks of :data:`HOOKS`."""
@@ -117,5 +113,5 @@ def hook_table() -> list[tuple[str, str, str]]:
     for name in centralized_names():
         cls = ALGORITHMS[name]
         codec, _ = algorithm_codec(hook_algorithm(name, **({"k": 1} if "k" in cls.options else {})))
-        rows.append((name, wire_method(codec), _first_sentence(cls)))
+        rows.append((name, wire_method(codec), first_sentence(cls)))
     return rows + [(name, wire_method(factory()), desc) for name, (factory, desc) in HOOKS.items()]
