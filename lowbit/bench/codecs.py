@@ -19,7 +19,8 @@ as a global random-k step's decodes do. ``randk_k`` sets the kept counts of the
 RandK cases (default: 1% of the size, and half of it). Each round also times a
 copy into a fresh buffer (``torch.empty_like(x).copy_(x)``): what the
 allocation and first touch of a decode's new output cost, as a multiple of the
-memcpy (a decode given ``out=`` avoids it).
+memcpy (a decode given ``out=`` avoids it; torch's huge-page allocation, which
+importing lowbit turns on, makes it cheaper: see :mod:`lowbit`).
 
 ``against="references"`` times, in each round, lowbit's encode + decode and a
 reference codec's (:mod:`lowbit.bench.references`) side by side, and reports
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import statistics
 from dataclasses import dataclass
 from typing import Callable
@@ -323,7 +325,8 @@ def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] 
     rows = [codec_row(case.label, timings[case.label], size, nb) for case, _c, nb in prepared]
     return {"benchmark": "codecs", "against": "memcpy", "path": path, "device": str(dev), "threads": threads,
             "size": size, "rounds": rounds, "min_run_time": min_run_time, "clock": clock, "memcpy": MEMCPY_DEFINITION,
-            "fresh_buffer_x_memcpy": median_ratio(fresh_rounds, "fresh", "memcpy"), "rows": rows}
+            "fresh_buffer_x_memcpy": median_ratio(fresh_rounds, "fresh", "memcpy"),
+            "thp_mem_alloc": os.environ.get("THP_MEM_ALLOC_ENABLE"), "rows": rows}
 
 
 def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu", seed: int = 0,
@@ -379,7 +382,8 @@ def format_report(report: dict) -> str:
     lines = [title, head]
     if fresh is not None:
         lines.append(f"a copy into a fresh buffer (torch.empty_like(x).copy_(x), what a decode's new output costs "
-                     f"to allocate and first touch): {fresh:.1f}x memcpy")
+                     f"to allocate and first touch): {fresh:.1f}x memcpy; torch's huge-page CPU allocation "
+                     f"THP_MEM_ALLOC_ENABLE={report.get('thp_mem_alloc')} (lowbit sets 1 unless set)")
     lines.append(f"{'codec':<27} {'enc/memcpy':>10} {'dec/memcpy':>10} {'(e+d)/memcpy':>12} {'range':>13} "
                  f"{'enc GB/s':>9} {'dec GB/s':>9} {'memcpy GB/s':>11} {'B/elem':>7}"
                  + (f" {'ref enc':>8} {'ref dec':>8}" if both else ""))
