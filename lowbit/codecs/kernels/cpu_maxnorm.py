@@ -1,5 +1,6 @@
 """numba kernels of the max-norm family on the CPU: QSGDMaxNorm, its multi-scale
-variant, and the random-k selection (a keyed Feistel permutation).
+variant, and the sparse random-k selection (the keyed Feistel permutation's
+inverse on ``j < k``; the dense one is :mod:`.cpu_randk`'s).
 
 Each kernel is one branch-free loop over the elements that reads its input
 once in its own dtype and computes in float64 registers. Note: numba types
@@ -256,29 +257,6 @@ def _walk_on(v, D, a, hb, keys, forward):
     return v
 
 
-_BLOCK = 512  # the permutation is evaluated a block at a time in a branch-free (vectorised) loop
-
-
-@_jit
-def _select_dense(d, k, a, hb, keys, out):
-    """``out`` = the sorted ``i < d`` with ``sigma(i) < k``: one pass over ``[0, d)``."""
-    D = np.uint64(d)
-    K = np.uint64(k)
-    buf = np.empty(_BLOCK, dtype=np.uint64)
-    c = 0
-    for base in range(0, d, _BLOCK):
-        m = min(_BLOCK, d - base)
-        for t in range(m):
-            buf[t] = _feistel(np.uint64(base + t), a, hb, keys, True)
-        for t in range(m):
-            v = buf[t]
-            if v >= D:
-                v = _walk_on(v, D, a, hb, keys, True)
-            out[c] = base + t
-            c += 1 if v < K else 0
-    return c
-
-
 @_jit
 def _select_sparse(d, k, a, hb, keys, out):
     """``out[j] = sigma^-1(j)`` for ``j < k`` (unsorted)."""
@@ -382,17 +360,13 @@ def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor
     return (out if direct else out.to(dtype)), (FLAG_INDEX if bad else 0)
 
 
-def select(d: int, k: int, a: int, hb: int, round_keys: np.ndarray, dense: bool) -> torch.Tensor:
-    """The sorted int64 indices ``{i < d : sigma(i) < k}`` (see :mod:`lowbit.codecs.randk`)."""
-    round_keys = tuple(np.uint64(v) for v in round_keys)
-    if dense:
-        out = torch.empty(k + 1, dtype=torch.int64)
-        _select_dense(d, k, a, hb, round_keys, out.numpy())
-        return out[:k]
+def select_sparse(d: int, k: int, a: int, hb: int, round_keys: np.ndarray) -> torch.Tensor:
+    """The sorted int64 indices ``{i < d : sigma(i) < k}`` (see :mod:`lowbit.codecs.randk`) as
+    ``sigma^-1(j)`` for ``j < k``, sorted: the selection when ``k`` is small against ``d``
+    (the dense one is :func:`.cpu_randk.select`'s 32-bit pass)."""
     out = torch.empty(k, dtype=torch.int64)
-    _select_sparse(d, k, a, hb, round_keys, out.numpy())
+    _select_sparse(d, k, a, hb, tuple(np.uint64(v) for v in round_keys), out.numpy())
     return out.sort().values
-
 
 
 def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:

@@ -12,8 +12,7 @@ exactly the integers of :func:`lowbit.codecs.randk.select_reference` and of the
 64-bit kernel in :mod:`.cpu_maxnorm` (tested). The dense selection evaluates
 it a block at a time, then walks the rare cycle (values ``>= d``) and compacts
 the kept indices in order: one pass over ``[0, d)``, already sorted
-(:func:`select`; sparse selections and small domains take the 64-bit kernels of
-:mod:`.cpu_maxnorm`); an encode's gather of the kept values rides on the
+(:func:`select`; sparse selections take the 64-bit inverse of :mod:`.cpu_maxnorm`); an encode's gather of the kept values rides on the
 compaction (one sequential read of ``x``).
 """
 
@@ -28,11 +27,8 @@ from numba.extending import intrinsic
 from ..rng import MIX_C1, MIX_C2
 from .cpu import _jit, np_view
 
-__all__ = ["select", "FAST_MIN_HALF_BITS"]
+__all__ = ["select"]
 
-#: the fast kernel serves domains whose halves have at least this many bits (the
-#: 6-round network; smaller domains take the 64-bit kernel of :mod:`.cpu_maxnorm`)
-FAST_MIN_HALF_BITS = 8
 _BLOCK = 1024
 
 
@@ -126,15 +122,14 @@ def _select_dense(d, k, a, hb, keys, out, gather, x, vals):
 
 def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool, device=None, x: torch.Tensor | None = None):
     """The sorted indices ``{i < d : sigma(i) < k}`` on the CPU (see :mod:`lowbit.codecs.randk`;
-    int32 from the 32-bit kernel, int64 otherwise): the 32-bit kernel for a dense selection
-    of a domain with halves of at least :data:`FAST_MIN_HALF_BITS` bits, else
-    :func:`.cpu_maxnorm.select` (``sigma^-1`` on ``j < k`` and a sort when ``k`` is small,
-    or small domains). With ``x`` (``d`` elements): ``(indices, x's kept values)``, gathered
-    in the selection's pass when the 32-bit kernel runs on a float32/float64 ``x``."""
-    if not dense or hb < FAST_MIN_HALF_BITS:
-        from .cpu_maxnorm import select as select64
+    int32 from the 32-bit kernel, int64 otherwise): the 32-bit kernel for a dense selection,
+    else :func:`.cpu_maxnorm.select_sparse` (``sigma^-1`` on ``j < k`` and a sort). With ``x``
+    (``d`` elements): ``(indices, x's kept values)``, gathered in the selection's pass when the
+    32-bit kernel runs on a float32/float64 ``x``."""
+    if not dense or d <= 1:  # d = 1 (hb = 0, no permutation to run): index 0 is kept when k >= 1
+        from .cpu_maxnorm import select_sparse
 
-        idx = select64(d, k, a, hb, round_keys, dense)
+        idx = select_sparse(d, k, a, hb, round_keys)
         return idx if x is None else (idx, x.index_select(0, idx))
     keys = tuple(np.uint32(int(v)) for v in round_keys)
     out = torch.empty(k + 1, dtype=torch.int32)  # d < 2^31; half the bytes of int64 to write and read

@@ -7,13 +7,11 @@ ratio ``|x_i| / W`` is one IEEE division, so ``a_i <= 1`` holds exactly when
 fraction ``~ s 2^-24`` of the coordinates (see :mod:`lowbit.codecs.maxnorm`).
 Error flags are OR-ed into one int32 on the device; the caller reads it once.
 The norm is a float64 sum of per-block float64 partial sums (deterministic: no
-atomics on floats). The random-k selection is computed by the CPU kernel and
-copied (``select`` below).
+atomics on floats). The random-k selection on CUDA is :mod:`.gpu_randk`'s.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -276,12 +274,6 @@ def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor
     """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_decode_words`: ``(one message's decode as dtype,
     flags)``."""
     return _ms_decode(words, words, W, levels, 1, dtype, code_bits, True)
-
-
-def select(d: int, k: int, a: int, hb: int, round_keys: np.ndarray, dense: bool) -> torch.Tensor:
-    """The CPU kernel's selection (integer-exact, so the same set), on the CPU."""
-    from .cpu_maxnorm import select as cpu_select
-    return cpu_select(d, k, a, hb, round_keys, dense)
 
 
 def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:
