@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["packed_nbytes", "check_packed", "pack_bits", "unpack_bits", "pack_wide", "unpack_wide"]
+__all__ = ["packed_nbytes", "check_packed", "check_wire_bytes", "pack_bits", "unpack_bits", "pack_wide", "unpack_wide"]
 
 _MAX_NARROW = 8
 _MAX_WIDE = 32
@@ -51,12 +51,17 @@ def _as_codes(codes: torch.Tensor, b: int) -> torch.Tensor:
 def check_packed(data: torch.Tensor, b: int, n: int) -> torch.Tensor:
     """``data`` is a 1-D uint8 tensor of exactly the ``ceil(n b / 8)`` bytes that ``n`` codes of
     ``b`` bits take (TypeError / ValueError otherwise), checked before anything is allocated."""
+    return check_wire_bytes(data, packed_nbytes(n, b), f"{n} codes of {b} bits")
+
+
+def check_wire_bytes(data: torch.Tensor, need: int, what: str) -> torch.Tensor:
+    """``data`` is a 1-D uint8 tensor of exactly ``need`` bytes, the size of ``what`` (a phrase
+    such as "5 codes of 3 bits"); a TypeError / ValueError saying so otherwise."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         desc = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise TypeError(f"packed data must be a 1-D uint8 tensor, got {desc}")
-    need = packed_nbytes(n, b)
     if data.numel() != need:
-        raise ValueError(f"{n} codes of {b} bits need exactly {need} bytes, got {data.numel()}")
+        raise ValueError(f"{what} need exactly {need} bytes, got {data.numel()}")
     return data
 
 

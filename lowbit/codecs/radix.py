@@ -48,7 +48,7 @@ import math
 import torch
 
 from .kernels import cpu_kernels, fast_backend, kernels_for
-from .packing import check_packed, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
+from .packing import check_packed, check_wire_bytes, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
 __all__ = ["LIMB_BITS", "MAX_GROUP_BITS", "MAX_LEVELS", "WORD_BITS", "check_levels_packed", "chunk_digits",
            "level_bits", "level_width", "levels_nbytes", "limbs", "pack_levels", "pack_levels_fast", "pack_radix",
@@ -126,13 +126,7 @@ def _as_symbols(codes, L: int) -> torch.Tensor:
 
 
 def _check_data(data, n: int, L: int) -> torch.Tensor:
-    if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
-        desc = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
-        raise TypeError(f"packed data must be a 1-D uint8 tensor, got {desc}")
-    need = radix_nbytes(n, L)
-    if data.numel() != need:
-        raise ValueError(f"{n} symbols of {L} levels need exactly {need} bytes, got {data.numel()}")
-    return data
+    return check_wire_bytes(data, radix_nbytes(n, L), f"{n} symbols of {L} levels")
 
 
 def _fast(x: torch.Tensor):
