@@ -26,13 +26,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 import timeit
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
+
+from ..comm.inprocess import pinned_threads  # noqa: F401  (the benchmarks' thread pinning)
 
 __all__ = ["CLOCKS", "check_positive_float", "check_positive_int", "clock_for", "measure", "median_ratio",
            "pinned_threads", "resolve_clock", "spread"]
@@ -88,17 +89,6 @@ def measure(fn: Callable[[], object], device: torch.device, min_run_time: float,
 
     timer = Timer(stmt="fn()", globals={"fn": fn}, timer=clock_for(device, clock), num_threads=threads)
     return float(timer.blocked_autorange(min_run_time=min_run_time).median)
-
-
-@contextlib.contextmanager
-def pinned_threads(n: int = 1) -> Iterator[int]:
-    """``torch.set_num_threads(n)`` for the block, restored afterwards."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield n
-    finally:
-        torch.set_num_threads(old)
 
 
 def _ratios(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> list[float]:

@@ -338,6 +338,18 @@ class ThreadTransport(Transport):
             self._wait(lambda: all(b.closed[j] for j in b.neighbors[me]), "its neighbours to finish gossiping")
 
 
+@contextlib.contextmanager
+def pinned_threads(n: int = 1):
+    """``torch.set_num_threads(n)`` for the block, restored afterwards (thread workers share the
+    cores, and a benchmark times one thread); yields ``n``."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield n
+    finally:
+        torch.set_num_threads(old)
+
+
 def run_threads(world_size: int, fn: Callable[[Transport], T], *, max_running: int | None = None,
                 device: torch.device | str | None = None) -> list[T]:
     """Run ``fn(transport)`` on ``world_size`` thread workers; results in rank order.

@@ -77,7 +77,7 @@ from ..algorithms.compressed import GatheredAlgorithm
 from ..algorithms.dqsg import nested_group_size
 from ..codecs.entropy import empirical_entropy_bits, entropy_code, entropy_decode
 from ..codecs.packing import pack_wide, packed_nbytes, unpack_wide
-from ..comm.inprocess import run_threads
+from ..comm.inprocess import pinned_threads, run_threads
 from ..train import train
 from ..train.config import TrainConfig
 from ..train.loop import run_worker
@@ -266,12 +266,8 @@ def probe_bits(cfg: TrainConfig, opts: dict, entropy_steps: int) -> dict:
     """Train ``cfg`` (no evaluation) on thread workers; the ledger's raw Kbits and the
     entropy-coded Kbits of the payloads of the last ``entropy_steps`` steps."""
     capture_from = max(0, cfg.steps - entropy_steps)
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with pinned_threads(1):
         res = run_threads(cfg.workers, functools.partial(_probe_worker, cfg=cfg, capture_from=capture_from))
-    finally:
-        torch.set_num_threads(old)
     n, d, steps = cfg.workers, res[0]["d"], cfg.steps
     send = senders(opts, n)
     rows = [r["ledger_rows"] for r in res]
@@ -322,12 +318,8 @@ def probe_sizes(cfg: TrainConfig, opts: dict, d: int) -> dict:
     """Raw Kbits per sending worker from the payload each worker's encoder makes for a
     ``d``-element gradient, without data or training: every method here packs fixed-width
     codes, so a payload's size depends on ``d`` alone (the values are a stand-in)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with pinned_threads(1):
         res = run_threads(cfg.workers, functools.partial(_size_worker, cfg=cfg, d=d))
-    finally:
-        torch.set_num_threads(old)
     send = senders(opts, cfg.workers)
     out = {"d": d, "workers": cfg.workers, "steps": 0, "senders": send,
            "raw_kbits": math.fsum(res[r]["payload_bits"] for r in send) / len(send) / 1000, "wire_kbits": None,

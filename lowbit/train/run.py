@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..algorithms import ALGORITHMS
-from ..comm.inprocess import run_threads
+from ..comm.inprocess import pinned_threads, run_threads
 from ..comm.ledger import Ledger
 from .config import TrainConfig, resolve_device
 from .errors import OutputExists, classify, strict_json
@@ -23,13 +23,9 @@ from .loop import WorkerResult, run_worker
 
 
 def _thread_job(cfg: TrainConfig, progress: bool, stream: str | None = None):
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # n workers share the cores; thread CPU time stays per worker
-    try:
+    with pinned_threads(1):  # n workers share the cores; thread CPU time stays per worker
         return run_threads(cfg.workers, functools.partial(run_worker, cfg=cfg, progress=progress, stream=stream),
                            device=resolve_device(cfg.device))
-    finally:
-        torch.set_num_threads(old)
 
 
 def _torch_worker(transport, cfg: TrainConfig, progress: bool, stream: str | None = None) -> WorkerResult:
