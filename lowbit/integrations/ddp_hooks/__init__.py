@@ -77,7 +77,7 @@ How each codec travels (``WIRE_METHODS``):
   the algorithm's (``algorithms.compressed.power_step``, the matrices of the bucket at
   once, the vectors riding in the first all-reduce).
 * ``algorithm`` -- a centralized algorithm (an instance) that runs its own step on the
-  bucket over the default process group (NDQSG), one algorithm state per bucket,
+  bucket over the state's process group (NDQSG), one algorithm state per bucket,
   synchronously (its future is complete when the hook returns).
 
 Asynchrony. The one big transfer of a bucket (the float, integer, gathered or

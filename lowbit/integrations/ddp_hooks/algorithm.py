@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ...algorithms.base import Algorithm, Context
 from ...comm.base import completed
 
 
 def algorithm_step(state, t, algo: Algorithm, x, bidx, sig, dtype):
-    """The algorithm's own step on the bucket over the transport ``t`` (the default group): its
-    before_update replaces the bucket's gradient by the aggregate (synchronously; the ledger of
-    ``t`` gives the bytes, as for every family)."""
-    if state.process_group is not None and state.process_group is not dist.group.WORLD:
-        raise ValueError(f"algorithm {algo.name!r} runs over the default process group; process_group "
-                         f"must be None")
+    """The algorithm's own step on the bucket over the transport ``t`` (the state's process
+    group): its before_update replaces the bucket's gradient by the aggregate (synchronously;
+    the ledger of ``t`` gives the bytes, as for every family)."""
     ctx = Context.make(t, seed=state.seed)
     g = x.to(dtype)
     entry = state.algorithm_states.get(bidx)

@@ -89,7 +89,7 @@ class LowbitHookState:
     ``memory_resets`` (error memories reset by a bucket change), ``powersgd_resets``.
 
     ``codec`` may also be a centralized algorithm (an instance): the hook then runs the
-    algorithm's own step on each bucket over the default process group, one algorithm state
+    algorithm's own step on each bucket over the state's process group, one algorithm state
     per bucket (``"algorithm"``; :func:`make_hook` does this for NDQSG, whose two groups no
     codec path carries). ``sum_dtype`` (the integer dtype of a summable code sum, default the
     narrowest that cannot overflow) and ``kept`` (GlobalRandK's kept fraction of each bucket,
