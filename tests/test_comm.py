@@ -301,3 +301,107 @@ def test_init_from_env_needs_torchrun_variables(monkeypatch):
 def test_transport_needs_a_process_group():
     with pytest.raises(RuntimeError, match="process group"):
         TorchDistributedTransport()
+
+
+# ---- futures: the asynchronous collectives ------------------------------------------
+def async_checks(t: Transport) -> dict:
+    """Each async op against its synchronous form, and the ledger rows of both."""
+    from lowbit.comm.base import then
+
+    r = t.rank
+    out: dict = {"same": [], "futures": []}
+    for name, dtype in DTYPES.items():
+        x = values(r, dtype)
+        for op in OPS + (("band",) if not dtype.is_floating_point else ()):
+            t.set_step(0)
+            want = t.all_reduce(x, op)
+            t.set_step(1)
+            fut = t.all_reduce_async(x, op)
+            out["futures"].append(isinstance(fut, torch._C.Future))  # torch.futures.Future or a .then of one
+            out["same"].append(torch.equal(fut.wait(), want))
+            out[f"async/{op}/{name}"] = want
+    t.set_step(0)
+    want = t.all_gather(values(r, torch.float32))
+    t.set_step(1)
+    got = t.all_gather_async(values(r, torch.float32)).wait()
+    out["same"].append(len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want)))
+    det = getattr(t, "deterministic", None)
+    if det is not None:  # a float sum in rank order, through the future too
+        t.deterministic = True
+    with t.untracked():
+        out["same"].append(torch.equal(t.all_reduce_async(noisy(r), "sum").wait(), t.all_reduce(noisy(r), "sum")))
+    if det is not None:
+        t.deterministic = det
+    # then(): at once on a done future, and the chained value
+    t.set_step(2)
+    out["chained"] = then(t.all_reduce_async(torch.ones(2), "sum"), lambda v: v * 2).wait()
+    rows = t.ledger.to_rows()
+    out["ledger_sync"] = [row[1:] for row in rows if row[0] == 0]
+    out["ledger_async"] = [row[1:] for row in rows if row[0] == 1]
+    return out
+
+
+def group_checks(t: Transport) -> dict:
+    """A transport on the process group of global ranks 1 and 2 (a 3-process launch)."""
+    import torch.distributed as dist
+
+    group = dist.new_group([1, 2])  # every rank takes part in creating it
+    if dist.get_rank() == 0:
+        with pytest.raises(ValueError, match="not in the group"):
+            TorchDistributedTransport(process_group=group)
+        return {}
+    g = TorchDistributedTransport(process_group=group)
+    r = g.rank
+    return {"rank": r, "world_size": g.world_size,
+            "sum": g.all_reduce_async(torch.tensor([float(r + 1)]), "sum").wait(),
+            "gathered": g.all_gather(torch.tensor([r])),
+            "broadcast": g.broadcast(torch.tensor([10 + r]), src=0),
+            "neighbor": g.neighbor_exchange(torch.full((r + 1,), r, dtype=torch.uint8), [1 - r]),
+            "ledger": len(g.ledger.to_rows())}
+
+
+def _async_and_group(t: Transport) -> dict:
+    return {"async": async_checks(t), "group": group_checks(t)}
+
+
+@pytest.fixture(scope="module")
+def async_runs():
+    return run_threads(3, async_checks), launch(3, _async_and_group, backend="gloo", timeout_s=120)
+
+
+def test_async_ops_are_the_synchronous_ops(async_runs):
+    threads, procs = async_runs
+    for res in list(threads) + [p["async"] for p in procs]:
+        assert all(res["futures"]) and all(res["same"])
+        assert res["ledger_async"] == res["ledger_sync"] and len(res["ledger_sync"]) == 8
+        assert torch.equal(res["chained"], torch.full((2,), 6.0))
+    for a, b in zip(threads, procs):  # both runtimes give the same numbers
+        assert_same({k: v for k, v in a.items() if k.startswith("async/")},
+                    {k: v for k, v in b["async"].items() if k.startswith("async/")})
+    band = threads[0]["async/band/int32"]
+    assert torch.equal(band, values(0, torch.int32) & values(1, torch.int32) & values(2, torch.int32))
+
+
+def test_transport_on_a_process_group(async_runs):
+    _, procs = async_runs
+    assert procs[0]["group"] == {}
+    for r, p in enumerate(procs[1:]):
+        g = p["group"]
+        assert (g["rank"], g["world_size"]) == (r, 2)
+        assert torch.equal(g["sum"], torch.tensor([3.0]))
+        assert_same(g["gathered"], [torch.tensor([0]), torch.tensor([1])])
+        assert torch.equal(g["broadcast"], torch.tensor([10]))  # group rank 0 is global rank 1
+        assert_same(g["neighbor"], {1 - r: torch.full((2 - r,), 1 - r, dtype=torch.uint8)})
+        assert g["ledger"] == 4
+
+
+def test_then_raises_with_the_error_type_on_a_done_future():
+    from lowbit.comm.base import completed, then
+
+    def boom(v):
+        raise ValueError(f"bad {v}")
+
+    with pytest.raises(ValueError, match="bad 1"):
+        then(completed(1), boom)
+    with pytest.raises(ValueError, match="band.*integer"):
+        run_threads(1, lambda t: t.all_reduce_async(torch.ones(2), "band"))

@@ -449,6 +449,39 @@ def test_hook_average_is_the_algorithm_aggregate(named):
             assert float((hook - algo).abs().max()) <= tol * float(algo.abs().max()), name
 
 
+# --- on a process group that is not the default one -------------------------------------
+
+SUBGROUP = ["fp16", "qsgd_maxnorm_multiscale", "grandk_maxnorm", "dithered", "sign", "powersgd"]
+
+
+def _subgroup_hooks(transport):
+    """Global ranks 1 and 2 of three train on their own process group: group rank r sees
+    what rank r of the two-process launch sees."""
+    group = dist.new_group([1, 2])  # every rank takes part in creating it
+    if dist.get_rank() == 0:
+        return {}
+    rank = dist.get_rank(group)
+    out = {}
+    for name in SUBGROUP + ["ndqsg"]:
+        state, hook = make_hook(name, seed=3, process_group=group, **_options(name))
+        m = DDP(_net(), bucket_cap_mb=0.001, find_unused_parameters=True, process_group=group)
+        m.register_comm_hook(state, hook)
+        _loss(m, rank, 0).backward()
+        out[name] = (_flat_grad(m).clone(), dict(state.bucket_bytes), dict(state.bucket_numel))
+    return out
+
+
+def test_hooks_on_a_process_group(two):
+    procs = launch(3, _subgroup_hooks, timeout_s=300)
+    assert procs[0] == {}
+    for r, res in enumerate(procs[1:]):
+        for name in SUBGROUP:  # the same gradient and bytes as on the default group of two ranks
+            grad, bb, numel = res[name]
+            assert torch.equal(grad, two[r]["grad"][(name, "grads")][0]), name
+            assert all(bb[b] == _expected_bucket_bytes(name, n, 2) for b, n in numel.items()), name
+        assert torch.equal(res["ndqsg"][0], procs[1]["ndqsg"][0]) and sum(res["ndqsg"][1].values()) > 0
+
+
 # --- without processes ---------------------------------------------------------------------
 
 

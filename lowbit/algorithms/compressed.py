@@ -34,13 +34,14 @@ P and Q travel as float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from ..codecs import PowerSGDCodec, QSGDCodec, SignCodec, TernGradCodec
 from ..codecs.base import Codec, Payload
 from ..codecs.rng import shared_generator
+from ..comm.base import Transport, completed, then
 from .base import CentralizedAlgorithm, State
 from .feedback import compensate, remember
 
@@ -53,6 +54,30 @@ def check_server(server) -> str:
     if server not in SERVERS:
         raise ValueError(f"server must be one of {SERVERS}, got {server!r}")
     return server
+
+
+def decode_average(wires: list[torch.Tensor], decode: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The float64 average of ``decode(sender, wire)`` over the ranks' wire buffers, added in
+    rank order (the same numbers on every rank)."""
+    acc = None
+    for p, w in enumerate(wires):
+        x = decode(p, w).to(torch.float64)
+        acc = x if acc is None else acc + x
+    return acc / len(wires)
+
+
+def gathered_exchange(t: Transport, wire: torch.Tensor, average: Callable[[list[torch.Tensor]], torch.Tensor],
+                      server: str = "allgather", like: torch.Tensor | None = None) -> torch.futures.Future:
+    """The packed payloads of all ranks to where they are decoded: the future of
+    ``average(wires)`` (``wires`` in rank order). ``"allgather"``: one asynchronous all-gather,
+    every rank averages. ``"ps"``: gather to rank 0, which averages and broadcasts the fp32
+    result (synchronous; a completed future), ``like`` giving its shape and device. Shared by
+    :class:`GatheredAlgorithm` and the DDP hook (with :func:`decode_average`)."""
+    if server == "allgather":
+        return then(t.all_gather_async(wire), average)
+    wires = t.gather(wire, dst=0)
+    out = average(wires) if t.rank == 0 else torch.empty(like.shape, device=like.device)
+    return completed(t.broadcast(out.to(device=like.device, dtype=torch.float32), src=0))  # the server sends fp32
 
 
 @dataclass
@@ -90,22 +115,15 @@ class GatheredAlgorithm(CentralizedAlgorithm):
         raise NotImplementedError
 
     def average(self, ctx, k: int, wires: list[torch.Tensor]) -> torch.Tensor:
-        """The float64 average of the decoded payloads (rank order)."""
-        acc = None
-        for p, w in enumerate(wires):
-            x = self.decode(ctx, k, p, w).to(torch.float64)
-            acc = x if acc is None else acc + x
-        return acc / len(wires)
+        """The float64 average of the decoded payloads (rank order; :func:`decode_average`)."""
+        return decode_average(wires, lambda p, w: self.decode(ctx, k, p, w))
 
     # the exchange ----------------------------------------------------------------------
     def exchange(self, state: State, ctx, k: int, wire: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """Gather/all-gather ``wire`` and return the average (float, like ``g``)."""
-        t = ctx.transport
-        if self.server == "allgather":
-            return self.average(ctx, k, t.all_gather(wire)).to(g.dtype)
-        wires = t.gather(wire, dst=0)
-        out = self.average(ctx, k, wires) if ctx.rank == 0 else torch.empty(g.shape, device=g.device)
-        return t.broadcast(out.to(device=g.device, dtype=torch.float32), src=0).to(g.dtype)  # the server sends fp32
+        """Gather/all-gather ``wire`` and return the average (float, like ``g``):
+        :func:`gathered_exchange`, waited for."""
+        return gathered_exchange(ctx.transport, wire, lambda ws: self.average(ctx, k, ws), self.server,
+                                 g).wait().to(g.dtype)
 
     def before_update(self, state, ctx, k, x, g, lr):
         payload = self.encode(state, ctx, k, g)
@@ -197,8 +215,9 @@ def orthogonalize(P: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(P.to(torch.float64), mode="reduced").Q
 
 
-# One power step of PowerSGD in three parts, around its two all-reduces (of P, then of Q); the
-# algorithm below and the DDP hook (lowbit.integrations.ddp_hooks, per gradient matrix) both use them.
+# One power step of PowerSGD in three parts, around its two all-reduces (of P, then of Q), and the
+# step over a transport (power_step); the algorithm below and the DDP hook
+# (lowbit.integrations.ddp_hooks, per gradient matrix) both use them.
 
 def power_p(M: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     """``P = M Q`` (float64 product with the float32 ``Q``), float32 as it travels."""
@@ -215,6 +234,40 @@ def power_q(M: torch.Tensor, P: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def power_product(P_hat: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
     """``P_hat Q^T`` of ``Q`` as it travels (float32), flattened, float64."""
     return (P_hat @ Q.to(torch.float32).to(torch.float64).T).reshape(-1)
+
+
+def power_step(t: Transport, Ms: list[torch.Tensor], Qs: list[torch.Tensor], rider: torch.Tensor | None = None):
+    """One power step for the matrices ``Ms`` (float64, ``n x m``) warm-started from ``Qs``
+    (``m x r``) over the transport ``t``: every ``P = M Q`` in one SUM all-reduce, together with
+    ``rider`` (a float32 vector summed as it is, e.g. the DDP hook's uncompressed vectors already
+    divided by N), each ``P`` averaged (synchronous: ``P_hat`` needs it); ``P_hat`` and this
+    worker's ``Q_m = M^T P_hat``; the ``Q_m`` in one SUM all-reduce (asynchronous), averaged.
+
+    Returns ``(future, P_hats, Q_ms)``: the future of ``(Qs, rider_sum)`` (the averaged ``Q``
+    of every matrix, float32, and the summed rider), the ``P_hat`` (float64) and this worker's
+    ``Q_m`` (float64; ``power_product(P_hat, Q_m)`` is its own contribution)."""
+    n_w = t.world_size
+    Ps = [power_p(M, Q) for M, Q in zip(Ms, Qs)]
+    first = t.all_reduce(torch.cat([P.reshape(-1) for P in Ps] + ([rider] if rider is not None else [])), "sum")
+    P_hats, Q_ms, pos = [], [], 0
+    for M, P in zip(Ms, Ps):
+        P_hat, Q_m = power_q(M, first[pos:pos + P.numel()].view(P.shape) / n_w)
+        P_hats.append(P_hat)
+        Q_ms.append(Q_m)
+        pos += P.numel()
+    rider_sum = first[pos:]
+    if not Q_ms:  # nothing low-rank: the first all-reduce was all
+        return completed(([], rider_sum)), P_hats, Q_ms
+
+    def split(total: torch.Tensor):
+        out, at = [], 0
+        for Q_m in Q_ms:
+            out.append(total[at:at + Q_m.numel()].view(Q_m.shape) / n_w)
+            at += Q_m.numel()
+        return out, rider_sum
+
+    fut = t.all_reduce_async(torch.cat([Q_m.to(torch.float32).reshape(-1) for Q_m in Q_ms]), "sum")
+    return then(fut, split), P_hats, Q_ms
 
 
 @dataclass
@@ -263,18 +316,18 @@ class PowerSGD(CentralizedAlgorithm):
         return 32.0 * (n + m) * r / d if d else 0.0
 
     def before_update(self, state, ctx, k, x, g, lr):
-        t, N, d = ctx.transport, ctx.world_size, g.numel()
+        d = g.numel()
         n, m, _ = self.codec.matrix_shape(d)
         p = compensate(g.to(torch.float64), state.error.to(torch.float64))
         M = torch.nn.functional.pad(p, (0, n * m - d)).view(n, m)
-        P = t.all_reduce(power_p(M, state.Q), "sum") / N
-        P_hat, Q_m = power_q(M, P)
-        Q = t.all_reduce(Q_m.to(torch.float32), "sum") / N
+        fut, (P_hat,), (Q_m,) = power_step(ctx.transport, [M], [state.Q])
         remember(state.error, p, power_product(P_hat, Q_m)[:d])  # e = M - P_hat Q_m^T
+        (Q,), _ = fut.wait()
         g.copy_(power_product(P_hat, Q)[:d].to(g.dtype))
         state.Q = Q.contiguous()
         return state
 
 
 __all__ = ["ErrorState", "GatheredAlgorithm", "OneBitEF", "PowerSGD", "PowerSGDState", "QSGD", "SERVERS",
-           "TernGrad", "check_server", "orthogonalize", "power_p", "power_product", "power_q", "qsgd_levels"]
+           "TernGrad", "check_server", "decode_average", "gathered_exchange", "orthogonalize", "power_p", "power_product",
+           "power_q", "power_step", "qsgd_levels"]

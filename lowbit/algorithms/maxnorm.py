@@ -53,6 +53,7 @@ import torch
 from ..codecs import MultiScaleMaxNormCodec, QSGDMaxNormCodec, RandKCodec, global_index_seed
 from ..codecs.base import SUM_DTYPES, SummableCodec
 from ..codecs.rng import shared_generator
+from ..comm.base import Transport, then
 from .base import CentralizedAlgorithm, State, transient
 
 SUM_DTYPE_NAMES = {str(d).replace("torch.", ""): d for d in SUM_DTYPES}
@@ -99,6 +100,21 @@ def agree_scale_by(codec: SummableCodec, x: torch.Tensor, reduce: Callable[[torc
     for op in codec.scale_reduce_ops:
         agreed.append(reduce(codec.shared_scale(x, tuple(agreed)), op))
     return agreed[0] if len(agreed) == 1 else tuple(agreed)
+
+
+def maxnorm_exchange(t: Transport, codec: SummableCodec, x: torch.Tensor, generator: torch.Generator | None,
+                     sum_dtype: torch.dtype, dtype: torch.dtype, reduce: Callable | None = None):
+    """Lines 5-10 over the transport ``t``: the shared scale (:func:`agree_scale_by`, by ``reduce``,
+    default ``t.all_reduce``; synchronous, as the codes need it), this rank's integer codes
+    drawn from ``generator``, their SUM all-reduce in ``sum_dtype`` (asynchronous) and one
+    reconstruction in ``dtype``. Returns ``(future of the average, own)``, ``own()`` this rank's
+    own decoded contribution (float64). Shared by :class:`MaxNormSGD` and the DDP hook."""
+    scale = agree_scale_by(codec, x, t.all_reduce if reduce is None else reduce)  # lines 5 and 7
+    zeta = codec.encode_int(x, scale, generator)  # line 8
+    d, n = x.numel(), t.world_size
+    own = lambda: codec.decode_sum(zeta, scale, 1, numel=d, dtype=torch.float64)  # noqa: E731
+    fut = t.all_reduce_async(zeta.to(sum_dtype), "sum")  # line 9, in the overflow-safe dtype
+    return then(fut, lambda total: codec.decode_sum(total, scale, n, numel=d, dtype=dtype)), own  # line 10
 
 
 @dataclass
@@ -191,12 +207,9 @@ class MaxNormSGD(CentralizedAlgorithm):
         return float(p)
 
     def before_update(self, state, ctx, k, x, g, lr):
-        t = ctx.transport
-        codec = self.codec_at(ctx, k, state.d)
-        scale = agree_scale_by(codec, g, t.all_reduce)  # line 5 (MAX of the norm), line 7 (MIN of the index)
-        zeta = codec.encode_int(g, scale, shared_generator(ctx.seed, k, ctx.rank))  # line 8
-        total = t.all_reduce(zeta.to(state.sum_dtype), "sum")  # line 9, in the overflow-safe dtype
-        g.copy_(codec.decode_sum(total, scale, ctx.world_size, numel=state.d, dtype=g.dtype))  # line 10
+        fut, _ = maxnorm_exchange(ctx.transport, self.codec_at(ctx, k, state.d), g,
+                                  shared_generator(ctx.seed, k, ctx.rank), state.sum_dtype, g.dtype)
+        g.copy_(fut.wait())
         return state
 
 
@@ -231,4 +244,4 @@ class GlobalRandKMaxNormMultiScaleSGD(MaxNormMultiScaleSGD):
 
 
 __all__ = ["GlobalRandKMaxNormMultiScaleSGD", "GlobalRandKMaxNormSGD", "MaxNormMultiScaleSGD", "MaxNormSGD",
-           "MaxNormState", "agree_scale_by", "kept_count", "maxnorm_inner", "parse_sum_dtype"]
+           "MaxNormState", "agree_scale_by", "kept_count", "maxnorm_exchange", "maxnorm_inner", "parse_sum_dtype"]

@@ -3,6 +3,14 @@
 Public methods record every op in the rank's :class:`~lowbit.comm.ledger.Ledger`
 (one place, so every transport counts the same way) and delegate the moving
 of bytes to the ``_``-prefixed methods a transport implements.
+
+``all_reduce_async`` and ``all_gather_async`` are the asynchronous forms of two
+collectives: they record the op when it is issued, exactly as the synchronous
+form does, and return a :class:`torch.futures.Future` of what the synchronous
+form returns. A transport that cannot overlap (the in-process runtime) gives a
+completed future of the synchronous op; :class:`~lowbit.comm.distributed.
+TorchDistributedTransport` issues the collective with ``async_op=True``.
+:func:`then` chains a step on such a future (at once when it is done).
 """
 
 from __future__ import annotations
@@ -16,7 +24,9 @@ import torch
 from .ledger import CommRecord, Ledger
 from .netmodel import op_messages_and_bytes
 
-REDUCE_OPS = ("sum", "max", "min")
+#: element-wise reductions of :meth:`Transport.all_reduce`; ``"band"`` is the bitwise AND of
+#: integer tensors (e.g. the MIN of packed bit-planes).
+REDUCE_OPS = ("sum", "max", "min", "band")
 
 # handler(src, step, request) -> reply: what a passive worker does with a gossip request.
 GossipHandler = Callable[[int, int, torch.Tensor], torch.Tensor]
@@ -72,17 +82,32 @@ class Transport(ABC):
         return self._neighbor_exchange(buf, neighbors)
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Element-wise reduction over ranks; returns a new tensor. Integer
-        sums wrap like the dtype does: pick a dtype wide enough."""
+        """Element-wise reduction over ranks (``op`` one of :data:`REDUCE_OPS`); returns a
+        new tensor. Integer sums wrap like the dtype does: pick a dtype wide enough."""
+        self._record_reduce(t, op)
+        return self._all_reduce(t, op)
+
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum") -> torch.futures.Future:
+        """:meth:`all_reduce` issued now, its result a future (recorded like it, at issue)."""
+        self._record_reduce(t, op)
+        return self._all_reduce_async(t, op)
+
+    def _record_reduce(self, t: torch.Tensor, op: str) -> None:
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        if op == "band" and (t.is_floating_point() or t.is_complex()):
+            raise ValueError(f"op 'band' (bitwise AND) needs an integer tensor, got {t.dtype}")
         self._record("all_reduce", t.numel() * t.element_size())
-        return self._all_reduce(t, op)
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's tensor (same shape and dtype on all ranks), in rank order."""
         self._record("all_gather", t.numel() * t.element_size())
         return self._all_gather(t)
+
+    def all_gather_async(self, t: torch.Tensor) -> torch.futures.Future:
+        """:meth:`all_gather` issued now, its list of tensors a future (recorded like it, at issue)."""
+        self._record("all_gather", t.numel() * t.element_size())
+        return self._all_gather_async(t)
 
     def _check_root(self, name: str, root: int) -> None:
         if not 0 <= root < self.world_size:
@@ -197,6 +222,14 @@ class Transport(ABC):
     @abstractmethod
     def _all_gather(self, t) -> list[torch.Tensor]: ...
 
+    def _all_reduce_async(self, t, op) -> torch.futures.Future:
+        """A completed future of :meth:`_all_reduce` (a runtime that can overlap overrides it)."""
+        return completed(self._all_reduce(t, op))
+
+    def _all_gather_async(self, t) -> torch.futures.Future:
+        """A completed future of :meth:`_all_gather` (a runtime that can overlap overrides it)."""
+        return completed(self._all_gather(t))
+
     @abstractmethod
     def _broadcast(self, t, src) -> torch.Tensor: ...
 
@@ -208,6 +241,22 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release runtime resources (no-op by default)."""
+
+
+def completed(value) -> torch.futures.Future:
+    """A future that already holds ``value``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
+    """The future of ``fn(fut's value)``. When ``fut`` is already done (the in-process runtime),
+    ``fn`` runs at once and an error it raises propagates here with its own type (inside a
+    ``.then`` callback it would reach ``wait()`` as a RuntimeError); otherwise ``fut.then``."""
+    if fut.done():
+        return completed(fn(fut.value()))
+    return fut.then(lambda f: fn(f.value()))
 
 
 def _check_u8(buf, what: str) -> None:

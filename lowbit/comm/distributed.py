@@ -31,6 +31,18 @@ reply. Nothing waits on a global barrier; two ranks asking each other at once
 are both answered by their responders. ``gossip_close`` sends a DONE header to
 every neighbour and joins the responder, which stops once every neighbour has
 sent DONE (a finished rank keeps answering those still training).
+
+Process group: the default one, or the group given as ``process_group``; ``rank``
+and ``world_size`` are this rank's in that group, and neighbour ranks are group
+ranks (translated to global ranks for point-to-point sends). Asynchronous gossip
+needs the default group.
+
+Futures: ``all_reduce_async`` and ``all_gather_async`` issue the collective with
+``async_op=True`` and return ``work.get_future()`` chained to the same result as
+the synchronous form (a new tensor on the input's device; with ``deterministic``,
+a float sum all-gathers and adds in rank order in the future's callback). The
+``latency_s`` delay is slept before the collective is issued, as for the
+synchronous forms.
 """
 
 from __future__ import annotations
@@ -46,7 +58,7 @@ import torch.distributed as dist
 
 from .base import Transport
 
-_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Asynchronous gossip: message tags on the gossip group, and header kinds.
 _TAG_REQ, _TAG_REQ_DATA, _TAG_REP, _TAG_REP_DATA = 701, 702, 703, 704
@@ -54,8 +66,10 @@ _KIND_REQUEST, _KIND_DONE = 1, 2
 
 
 class TorchDistributedTransport(Transport):
-    """Transport over the initialised default ``torch.distributed`` process group.
+    """Transport over an initialised ``torch.distributed`` process group.
 
+    ``process_group``: the group its collectives run on (None: the default group); this
+    rank must belong to it.
     ``owns_group``: :meth:`close` destroys the process group (set by
     :func:`init_from_env` when it created the group itself).
     ``deterministic``: float sums are reduced in rank order (see module doc).
@@ -67,7 +81,8 @@ class TorchDistributedTransport(Transport):
     gossip is not delayed.
     """
 
-    def __init__(self, *, owns_group: bool = False, deterministic: bool = False, latency_s: float = 0.0):
+    def __init__(self, *, owns_group: bool = False, deterministic: bool = False, latency_s: float = 0.0,
+                 process_group=None):
         if not (isinstance(latency_s, (int, float)) and 0 <= latency_s < math.inf):
             raise ValueError(f"latency_s must be a finite number >= 0, got {latency_s!r}")
         if not dist.is_available() or not dist.is_initialized():
@@ -75,8 +90,14 @@ class TorchDistributedTransport(Transport):
                 "TorchDistributedTransport needs an initialised torch.distributed default process group; "
                 "call lowbit.comm.init_from_env() under torchrun, or use lowbit.comm.launch()"
             )
-        super().__init__(dist.get_rank(), dist.get_world_size())
-        self.backend = str(dist.get_backend()).lower()
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise ValueError(f"process_group: global rank {dist.get_rank()} is not in the group it was given")
+        if owns_group and process_group is not None:
+            raise ValueError("owns_group: a transport owns only the default group it created (process_group=None)")
+        super().__init__(rank, dist.get_world_size(process_group))
+        self.group = process_group
+        self.backend = str(dist.get_backend(process_group)).lower()
         self.deterministic = bool(deterministic)
         self.latency_s = float(latency_s)
         self._owns_group = owns_group
@@ -141,38 +162,54 @@ class TorchDistributedTransport(Transport):
         # 1) sizes: every buffer size is known before its bytes are posted.
         my_size = torch.tensor([send.numel()], dtype=torch.int64, device=dev)
         sizes = {j: torch.zeros(1, dtype=torch.int64, device=dev) for j in peers}
-        _run_p2p([dist.P2POp(dist.irecv, sizes[j], j, tag=1) for j in peers]
-                 + [dist.P2POp(dist.isend, my_size, j, tag=1) for j in peers])
+        _run_p2p([self._p2p(dist.irecv, sizes[j], j, 1) for j in peers]
+                 + [self._p2p(dist.isend, my_size, j, 1) for j in peers])
         # 2) payloads; an empty buffer is not put on the wire (both sides know).
         stated = {j: self._check_stated(int(sizes[j].item()), j, "neighbour-exchange message") for j in peers}
         recv = {j: torch.empty(stated[j], dtype=torch.uint8, device=dev) for j in peers}
-        _run_p2p([dist.P2POp(dist.irecv, recv[j], j, tag=2) for j in peers if recv[j].numel() > 0]
-                 + [dist.P2POp(dist.isend, send, j, tag=2) for j in peers if send.numel() > 0])
+        _run_p2p([self._p2p(dist.irecv, recv[j], j, 2) for j in peers if recv[j].numel() > 0]
+                 + [self._p2p(dist.isend, send, j, 2) for j in peers if send.numel() > 0])
         return {j: recv[j].to(buf.device) for j in peers}
 
+    def _p2p(self, fn, t: torch.Tensor, peer: int, tag: int):
+        """A point-to-point op with group rank ``peer`` (its global rank on the wire)."""
+        if self.group is not None:
+            peer = dist.get_global_rank(self.group, peer)
+        return dist.P2POp(fn, t, peer, group=self.group, tag=tag)
+
     def _all_reduce(self, t, op):
+        return _wait(*self._start_all_reduce(t, op))
+
+    def _all_reduce_async(self, t, op):
+        return _future(*self._start_all_reduce(t, op))
+
+    def _start_all_reduce(self, t, op):
+        """Issue the all-reduce: (its work, a function giving the result once it is done)."""
         self._beat()
         self._delay(2 * (self.world_size - 1))
         if self.deterministic and op == "sum" and t.is_floating_point() and self.world_size > 1:
-            parts = self._all_gather_raw(t)
-            acc = parts[0].clone()
-            for p in parts[1:]:
-                acc += p
-            return acc
+            work, parts = self._start_gather_all(t)
+            return work, lambda: _rank_order_sum(parts())
         x = self._staged(t, copy=True)
-        dist.all_reduce(x, op=_REDUCE[op])
-        return x.to(t.device)
+        return dist.all_reduce(x, op=_REDUCE[op], group=self.group, async_op=True), lambda: x.to(t.device)
 
     def _all_gather(self, t):
         self._beat()
         self._delay(self.world_size - 1)
-        return self._all_gather_raw(t)
+        return _wait(*self._start_gather_all(t))
 
-    def _all_gather_raw(self, t):
+    def _all_gather_async(self, t):
+        self._beat()
+        self._delay(self.world_size - 1)
+        return _future(*self._start_gather_all(t))
+
+    def _start_gather_all(self, t):
+        """Issue an all-gather of ``t`` (no delay, no beat): (its work, a function giving every
+        rank's tensor in rank order on ``t``'s device once it is done)."""
         x = self._staged(t, copy=False)
         outs = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(outs, x)
-        return [o.to(t.device) for o in outs]
+        work = dist.all_gather(outs, x, group=self.group, async_op=True)
+        return work, lambda: [o.to(t.device) for o in outs]
 
     def _broadcast(self, t, src):
         self._beat()
@@ -181,29 +218,35 @@ class TorchDistributedTransport(Transport):
             x = self._staged(t, copy=True)
         else:
             x = torch.empty(t.shape, dtype=t.dtype, device=self._device(t))
-        dist.broadcast(x, src)
+        dist.broadcast(x, self._global(src), group=self.group)
         return x.to(t.device)
 
     def _gather(self, t, dst):
         self._beat()
         self._delay(1)
         if self._nccl:  # NCCL gather support varies by version: all-gather, keep dst's copy
-            parts = self._all_gather_raw(t)
+            parts = _wait(*self._start_gather_all(t))
             return parts if self.rank == dst else None
         x = self._staged(t, copy=False)
         outs = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(x, outs, dst=dst)
+        dist.gather(x, outs, dst=self._global(dst), group=self.group)
         return [o.to(t.device) for o in outs] if outs is not None else None
 
     def _barrier(self):
         self._beat()
         if self._nccl and torch.cuda.is_available():
-            dist.barrier(device_ids=[torch.cuda.current_device()])
+            dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
         else:
-            dist.barrier()
+            dist.barrier(group=self.group)
+
+    def _global(self, rank: int) -> int:
+        """The global rank of group rank ``rank`` (a root of broadcast and gather)."""
+        return rank if self.group is None else dist.get_global_rank(self.group, rank)
 
     # ---- asynchronous gossip ----------------------------------------------
     def _gossip_open(self, neighbors, handler, clock):
+        if self.group is not None:
+            raise ValueError("asynchronous gossip runs on the default process group (process_group=None)")
         self._g_group = dist.new_group(backend="gloo")  # collective: every rank opens
         self._g_handler = handler
         self._g_error: BaseException | None = None
@@ -266,6 +309,30 @@ class TorchDistributedTransport(Transport):
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+
+def _wait(work, result):
+    """Wait for ``work`` (its error raised here) and return ``result()``."""
+    work.wait()
+    return result()
+
+
+def _future(work, result) -> torch.futures.Future:
+    """The future of ``result()`` once ``work`` has finished (its error re-raised in the future)."""
+
+    def finish(f):
+        f.value()
+        return result()
+
+    return work.get_future().then(finish)
+
+
+def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of ``parts`` added in rank order (what the in-process runtime computes)."""
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc += p
+    return acc
 
 
 def _run_p2p(ops) -> None:

@@ -251,6 +251,8 @@ class ThreadTransport(Transport):
                 acc += p
             elif op == "max":
                 torch.maximum(acc, p, out=acc)
+            elif op == "band":
+                torch.bitwise_and(acc, p, out=acc)
             else:
                 torch.minimum(acc, p, out=acc)
         return acc

@@ -46,6 +46,14 @@ class Ledger:
             with self._lock:
                 self.records[self.step].append(rec)
 
+    def drain(self) -> list[CommRecord]:
+        """Every record so far, in step order, removed from the ledger (a consumer that keeps
+        its own totals, as the DDP hook's state, reads them this way)."""
+        with self._lock:
+            recs = [r for s in sorted(self.records) for r in self.records[s]]
+            self.records.clear()
+        return recs
+
     @property
     def bytes_sent(self) -> int:
         return sum(r.sent_bytes for recs in self.records.values() for r in recs)

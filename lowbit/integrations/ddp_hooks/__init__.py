@@ -19,13 +19,27 @@ codec and how its bucket travels. DDP calls the hook once per gradient bucket
 with the bucket's flat, *local* gradient; the hook returns a future whose value
 is the bucket's gradient averaged over the process group.
 
+The hooks are adapters over the centralized algorithms. Every family talks to a
+:class:`~lowbit.comm.distributed.TorchDistributedTransport` on the state's process
+group, whose ``all_reduce_async`` / ``all_gather_async`` return futures, and calls the
+exchange its algorithm calls: the algorithm waits for the future, the hook returns
+``future.then(write into the bucket)``. The shared exchanges are
+:func:`~lowbit.algorithms.allreduce.allreduce_average` (``floats``),
+:func:`~lowbit.algorithms.maxnorm.maxnorm_exchange` with
+:func:`~lowbit.algorithms.maxnorm.agree_scale_by` (``maxnorm``),
+:func:`~lowbit.algorithms.compressed.gathered_exchange` with
+:func:`~lowbit.algorithms.compressed.decode_average` (``gathered``) and
+:func:`~lowbit.algorithms.compressed.power_step` (``powersgd``); the hook adds only what is
+its own: the codec and randomness per bucket, the bit-plane MIN of scale indices, the
+random-k selection per bucket, PowerSGD per gradient tensor, error memory per parameter.
+
 How each codec travels (``WIRE_METHODS``):
 
 * ``allreduce-float`` -- fp32 (:class:`IdentityCodec`; the exact reference) and
   fp16/bf16 (:class:`HalfCodec`): each rank divides by the world size, casts to the
   wire dtype (the codec's overflow check applies), one SUM all-reduce, cast back.
 * ``allreduce-int`` -- summable codecs (QSGDMaxNorm, multi-scale, GlobalRandK around
-  them): the codec's scale rounds (MAX all-reduce of the float32 norm; for the
+  them): the max-norm algorithm's exchange; the codec's scale rounds (MAX all-reduce of the float32 norm; for the
   multi-scale codec a MIN of the per-coordinate scale indices), then one SUM
   all-reduce of the integer codes in ``codec.sum_dtype(world_size)`` (int16 is
   widened to int32: neither gloo nor NCCL reduces int16), then ``decode_sum``.
@@ -41,9 +55,10 @@ How each codec travels (``WIRE_METHODS``):
   rank keeps the same ``k`` coordinates of a bucket, chosen from the seed
   ``derive_seed(seed, step, bucket_index, GLOBAL_RANDK_STREAM)`` (the codec's own
   ``seed`` field is replaced by it), and the kept values travel as the inner
-  codec does (integers for a summable inner codec, fp32/fp16 floats for an
-  identity/half inner codec, all-gather otherwise); the average is scattered back
-  (times ``d / k`` when ``rescale``).
+  codec does (a summable inner codec: the seeded random-k codec is itself summable and
+  travels as ``allreduce-int``, as the GlobalRandK algorithm's; fp32/fp16 floats for an
+  identity/half inner codec, all-gather otherwise, the average scattered back, times
+  ``d / k`` when ``rescale``).
 * ``allgather`` -- codecs whose codes cannot be added (QSGD, TernGrad, sign, DQSG
   dithered, min-max, uniform, RandK with explicit indices): every rank all-gathers
   the packed wire payloads (``payload.to_wire()``, header included) and decodes all
@@ -58,20 +73,21 @@ How each codec travels (``WIRE_METHODS``):
   together with the uncompressed vectors (biases), in one all-reduce; each ``P``
   orthogonalised (QR, the same on every rank); ``Q = M^T P`` averaged by a second
   all-reduce; output ``P Q^T``. The averaged ``Q`` warm-starts the bucket's next step
-  (the first ``Q`` is drawn from the shared seed, the same on every rank). The three
-  parts of the step are the algorithm's (``algorithms.compressed.power_p``, ``power_q``,
-  ``power_product``).
+  (the first ``Q`` is drawn from the shared seed, the same on every rank). The step is
+  the algorithm's (``algorithms.compressed.power_step``, the matrices of the bucket at
+  once, the vectors riding in the first all-reduce).
 * ``algorithm`` -- a centralized algorithm (an instance) that runs its own step on the
-  bucket over the default process group (NDQSG), one algorithm state per bucket; its
-  transport's ledger gives the bytes.
+  bucket over the state's process group (NDQSG), one algorithm state per bucket,
+  synchronously (its future is complete when the hook returns).
 
 Asynchrony. The one big transfer of a bucket (the float, integer, gathered or
-``Q`` tensor) is issued with ``async_op=True`` and decoded in a ``.then``
-callback, so DDP overlaps it with the rest of the backward pass. The small
-rounds before it (the 4-byte norm MAX and the scale-index MIN of the max-norm
-codecs, PowerSGD's ``P``) are done synchronously inside the hook: a later round
-needs the earlier one's result to encode, and waiting inside a future callback
-can deadlock a backend with few worker threads.
+``Q`` tensor) is the transport's ``all_reduce_async`` / ``all_gather_async``
+(``async_op=True``), decoded in a ``.then`` callback, so DDP overlaps it with the
+rest of the backward pass. The small rounds before it (the 4-byte norm MAX and
+the scale-index MIN of the max-norm codecs, PowerSGD's ``P``) are done
+synchronously inside the hook, as in the algorithms: a later round needs the
+earlier one's result to encode, and waiting inside a future callback can
+deadlock a backend with few worker threads.
 
 Randomness. Rank ``r``'s stochastic rounding / dither for bucket ``b`` at step ``k``
 comes from ``shared_generator(seed, k, r, HOOK_STREAM + b)``; ``seed`` must be the
@@ -98,15 +114,17 @@ The memory is keyed
 PowerSGD's warm-start ``Q`` is always per bucket and is re-drawn on a signature
 change (counted in ``state.powersgd_resets``).
 
-Bytes. ``state.bytes_sent`` counts what this rank puts on the wire, by the same
-rule as :func:`lowbit.comm.netmodel.op_messages_and_bytes`: an all-reduce of
-``m`` bytes as the ring's ``2(n-1)/n * m``, an all-gather of ``m`` bytes per rank as
-``(n-1) m``. ``state.fp32_bytes_sent`` counts what plain fp32 all-reduce of the
-same buckets would have sent; ``state.last_step_bytes`` is the latest complete
-iteration's total and ``state.bucket_bytes[b]`` the latest bytes of bucket ``b``.
+Bytes. ``state.bytes_sent`` and ``state.messages`` count what this rank puts on the
+wire, read from the transport's ledger (:meth:`~lowbit.comm.ledger.Ledger.drain`, after
+each bucket), which counts as for every algorithm
+(:func:`lowbit.comm.netmodel.op_messages_and_bytes`: an all-reduce of ``m`` bytes as the
+ring's ``2(n-1)/n * m``, an all-gather of ``m`` bytes per rank as ``(n-1) m``).
+``state.fp32_bytes_sent`` counts what plain fp32 all-reduce of the same buckets would
+have sent; ``state.last_step_bytes`` is the latest complete iteration's total and
+``state.bucket_bytes[b]`` the latest bytes of bucket ``b``.
 
 Pickling (checkpoints): the state pickles without its process group (restored as
-the default group, or set ``state.process_group`` again) and without the
+the default group, or set ``state.process_group`` again), without its transport and without the
 parameter-identity map (call :meth:`LowbitHookState.bind_model` with the new
 model after unpickling, when the memory is per parameter). A restored run
 continues exactly as the original when the new DDP model meets the same buckets

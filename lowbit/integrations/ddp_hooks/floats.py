@@ -1,20 +1,20 @@
 """fp32, fp16 and bf16: each rank divides by the world size, casts to the wire dtype, one SUM
-all-reduce, cast back (method ``allreduce-float``)."""
+all-reduce, cast back (method ``allreduce-float``): AllReduce SGD's exchange,
+:func:`~lowbit.algorithms.allreduce.allreduce_average`, on the pre-divided wire."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
-from .state import _float_wire_dtype, _ok
+from ...algorithms.allreduce import allreduce_average
+from ...comm.base import then
+from .state import _float_wire_dtype
 
 
-def float_allreduce(state, codec, x, world, group, bidx):
-    """``x / world`` in the codec's float dtype, one SUM all-reduce: (future of the float64
-    average, this rank's own contribution times ``world``)."""
+def float_allreduce(t, codec, x):
+    """``x / N`` in the codec's float dtype, one SUM all-reduce over the transport ``t``:
+    (future of the float64 average, this rank's own contribution)."""
     # the codec's payload data is the wire tensor (HalfCodec raises ValueError on overflow)
-    t = codec.encode(x / world).data.view(_float_wire_dtype(codec))
-    own = t.to(torch.float64) * world
-    state._count("all_reduce", t.numel() * t.element_size(), world, bidx)
-    fut = dist.all_reduce(t, group=group, async_op=True).get_future()
-    return fut.then(lambda f: _ok(f) and t.to(torch.float64)), lambda: own
+    wire = codec.encode(x / t.world_size).data.view(_float_wire_dtype(codec))
+    fut, own = allreduce_average(t, wire, divided=True)
+    return then(fut, lambda avg: avg.to(torch.float64)), own

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...comm.base import then
 from ...comm.netmodel import op_messages_and_bytes
 from .algorithm import algorithm_step
 from .floats import float_allreduce
@@ -18,9 +19,8 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     """The DDP communication hook: ``ddp_model.register_comm_hook(state, lowbit_hook)``."""
     if not isinstance(state, LowbitHookState):
         raise ValueError(f"state must be a LowbitHookState, got {type(state).__name__}")
-    group = state._group()
-    world = dist.get_world_size(group)
-    rank = dist.get_rank(group)
+    t = state._comm()
+    world, rank = t.world_size, t.rank
     buf = bucket.buffer()
     bidx = bucket.index()
     is_last = bucket.is_last()
@@ -38,30 +38,31 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
             layout = list(zip(state._names(bucket), _offsets(bucket)))
         x = x + state._load_memory(bucket, buf)
     gen = state._generator(rank, bidx)
+    t.set_step(state.step)
     try:
         if state.method == "allreduce-float":
-            fut, own = float_allreduce(state, codec, x, world, group, bidx)
+            fut, own = float_allreduce(t, codec, x)
         elif state.method == "allreduce-int":
-            fut, own = int_allreduce(state, codec, x, world, group, bidx, gen)
+            fut, own = int_allreduce(state, t, codec, x, gen)
         elif state.method == "allreduce-randk":
-            fut, own = randk_allreduce(state, codec, x, world, group, bidx, rank, gen)
+            fut, own = randk_allreduce(state, t, codec, x, bidx, gen)
         elif state.method == "allgather":
-            fut, own = allgather(state, codec, x, world, group, bidx, rank)
+            fut, own = allgather(state, t, codec, x, bidx)
         elif state.method == "algorithm":
-            fut, own = algorithm_step(state, codec, x, group, bidx, sig, buf.dtype)
+            fut, own = algorithm_step(state, t, codec, x, bidx, sig, buf.dtype)
         else:
-            fut, own = powersgd_step(state, codec, x, world, group, bidx, sig, bucket)
+            fut, own = powersgd_step(state, t, codec, x, bidx, sig, bucket)
     finally:
+        state._drain(t, bidx)
         state._finish_bucket(is_last)
 
-    def write(f):
-        avg = f.value()
+    def write(avg):
         if ef:
             state._store_memory(bidx, sig, layout, x - own())
         buf.copy_(avg.to(buf.dtype))
         return buf
 
-    return fut.then(write)
+    return then(fut, write)
 
 
 # DDP checks the hook's annotations as objects; this module's are strings (postponed evaluation)

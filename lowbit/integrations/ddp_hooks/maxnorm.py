@@ -1,40 +1,41 @@
 """The max-norm family: the shared scale's rounds, then one SUM all-reduce of integer codes
-(``allreduce-int``), optionally on the global random-k coordinates (``allreduce-randk``)."""
+(``allreduce-int``), optionally on the global random-k coordinates (``allreduce-randk``): the
+exchange of :class:`~lowbit.algorithms.maxnorm.MaxNormSGD`,
+:func:`~lowbit.algorithms.maxnorm.maxnorm_exchange`, with the scale indices' MIN as bit-planes."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
-from ...algorithms.maxnorm import agree_scale_by, kept_count
+from ...algorithms.maxnorm import kept_count, maxnorm_exchange
 from ...codecs.base import SummableCodec, is_summable
 from ...codecs.maxnorm import MultiScaleMaxNormCodec
 from ...codecs.packing import pack_bits, unpack_bits
 from ...codecs.randk import GLOBAL_RANDK_STREAM, RandKCodec
 from ...codecs.rng import derive_seed
+from ...comm.base import then
 from .floats import float_allreduce
 from .gathered import allgather
-from .state import _FLOAT_WIRE, _ok
+from .state import _FLOAT_WIRE
 
 
-def _scale_rounds(state, codec: SummableCodec, x, world, group, bidx):
-    """The max-norm algorithm's scale agreement (:func:`~lowbit.algorithms.maxnorm.agree_scale_by`)
-    over ``group``, the MIN of small scale indices as packed bit-planes."""
+def _scale_reduce(t, codec: SummableCodec):
+    """``reduce(stat, op)`` for the scale agreement over the transport ``t``: the transport's
+    all-reduce, but the MIN of a multi-scale codec's small scale indices as packed bit-planes."""
+    inner = codec.inner if isinstance(codec, RandKCodec) else codec
+    planes = len(inner.scales) - 1 if isinstance(inner, MultiScaleMaxNormCodec) else None
 
     def reduce(stat, op):
-        if op == "min" and stat.dtype == torch.uint8 and isinstance(codec, MultiScaleMaxNormCodec) \
-                and len(codec.scales) - 1 <= 7:
-            return _min_by_bitplanes(state, stat, len(codec.scales) - 1, world, group, bidx)
-        state._count("all_reduce", stat.numel() * stat.element_size(), world, bidx)
-        dist.all_reduce(stat, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=group)
-        return stat
+        if op == "min" and stat.dtype == torch.uint8 and planes is not None and planes <= 7:
+            return _min_by_bitplanes(t, stat, planes)
+        return t.all_reduce(stat, op)
 
-    return agree_scale_by(codec, x, reduce)
+    return reduce
 
 
-def _min_by_bitplanes(state, idx: torch.Tensor, planes: int, world, group, bidx) -> torch.Tensor:
+def _min_by_bitplanes(t, idx: torch.Tensor, planes: int) -> torch.Tensor:
     """Element-wise MIN over ranks of small indices (0..planes): plane p = (index >= p),
     packed one bit per coordinate; the AND of a plane over ranks is (min >= p)."""
     n = idx.numel()
@@ -42,8 +43,7 @@ def _min_by_bitplanes(state, idx: torch.Tensor, planes: int, world, group, bidx)
         return idx
     i64 = idx.to(torch.int64)
     packed = torch.cat([pack_bits((i64 >= p).to(torch.int64), 1) for p in range(1, planes + 1)])
-    state._count("all_reduce", packed.numel(), world, bidx)
-    dist.all_reduce(packed, op=dist.ReduceOp.BAND, group=group)
+    packed = t.all_reduce(packed, "band")
     per = packed.numel() // planes
     out = torch.zeros(n, dtype=torch.int64, device=idx.device)
     for p in range(planes):
@@ -51,43 +51,39 @@ def _min_by_bitplanes(state, idx: torch.Tensor, planes: int, world, group, bidx)
     return out.to(torch.uint8)
 
 
-def int_allreduce(state, codec: SummableCodec, x, world, group, bidx, gen):
-    """Lines 5-10 of the max-norm algorithms over ``group``: the scale rounds, the integer codes
-    in the sum dtype (int16 widened to int32), one SUM all-reduce, ``decode_sum``."""
-    scale = _scale_rounds(state, codec, x, world, group, bidx)
-    codes = codec.encode_int(x, scale, gen)
-    dtype = codec.sum_dtype(world, state.sum_dtype)
-    if dtype == torch.int16:  # no backend reduces int16
+def int_allreduce(state, t, codec: SummableCodec, x, gen):
+    """Lines 5-10 of the max-norm algorithms over the transport ``t``
+    (:func:`~lowbit.algorithms.maxnorm.maxnorm_exchange`), the codes in the sum dtype (int16
+    widened to int32: no backend reduces int16)."""
+    dtype = codec.sum_dtype(t.world_size, state.sum_dtype)
+    if dtype == torch.int16:
         dtype = torch.int32
-    t = codes.to(dtype)
-    own = lambda: codec.decode_sum(codes, scale, 1, numel=x.numel(), dtype=torch.float64)  # noqa: E731
-    state._count("all_reduce", t.numel() * t.element_size(), world, bidx)
-    fut = dist.all_reduce(t, group=group, async_op=True).get_future()
-    return fut.then(lambda f: _ok(f) and codec.decode_sum(t.to(torch.int64), scale, world, numel=x.numel(),
-                                                          dtype=torch.float64)), own
+    return maxnorm_exchange(t, codec, x, gen, dtype, torch.float64, _scale_reduce(t, codec))
 
 
-def randk_allreduce(state, codec: RandKCodec, x, world, group, bidx, rank, gen):
-    """Global random-k: the same coordinates of the bucket on every rank (from seed, step and
-    bucket), those through the inner codec's method, the average scattered back (times d / k)."""
+def randk_allreduce(state, t, codec: RandKCodec, x, bidx, gen):
+    """Global random-k: the same coordinates of the bucket on every rank (the codec seeded from
+    seed, step and bucket). A summable inner codec: the codec itself is summable, as the
+    algorithm's GlobalRandK; otherwise the kept values travel through the inner codec's method
+    and the average is scattered back (times d / k)."""
     d = x.numel()
     if state.kept is not None:  # a fraction of each bucket
         codec = dataclasses.replace(codec, k=kept_count(state.kept, d))
-    sel_seed = derive_seed(state.seed, state.step, bidx, GLOBAL_RANDK_STREAM)
-    idx = codec.indices(d, sel_seed, device=x.device)
+    codec = codec.with_seed(derive_seed(state.seed, state.step, bidx, GLOBAL_RANDK_STREAM))
+    inner = codec.inner
+    if is_summable(inner):
+        return int_allreduce(state, t, codec, x, gen)
+    idx = codec.indices(d, device=x.device)
     factor = d / idx.numel() if codec.rescale and idx.numel() else 1.0
     kept = x[idx]
-    inner = codec.inner
     if isinstance(inner, _FLOAT_WIRE):
-        fut, own = float_allreduce(state, inner, kept, world, group, bidx)
-    elif is_summable(inner):
-        fut, own = int_allreduce(state, inner, kept, world, group, bidx, gen)
+        fut, own = float_allreduce(t, inner, kept)
     else:
-        fut, own = allgather(state, inner, kept, world, group, bidx, rank)
+        fut, own = allgather(state, t, inner, kept, bidx)
 
     def scatter(v: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(d, dtype=torch.float64, device=x.device)
         out[idx] = v * factor
         return out
 
-    return fut.then(lambda f: scatter(f.value())), lambda: scatter(own())
+    return then(fut, scatter), lambda: scatter(own())

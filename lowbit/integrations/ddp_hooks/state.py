@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ...algorithms.base import Algorithm
 from ...codecs.base import Codec, is_summable
@@ -21,7 +20,6 @@ from ...codecs.rng import shared_generator
 from ...codecs.sign import SignCodec
 from ...codecs.terngrad import TernGradCodec
 from ...codecs.uniform import UniformCodec
-from ...comm.netmodel import op_messages_and_bytes
 
 #: ``stream`` of :func:`derive_seed` for the hooks' per-rank randomness (plus the bucket index).
 HOOK_STREAM = 0x484F4F4B << 20  # "HOOK"
@@ -91,7 +89,7 @@ class LowbitHookState:
     ``memory_resets`` (error memories reset by a bucket change), ``powersgd_resets``.
 
     ``codec`` may also be a centralized algorithm (an instance): the hook then runs the
-    algorithm's own step on each bucket over the default process group, one algorithm state
+    algorithm's own step on each bucket over the state's process group, one algorithm state
     per bucket (``"algorithm"``; :func:`make_hook` does this for NDQSG, whose two groups no
     codec path carries). ``sum_dtype`` (the integer dtype of a summable code sum, default the
     narrowest that cannot overflow) and ``kept`` (GlobalRandK's kept fraction of each bucket,
@@ -137,7 +135,7 @@ class LowbitHookState:
         self.sum_dtype = sum_dtype
         self.kept = kept
         self.algorithm_states: dict[int, tuple[tuple, Any]] = {}  # "algorithm": per bucket
-        self._transport = None  # "algorithm": the default group's transport, made at the first bucket
+        self._transport = None  # the process group's transport, made at the first bucket
         self._param_names: dict[int, str] | None = None
         if model is not None:
             self.bind_model(model)
@@ -166,17 +164,23 @@ class LowbitHookState:
 
     # --- helpers used by the hook ---------------------------------------------------------
 
-    def _group(self):
-        return self.process_group if self.process_group is not None else dist.group.WORLD
+    def _comm(self):
+        """The transport over the state's process group (made at the first bucket, and again
+        when ``process_group`` is changed): every family communicates through it."""
+        t = self._transport
+        if t is None or t.group is not self.process_group:
+            from ...comm.distributed import TorchDistributedTransport
 
-    def _count(self, op: str, nbytes: int, world: int, bucket: int) -> None:
-        self._add(*op_messages_and_bytes(op, nbytes, world), bucket)
+            t = self._transport = TorchDistributedTransport(process_group=self.process_group)
+        return t
 
-    def _add(self, msgs: int, sent: int, bucket: int) -> None:
-        self.bytes_sent += sent
-        self.messages += msgs
-        self._step_bytes += sent
-        self.bucket_bytes[bucket] = self.bucket_bytes.get(bucket, 0) + sent
+    def _drain(self, t, bucket: int) -> None:
+        """Move what the transport's ledger recorded for this bucket into the counters."""
+        for rec in t.ledger.drain():
+            self.bytes_sent += rec.sent_bytes
+            self.messages += rec.messages
+            self._step_bytes += rec.sent_bytes
+            self.bucket_bytes[bucket] = self.bucket_bytes.get(bucket, 0) + rec.sent_bytes
 
     def _generator(self, rank: int, bucket: int) -> torch.Generator:
         return shared_generator(self.seed, self.step, rank, HOOK_STREAM + bucket)
@@ -241,14 +245,3 @@ def _offsets(bucket) -> list[tuple[int, int]]:
     for g in bucket.gradients():
         out.append(((g.data_ptr() - base) // size, g.numel()))
     return out
-
-
-def _ok(fut) -> bool:
-    """Re-raise a failed collective's error inside a ``.then`` callback (True otherwise)."""
-    fut.value()
-    return True
-
-def _ok_future(value) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(value)
-    return fut
