@@ -405,3 +405,43 @@ def test_then_raises_with_the_error_type_on_a_done_future():
         then(completed(1), boom)
     with pytest.raises(ValueError, match="band.*integer"):
         run_threads(1, lambda t: t.all_reduce_async(torch.ones(2), "band"))
+
+
+def test_nccl_has_no_bitwise_and_and_the_max_norm_hook_then_sends_the_uint8_min():
+    """NCCL reduces no ``band``: a TorchDistributedTransport on NCCL leaves it out of
+    ``reduce_ops`` and refuses it by name; the multi-scale hook's scale-index MIN then goes as
+    one uint8 MIN all-reduce instead of packed bit-planes (same result)."""
+    from lowbit.codecs import MultiScaleMaxNormCodec
+    from lowbit.comm.distributed import TorchDistributedTransport
+    from lowbit.comm.inprocess import ThreadTransport
+    from lowbit.integrations.ddp_hooks.maxnorm import _scale_reduce
+
+    nccl = object.__new__(TorchDistributedTransport)
+    nccl._nccl = True
+    assert "band" not in nccl.reduce_ops and "min" in nccl.reduce_ops
+    nccl._nccl = False
+    assert "band" in nccl.reduce_ops
+
+    class NoAnd(ThreadTransport):
+        reduce_ops = ("sum", "max", "min")
+
+    codec = MultiScaleMaxNormCodec(scales=(2, 6))
+    idx = [torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8), torch.tensor([1, 1, 0, 1, 0], dtype=torch.uint8)]
+
+    def worker(t, no_and):
+        if no_and:
+            t.__class__ = NoAnd
+        got = _scale_reduce(t, codec)(idx[t.rank].clone(), "min")
+        return got, [(r.op, r.nbytes) for rows in t.ledger.records.values() for r in rows]
+
+    for no_and, nbytes in ((False, 1), (True, 5)):  # one packed plane of 5 bits, or 5 uint8 indices
+        for got, rows in run_threads(2, functools.partial(worker, no_and=no_and)):
+            assert got.tolist() == [1, 0, 0, 1, 0]
+            assert rows == [("all_reduce", nbytes)]
+
+    def band(t):
+        t.__class__ = NoAnd
+        t.all_reduce(torch.ones(2, dtype=torch.uint8), "band")
+
+    with pytest.raises(ValueError, match="'band' is not reduced"):
+        run_threads(1, band)

@@ -92,9 +92,16 @@ class Transport(ABC):
         self._record_reduce(t, op)
         return self._all_reduce_async(t, op)
 
+    @property
+    def reduce_ops(self) -> tuple[str, ...]:
+        """The ops of :data:`REDUCE_OPS` this transport's backend reduces (all by default)."""
+        return REDUCE_OPS
+
     def _record_reduce(self, t: torch.Tensor, op: str) -> None:
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        if op not in self.reduce_ops:
+            raise ValueError(f"op {op!r} is not reduced by {self!r}: it reduces {self.reduce_ops}")
         if op == "band" and (t.is_floating_point() or t.is_complex()):
             raise ValueError(f"op 'band' (bitwise AND) needs an integer tensor, got {t.dtype}")
         self._record("all_reduce", t.numel() * t.element_size())

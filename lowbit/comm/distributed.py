@@ -111,6 +111,11 @@ class TorchDistributedTransport(Transport):
         # from the model's size (max_payload_nbytes); a larger stated size is a ValueError.
         self.max_message_bytes: int | None = None
 
+    @property
+    def reduce_ops(self) -> tuple[str, ...]:
+        """NCCL has no bitwise AND: ``"band"`` only where gloo (or MPI) reduces."""
+        return tuple(op for op in super().reduce_ops if op != "band" or not self._nccl)
+
     def __repr__(self) -> str:
         return f"TorchDistributedTransport(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
 

@@ -46,8 +46,8 @@ How each codec travels (``WIRE_METHODS``):
   The MIN of the scale indices travels as ``N - 1`` packed bit-planes (plane ``p``
   holds ``index >= p``) combined by bitwise AND, which is exactly the MIN, when
   that is narrower than one uint8 per coordinate (``N <= 8`` scales; for the
-  paper's two scales one bit per coordinate, its ``ceil(log2 N)``); otherwise a
-  uint8 MIN all-reduce. Integers on the wire take whole bytes (the paper's
+  paper's two scales one bit per coordinate, its ``ceil(log2 N)``) and the backend
+  has a bitwise AND (gloo; NCCL has none); otherwise a uint8 MIN all-reduce. Integers on the wire take whole bytes (the paper's
   section on framework support): ``bits=4`` (codes -7..7) sums in int8 up to 18
   ranks; ``bits=8`` already needs int16 for 2 ranks, sent as int32, i.e. no saving
   over fp32 -- hence ``make_hook``'s default ``bits=4``.

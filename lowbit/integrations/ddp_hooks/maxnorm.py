@@ -23,12 +23,14 @@ from .state import _FLOAT_WIRE
 
 def _scale_reduce(t, codec: SummableCodec):
     """``reduce(stat, op)`` for the scale agreement over the transport ``t``: the transport's
-    all-reduce, but the MIN of a multi-scale codec's small scale indices as packed bit-planes."""
+    all-reduce, but the MIN of a multi-scale codec's small scale indices as packed bit-planes
+    where the backend has a bitwise AND (gloo; NCCL reduces the uint8 indices by MIN)."""
     inner = codec.inner if isinstance(codec, RandKCodec) else codec
     planes = len(inner.scales) - 1 if isinstance(inner, MultiScaleMaxNormCodec) else None
+    planes_ok = planes is not None and planes <= 7 and "band" in t.reduce_ops
 
     def reduce(stat, op):
-        if op == "min" and stat.dtype == torch.uint8 and planes is not None and planes <= 7:
+        if op == "min" and stat.dtype == torch.uint8 and planes_ok:
             return _min_by_bitplanes(t, stat, planes)
         return t.all_reduce(stat, op)
 
