@@ -183,37 +183,38 @@ class TorchDistributedTransport(Transport):
         return dist.P2POp(fn, t, peer, group=self.group, tag=tag)
 
     def _all_reduce(self, t, op):
-        return _wait(*self._start_all_reduce(t, op))
+        return _wait(*self._start_all_reduce(t, op, async_op=False))
 
     def _all_reduce_async(self, t, op):
-        return _future(*self._start_all_reduce(t, op))
+        return _future(*self._start_all_reduce(t, op, async_op=True))
 
-    def _start_all_reduce(self, t, op):
-        """Issue the all-reduce: (its work, a function giving the result once it is done)."""
+    def _start_all_reduce(self, t, op, async_op: bool):
+        """Issue the all-reduce: (its work, None when synchronous; a function giving the result
+        once it is done)."""
         self._beat()
         self._delay(2 * (self.world_size - 1))
         if self.deterministic and op == "sum" and t.is_floating_point() and self.world_size > 1:
-            work, parts = self._start_gather_all(t)
+            work, parts = self._start_gather_all(t, async_op)
             return work, lambda: _rank_order_sum(parts())
         x = self._staged(t, copy=True)
-        return dist.all_reduce(x, op=_REDUCE[op], group=self.group, async_op=True), lambda: x.to(t.device)
+        return dist.all_reduce(x, op=_REDUCE[op], group=self.group, async_op=async_op), lambda: x.to(t.device)
 
     def _all_gather(self, t):
         self._beat()
         self._delay(self.world_size - 1)
-        return _wait(*self._start_gather_all(t))
+        return _wait(*self._start_gather_all(t, async_op=False))
 
     def _all_gather_async(self, t):
         self._beat()
         self._delay(self.world_size - 1)
-        return _future(*self._start_gather_all(t))
+        return _future(*self._start_gather_all(t, async_op=True))
 
-    def _start_gather_all(self, t):
-        """Issue an all-gather of ``t`` (no delay, no beat): (its work, a function giving every
-        rank's tensor in rank order on ``t``'s device once it is done)."""
+    def _start_gather_all(self, t, async_op: bool):
+        """Issue an all-gather of ``t`` (no delay, no beat): (its work, None when synchronous; a
+        function giving every rank's tensor in rank order on ``t``'s device once it is done)."""
         x = self._staged(t, copy=False)
         outs = [torch.empty_like(x) for _ in range(self.world_size)]
-        work = dist.all_gather(outs, x, group=self.group, async_op=True)
+        work = dist.all_gather(outs, x, group=self.group, async_op=async_op)
         return work, lambda: [o.to(t.device) for o in outs]
 
     def _broadcast(self, t, src):
@@ -230,7 +231,7 @@ class TorchDistributedTransport(Transport):
         self._beat()
         self._delay(1)
         if self._nccl:  # NCCL gather support varies by version: all-gather, keep dst's copy
-            parts = _wait(*self._start_gather_all(t))
+            parts = _wait(*self._start_gather_all(t, async_op=False))
             return parts if self.rank == dst else None
         x = self._staged(t, copy=False)
         outs = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
@@ -317,8 +318,12 @@ class TorchDistributedTransport(Transport):
 
 
 def _wait(work, result):
-    """Wait for ``work`` (its error raised here) and return ``result()``."""
-    work.wait()
+    """``result()`` once ``work`` is done: a synchronous op (``work`` None; torch waited, as with
+    ``async_op=False``, which an exit right after a run needs: waiting on the work of an
+    ``async_op=True`` op instead left gloo aborting at exit in 1-3 of 12 two-process runs of
+    tests/wrapper_user_loop.py) or an asynchronous one waited for here (its error raised)."""
+    if work is not None:
+        work.wait()
     return result()
 
 
