@@ -72,18 +72,21 @@ def test_shaped_wall_clock_matches_the_network_model(opts):
     two workers), about 1 s on the link, against milliseconds of compute; so the wall-clock
     of the extra steps is what the alpha-beta model predicts for their ledger (within 30%).
     Differencing two runs cancels process start-up and the evaluations. Other load on the
-    machine can only add wall-clock: up to three pairs are timed and the closest one counts."""
+    machine can only add time (wall-clock, and the compute the model is given): up to three
+    pairs are timed and the closest communication-bound one counts."""
     bw, lat = "5mbit", "5ms"
     tries = []
     for _ in range(3):
         short, long = _shaped(2, bw, lat, **opts), _shaped(8, bw, lat, **opts)
         predicted = long["emulated_seconds"] - short["emulated_seconds"]
         comm = long["emulated_comm_seconds"] - short["emulated_comm_seconds"]
-        assert comm > 0.9 * predicted  # communication-bound, so the check is about the network
-        tries.append((long["wall_seconds"] - short["wall_seconds"], predicted))
-        if tries[-1][0] == pytest.approx(predicted, rel=0.30):
+        tries.append((long["wall_seconds"] - short["wall_seconds"], predicted, comm))
+        if comm > 0.9 * predicted and tries[-1][0] == pytest.approx(predicted, rel=0.30):
             break
-    measured, predicted = min(tries, key=lambda t: abs(t[0] / t[1] - 1))
+    # communication-bound (compute under 10% of the prediction), so the check is about the network
+    bound = [t for t in tries if t[2] > 0.9 * t[1]]
+    assert bound, tries
+    measured, predicted, _ = min(bound, key=lambda t: abs(t[0] / t[1] - 1))
     assert measured == pytest.approx(predicted, rel=0.30), tries
     assert long["bytes_sent"] == train(TrainConfig(workers=2, hidden=2048, steps=8, eval_every=8,
                                                    **opts)).summary["bytes_sent"]
