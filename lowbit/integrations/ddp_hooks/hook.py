@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ...algorithms.feedback import compensate, remember
 from ...comm.base import then
 from ...comm.netmodel import op_messages_and_bytes
 from .algorithm import algorithm_step
@@ -36,7 +37,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     if ef:
         if state.per_parameter:
             layout = list(zip(state._names(bucket), _offsets(bucket)))
-        x = x + state._load_memory(bucket, buf)
+        x = compensate(x, state._load_memory(bucket, buf))  # p = g + e
     gen = state._generator(rank, bidx)
     t.set_step(state.step)
     try:
@@ -58,7 +59,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
 
     def write(avg):
         if ef:
-            state._store_memory(bidx, sig, layout, x - own())
+            state._store_memory(bidx, sig, layout, remember(torch.empty_like(x), x, own()))  # e = p - C(p)
         buf.copy_(avg.to(buf.dtype))
         return buf
 
