@@ -33,11 +33,12 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     codec = state.codec
     ef = state.error_feedback
     x = buf.detach().to(torch.float64)
-    layout = None
+    layout = mem = None
     if ef:
         if state.per_parameter:
             layout = list(zip(state._names(bucket), _offsets(bucket)))
-        x = compensate(x, state._load_memory(bucket, buf))  # p = g + e
+        mem = state._load_memory(bucket, buf)
+        x = compensate(x, mem)  # p = g + e
     gen = state._generator(rank, bidx)
     t.set_step(state.step)
     try:
@@ -59,7 +60,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
 
     def write(avg):
         if ef:
-            state._store_memory(bidx, sig, layout, remember(torch.empty_like(x), x, own()))  # e = p - C(p)
+            state._store_memory(bidx, sig, layout, remember(mem, x, own()))  # e = p - C(p), in place
         buf.copy_(avg.to(buf.dtype))
         return buf
 

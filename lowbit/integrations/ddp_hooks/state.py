@@ -215,11 +215,13 @@ class LowbitHookState:
         return torch.zeros(n, dtype=torch.float64, device=buf.device)
 
     def _store_memory(self, bucket_index: int, sig: tuple, layout, e: torch.Tensor) -> None:
+        """Keep ``e``, the memory :meth:`_load_memory` returned, updated in place: as the
+        bucket's (the tensor itself), or each parameter's slice (copied)."""
         if self.per_parameter:
             for name, (off, size) in layout:
                 self.param_memory[name] = e[off:off + size].clone()
         else:
-            self.bucket_memory[bucket_index] = (sig, e.clone())
+            self.bucket_memory[bucket_index] = (sig, e)
 
     def _finish_bucket(self, is_last: bool) -> None:
         if is_last:
