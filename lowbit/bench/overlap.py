@@ -30,6 +30,7 @@ import time
 from .timing import check_positive_int, median_ratio, spread
 
 OVERLAP_ALGORITHMS = ("dpsgd", "naive")
+_TIMINGS = ("on", "off", "compute", "exchange")  # each round's timings, per step
 
 
 def _mlp(hidden: int, layers: int, seed: int):
@@ -50,8 +51,7 @@ def _worker(transport, cfg: dict) -> dict:
 
     from ..integrations import DecentralizedDataParallel
 
-    torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(1000 + transport.rank)
+    g = torch.Generator().manual_seed(1000 + transport.rank)  # one torch thread: launch() sets it
     x = torch.randn(cfg["batch"], cfg["hidden"], generator=g)
     y = torch.randint(0, cfg["hidden"], (cfg["batch"],), generator=g)
     wrappers = {}
@@ -139,16 +139,12 @@ def bench_overlap(algorithm: str = "dpsgd", workers: int = 2, hidden: int = 1024
             raise RuntimeError(f"bandwidth_mbit needs real shaping, unavailable here: {why}")
         with ShapedNetwork(workers, bandwidth_mbit * 1e6) as net:
             results = launch(workers, _worker, cfg, latency_s=latency_ms / 1e3, network=net)
-    per_round = []
-    for r in range(rounds):
-        # a step ends when its latest rank ends it; the ranks meet at every exchange, so take the max per step
-        on = [max(res["rounds"][r]["on"][i] for res in results) for i in range(steps - warmup)]
-        off = [max(res["rounds"][r]["off"][i] for res in results) for i in range(steps - warmup)]
-        compute = [max(res["rounds"][r]["compute"][i] for res in results) for i in range(steps - warmup)]
-        exchange = [max(res["rounds"][r]["exchange"][i] for res in results) for i in range(steps - warmup)]
-        per_round.append({"on": statistics.median(on), "off": statistics.median(off),
-                          "compute": statistics.median(compute), "exchange": statistics.median(exchange)})
-    med = {k: statistics.median(r[k] for r in per_round) for k in ("on", "off", "compute", "exchange")}
+    # per round and timing: the median step, a step ending when its latest rank ends it (the ranks
+    # meet at every exchange, so the max over ranks per step)
+    per_round = [{key: statistics.median(max(res["rounds"][r][key][i] for res in results)
+                                         for i in range(steps - warmup)) for key in _TIMINGS}
+                 for r in range(rounds)]
+    med = {k: statistics.median(r[k] for r in per_round) for k in _TIMINGS}
     hidden_share = [(r["off"] - r["on"]) / min(r["compute"], r["exchange"]) for r in per_round]
     return {"benchmark": "overlap", "algorithm": algorithm, "workers": workers, "params": results[0]["numel"],
             "model_mb": 4 * results[0]["numel"] / 1e6, "hidden": hidden, "layers": layers, "batch": batch,
