@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lowbit.algorithms import D2, DPSGD, Moniqua, MoniquaD2
-from lowbit.algorithms.moniqua import GAMMA_NOISE, GAMMA_NOISE_1BIT, VERIFY_BLOCK, topology_diameter
+from lowbit.algorithms.moniqua import GAMMA_NOISE, GAMMA_NOISE_1BIT, GAMMA_NOISE_INDEPENDENT, VERIFY_BLOCK, topology_diameter
 from lowbit.codecs import IdentityCodec, ModuloCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
@@ -121,6 +121,14 @@ def test_default_gamma_keeps_the_rounding_noise_inside_theta():
             assert g3 == pytest.approx(min(1.0, g(3 * GAMMA_NOISE) / (1 - lam_min)))
     # one worker: W = [[1]] mixes nothing, any gamma does the same (the CLI fuzz test found a division by 0)
     assert run_threads(1, lambda t: gamma(t, make_topology("ring", 1), 2)) == [1.0]
+    # without shared randomness, above 1 bit: the smaller R of independent rounding
+    def independent(t):
+        w = Moniqua(bits=2, shared_randomness=False).worker(t, make_topology("ring", 8))
+        w.setup(torch.zeros(D))
+        return w.state.gamma
+
+    assert GAMMA_NOISE_INDEPENDENT < GAMMA_NOISE
+    assert run_threads(8, independent) == [pytest.approx(g(GAMMA_NOISE_INDEPENDENT) / (4 / 3))] * 8
     # the mode that decays slowest, not the spectral gap: one gamma on every ring with 1/3 weights
     expect = pytest.approx(g(GAMMA_NOISE) / (4 / 3))
     assert run_threads(4, lambda t: gamma(t, make_topology("ring", 4), 2)) == [expect] * 4

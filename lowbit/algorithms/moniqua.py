@@ -41,12 +41,16 @@ fashion-lenet (`--eval-every 100`), gamma 0.35 / 0.42 / 0.5 reached 83.6 /
 reached 84.18 % on average and 0.65 84.70 % (fp32 D-PSGD 84.83 %), at
 4.15-4.19 wire bits per element, while 0.8 (R = 1.14) let theta grow to 0.34
 (seed 1: 82.0 %): R = 0.75 (gamma 0.64) was the default from then on (the
-former default was R = 0.5, gamma 0.5). At 1 bit a larger gamma buys little
-and costs wire: on fashion-lenet gamma 0.2 / 0.25 / 0.3 reached 83.27 / - /
-83.54 % over three seeds (0.25: 83.11 % at seed 0), but on digits-mlp gamma
-0.3 sent 2.27 wire bits per element at seed 2 and 0.25 sent 2.20 (0.2: 2.14),
-and gamma 0.4 on a ring of 3 sent 2.28: a wrong block's fp32 repair costs 32
-times its 1-bit codes, so R stays 0.3 at 1 bit.
+former default was R = 0.5, gamma 0.5). At 1 bit a larger gamma helps
+fashion-lenet but costs wire on digits: on fashion-lenet gamma 0.2 / 0.25 /
+0.3 reached 83.27 / 83.76 / 83.54 % over three seeds, but on digits-mlp gamma
+0.3 sent 2.27 wire bits per element at seed 2 and 0.25 sent 2.1998 (1.0999
+times the nominal bits times the fan-out, at issue 11's 1.1 limit; 0.2:
+2.14), and gamma 0.4 on a ring of 3 sent 2.28: a wrong block's fp32 repair costs 32
+times its 1-bit codes, so R stays 0.3 at 1 bit. Without shared randomness
+(``--no-shared-randomness``, digits-mlp, 2 bits) R = 0.75 let the local models
+drift apart (consensus distance 9.9e6, 89.4 %) where R = 0.5 had held them
+(0.975): :data:`GAMMA_NOISE_INDEPENDENT` keeps 0.5 there.
 With these, `lowbit train --task digits-mlp --algorithm moniqua --steps 300
 --workers N [--topology T] --bits B` on rings of 3, 4, 6 and 8 workers, a
 complete graph of 8, the exponential graph of 8 and a torus of 16, at 1, 2
@@ -250,6 +254,8 @@ THETA_RUNAWAY = 256.0
 # R of default_gamma: the rounding noise allowed per unit of theta / s, at 1 bit and above (module docstring)
 GAMMA_NOISE_1BIT = 0.3
 GAMMA_NOISE = 0.75
+# ... and above 1 bit without shared randomness, where independent rounding adds noise even between equal models
+GAMMA_NOISE_INDEPENDENT = 0.5
 # elements per verified block when none is given: measured on digits-mlp (see the module docstring)
 VERIFY_BLOCK = 256
 # ... and at least this many code bits per 16-bit hash (the hashes cost at most 1/32 of the codes)
@@ -279,15 +285,17 @@ def agreement_due(k: int, every: int) -> bool:
     return k < every or (k + 1) % every == 0
 
 
-def default_gamma(codec: ModuloCodec, W) -> float:
+def default_gamma(codec: ModuloCodec, W, shared: bool = True) -> float:
     """The slack matrix's gamma when none is given (module docstring, "Slack matrix"):
     ``min(1, g / (1 - lambda_min(W)))`` with ``g = 2 r / (1 + r)``, ``r = R theta / s``,
     ``s = B_theta / 2^bits`` the grid step and R = :data:`GAMMA_NOISE` (:data:`GAMMA_NOISE_1BIT`
-    at 1 bit). It keeps the
+    at 1 bit, :data:`GAMMA_NOISE_INDEPENDENT` above 1 bit when the rounding is not ``shared``).
+    It keeps the
     noise that rounding adds to the models' differences, in W's slowest-decaying mode,
     at ``g / (2 - g) = r`` grid steps squared per unit of distance: well inside theta.
     1 where W mixes nothing (one worker: W = [[1]])."""
-    r = (GAMMA_NOISE_1BIT if codec.bits == 1 else GAMMA_NOISE) * codec.theta * codec.levels / codec.B_theta
+    R = GAMMA_NOISE_1BIT if codec.bits == 1 else GAMMA_NOISE if shared else GAMMA_NOISE_INDEPENDENT
+    r = R * codec.theta * codec.levels / codec.B_theta
     gap = 1.0 - float(np.linalg.eigvalsh(np.asarray(W, dtype=np.float64)).min())
     return min(1.0, (2.0 * r / (1.0 + r)) / gap) if gap > 0 else 1.0
 
@@ -487,7 +495,7 @@ class Moniqua(GossipAlgorithm):
         codec = self.codec
         frame = ModuloFrame(bits=self.bits, block=self.block, verify=self.verify, entropy=self.entropy,
                             peers=len(ctx.neighbors), rank=ctx.rank)
-        gamma = self.gamma if self.gamma is not None else default_gamma(codec, ctx.W)
+        gamma = self.gamma if self.gamma is not None else default_gamma(codec, ctx.W, self.shared_randomness)
         return MoniquaState(theta=None if self.auto_theta else float(self.theta), gamma=float(gamma),
                             period=topology_diameter(ctx.topology) + 1, frame=frame, codec=codec)
 
