@@ -19,8 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ..modulo import GRID_LIMIT, HASH_HIGH, HASH_SALT, HASH_STEP, grid_overflow_message
-from ..rng import MIX_C1, MIX_C2, split_key
+from .. import modulo, rng
+from ..modulo import GRID_LIMIT, grid_overflow_message
+from ..rng import split_key
+
+# A jitted kernel reads a module global only as a constexpr (the compiler refuses a plain
+# int; Triton's interpreter does not check).
+MIX_C1 = tl.constexpr(rng.MIX_C1)
+MIX_C2 = tl.constexpr(rng.MIX_C2)
+HASH_STEP = tl.constexpr(modulo.HASH_STEP)
+HASH_SALT = tl.constexpr(modulo.HASH_SALT)
+HASH_HIGH = tl.constexpr(modulo.HASH_HIGH)
 
 BLOCK = 1024
 GROUPS = 256
