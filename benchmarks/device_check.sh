@@ -29,13 +29,13 @@ cat "$out/machine.txt"
 
 # 1. correctness: the gpu tests and everything else that is not slow, at the same time
 if [ "$device" != cpu ]; then
-  timeout "${T_TESTS:-200}" python3 -m pytest -q -rfE -p no:cacheprovider -m gpu -n 4 --timeout 150 \
+  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE -p no:cacheprovider -m gpu -n 4 --timeout 150 \
     >"$out/gpu_tests.log" 2>&1 &
 fi
-timeout "${T_TESTS:-200}" python3 -m pytest -q -rfE -p no:cacheprovider -m "not gpu and not slow" \
+timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE -p no:cacheprovider -m "not gpu and not slow" \
   -n "${SUITE_WORKERS:-10}" --timeout 150 ${SUITE_ARGS:-} >"$out/suite.log" 2>&1 &
 wait
-tail -n 25 "$out"/gpu_tests.log "$out/suite.log" 2>/dev/null
+grep -h -E "^(FAILED|ERROR)|passed|failed" "$out"/gpu_tests.log "$out/suite.log" 2>/dev/null
 
 # 2. benchmarks, alone: codecs at $size elements (three groups, each its own limit), then steps
 groups=("fp32,fp16,bf16,minmax,modulo,sign,uniform" "dithered,nested,qsgd,terngrad"
