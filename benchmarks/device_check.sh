@@ -7,6 +7,8 @@
 # Each part has its own time limit (seconds: T_TESTS, T_CODECS per codec group, T_STEP), so
 # one that hangs leaves the others' logs in OUTDIR. Wheels in .whl/ (constriction, for a
 # Python without it) are installed first. DEVICE=cpu and SIZE=... rehearse it without a GPU.
+# A shorter run: GPU_TESTS (pytest arguments instead of "-m gpu"), SUITE=0 (not the rest of
+# the suite), CODEC_GROUPS (space-separated groups of --codecs), STEP_ALGORITHMS.
 set -u
 out=${1:?usage: device_check.sh OUTDIR}
 mkdir -p "$out"
@@ -29,17 +31,20 @@ cat "$out/machine.txt"
 
 # 1. correctness: the gpu tests and everything else that is not slow, at the same time
 if [ "$device" != cpu ]; then
-  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE -p no:cacheprovider -m gpu -n 4 --timeout 150 \
-    >"$out/gpu_tests.log" 2>&1 &
+  # shellcheck disable=SC2086
+  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n 4 --timeout 150 \
+    ${GPU_TESTS:--m gpu} >"$out/gpu_tests.log" 2>&1 &
 fi
-timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE -p no:cacheprovider -m "not gpu and not slow" \
-  -n "${SUITE_WORKERS:-10}" --timeout 150 ${SUITE_ARGS:-} >"$out/suite.log" 2>&1 &
+if [ "${SUITE:-1}" != 0 ]; then
+  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE -p no:cacheprovider -m "not gpu and not slow" \
+    -n "${SUITE_WORKERS:-10}" --timeout 150 ${SUITE_ARGS:-} >"$out/suite.log" 2>&1 &
+fi
 wait
 grep -h -E "^(FAILED|ERROR)|passed|failed" "$out"/gpu_tests.log "$out/suite.log" 2>/dev/null
 
 # 2. benchmarks, alone: codecs at $size elements (three groups, each its own limit), then steps
-groups=("fp32,fp16,bf16,minmax,modulo,sign,uniform" "dithered,nested,qsgd,terngrad"
-        "qsgd_maxnorm,multiscale,globalrandk,randk,powersgd")
+read -r -a groups <<<"${CODEC_GROUPS:-fp32,fp16,bf16,minmax,modulo,sign,uniform dithered,nested,qsgd,terngrad \
+qsgd_maxnorm,multiscale,globalrandk,randk,powersgd}"
 for i in "${!groups[@]}"; do
   timeout "${T_CODECS:-70}" python3 -m lowbit bench codecs --device "$device" --size "$size" --rounds 3 \
     --min-run-time 0.02 --codecs "${groups[$i]}" --json "$out/codecs_$i.json" >"$out/codecs_$i.txt" 2>&1

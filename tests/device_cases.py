@@ -104,6 +104,12 @@ def cpu_grad(twin, twin_flat, params, rank, k):
     return twin_flat.grad
 
 
+# DecentralizedDataParallel: (algorithm, options) of each case, and their ids
+WRAPPER_CASES = [("dpsgd", {}), ("moniqua", dict(theta=1.0)), ("allreduce", {}),
+                 ("choco", dict(codec="uniform", delta=0.01)), ("adpsgd", {})]
+WRAPPER_IDS = [name for name, _ in WRAPPER_CASES]
+
+
 def wrapper_run(name, device, steps=4, **options):
     def worker(t):
         twin = model()

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from fakecuda import fake_cuda, is_fake_cuda, no_real_cuda
-from device_cases import (CODEC_CASES, DIM, N, WORKERS, algo_cases, inputs, roundtrip, run_algorithm,
-                          wrapper_run)
+from device_cases import (CODEC_CASES, DIM, N, WORKERS, WRAPPER_CASES, WRAPPER_IDS, algo_cases, inputs, roundtrip,
+                          run_algorithm, wrapper_run)
 from lowbit.codecs import CODECS, agree_scale, is_summable
 from lowbit.codecs.base import CodecKind
 from lowbit.codecs.rng import shared_generator
@@ -107,9 +107,7 @@ def test_thread_transport_returns_on_the_device_sent():
 # averaged model) runs on the fake device.
 
 
-@pytest.mark.parametrize("name,options", [("dpsgd", {}), ("moniqua", dict(theta=1.0)), ("allreduce", {}),
-                                          ("choco", dict(codec="uniform", delta=0.01)), ("adpsgd", {})],
-                         ids=["dpsgd", "moniqua", "allreduce", "choco", "adpsgd"])
+@pytest.mark.parametrize("name,options", WRAPPER_CASES, ids=WRAPPER_IDS)
 def test_wrapper_stays_on_device(name, options):
     ref = wrapper_run(name, "cpu", **options)
     with fake_cuda():

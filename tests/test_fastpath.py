@@ -185,7 +185,8 @@ def test_moniqua_fused_exchange_is_the_codec_path_bit_for_bit(monkeypatch):
     from lowbit.train import TrainConfig, train
 
     def run(**kw):
-        r = train(TrainConfig(task="digits-mlp", workers=4, steps=15, eval_every=100, algorithm="moniqua", **kw))
+        r = train(TrainConfig(task="digits-mlp", workers=4, steps=15, eval_every=100, algorithm="moniqua", device="cpu",
+                               **kw))
         return [(w.params, w.ledger_rows, w.report["mismatched_blocks"]) for w in r.workers]
 
     for kw in (dict(bits=2, theta=0.02), dict(bits=1)):

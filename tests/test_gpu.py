@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from device_cases import CODEC_CASES, DIM, WORKERS, algo_cases, inputs, roundtrip, run_algorithm, wrapper_run
-from lowbit.codecs import make_codec
+from device_cases import (CODEC_CASES, DIM, WORKERS, WRAPPER_CASES, WRAPPER_IDS, algo_cases, inputs, roundtrip,
+                          run_algorithm, wrapper_run)
 from lowbit.codecs.base import CodecKind
 from lowbit.codecs.rng import shared_generator
 from lowbit.integrations.ddp_hooks import HOOKS, centralized_names, make_hook
@@ -122,12 +122,8 @@ def test_thread_transport_returns_on_the_device_sent():
 
 # ---- DecentralizedDataParallel ----------------------------------------------------------------
 @pytest.mark.filterwarnings("ignore:moniqua")
-@pytest.mark.parametrize("name,options", [("dpsgd", {}), ("moniqua", dict(theta=1.0)), ("allreduce", {}),
-                                          ("choco", dict(codec="uniform")), ("adpsgd", {})],
-                         ids=["dpsgd", "moniqua", "allreduce", "choco", "adpsgd"])
+@pytest.mark.parametrize("name,options", WRAPPER_CASES, ids=WRAPPER_IDS)
 def test_wrapper_on_cuda_matches_the_cpu(name, options):
-    if "codec" in options:
-        options = {**options, "codec": make_codec(options["codec"], step=0.01)}
     ref = wrapper_run(name, "cpu", **options)
     got = wrapper_run(name, CUDA, **options)
     for (x_ref, ckpt_ref, avg_ref, _), (x, ckpt, avg, ddp) in zip(ref, got):

@@ -168,14 +168,16 @@ def _modulo_decode_kernel(codes_ptr, y_ptr, out_ptr, n, B, step, LEVELS: tl.cons
 
 
 @triton.jit
-def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: tl.constexpr, CHUNK: tl.constexpr):
-    """Elements ``start..end-1``: eq. (5) as the numba kernel computes it (lattice index k, then
-    the grid integers m = code - LEVELS k), stored into ``out``; returns the block's 16-bit hash
-    of m and its largest |k|."""
+def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: tl.constexpr, LEN: tl.constexpr,
+                       CHUNK: tl.constexpr):
+    """Elements ``start..end-1`` (``end - start <= LEN``): eq. (5) as the numba kernel computes it
+    (lattice index k, then the grid integers m = code - LEVELS k), stored into ``out``; returns the
+    block's 16-bit hash of m and its largest |k|. The loop's bounds are constexpr: Triton 3.6's
+    interpreter cannot take a tensor as a ``range`` bound."""
     acc = tl.zeros([CHUNK], dtype=tl.uint32)
     reach = tl.zeros([CHUNK], dtype=tl.float64)
-    for s in range(start, end, CHUNK):
-        offs = s + tl.arange(0, CHUNK)
+    for s in range(0, LEN, CHUNK):
+        offs = start + s + tl.arange(0, CHUNK)
         mask = offs < end
         y = tl.load(y_ptr + offs, mask=mask, other=0.0)
         yf = y.to(tl.float64)
@@ -199,35 +201,37 @@ def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: t
 
 
 @triton.jit
-def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n, block, B, step,
-                               LEVELS: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per hashed block: the decode, the block's hash and its largest |k|."""
+def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n, B, step,
+                               LEVELS: tl.constexpr, BLOCK_LEN: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per hashed block of ``BLOCK_LEN`` elements: the decode, the block's hash and
+    its largest |k|."""
     b = tl.program_id(0)
-    h, reach = _decode_hash_block(codes_ptr, y_ptr, out_ptr, b * block, tl.minimum(b * block + block, n), B, step,
-                                  LEVELS, CHUNK)
+    h, reach = _decode_hash_block(codes_ptr, y_ptr, out_ptr, b * BLOCK_LEN, tl.minimum(b * BLOCK_LEN + BLOCK_LEN, n),
+                                  B, step, LEVELS, BLOCK_LEN, CHUNK)
     tl.store(hash_ptr + b, h)
     tl.store(reach_ptr + b, reach)
 
 
 @triton.jit
 def _moniqua_receive_kernel(codes_ptr, y_ptr, xh_ptr, sent_ptr, bad_ptr, reach_ptr, v_ptr, xhi_ptr, delta_ptr, n,
-                            block, B, step, w_ptr, LEVELS: tl.constexpr, CHUNK: tl.constexpr, DITHER: tl.constexpr):
+                            B, step, w_ptr, LEVELS: tl.constexpr, BLOCK_LEN: tl.constexpr, CHUNK: tl.constexpr,
+                            DITHER: tl.constexpr):
     """One program per hashed block of a neighbour's message: the decode into ``xh``, the hash
     compared with the one sent (``bad``), and for a block that agrees line 6's term ``delta +=
     w x_j; delta -= w x_hat_i`` (fused multiply-adds; ``x_j = xh - v`` with the shared dither; ``w``
     one element of delta's dtype: a float argument would be rounded to float32)."""
     b = tl.program_id(0)
-    start = b * block
-    end = tl.minimum(start + block, n)
-    h, reach = _decode_hash_block(codes_ptr, y_ptr, xh_ptr, start, end, B, step, LEVELS, CHUNK)
+    start = b * BLOCK_LEN
+    end = tl.minimum(start + BLOCK_LEN, n)
+    h, reach = _decode_hash_block(codes_ptr, y_ptr, xh_ptr, start, end, B, step, LEVELS, BLOCK_LEN, CHUNK)
     differs = h != tl.load(sent_ptr + b)
     tl.store(bad_ptr + b, differs.to(tl.int32))
     tl.store(reach_ptr + b, reach)
     tl.debug_barrier()  # this program's stores of xh are visible to its loads below
     if not differs:
         wd = tl.load(w_ptr)
-        for s in range(start, end, CHUNK):
-            offs = s + tl.arange(0, CHUNK)
+        for s in range(0, BLOCK_LEN, CHUNK):
+            offs = start + s + tl.arange(0, CHUNK)
             mask = offs < end
             d = tl.load(delta_ptr + offs, mask=mask, other=0.0)
             xj = tl.load(xh_ptr + offs, mask=mask, other=0.0)
@@ -247,8 +251,8 @@ def _decode_hash(codes: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block:
     hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
     reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
     if n:
-        _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, block, float(B), float(B) / levels,
-                                          LEVELS=levels, CHUNK=min(1024, triton.next_power_of_2(block)))
+        _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, float(B), float(B) / levels,
+                                          LEVELS=levels, BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)))
     return hashes, reach.max().reshape(1) * levels
 
 
@@ -275,14 +279,16 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
                  msg: torch.Tensor, hash_at: int, ctrl: int, xhat: torch.Tensor) -> None:
     """Moniqua's message on the device (the numba ``moniqua_send``'s contract): the codes packed
     into ``msg`` from byte 0, the sender's own decode into ``xhat``, the blocks' hashes ``<u2`` into
-    ``msg`` from ``hash_at``, ``ctrl`` last. Host reads: the encode's non-finite flag and the
+    ``msg`` from ``hash_at``, ``ctrl`` last. One host read: the encode's non-finite flag with the
     overflow check."""
     x = x.detach().contiguous()
-    codes = modulo_encode(x, B, levels, stochastic, key)
+    codes, flag = _modulo_codes(x, B, levels, stochastic, key)
     packed = pack(codes, bits)
     msg[:packed.numel()] = packed
     hashes, reach = _decode_hash(codes, x, xhat, block, B, levels)
-    _check_reach(float(reach), B, levels)
+    host = torch.cat([flag.to(torch.float64), reach]).cpu()  # the one host read
+    raise_if_flagged(host[:1], "modulo")
+    _check_reach(float(host[1]), B, levels)
     le = torch.stack([hashes & 0xFF, (hashes >> 8) & 0xFF], dim=1).flatten().to(torch.uint8)
     msg[hash_at:hash_at + le.numel()] = le
     msg[-1] = ctrl
@@ -300,14 +306,17 @@ def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: tor
     n = y.numel()
     nb = -(-n // block)
     codes = unpack(data, bits, n)
-    theirs = torch.from_numpy(np.asarray(sent, dtype=np.int32)).to(y.device)
+    # host-to-device copies of pageable memory with non_blocking: staged at once, and no
+    # stream synchronisation (a blocking copy waits for every thread's queued kernels)
+    theirs = torch.from_numpy(np.asarray(sent, dtype=np.int32)).to(y.device, non_blocking=True)
+    wd = torch.tensor([w], dtype=delta.dtype).to(y.device, non_blocking=True)
     bad = torch.zeros(nb, dtype=torch.int32, device=y.device)
     reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
     if n:
         _moniqua_receive_kernel[(nb,)](codes, y, xh, theirs, bad, reach, y if v is None else v.contiguous(), xhat_i,
-                                       delta, n, block, float(B), float(B) / levels,
-                                       torch.tensor([w], dtype=delta.dtype, device=y.device), LEVELS=levels,
-                                       CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None)
+                                       delta, n, float(B), float(B) / levels,
+                                       wd, LEVELS=levels,
+                                       BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None)
     host = torch.cat([bad.to(torch.float64), reach.max().reshape(1) * levels]).cpu()  # the one host read
     _check_reach(float(host[-1]), B, levels)
     return np.flatnonzero(host[:-1].numpy()).tolist()
@@ -320,15 +329,15 @@ def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
 
 def raise_if_flagged(flag: torch.Tensor, codec: str) -> None:
     """The fast path's one deliberate host read on CUDA: a non-finite input found by a
-    kernel becomes a clear error (reading one int32 waits for the encode kernel)."""
+    kernel becomes a clear error (reading one int32 waits for the encode kernel; a flag
+    already read back is a CPU tensor)."""
     if int(flag.item()):
         raise ValueError(f"x must be finite for the {codec} codec")
 
 
-def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu.modulo_encode`: Moniqua's codes (uint8) of ``x`` modulo ``B`` on
-    ``levels`` levels: eq. (5), rounding stochastic with the stream ``key`` or to nearest."""
-    x = x.detach().contiguous()
+def _modulo_codes(x: torch.Tensor, B: float, levels: int, stochastic: bool,
+                  key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`modulo_encode`'s codes and its non-finite flag, both on the device (no host read)."""
     n = x.numel()
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
     flag = nonfinite_flag(x)
@@ -336,6 +345,13 @@ def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key:
     if n:
         _modulo_encode_kernel[_grid(n, BLOCK)](x, codes, flag, n, 1.0 / B, k0, k1, LEVELS=levels,
                                                STOCHASTIC=bool(stochastic), BLOCK_=BLOCK)
+    return codes, flag
+
+
+def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int) -> torch.Tensor:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu.modulo_encode`: Moniqua's codes (uint8) of ``x`` modulo ``B`` on
+    ``levels`` levels: eq. (5), rounding stochastic with the stream ``key`` or to nearest."""
+    codes, flag = _modulo_codes(x.detach().contiguous(), B, levels, stochastic, key)
     raise_if_flagged(flag, "modulo")
     return codes
 

@@ -1,8 +1,8 @@
 """The random-k selection (a keyed Feistel permutation, see :mod:`lowbit.codecs.randk`)
 on CUDA: a Triton kernel evaluates ``sigma(i)`` for every ``i < d`` in uint32 lanes
-(cycle walking included) and flags ``sigma(i) < k``; the flags are compacted into the
-sorted indices with torch ops on the device (a cumulative sum and a scatter: no host
-synchronisation, the count is known to be ``k``). The integers are exactly those of
+(cycle walking included), flags ``sigma(i) < k`` and counts the flags of each block; a
+second kernel writes the kept positions of each block from the block's start (no host
+synchronisation: the count is known to be ``k``). The integers are exactly those of
 :func:`lowbit.codecs.randk.select_reference` (integer arithmetic only)."""
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ def _sigma(v, keys_ptr, A, HB, NKEYS: tl.constexpr):
 
 
 @triton.jit
-def _flags_kernel(keys_ptr, flags_ptr, d, k, a, hb, NKEYS: tl.constexpr, BLOCK_: tl.constexpr):
+def _flags_kernel(keys_ptr, flags_ptr, counts_ptr, d, k, a, hb, NKEYS: tl.constexpr, BLOCK_: tl.constexpr):
+    """``flags[i] = sigma(i) < k`` (int8) and each program's count of them."""
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < d
     D = d.to(tl.uint32)
@@ -47,24 +48,38 @@ def _flags_kernel(keys_ptr, flags_ptr, d, k, a, hb, NKEYS: tl.constexpr, BLOCK_:
     while tl.max(walk.to(tl.int32), axis=0) > 0:  # cycle walking (rare)
         v = tl.where(walk, _sigma(v, keys_ptr, A, HB, NKEYS), v)
         walk = (v >= D) & mask
-    tl.store(flags_ptr + offs, (v < k.to(tl.uint32)).to(tl.int8), mask=mask)
+    keep = (v < k.to(tl.uint32)) & mask
+    tl.store(flags_ptr + offs, keep.to(tl.int8), mask=mask)
+    tl.store(counts_ptr + tl.program_id(0), tl.sum(keep.to(tl.int32), axis=0))
+
+
+@triton.jit
+def _compact_kernel(flags_ptr, starts_ptr, out_ptr, d, BLOCK_: tl.constexpr):
+    """The flagged positions of each program's block, in order, from its start in ``out``."""
+    offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
+    mask = offs < d
+    f = tl.load(flags_ptr + offs, mask=mask, other=0).to(tl.int32)
+    pos = tl.load(starts_ptr + tl.program_id(0)) + tl.cumsum(f, axis=0) - f
+    tl.store(out_ptr + pos, offs.to(tl.int64), mask=f > 0)
 
 
 def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool = True, device=None,
            x: torch.Tensor | None = None):
     """The sorted int64 indices ``{i < d : sigma(i) < k}`` on ``device`` (CUDA; any device
     Triton runs on, the CPU under ``TRITON_INTERPRET=1``). Every coordinate is tested
-    (``dense`` is accepted for the CPU module's signature). With ``x``: ``(indices, x's
+    (``dense`` is accepted for the CPU module's signature): one kernel flags them and counts
+    them per block, a second writes each block's kept positions from the block's start (a
+    prefix sum of the counts), with no host synchronisation. With ``x``: ``(indices, x's
     kept values)``."""
     if d >= 2**31:
         raise ValueError(f"d must be below 2^31 (int32 headers), got {d}")
     keys = torch.tensor([int(v) for v in round_keys], dtype=torch.int64).to(torch.int32).to(device)
-    flags = torch.empty(d, dtype=torch.int8, device=device)
+    idx = torch.empty(k, dtype=torch.int64, device=device)
     if d:
-        _flags_kernel[_grid(d, BLOCK)](keys, flags, d, k, a, hb, NKEYS=len(keys), BLOCK_=BLOCK)
-    pos = torch.cumsum(flags, 0, dtype=torch.int64) - 1
-    slot = torch.where(flags.bool(), pos, k)  # the unkept all land in a spare slot k
-    out = torch.empty(k + 1, dtype=torch.int64, device=device)
-    out.scatter_(0, slot, torch.arange(d, dtype=torch.int64, device=device))
-    idx = out[:k]
+        grid = _grid(d, BLOCK)
+        flags = torch.empty(d, dtype=torch.int8, device=device)
+        counts = torch.empty(grid[0], dtype=torch.int32, device=device)
+        _flags_kernel[grid](keys, flags, counts, d, k, a, hb, NKEYS=len(keys), BLOCK_=BLOCK)
+        starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
+        _compact_kernel[grid](flags, starts, idx, d, BLOCK_=BLOCK)
     return idx if x is None else (idx, x.index_select(0, idx))
