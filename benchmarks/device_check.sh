@@ -8,7 +8,7 @@
 # one that hangs leaves the others' logs in OUTDIR. Wheels in .whl/ (constriction, for a
 # Python without it) are installed first. DEVICE=cpu and SIZE=... rehearse it without a GPU.
 # A shorter run: GPU_TESTS (pytest arguments instead of "-m gpu"), SUITE=0 (not the rest of
-# the suite), CODEC_GROUPS (space-separated groups of --codecs), STEP_ALGORITHMS.
+# the suite), CODEC_GROUPS (space-separated groups of --codecs), STEP_ALGORITHMS, GPU_WORKERS.
 set -u
 out=${1:?usage: device_check.sh OUTDIR}
 mkdir -p "$out"
@@ -32,7 +32,7 @@ cat "$out/machine.txt"
 # 1. correctness: the gpu tests and everything else that is not slow, at the same time
 if [ "$device" != cpu ]; then
   # shellcheck disable=SC2086
-  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n 4 --timeout 150 \
+  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n "${GPU_WORKERS:-4}" --timeout 150 \
     ${GPU_TESTS:--m gpu} >"$out/gpu_tests.log" 2>&1 &
 fi
 if [ "${SUITE:-1}" != 0 ]; then

@@ -86,7 +86,9 @@ def test_algorithm_on_cuda_thread_workers_matches_the_cpu(name, opts):
         assert x.device == CUDA and traj.device == CUDA
         for key, t in algo.state_tensors().items():
             assert t.device == CUDA, f"{name}: state tensor {key} is on {t.device}"
-        assert_mostly_close(traj, traj_ref, rtol=1e-6, atol=1e-9, frac=0.02)
+        # a codec decodes to float32, computed in float32 on the GPU and in float64 then rounded
+        # on the CPU: one float32 ulp apart at most (seen: 2^-27 on values below 0.1, min-max)
+        assert_mostly_close(traj, traj_ref, rtol=1e-6, atol=2**-24 * float(traj_ref.abs().max()), frac=0.02)
 
 
 @pytest.mark.parametrize("argv", [["--algorithm", "powersgd"], ["--algorithm", "moniqua", "--bits", "1"],

@@ -66,6 +66,19 @@ def load_work(ptr, offs, mask):
 
 
 @triton.jit
+def div(a, b):
+    """``a / b`` correctly rounded (IEEE) for float32 and float64 ``a`` (``b`` float32, or
+    ``a``'s dtype). Triton's ``/`` on float32 is an approximate division (``div.full.f32``, up
+    to 2 ulp: x / x need not be 1), which would break the kernels' bounds, all derived for
+    IEEE division; on float64 it is IEEE already."""
+    if a.dtype == tl.float64:
+        q = a / b
+    else:
+        q = tl.math.div_rn(a, b)
+    return q
+
+
+@triton.jit
 def rint(v):
     """Round half to even (as ``torch.round``)."""
     r = tl.floor(v + 0.5)
@@ -162,7 +175,7 @@ def _modulo_decode_kernel(codes_ptr, y_ptr, out_ptr, n, B, step, LEVELS: tl.cons
     y = tl.load(y_ptr + offs, mask=mask, other=0.0)
     yf = y if y.dtype == tl.float64 else y.to(tl.float32)
     q = tl.load(codes_ptr + offs, mask=mask, other=0).to(yf.dtype) * step
-    t = (q - yf) / B + 0.5
+    t = div(q - yf, B) + 0.5
     r = (t - tl.floor(t) - 0.5) * B
     tl.store(out_ptr + offs, (r + yf).to(y.dtype), mask=mask)
 
@@ -176,6 +189,7 @@ def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: t
     interpreter cannot take a tensor as a ``range`` bound."""
     acc = tl.zeros([CHUNK], dtype=tl.uint32)
     reach = tl.zeros([CHUNK], dtype=tl.float64)
+    inv_B = 1.0 / tl.cast(B, tl.float64)  # IEEE in float64, as the numba kernel's 1 / B
     for s in range(0, LEN, CHUNK):
         offs = start + s + tl.arange(0, CHUNK)
         mask = offs < end
@@ -183,7 +197,7 @@ def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: t
         yf = y.to(tl.float64)
         code = tl.load(codes_ptr + offs, mask=mask, other=0)
         z = code.to(tl.float64) * step - yf
-        k = tl.floor(z * (1.0 / B) + 0.5)
+        k = tl.floor(z * inv_B + 0.5)
         r = z - B * k
         up = r >= B * 0.5
         down = r < -B * 0.5

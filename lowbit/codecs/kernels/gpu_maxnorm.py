@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..rng import split_key
-from .gpu import BLOCK, _grid, load_work, uniform
+from .gpu import BLOCK, _grid, div, load_work, uniform
 
 FLAG_NONFINITE = 1
 FLAG_OVER = 2
@@ -52,7 +52,7 @@ def _qsgd_encode_kernel(x_ptr, codes_ptr, flag_ptr, n, W, Wdiv, S, OFFSET, k0, k
     mask = offs < n
     x = load_work(x_ptr, offs, mask)
     a = tl.abs(x)
-    t = (a / Wdiv) * S
+    t = div(a, Wdiv) * S
     lo = tl.floor(t)
     mag = (lo + (uniform(offs, k0, k1) < (t - lo)).to(t.dtype)).to(tl.int64)
     c = tl.where(x < 0, -mag, mag) + OFFSET
@@ -69,7 +69,7 @@ def _qsgd_decode_kernel(codes_ptr, par_ptr, out_ptr, n, OFFSET, BLOCK_: tl.const
     f = tl.load(par_ptr)
     m = tl.load(par_ptr + 1)
     c = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int64) - OFFSET
-    v = (c.to(f.dtype) * f) / m
+    v = div(c.to(f.dtype) * f, m)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -88,7 +88,7 @@ def _ms_index_kernel(x_ptr, lev_ptr, idx_ptr, flag_ptr, n, W, Wdiv, N: tl.conste
     mask = offs < n
     x = load_work(x_ptr, offs, mask)
     a = tl.abs(x)
-    r = (a / Wdiv).to(tl.load(lev_ptr).dtype)
+    r = div(a, Wdiv).to(tl.load(lev_ptr).dtype)
     tl.store(idx_ptr + offs, _admissible(r, lev_ptr, N).to(tl.uint8), mask=mask)
     tl.atomic_or(flag_ptr, _flag_bits(mask, x, a, W))
 
@@ -103,7 +103,7 @@ def _ms_encode_kernel(x_ptr, lev_ptr, idx_ptr, out_ptr, flag_ptr, n, W, Wdiv, k0
     x = load_work(x_ptr, offs, mask)
     a = tl.abs(x)
     s_min = tl.load(lev_ptr)
-    r = (a / Wdiv).to(s_min.dtype)
+    r = div(a, Wdiv).to(s_min.dtype)
     flags = _flag_bits(mask, x, a, W)
     if OWN:
         j = _admissible(r, lev_ptr, N)
@@ -139,7 +139,7 @@ def _ms_decode_kernel(c_ptr, idx_ptr, lev_ptr, out_ptr, flag_ptr, n, W, m, CODE_
         c = w
     bad = (j < 0) | (j >= N)
     j = tl.where(bad, 0, j)
-    v = ((c.to(lev0.dtype) * W) / tl.load(lev_ptr + j, mask=mask, other=1.0)) / m
+    v = div(div(c.to(lev0.dtype) * W, tl.load(lev_ptr + j, mask=mask, other=1.0)), m)
     tl.store(out_ptr + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
     tl.atomic_or(flag_ptr, tl.max(tl.where(mask & bad, 4, 0), axis=0))
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..rng import counter_uniforms, split_key
-from .gpu import BLOCK, _grid, load_work, pack, rint, uniform, unpack
+from .gpu import BLOCK, _grid, div, load_work, pack, rint, uniform, unpack
 
 __all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
@@ -66,7 +66,7 @@ def _minmax_decode_kernel(codes_ptr, out_ptr, n, scale_ptr, lo_ptr, BLOCK_: tl.c
     mask = offs < n
     scale = tl.load(scale_ptr)
     c = tl.load(codes_ptr + offs, mask=mask, other=0).to(scale.dtype)
-    tl.store(out_ptr + offs, (c / scale + tl.load(lo_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + offs, (div(c, scale) + tl.load(lo_ptr)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def minmax_range(x: torch.Tensor) -> tuple[float, float, bool]:
@@ -113,7 +113,7 @@ def _uniform_encode_kernel(x_ptr, codes_ptr, range_ptr, n, step_ptr, base, k0, k
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
     x = load_work(x_ptr, offs, mask)
-    v = x / tl.load(step_ptr)
+    v = div(x, tl.load(step_ptr))
     if STOCHASTIC:
         f = tl.floor(v)
         c = f + (uniform(offs, k0, k1) < (v - f)).to(v.dtype)
@@ -256,7 +256,7 @@ def _terngrad_encode_kernel(x_ptr, out_ptr, n, nbytes, scale_ptr, k0, k1, BLOCK_
         i = j * 5 + k
         m = i < n
         v = load_work(x_ptr, i, m)
-        r = tl.minimum(tl.abs(v) / scale, 1.0)
+        r = tl.minimum(div(tl.abs(v), scale), 1.0)
         f = tl.floor(r)
         b = tl.minimum(f + (uniform(i, k0, k1) < (r - f)).to(r.dtype), 1.0)
         code = (1.0 + tl.where(v < 0.0, -b, b)).to(tl.int32)
