@@ -6,7 +6,8 @@ for float32 and half inputs, float64 for float64); the uniforms are the same
 24-bit counter hash as everywhere, in uint32 arithmetic. Outputs are allocated
 on the input's device; no kernel reads a value back to the host. Under
 ``TRITON_INTERPRET=1`` the kernels run on CPU tensors, which is how CI tests
-them on a machine without a GPU.
+them on a machine without a GPU (and each launched specialization is compiled for
+sm_90 there too: tests/test_triton_interpret.py).
 
 Codes of at most 8 bits are packed in groups of 8 codes, which fill exactly
 ``b`` bytes, so one kernel serves every width 1..8.
