@@ -266,8 +266,8 @@ def _decode_hash(codes: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block:
     hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
     reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
     if n:
-        _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, float(B), float(B) / levels,
-                                          LEVELS=levels, BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)))
+        _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, float(B), float(B) / levels, LEVELS=levels,
+                                          BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)))
     return hashes, reach.max().reshape(1) * levels
 
 
@@ -329,9 +329,8 @@ def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: tor
     reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
     if n:
         _moniqua_receive_kernel[(nb,)](codes, y, xh, theirs, bad, reach, y if v is None else v.contiguous(), xhat_i,
-                                       delta, n, float(B), float(B) / levels,
-                                       wd, LEVELS=levels,
-                                       BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None)
+                                       delta, n, float(B), float(B) / levels, wd, LEVELS=levels, BLOCK_LEN=block,
+                                       CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None)
     host = torch.cat([bad.to(torch.float64), reach.max().reshape(1) * levels]).cpu()  # the one host read
     _check_reach(float(host[-1]), B, levels)
     return np.flatnonzero(host[:-1].numpy()).tolist()
