@@ -10,7 +10,8 @@ import torch
 
 from lowbit.algorithms import D2, DPSGD, Moniqua, MoniquaD2
 from lowbit.algorithms.moniqua import GAMMA_NOISE, GAMMA_NOISE_1BIT, GAMMA_NOISE_INDEPENDENT, VERIFY_BLOCK, topology_diameter
-from lowbit.codecs import IdentityCodec, ModuloCodec
+from lowbit.codecs import ModuloCodec
+from lowbit.codecs.modulo_frame import REPAIR_LEVELS, ModuloFrame
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
 from lowbit.topology import make_topology, slack_matrix
@@ -283,14 +284,14 @@ def _verified_reference(X0, A, b, topo, theta0, steps, seed, grow_theta=False, b
     """Moniqua with verification (gamma 1), in matrix form, per block of ``block`` elements. A wrong
     block of a recovery (its grid integers differ from the sender's) is left out of the mix;
     the blocks of an edge with a wrong recovery at step k (asked by either end) are mixed
-    exactly (fp32 both ways) at step k + 1, the rest of the edge normally. With
+    from the repair at step k + 1 (both ends' float32 values as 16-bit min-max codes of their
+    block: :func:`_repair16`), the rest of the edge normally. With
     ``grow_theta``, a worker none of whose neighbours' messages was right raises an alarm;
     an alarm of epoch m (P = diameter + 1 steps) doubles theta on every worker at step
     (m + 2) P. Returns the trajectory, the wrong (k, i, j, block), worker 0's bytes and
     the final theta."""
     W = topo.mixing_matrix()
     P = topology_diameter(topo) + 1
-    fp32 = IdentityCodec()
     d = X0.shape[1]
     nb = -(-d // block)
     spans = [slice(c * block, min((c + 1) * block, d)) for c in range(nb)]
@@ -302,7 +303,7 @@ def _verified_reference(X0, A, b, topo, theta0, steps, seed, grow_theta=False, b
         step = codec.B_theta / codec.levels
         Q = [codec.encode(X[j], generator=shared_generator(seed, k, 0)) for j in range(N)]
         own = [codec.decode(Q[i], ref=X[i]) for i in range(N)]
-        R = torch.stack([fp32.roundtrip(X[j]).double() for j in range(N)])
+        R = torch.stack([_repair16(X[j], spans) for j in range(N)])
         repair = {i: {j: nack[i].get(j, set()) | nack[j].get(i, set()) for j in topo.neighbors(i)} for i in range(N)}
         new_nack = {i: {} for i in range(N)}
         Y = torch.empty_like(X)
@@ -325,13 +326,25 @@ def _verified_reference(X0, A, b, topo, theta0, steps, seed, grow_theta=False, b
                 alarms.add(k // P)
         bytes0 += 2 * (Q[0].data.numel() + _overhead(d, block, nack[0]))
         union = set().union(*repair[0].values())
-        if union:  # one fp32 message of the union of the repaired blocks (and its block mask) to each asked edge
-            nrep = sum(1 for blocks in repair[0].values() if blocks)
-            bytes0 += nrep * (-(-nb // 8) + 4 * sum(spans[c].stop - spans[c].start for c in union))
+        if union:  # one repair message of the union of the repaired blocks to each asked edge: the block
+            nrep = sum(1 for blocks in repair[0].values() if blocks)  # mask, min and max, 16-bit codes
+            bytes0 += nrep * (-(-nb // 8) + 8 * len(union) + 2 * sum(spans[c].stop - spans[c].start for c in union))
         nack = new_nack
         X = Y - LR * _grad(A, b, X)
         out.append(X.clone())
     return out, wrong_all, bytes0, theta
+
+
+def _repair16(x, spans):
+    """x's float32 values as the repair carries them: per block, nearest of 2^16 - 1 steps
+    from its min to its max, back in float32."""
+    out = torch.empty_like(x)
+    for sl in spans:
+        v = x[sl].float().double()
+        lo, hi = float(v.min()), float(v.max())
+        q = torch.round((v - lo) * (65535 / (hi - lo))) * ((hi - lo) / 65535) if hi > lo else torch.zeros_like(v)
+        out[sl] = (lo + q).float().double()
+    return out
 
 
 def _spread(X):
@@ -402,6 +415,34 @@ def test_repair_sends_only_the_failed_blocks():
                        steps=10, lr=lambda k: LR)
     codes = 10 * 2 * -(-d * 2 // 8)
     assert small[0].bytes_sent - codes < 0.7 * (whole[0].bytes_sent - codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_repair_message_is_16_bit_min_max_per_block(dtype):
+    """A repair carries each block's float32 min and max and 16-bit codes: exact byte count,
+    each value within (max - min) / (2 (2^16 - 1)) of its float32 value (then rounded to
+    float32), a constant block exact, zeros outside; a wrong length is a clear error."""
+    frame = ModuloFrame(bits=2, block=64, verify=True, entropy=None, peers=2, rank=0)
+    d = 300  # 5 blocks, the last one of 44 elements
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(d, generator=g, dtype=torch.float64) * torch.logspace(-3, 1, d, dtype=torch.float64)).to(dtype)
+    x[64:128] = 0.3  # a constant block
+    blocks = {1, 2, 4}
+    msg = frame.repair_message(x, blocks)
+    m = frame.block_mask(blocks, d, "cpu")
+    assert msg.dtype == torch.uint8 and msg.numel() == 1 + 8 * len(blocks) + 2 * int(m.sum())
+    got = frame.read_repair(msg, d, "cpu", sender=1)
+    assert got.dtype == torch.float32 and torch.equal(got[~m], torch.zeros(int((~m).sum())))
+    x32 = x.float()
+    for c in sorted(blocks):
+        sl = slice(64 * c, min(64 * (c + 1), d))
+        span = float(x32[sl].max() - x32[sl].min())
+        err = (got[sl].double() - x32[sl].double()).abs()
+        ulp = x32[sl].abs().double() * 2.0 ** -24  # the final rounding to float32
+        assert bool((err <= span / (2 * REPAIR_LEVELS) + ulp).all()), (c, float(err.max()), span)
+    assert torch.equal(got[64:128], torch.full((64,), 0.3, dtype=torch.float32))
+    with pytest.raises(ValueError, match="worker 0 got a malformed repair message from worker 1"):
+        frame.read_repair(msg[:-1], d, "cpu", sender=1)
 
 
 @pytest.mark.filterwarnings("ignore:moniqua:RuntimeWarning")

@@ -31,9 +31,9 @@ rho(W))) (0.49 on a ring of 8) ran away on rings of 3, 4, 5 and 6 workers
 (gamma 1, 1, 1, 0.83) and on a complete graph of 8 (gamma 1): test accuracy
 0.78-0.96, local models 0.33-0.75. The default, :func:`default_gamma`, holds
 g / (2 - g) at r = R theta / s on the slowest mode, R = :data:`GAMMA_NOISE` =
-0.75 (:data:`GAMMA_NOISE_1BIT` = 0.3 at 1 bit): ``gamma = min(1, (2 r / (1 +
-r)) / (1 - lambda_min(W)))``. That is 0.64 at 2 bits and 0.2 at 1 bit on
-rings, 0.86 and 0.26 on a complete graph, 1 at 3 bits and more on rings.
+0.75 (:data:`GAMMA_NOISE_1BIT` = 0.4 at 1 bit): ``gamma = min(1, (2 r / (1 +
+r)) / (1 - lambda_min(W)))``. That is 0.64 at 2 bits and 0.25 at 1 bit on
+rings of 4 or more, 0.86 and 0.33 on a complete graph, 1 at 3 bits and more on rings.
 R was measured (`lowbit train --task T --workers 8 --steps 300
 --algorithm moniqua --bits B --gamma G --seed S`, ring of 8). At 2 bits on
 fashion-lenet (`--eval-every 100`), gamma 0.35 / 0.42 / 0.5 reached 83.6 /
@@ -46,8 +46,12 @@ fashion-lenet but costs wire on digits: on fashion-lenet gamma 0.2 / 0.25 /
 0.3 reached 83.27 / 83.76 / 83.54 % over three seeds, but on digits-mlp gamma
 0.3 sent 2.27 wire bits per element at seed 2 and 0.25 sent 2.1998 (1.0999
 times the nominal bits times the fan-out, at issue 11's 1.1 limit; 0.2:
-2.14), and gamma 0.4 on a ring of 3 sent 2.28: a wrong block's fp32 repair costs 32
-times its 1-bit codes, so R stays 0.3 at 1 bit. Without shared randomness
+2.14), and gamma 0.4 on a ring of 3 sent 2.28, while the repair was fp32 (a
+wrong block's repair cost 32 times its 1-bit codes): R was 0.3 at 1 bit
+(gamma 0.2). With the 16-bit repair, gamma 0.25 (R = 0.4) sent 2.10 / 2.11 /
+2.14 on digits (seeds 0 / 1 / 2; 97.68 % on average against fp32 D-PSGD's
+98.24 %) and reached 83.45 / 83.65 / 84.15 % on fashion-lenet (2.09-2.10 wire
+bits; fp32 D-PSGD 84.83 %), so R = 0.4 at 1 bit. Without shared randomness
 (``--no-shared-randomness``, digits-mlp, 2 bits) R = 0.75 let the local models
 drift apart (consensus distance 9.9e6, 89.4 %) where R = 0.5 had held them
 (0.975): :data:`GAMMA_NOISE_INDEPENDENT` keeps 0.5 there.
@@ -55,9 +59,10 @@ With these, `lowbit train --task digits-mlp --algorithm moniqua --steps 300
 --workers N [--topology T] --bits B` on rings of 3, 4, 6 and 8 workers, a
 complete graph of 8, the exponential graph of 8 and a torus of 16, at 1, 2
 and 3 bits, stayed at 97.2-98.6 % test accuracy and at 1.03-1.12 times the
-nominal wire bits times the fan-out (seed 0; the most, 1.12, at 1 bit on a
-ring of 4: the 1-bit default is the one an earlier run of this sweep had
-recorded at 1.03-1.10; 2 and 3 bits 1.03-1.05). gamma = 0.7 on a ring of 4 (g / (2 - g)
+nominal wire bits times the fan-out (seed 0, with the fp32 repair and R =
+0.3 at 1 bit; the most, 1.12, at 1 bit on a ring of 4). Again with the 16-bit
+repair and R = 0.4 at 1 bit, at 1 and 2 bits: 97.8-98.6 % and 1.036-1.064
+times (the most, 1.064, at 1 bit on a ring of 6; a ring of 4 1.061). gamma = 0.7 on a ring of 4 (g / (2 - g)
 = 0.87) still held; gamma 1 there (2.0) and 0.83 on a ring of 6 (1.25) ran
 away.
 The paper's Theorem 3 gamma (and its 5e-3 on CIFAR-10) mixes far too slowly for
@@ -152,14 +157,20 @@ its recovery is right, and a wrong block goes undetected with probability
 * repair of only the failed blocks: in its next message the receiver lists
   (neighbour, failed blocks). After that step's regular exchange both ends
   of an edge know the union R of the blocks either of them asked of the
-  other, and line 6 uses ``x_j - x_i`` (fp32) on R's coordinates of that edge
-  (instead of the modulo term, right or not). The fp32 values travel in one
+  other, and line 6 uses ``x_j - x_i`` on R's coordinates of that edge
+  (instead of the modulo term, right or not), both ends' values as the
+  repair carries them. The values travel in one
   extra neighbour exchange among the edges with a non-empty R only (counted):
   each worker sends, to each of those neighbours, one buffer: a block mask
-  (ceil(nb / 8) bytes) of the union U of its R's over its edges, then the
-  fp32 values of U's coordinates (a neighbour whose R is smaller than U
-  ignores the rest). Bytes per repair message: ceil(nb / 8) + 4 |U's
-  elements|, instead of a whole fp32 model. No collective and no extra round
+  (ceil(nb / 8) bytes) of the union U of its R's over its edges, each of U's
+  blocks' float32 min and max, then U's coordinates as 16-bit min-max codes
+  of their block (:meth:`~lowbit.codecs.modulo_frame.ModuloFrame.repair_message`:
+  within (max - min) / 131070 of the float32 value; a neighbour whose R is
+  smaller than U ignores the rest). Bytes per repair message: ceil(nb / 8) +
+  8 |U's blocks| + 2 |U's elements|, instead of a whole fp32 model (the
+  repair was fp32 until a 16-bit one halved its cost; a block's codes depend
+  on that block alone, so both ends of an edge use the same quantized
+  values, with opposite signs, and line 6 still keeps the average). No collective and no extra round
   on the common path (steps with no pending request), and all workers stay
   in lock step (the request sets are symmetric knowledge of both ends).
 * ``grow_theta=True`` (off by default) also grows theta: a worker none of
@@ -174,7 +185,7 @@ its recovery is right, and a wrong block goes undetected with probability
   which is proportional to theta, so the mismatch rate does not fall as
   theta grows and theta ran away (0.05 -> 1e5 in 300 steps).
 
-**Block size.** Smaller blocks repair fewer fp32 values but send more hashes
+**Block size.** Smaller blocks repair fewer values but send more hashes
 (2 bytes per block on every message, mismatch or not). With theta fixed at
 0.05 and gamma = 1 (wrong blocks in most messages) 32-64 were best, at 60-65K
 bytes per step against 38.5K unverified. Once theta and gamma keep wrong blocks
@@ -216,7 +227,7 @@ repair requests (block lists) are the scalars of :class:`MoniquaState`.
 The code follows Algorithm 1: :meth:`Moniqua.before_update` sets theta_k
 (:meth:`Moniqua._theta_k`), sends (:meth:`Moniqua._send`, lines 3-4), reads the
 neighbours' messages (:meth:`Moniqua._receive`, line 5 and verification),
-fetches the blocks asked for in fp32 (:meth:`Moniqua._repair`) and mixes
+fetches the blocks asked for (:meth:`Moniqua._repair`) and mixes
 (:meth:`Moniqua._mix`, line 6). The message format is
 :class:`~lowbit.codecs.modulo_frame.ModuloFrame`'s.
 """
@@ -252,7 +263,7 @@ THETA_START = 2.0
 # theta="auto" grown this many times theta_0: the run's warning says the noise, not the gradients, sets the distance
 THETA_RUNAWAY = 256.0
 # R of default_gamma: the rounding noise allowed per unit of theta / s, at 1 bit and above (module docstring)
-GAMMA_NOISE_1BIT = 0.3
+GAMMA_NOISE_1BIT = 0.4
 GAMMA_NOISE = 0.75
 # ... and above 1 bit without shared randomness, where independent rounding adds noise even between equal models
 GAMMA_NOISE_INDEPENDENT = 0.5
@@ -365,7 +376,7 @@ class _Sent:
 @dataclass
 class _Heard:
     """What :meth:`Moniqua._receive` read: each neighbour's xh_{k,j} (line 5), the element mask of
-    its blocks verified right (None: all), the blocks of each edge to mix in fp32 this step
+    its blocks verified right (None: all), the blocks of each edge to mix from the repair this step
     (``repair``: asked by either end), the blocks to ask next step (``nack``), and line 6's sum
     ``delta`` when the one-call kernels built it already (``mixed``)."""
 
@@ -400,7 +411,7 @@ class Moniqua(GossipAlgorithm):
         gamma: how far each step moves towards the neighbours' average, in (0, 1]; None picks
             it from the grid step and the topology when a worker starts (:func:`default_gamma`).
         verify: send a 16-bit hash per block of ``verify_block`` elements so the receiver can
-            tell a wrong decode; wrong blocks are left out of the mix and resent in fp32.
+            tell a wrong decode; wrong blocks are left out of the mix and resent in 16 bits.
         entropy: also entropy-code the codes (``"zlib"``, ``"bz2"``, ``"lzma"``, ``"ans"``).
         dither: add a shared random offset before rounding (None: on at 1 bit with the default
             rounding and shared randomness); :attr:`dithered` says what a run does.
@@ -553,7 +564,7 @@ class Moniqua(GossipAlgorithm):
                  received: dict) -> _Heard:
         """Line 5 for each neighbour j, xh_{k,j} decoded against my y, verified block by block: a
         wrong block is counted, left out of this step's mix and asked for next step. Each edge's
-        blocks to mix in fp32 now: those I asked for and those the neighbour asked of me."""
+        blocks to mix from the repair now: those I asked for and those the neighbour asked of me."""
         frame, d = state.frame, x.numel()
         nb = frame.nblocks(d)
         heard = _Heard(delta=torch.zeros_like(x), repair={j: set(b) for j, b in sent.asked.items()})
@@ -576,26 +587,27 @@ class Moniqua(GossipAlgorithm):
 
     @staticmethod
     def _repair(frame: ModuloFrame, ctx, x: torch.Tensor, repair: dict[int, set[int]]) -> dict:
-        """The fp32 repair round, only on the edges (and blocks) with a request: {j: (element
-        mask m of the blocks, (x_j - x_i) m)} (one counted neighbour exchange; none on most steps)."""
+        """The repair round, only on the edges (and blocks) with a request: {j: (element mask m of
+        the blocks, (x_j - x_i) m)} (one counted neighbour exchange; none on most steps). Both
+        values are as the repair codes carry them (a block's codes depend on that block alone), so
+        the two ends of an edge add opposite terms and line 6 keeps the models' average."""
         repair = {j: b for j, b in repair.items() if b}
         if not repair:
             return {}
         d = x.numel()
-        x32 = x.detach().to(torch.float32)
-        got = ctx.transport.neighbor_exchange(frame.repair_message(x32, set().union(*repair.values())),
-                                              sorted(repair))
+        msg = frame.repair_message(x, set().union(*repair.values()))
+        got = ctx.transport.neighbor_exchange(msg, sorted(repair))
+        mine = frame.read_repair(msg, d, x.device, ctx.rank).to(x.dtype)
         exact = {}
         for j, blocks in repair.items():
-            vals = frame.read_repair(got[j], d, x.device, j)
             m = frame.block_mask(blocks, d, x.device)
-            exact[j] = (m, (vals.to(x.dtype) - x32.to(x.dtype)) * m)
+            exact[j] = (m, (frame.read_repair(got[j], d, x.device, j).to(x.dtype) - mine) * m)
         return exact
 
     @staticmethod
     def _mix(state: MoniquaState, ctx, x: torch.Tensor, sent: _Sent, heard: _Heard, exact: dict) -> None:
         """Line 6 with the slack matrix: x += gamma sum_j W_ji (xh_{k,j} - xh_{k,i}), block by block
-        where a block was wrong (left out) or repaired ((x_j - x_i) in fp32 instead)."""
+        where a block was wrong (left out) or repaired ((x_j - x_i) from the repair instead)."""
         delta = heard.delta
         if not heard.mixed or exact:  # else the one-call kernels have summed every term already
             delta.zero_()
@@ -670,7 +682,7 @@ class Moniqua(GossipAlgorithm):
         if report.get("mismatched_blocks"):
             notes.append(f"{report['mismatched_blocks']} blocks in {report['mismatched_messages']} messages were "
                          f"recovered wrong (theta {report['theta']:g} was below the models' distance there); "
-                         f"verification left them out of their step's mix and repaired them in fp32 the step after")
+                         f"verification left them out of their step's mix and repaired them the step after")
         start = report.get("theta_start")
         if start and report["theta"] >= THETA_RUNAWAY * start:
             notes.append(f"theta='auto' grew {report['theta'] / start:.3g}-fold from {start:.3g}: the quantization "

@@ -1,5 +1,5 @@
 """Moniqua's message framing around the modulo codec: verification, repair requests and
-the fp32 repair round (the policy is :mod:`lowbit.algorithms.moniqua`'s docstring).
+the repair round (the policy is :mod:`lowbit.algorithms.moniqua`'s docstring).
 
 A message is::
 
@@ -15,7 +15,9 @@ A message is::
 - *control byte*: bit 4 (value 4) "requests follow", bits 1 and 2 the ``grow_theta``
   alarm bits of the two epochs in flight; other bits set are a malformed frame.
 
-A repair message is the block mask of the repaired blocks, then their fp32 values.
+A repair message is the block mask of the repaired blocks, each block's float32 min and
+max, then every value of those blocks as a 16-bit min-max code of its block
+(:meth:`ModuloFrame.repair_message`).
 
 With verification, no entropy coding, codes of 1, 2, 4 or 8 bits and a float32/float64
 model on a fast path, a message costs one kernel call at each end
@@ -25,6 +27,7 @@ runtime the calls, not the elements, were a step's cost. Otherwise the codec's c
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 
@@ -38,7 +41,11 @@ from .modulo import ModuloCodec
 from .packing import packed_nbytes
 from .rng import draw_key
 
-__all__ = ["ModuloFrame", "Received", "pack_mask", "unpack_mask"]
+__all__ = ["ModuloFrame", "Received", "pack_mask", "unpack_mask", "REPAIR_LEVELS"]
+
+#: The repair round's codes: each repaired value as a min-max code of its block on
+#: 2^16 - 1 steps (16 bits on the wire).
+REPAIR_LEVELS = (1 << 16) - 1
 
 
 def pack_mask(blocks, nb: int) -> bytes:
@@ -111,7 +118,7 @@ class ModuloFrame:
         the hashes and ``ctrl``, whose request bit this sets) and my own decoded point; ``K``: :meth:`kernels`."""
         nb = self.nblocks(y.numel())
         head = b""
-        if requests:  # ask these neighbours for an fp32 repair of these blocks of this step's edge
+        if requests:  # ask these neighbours for a repair of these blocks of this step's edge
             head = b"".join(struct.pack("<H", j) + pack_mask(requests[j], nb) for j in sorted(requests))
             head += struct.pack("<H", len(requests))
             ctrl |= 4
@@ -228,27 +235,50 @@ class ModuloFrame:
                                           f"{need}")
         return Payload(header=pack_header(ModuloCodec.header_format, n), data=body.to(device))
 
-    # ---- the fp32 repair round ---------------------------------------------------------------
-    def repair_message(self, x32: torch.Tensor, blocks: set[int]) -> torch.Tensor:
-        """The block mask of ``blocks`` and the fp32 values of ``x32`` there."""
-        d = x32.numel()
-        body = x32[self.block_mask(blocks, d, x32.device)].cpu().contiguous().view(torch.uint8)
-        mask = torch.frombuffer(bytearray(pack_mask(blocks, self.nblocks(d))), dtype=torch.uint8)
-        return torch.cat([mask, body]).to(x32.device)
+    # ---- the repair round ---------------------------------------------------------------------
+    def repair_message(self, x: torch.Tensor, blocks: set[int]) -> torch.Tensor:
+        """The block mask of ``blocks``, then each block's float32 min and max (in block order),
+        then every value of those blocks as a 16-bit min-max code of its block (nearest, in
+        float64): a value comes back within (max - min) / (2 (2^16 - 1)) of its float32 value
+        (:data:`REPAIR_LEVELS`), then rounded to float32, for 2 bytes instead of fp32's 4. A
+        block's codes depend on that block's values alone."""
+        d = x.numel()
+        ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=x.device)
+        mask = torch.frombuffer(bytearray(pack_mask(blocks, self.nblocks(d))), dtype=torch.uint8).to(x.device)
+        elem = self.block_mask(blocks, d, x.device)
+        v = x.detach()[elem].to(torch.float32).to(torch.float64)
+        seg = torch.searchsorted(ids, torch.nonzero(elem).flatten() // self.block)  # block rank per value
+        lo = torch.full((len(ids),), math.inf, dtype=torch.float64, device=x.device).scatter_reduce(0, seg, v, "amin")
+        hi = torch.full((len(ids),), -math.inf, dtype=torch.float64, device=x.device).scatter_reduce(0, seg, v, "amax")
+        lo, hi = lo.to(torch.float32), hi.to(torch.float32)  # exact: the values are float32
+        span = (hi - lo).to(torch.float64)
+        scale = torch.where(span > 0, REPAIR_LEVELS / torch.where(span > 0, span, 1.0), 0.0)
+        codes = torch.round((v - lo.to(torch.float64)[seg]) * scale[seg]).clamp_(0, REPAIR_LEVELS)
+        body = codes.to(torch.int32).to(torch.int16)  # two's complement of the low 16 bits, little-endian
+        return torch.cat([mask, torch.stack([lo, hi], 1).flatten().view(torch.uint8), body.view(torch.uint8)])
 
     def read_repair(self, buf: torch.Tensor, d: int, device, sender: int) -> torch.Tensor:
-        """A repair message as d fp32 values (zero outside the blocks it carries)."""
+        """A repair message as d float32 values (zero outside the blocks it carries)."""
         nb = self.nblocks(d)
         mask_nbytes = -(-nb // 8)
         if buf.numel() < mask_nbytes:
             raise self._malformed(sender, f"{buf.numel()} bytes, shorter than its {mask_nbytes}-byte block mask",
                                   "repair message")
-        mask = self.block_mask(unpack_mask(buf[:mask_nbytes].cpu().numpy().tobytes(), nb), d, device)
-        if buf.numel() != mask_nbytes + 4 * int(mask.sum()):
-            raise self._malformed(sender, f"{buf.numel() - mask_nbytes} bytes of values for {int(mask.sum())} fp32 "
-                                          f"elements", "repair message")
+        blocks = unpack_mask(buf[:mask_nbytes].cpu().numpy().tobytes(), nb)
+        elem = self.block_mask(blocks, d, device)
+        m = int(elem.sum())
+        if buf.numel() != mask_nbytes + 8 * len(blocks) + 2 * m:
+            raise self._malformed(sender, f"{buf.numel() - mask_nbytes} bytes after the mask for {len(blocks)} "
+                                          f"block(s) of {m} elements (8 bytes of min and max per block and 2 per "
+                                          f"element)", "repair message")
+        raw = buf[mask_nbytes:].to(device).clone()
+        bounds = raw[:8 * len(blocks)].view(torch.float32).reshape(-1, 2).to(torch.float64)
+        codes = (raw[8 * len(blocks):].view(torch.int16).to(torch.int64) & 0xFFFF).to(torch.float64)
+        ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=device)
+        seg = torch.searchsorted(ids, torch.nonzero(elem).flatten() // self.block)
+        lo, span = bounds[:, 0][seg], (bounds[:, 1] - bounds[:, 0])[seg]
         vals = torch.zeros(d, dtype=torch.float32, device=device)
-        vals[mask] = buf[mask_nbytes:].cpu().clone().view(torch.float32).to(device)
+        vals[elem] = (lo + codes * (span / REPAIR_LEVELS)).to(torch.float32)
         return vals
 
 

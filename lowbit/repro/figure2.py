@@ -12,7 +12,7 @@ momentum), lr 0.5, Moniqua at 4 bits with theta 0.2 and slack gamma 0.5. The
 paper's own numbers (2 bits, theta 0.05, lr 0.1) do not work at this scale:
 D2's extrapolation amplifies the quantization noise in the 10-ring's
 eigenvalue -1/3, at D2's stability limit, and the verification then repairs so
-many blocks in fp32 that nearly nothing is saved; at lr 0.1 fp32 D2 and D-PSGD
+many blocks that nearly nothing is saved; at lr 0.1 fp32 D2 and D-PSGD
 also reach the same average model, so there is no gap to show.
 
 (b) Asynchronous communication. The paper: 6 workers on a ring, ResNet-110 on

@@ -294,7 +294,7 @@ def run(out: Path, quick: bool = False) -> dict:
              f"all its neighbours together (2 on a ring), with DCD/ECD's one fp32 copy of x_0 at step 0 and "
              f"Moniqua's hashes and repairs included. Wrong blocks repaired: Moniqua's verification "
              f"(mismatched_blocks, summed over workers and seeds): blocks recovered wrong because theta was "
-             f"below the models' distance there, left out of that step's mix and sent in fp32 the next step. "
+             f"below the models' distance there, left out of that step's mix and repaired (16-bit) the next step. "
              f"The paper's columns are CIFAR-10 with ResNet-20 / "
              f"ResNet-110 trained to the end (extra memory there, ResNet-20: {mem_paper} MB), not comparable "
              f"in absolute value with this short run. Total wall time {total:.0f} s.")
