@@ -243,19 +243,24 @@ class ModuloFrame:
         (:data:`REPAIR_LEVELS`), then rounded to float32, for 2 bytes instead of fp32's 4. A
         block's codes depend on that block's values alone."""
         d = x.numel()
-        ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=x.device)
         mask = torch.frombuffer(bytearray(pack_mask(blocks, self.nblocks(d))), dtype=torch.uint8).to(x.device)
-        elem = self.block_mask(blocks, d, x.device)
+        elem, seg = self._repair_segments(blocks, d, x.device)
         v = x.detach()[elem].to(torch.float32).to(torch.float64)
-        seg = torch.searchsorted(ids, torch.nonzero(elem).flatten() // self.block)  # block rank per value
-        lo = torch.full((len(ids),), math.inf, dtype=torch.float64, device=x.device).scatter_reduce(0, seg, v, "amin")
-        hi = torch.full((len(ids),), -math.inf, dtype=torch.float64, device=x.device).scatter_reduce(0, seg, v, "amax")
+        inf = torch.full((len(blocks),), math.inf, dtype=torch.float64, device=x.device)
+        lo, hi = inf.scatter_reduce(0, seg, v, "amin"), (-inf).scatter_reduce(0, seg, v, "amax")
         lo, hi = lo.to(torch.float32), hi.to(torch.float32)  # exact: the values are float32
         span = (hi - lo).to(torch.float64)
         scale = torch.where(span > 0, REPAIR_LEVELS / torch.where(span > 0, span, 1.0), 0.0)
         codes = torch.round((v - lo.to(torch.float64)[seg]) * scale[seg]).clamp_(0, REPAIR_LEVELS)
         body = codes.to(torch.int32).to(torch.int16)  # two's complement of the low 16 bits, little-endian
         return torch.cat([mask, torch.stack([lo, hi], 1).flatten().view(torch.uint8), body.view(torch.uint8)])
+
+    def _repair_segments(self, blocks: set[int], d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The element mask of ``blocks`` and, for each element in it, the rank of its block
+        among ``blocks`` in order (which min and max it is coded against)."""
+        elem = self.block_mask(blocks, d, device)
+        ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=device)
+        return elem, torch.searchsorted(ids, torch.nonzero(elem).flatten() // self.block)
 
     def read_repair(self, buf: torch.Tensor, d: int, device, sender: int) -> torch.Tensor:
         """A repair message as d float32 values (zero outside the blocks it carries)."""
@@ -265,8 +270,8 @@ class ModuloFrame:
             raise self._malformed(sender, f"{buf.numel()} bytes, shorter than its {mask_nbytes}-byte block mask",
                                   "repair message")
         blocks = unpack_mask(buf[:mask_nbytes].cpu().numpy().tobytes(), nb)
-        elem = self.block_mask(blocks, d, device)
-        m = int(elem.sum())
+        elem, seg = self._repair_segments(blocks, d, device)
+        m = seg.numel()
         if buf.numel() != mask_nbytes + 8 * len(blocks) + 2 * m:
             raise self._malformed(sender, f"{buf.numel() - mask_nbytes} bytes after the mask for {len(blocks)} "
                                           f"block(s) of {m} elements (8 bytes of min and max per block and 2 per "
@@ -274,8 +279,6 @@ class ModuloFrame:
         raw = buf[mask_nbytes:].to(device).clone()
         bounds = raw[:8 * len(blocks)].view(torch.float32).reshape(-1, 2).to(torch.float64)
         codes = (raw[8 * len(blocks):].view(torch.int16).to(torch.int64) & 0xFFFF).to(torch.float64)
-        ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=device)
-        seg = torch.searchsorted(ids, torch.nonzero(elem).flatten() // self.block)
         lo, span = bounds[:, 0][seg], (bounds[:, 1] - bounds[:, 0])[seg]
         vals = torch.zeros(d, dtype=torch.float32, device=device)
         vals[elem] = (lo + codes * (span / REPAIR_LEVELS)).to(torch.float32)
