@@ -12,7 +12,7 @@ from lowbit.bench import reference_pairs
 from lowbit.bench.codecs import bench_data, roundtrip_calls
 
 SIZE = 1_000_000
-PAIRS = reference_pairs()
+PAIRS = reference_pairs(SIZE)
 DEVICE = torch.device("cpu")
 
 

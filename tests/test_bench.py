@@ -128,7 +128,7 @@ def test_reference_bench_pairs_and_wire_sizes():
     report = bench_references(size=size, rounds=2, min_run_time=FAST)
     assert report["against"] == "references" and report["threads"] == 1
     by = {r["codec"]: r for r in report["rows"]}
-    assert list(by) == [p.label for p in reference_pairs()]
+    assert list(by) == [p.label for p in reference_pairs(size)]
     for r in report["rows"]:
         assert r["lowbit_x_reference"] == pytest.approx(median_ratio(r["rounds"], "lowbit", "reference"))
     # the references send unpacked bytes: int8 codes + a float32 scale, bools, halves
@@ -140,6 +140,9 @@ def test_reference_bench_pairs_and_wire_sizes():
     assert by["modulo b=2"]["lowbit_bytes"] < size / 4 + 64
     assert by["sign (unscaled)"]["lowbit_bytes"] < size / 8 + 64
     assert by["powersgd r=2"]["lowbit_bytes"] == by["powersgd r=2"]["reference_bytes"]  # P and Q as float32 both
+    # global random-k: the k = 40 kept values' 8-bit codes, W and d, neither sends the indices
+    assert by["globalrandk 1% maxnorm b=8"]["reference_bytes"] == size // 100 + 8
+    assert by["globalrandk 1% maxnorm b=8"]["lowbit_bytes"] < size // 100 + 64
 
 
 # --- the reference codecs compute what they claim ------------------------------------------
@@ -160,6 +163,20 @@ def test_qsgd_style_references_unbiased_and_bounded(ref):
     mean = torch.stack([ref.decode(ref.encode(x, generator=shared_generator(0, k, 0))) for k in range(400)]).mean(0)
     # per element std of the mean <= (norm / s / 2) / sqrt(400)
     assert float((mean - x).abs().max()) < 6 * float(norm) / s / 2 / 20
+
+
+def test_global_randk_reference_keeps_the_shared_permutations_k_coordinates():
+    x = _x(5000)
+    ref = refs.GlobalRandKMaxNormReference(8, 50, seed=3)
+    codes, W, d = ref.encode(x, generator=shared_generator(0, 0, 0))
+    kept = torch.randperm(5000, generator=torch.Generator().manual_seed(3))[:50]
+    assert codes.dtype == torch.int8 and codes.numel() == 50 and int(d) == 5000
+    assert float(W) == pytest.approx(float(x[kept].norm()))
+    y = ref.decode((codes, W, d))
+    assert torch.equal(y.nonzero().view(-1), kept.sort().values[(codes[kept.argsort()] != 0)])
+    assert float((y[kept] / 100 - x[kept]).abs().max()) <= float(W) / 127 * (1 + 1e-5)  # d / k = 100
+    with pytest.raises(ValueError, match="k must be an integer >= 1"):
+        refs.GlobalRandKMaxNormReference(8, 0)
 
 
 def test_terngrad_reference_clips_and_is_ternary():

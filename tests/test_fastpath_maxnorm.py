@@ -44,6 +44,39 @@ def test_sum_of_squares_is_the_reference_order(n):
         assert amax == (float(x.abs().max()) if n else 0.0)
 
 
+@pytest.mark.parametrize("n", [1, 8, 9, 4099])
+def test_norm_stats_flags_every_nonfinite_position(n):
+    """The vector loop finds NaN and inf by their bits: in a whole group and in the tail, at
+    either end, beside values larger than any finite square; subnormals and -0.0 are finite."""
+    for dtype in (torch.float32, torch.float64):
+        x = _x(n, dtype, n)
+        info = torch.finfo(dtype)
+        y = x.clone()
+        y[0], y[-1] = -info.max, info.tiny / 4
+        amax, sq, finite = cpu_maxnorm.norm_stats(y)
+        assert finite and amax == float(y.double().abs().max()) and sq == sum_squares_reference(y.double())
+        assert cpu_maxnorm.norm_stats(torch.full((n,), -0.0, dtype=dtype)) == (0.0, 0.0, True)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for pos in {0, n // 2, n - 1}:
+                y = x.clone()
+                y[pos] = bad
+                assert not cpu_maxnorm.norm_stats(y)[2], (dtype, bad, pos)
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (5000, 1), (5000, 2500), (5000, 5000), (70_001, 35_000)])
+def test_scatter_writes_every_element(n, k):
+    """The blocked scatter zeroes what it does not fill, into memory that held garbage."""
+    g = torch.Generator().manual_seed(n + k)
+    idx = torch.randperm(n, generator=g)[:k].sort().values.to(torch.int32)
+    vals = torch.randn(k, generator=g)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        torch.full((n,), float("nan"), dtype=dtype)  # leave NaNs where the next allocation may land
+        out = cpu_maxnorm.scatter(vals, idx, n, 1.5, dtype)
+        ref = torch.zeros(n, dtype=dtype)
+        ref[idx.long()] = (vals.double() * 1.5).to(dtype)
+        assert out.dtype == dtype and torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("codec", SINGLE + MULTI, ids=repr)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_fast_path_gives_the_reference_bytes_and_decodes(codec, dtype):

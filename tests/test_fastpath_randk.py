@@ -70,3 +70,43 @@ def test_selection_with_the_gather(dtype, d, k):
     idx, vals = KR.select(d, k, a, hb, keys, k * 8 >= d, x=x)
     assert torch.equal(idx.long(), select_reference(d, k, 8))
     assert vals.dtype == dtype and torch.equal(vals, x[idx.long()])
+
+
+def test_compaction_without_the_vector_compress(monkeypatch):
+    """The compaction's lane-by-lane stores (LLVMs before 19) give the same indices and values
+    as the vector compress: the kernel compiled afresh with VECTOR_COMPRESS off."""
+    import numba
+    import numpy as np
+
+    from lowbit.codecs.kernels import cpu_randk
+
+    monkeypatch.setattr(cpu_randk, "VECTOR_COMPRESS", False)
+    scalar = numba.njit(nogil=True, boundscheck=False)(cpu_randk._select_dense.py_func)
+    for d, k in [(17, 9), (70_001, 35_000), (70_001, 9000)]:
+        a, hb = feistel_params(d)
+        keys = tuple(np.uint32(int(v)) for v in round_keys(5, d))
+        for dtype in (torch.float32, torch.float64):
+            x = torch.randn(d, dtype=dtype, generator=torch.Generator().manual_seed(d))
+            out = np.empty(k + cpu_randk._LANES, dtype=np.int32)
+            vals = np.empty(k + cpu_randk._LANES, dtype=x.numpy().dtype)
+            assert scalar(d, k, a, hb, keys, out, True, x.numpy(), vals) == k
+            ref = select_reference(d, k, 5)
+            assert torch.equal(torch.from_numpy(out[:k]).long(), ref)
+            assert torch.equal(torch.from_numpy(vals[:k]), x[ref])
+
+
+@pytest.mark.parametrize("sent", [[5, 1023, 1000], [5, 5, 7], [7, 5, 9], [1000, 1001, 1002]])
+def test_malformed_sent_indices_are_refused(sent):
+    """Indices read from a message must be strictly increasing and below numel: a decode that
+    trusted them would write outside its output (the CPU scatter does not check bounds)."""
+    from lowbit.codecs.base import Payload
+    from lowbit.codecs.packing import pack_wide
+
+    c = RandKCodec(QSGDMaxNormCodec(bits=8), k=3, send_indices=True)
+    p = c.encode(torch.randn(1000), generator=shared_generator(0, 1, 2))
+    nb = (3 * 10 + 7) // 8
+    good = torch.cat([pack_wide(torch.tensor([0, 1, 999]), 10), p.data[nb:]])
+    assert torch.equal(c.decode(Payload(header=p.header, data=good)).nonzero().view(-1), torch.tensor([0, 1, 999]))
+    bad = torch.cat([pack_wide(torch.tensor(sent), 10), p.data[nb:]])
+    with pytest.raises(ValueError, match="sent indices must be strictly increasing and below numel=1000"):
+        c.decode(Payload(header=p.header, data=bad))

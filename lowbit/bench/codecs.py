@@ -136,9 +136,12 @@ def default_cases(size: int = 1_000_000, randk_k: list[int] | None = None) -> li
     return cases
 
 
-def reference_pairs() -> list[ReferencePair]:
-    """lowbit codec / reference pairs computing the same quantizer (same levels, bits, theta)."""
+def reference_pairs(size: int = 1_000_000) -> list[ReferencePair]:
+    """lowbit codec / reference pairs computing the same quantizer (same levels, bits, theta);
+    ``size``: the vector length, which sets the global random-k pair's kept count (1%)."""
     from .. import codecs as c
+
+    check_positive_int(size, "size")
 
     pairs = [ReferencePair(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s), lambda s=s: refs.QSGDReference(s))
              for s in (7, 127)]
@@ -148,6 +151,9 @@ def reference_pairs() -> list[ReferencePair]:
                             lambda b=b: refs.QSGDMaxNormReference(b)) for b in (2, 4, 8)]
     pairs += [ReferencePair(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA),
                             lambda b=b: refs.MoniquaReference(b, THETA)) for b in (2, 4)]
+    k = max(1, size // 100)
+    pairs.append(ReferencePair("globalrandk 1% maxnorm b=8", lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=k, seed=1),
+                               lambda: refs.GlobalRandKMaxNormReference(8, k)))
     pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference, decode_out=True))
     pairs.append(ReferencePair("powersgd r=2", lambda: c.PowerSGDCodec(rank=2), lambda: refs.PowerSGDReference(2)))
     return pairs
@@ -189,26 +195,31 @@ def _reference_generator(seed: int, device: torch.device) -> torch.Generator:
     return make_generator(seed, device)
 
 
+def _encoder(codec: Codec) -> Callable[[], Codec]:
+    """The codec to encode with at each call: a RandK codec with a seed gets a new seed every
+    time (a new selection, as at every training step; its decode of that message finds the
+    selection in the per-process cache, as a global random-k step's decodes do)."""
+    from ..codecs import RandKCodec
+
+    if isinstance(codec, RandKCodec) and codec.seed is not None:
+        seeds = itertools.count(codec.seed + 1)
+        return lambda: codec.with_seed(next(seeds))
+    return lambda: codec
+
+
 def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device,
                 path: str = "fast", decode_out: bool = False):
     """(encode, decode, payload): the two timed calls on ``path`` ("fast" or "reference"),
     each with a fresh shared generator (as one message's sender and receiver derive it),
     and a payload to decode (with ``decode_out``, into one float32 buffer kept between
-    calls). A RandK codec with a seed encodes with a new seed at every call (a new
-    selection, as at every training step)."""
-    from ..codecs import RandKCodec
-
+    calls). A RandK codec with a seed encodes with a new seed at every call (:func:`_encoder`)."""
     on_path = lambda: codec_path(path) if path == "reference" else contextlib.nullcontext()  # noqa: E731
     with on_path():
         payload = codec.encode(x, generator=_generator(seed))
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
     if decode_out:
         kw["out"] = torch.empty(x.numel(), dtype=torch.float32, device=device)
-    if isinstance(codec, RandKCodec) and codec.seed is not None:
-        seeds = itertools.count(codec.seed + 1)
-        encoder = lambda: codec.with_seed(next(seeds))  # noqa: E731
-    else:
-        encoder = lambda: codec  # noqa: E731
+    encoder = _encoder(codec)
 
     def encode():
         with on_path():
@@ -223,15 +234,18 @@ def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, dev
 
 def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, ref: torch.Tensor, seed: int,
                     device: torch.device, decode_out: bool = False):
-    """(lowbit, reference): the two timed encode + decode calls of a pair; with
-    ``decode_out`` lowbit decodes into one float32 buffer kept between calls."""
+    """(lowbit, reference): the two timed encode + decode calls of a pair (a RandK codec with a
+    seed selects anew at each call, :func:`_encoder`); with ``decode_out`` lowbit decodes into
+    one float32 buffer kept between calls."""
     kw = {"ref": ref} if codec.kind is CodecKind.SIDE_INFO else {}
     if decode_out:
         kw["out"] = torch.empty(x.numel(), dtype=torch.float32, device=device)
     rkw = {"ref": ref} if reference.needs_ref else {}
 
+    encoder = _encoder(codec)
+
     def lowbit():
-        return codec.decode(codec.encode(x, generator=_generator(seed)),
+        return codec.decode(encoder().encode(x, generator=_generator(seed)),
                             generator=_generator(seed), **kw)
 
     def reference_rt():
@@ -335,7 +349,7 @@ def bench_references(size: int = 1_000_000, rounds: int = 5, device: str = "cpu"
     """Encode + decode of each lowbit codec against its reference (:func:`reference_pairs`),
     side by side in ``rounds`` interleaved rounds, with a memcpy in each round."""
     dev, clock = _setup(size, rounds, min_run_time, device, seed, clock)
-    pairs = select(pairs if pairs is not None else reference_pairs(), codecs)
+    pairs = select(pairs if pairs is not None else reference_pairs(size), codecs)
     with pinned_threads(1) as threads:
         x, ref = bench_data(size, dev, seed)
         out = torch.empty_like(x)

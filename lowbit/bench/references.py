@@ -17,6 +17,10 @@ beyond what torch does, and all compute in the input's dtype (float32 here).
 * :class:`QSGDMaxNormReference` -- the max-norm paper's QSGDMaxNorm for one
   worker: ``W = ||x||_2``, ``s = 2^(bits-1) - 1`` levels, stochastic rounding of
   ``s |x_i| / W``; int8 signed codes plus the float32 ``W``.
+* :class:`GlobalRandKMaxNormReference` -- the max-norm paper's GlobalRandKMaxNorm for one
+  worker: the ``k`` coordinates ``torch.randperm(d)[:k]`` of a generator seeded alike on
+  every worker, QSGDMaxNorm on them (int8 codes plus the float32 ``W``, and the int32 ``d``);
+  the receiver draws the same permutation again to scatter the values back, times ``d / k``.
 * :class:`MoniquaReference` -- PowerGossip-style Moniqua: ``B = 2 theta / (1 - 2
   delta)``, ``delta = 2^-bits``; codes ``floor(L ((x / B) mod 1) + u) mod L`` with
   ``L = 2^bits`` as uint8; the receiver with ``y`` returns
@@ -47,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["Reference", "QSGDReference", "TernGradReference", "SignSGDReference", "QSGDMaxNormReference",
-           "MoniquaReference", "HalfReference", "PowerSGDReference", "wire_nbytes"]
+           "GlobalRandKMaxNormReference", "MoniquaReference", "HalfReference", "PowerSGDReference", "wire_nbytes"]
 
 Wire = tuple[torch.Tensor, ...]
 
@@ -156,6 +160,36 @@ class QSGDMaxNormReference(Reference):
     def decode(self, wire, *, ref=None):
         codes, W = wire
         return codes.to(W.dtype) * (W / self.levels)
+
+
+@dataclass(frozen=True)
+class GlobalRandKMaxNormReference(Reference):
+    bits: int
+    k: int
+    seed: int = 1
+    name = "max-norm paper GlobalRandK"
+
+    def __post_init__(self) -> None:
+        QSGDMaxNormReference(self.bits)  # validates bits
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
+
+    def _indices(self, d: int, device) -> torch.Tensor:
+        g = torch.Generator().manual_seed(self.seed)  # the step's seed, shared by every worker
+        return torch.randperm(d, generator=g)[:min(self.k, d)].to(device)
+
+    def encode(self, x, *, generator=None):
+        idx = self._indices(x.numel(), x.device)
+        codes, W = QSGDMaxNormReference(self.bits).encode(x[idx], generator=generator)
+        return (codes, W, torch.tensor([x.numel()], dtype=torch.int32))
+
+    def decode(self, wire, *, ref=None):
+        codes, W, d = wire
+        d = int(d)
+        idx = self._indices(d, codes.device)
+        out = torch.zeros(d, dtype=W.dtype, device=codes.device)
+        out[idx] = QSGDMaxNormReference(self.bits).decode((codes, W)) * (d / idx.numel())
+        return out
 
 
 @dataclass(frozen=True)

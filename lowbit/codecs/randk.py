@@ -44,9 +44,9 @@ over seeds (tested). The fast path runs on the data's device. On the CPU
 against ``d`` (``O(k log k)``, :mod:`lowbit.codecs.kernels.cpu_maxnorm`), else
 tests ``sigma(i) < k`` for every ``i`` in one pass, already sorted, in 32-bit
 vector lanes (:mod:`lowbit.codecs.kernels.cpu_randk`). On CUDA a Triton kernel
-tests every ``i`` and torch ops compact the flags on the device
-(:mod:`lowbit.codecs.kernels.gpu_randk`; no copy from the CPU, no host
-synchronisation). :func:`select_reference` (:meth:`RandKCodec.indices_reference`)
+tests every ``i`` and counts each block's kept indices, and a second writes them at the
+block's offset in the prefix sum of the counts (:mod:`lowbit.codecs.kernels.gpu_randk`;
+no copy from the CPU, no host synchronisation). :func:`select_reference` (:meth:`RandKCodec.indices_reference`)
 is the plain-torch version of the one-pass definition; every path gives its
 indices exactly (integer arithmetic only). (Earlier versions used ``torch.randperm``: the wire format
 is unchanged, but a seed now selects a different set.)
@@ -189,6 +189,16 @@ def _check_seed(seed, field: str = "seed") -> int:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _SEED_MAX:
         raise ValueError(f"{field} must be an int in 0..2^63-1, got {seed!r}")
     return seed
+
+
+def _check_sent_indices(idx: torch.Tensor, n: int) -> torch.Tensor:
+    """``idx`` as a message carried it, checked: strictly increasing in ``[0, n)``, as every
+    encode sends them (anything else would write outside the decoded vector, or twice to one
+    coordinate). On CUDA the check reads one flag back to the host."""
+    if idx.numel() and bool((idx[-1] >= n) | (idx[1:] <= idx[:-1]).any()):
+        raise ValueError(f"payload: the sent indices must be strictly increasing and below numel={n} "
+                         "(a malformed or corrupted RandK message)")
+    return idx
 
 
 def _accepts_kw(fn, name: str) -> bool:
@@ -347,7 +357,7 @@ class RandKCodec(SummableCodec):
         data = payload.data
         if self.send_indices:
             nb = packed_nbytes(kk, self._index_bits(n))
-            idx = unpack_wide(data[:nb], self._index_bits(n), kk)
+            idx = _check_sent_indices(unpack_wide(data[:nb], self._index_bits(n), kk), n)
             data = data[nb:]
         else:
             idx = self._indices(n, _check_seed(fields[1]), data.device)

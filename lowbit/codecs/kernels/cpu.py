@@ -286,7 +286,11 @@ def nonfinite_error(codec: str) -> ValueError:
 
 
 def pack(codes: torch.Tensor, b: int) -> torch.Tensor:
-    """Pack integer codes (each < 2^b, trusted) into ``ceil(n b / 8)`` bytes."""
+    """Pack integer codes (each < 2^b, trusted) into ``ceil(n b / 8)`` bytes. uint8 codes of 8
+    bits are their own packing: returned as they are, not copied (the codecs hand over codes
+    their encode has just made)."""
+    if b == 8 and codes.dtype == torch.uint8 and codes.is_contiguous():
+        return codes.detach()
     n = codes.numel()
     grouped = b in (3, 5, 6, 7)
     out = torch.zeros((n * b + 7) // 8, dtype=torch.uint8) if b not in (1, 2, 4, 8) and not grouped else \

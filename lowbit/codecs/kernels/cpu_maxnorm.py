@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
 
 from .cpu import _inline, _jit, as_numba, keys, mix32, np_view, round_stochastic
 
@@ -26,57 +29,92 @@ FLAG_INDEX = 4
 FLAG_LEVEL = 8
 
 
+_DBL_MAX = float(np.finfo(np.float64).max)
 LANES = 8  # the fixed-order sum of squares: 8 interleaved float64 lanes, combined pairwise
 
 
 # --- the norm -----------------------------------------------------------------------------
+
+@intrinsic
+def _norm_groups(typingctx, x, groups, lanes):
+    """Over the ``groups`` whole groups of 8 elements at the start of ``x`` (float32 or
+    float64): ``lanes[l] += x_i^2`` (float64) for ``i = l mod 8`` in index order, and the
+    largest ``|x_i|`` as a float64 (NaN or inf when one ``x_i`` is: ``|x_i|``'s bits as an
+    unsigned integer, whose order is the order of the magnitudes and puts every NaN and inf
+    above the finite values). The loop is written in LLVM IR on vectors of 8 lanes (a float64
+    vector accumulator, an integer max), which numba's loops do not vectorise: one pass at
+    memory speed, the same float64 sums as the scalar loop of the reference."""
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype in (types.float32, types.float64)
+            and isinstance(groups, types.Integer) and isinstance(lanes, types.Array) and lanes.dtype == types.float64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        xa = context.make_array(sig.args[0])(context, builder, args[0])
+        la = context.make_array(sig.args[2])(context, builder, args[2])
+        n = context.cast(builder, args[1], sig.args[1], types.int64)
+        i64 = ir.IntType(64)
+        width = sig.args[0].dtype.bitwidth
+        iw = ir.IntType(width)
+        fx = context.get_value_type(sig.args[0].dtype)
+        d8, x8, b8 = ir.VectorType(ir.DoubleType(), LANES), ir.VectorType(fx, LANES), ir.VectorType(iw, LANES)
+        lp = builder.bitcast(la.data, d8.as_pointer())
+        acc0 = builder.load(lp, align=8)
+        entry = builder.block
+        loop = builder.append_basic_block("groups")
+        done = builder.append_basic_block("groups_done")
+        builder.cbranch(builder.icmp_signed(">", n, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        i = builder.phi(i64)
+        acc = builder.phi(d8)
+        top = builder.phi(b8)
+        v = builder.load(builder.bitcast(builder.gep(xa.data, [builder.mul(i, ir.Constant(i64, LANES))]),
+                                         x8.as_pointer()), align=width // 8)
+        vd = builder.fpext(v, d8) if width == 32 else v
+        acc_next = builder.fadd(acc, builder.fmul(vd, vd))
+        mag = builder.and_(builder.bitcast(v, b8), ir.Constant(b8, [(1 << (width - 1)) - 1] * LANES))
+        top_next = builder.select(builder.icmp_unsigned(">", mag, top), mag, top)
+        i_next = builder.add(i, ir.Constant(i64, 1))
+        builder.cbranch(builder.icmp_signed("<", i_next, n), loop, done)
+        zero = ir.Constant(b8, [0] * LANES)
+        i.add_incoming(ir.Constant(i64, 0), entry)
+        i.add_incoming(i_next, loop)
+        acc.add_incoming(acc0, entry)
+        acc.add_incoming(acc_next, loop)
+        top.add_incoming(zero, entry)
+        top.add_incoming(top_next, loop)
+        builder.position_at_end(done)
+        acc_out = builder.phi(d8)
+        acc_out.add_incoming(acc0, entry)
+        acc_out.add_incoming(acc_next, loop)
+        top_out = builder.phi(b8)
+        top_out.add_incoming(zero, entry)
+        top_out.add_incoming(top_next, loop)
+        builder.store(acc_out, lp, align=8)
+        m = builder.extract_element(top_out, ir.Constant(ir.IntType(32), 0))
+        for l in range(1, LANES):
+            e = builder.extract_element(top_out, ir.Constant(ir.IntType(32), l))
+            m = builder.select(builder.icmp_unsigned(">", e, m), e, m)
+        f = builder.bitcast(m, fx)
+        return builder.fpext(f, ir.DoubleType()) if width == 32 else f
+
+    return types.float64(x, groups, lanes), codegen
+
 
 @_jit
 def _norm_stats(x):
     """``(max |x|, sum x^2, nonfinite)``; the sum in the fixed order of
     :func:`lowbit.codecs.maxnorm.sum_squares_reference` (lane ``i mod 8``, then pairwise)."""
     n = x.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    amax = 0.0
-    z = 0.0  # stays 0 while every element is finite (v - v is NaN for NaN and +-inf)
-    full = n - n % 8
-    for i in range(0, full, 8):
-        v0 = np.float64(x[i])
-        v1 = np.float64(x[i + 1])
-        v2 = np.float64(x[i + 2])
-        v3 = np.float64(x[i + 3])
-        v4 = np.float64(x[i + 4])
-        v5 = np.float64(x[i + 5])
-        v6 = np.float64(x[i + 6])
-        v7 = np.float64(x[i + 7])
-        s0 += v0 * v0
-        s1 += v1 * v1
-        s2 += v2 * v2
-        s3 += v3 * v3
-        s4 += v4 * v4
-        s5 += v5 * v5
-        s6 += v6 * v6
-        s7 += v7 * v7
-        m = max(max(max(abs(v0), abs(v1)), max(abs(v2), abs(v3))), max(max(abs(v4), abs(v5)), max(abs(v6), abs(v7))))
-        amax = m if m > amax else amax
-        z += ((v0 - v0) + (v1 - v1)) + ((v2 - v2) + (v3 - v3)) + ((v4 - v4) + (v5 - v5)) + ((v6 - v6) + (v7 - v7))
-    tail = np.zeros(8)
+    full = n - n % LANES
+    lanes = np.zeros(LANES)
+    amax = _norm_groups(x, full // LANES, lanes)
     for i in range(full, n):
         v = np.float64(x[i])
-        tail[i - full] = v * v
+        lanes[i - full] += v * v
         a = abs(v)
-        amax = a if a > amax else amax
-        z += v - v
-    s0 += tail[0]
-    s1 += tail[1]
-    s2 += tail[2]
-    s3 += tail[3]
-    s4 += tail[4]
-    s5 += tail[5]
-    s6 += tail[6]
-    s7 += tail[7]
-    sq = ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-    return amax, sq, z != 0.0
+        amax = a if (a > amax or a != a) else amax
+    sq = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    return amax, sq, not amax <= _DBL_MAX
 
 
 # --- QSGDMaxNorm ---------------------------------------------------------------------------
@@ -269,11 +307,31 @@ def _select_sparse(d, k, a, hb, keys, out):
             out[j] = np.int64(_walk_on(v, D, a, hb, keys, False))
 
 
+_SCATTER_BLOCK = 2048  # output elements zeroed and filled while they sit in the L1 cache
+
+
 @_jit
 def _scatter(vals, idx, factor, out):
-    """``out[idx[j]] = vals[j] * factor`` (float64 product, stored in out's dtype)."""
-    for j in range(idx.shape[0]):
-        out[idx[j]] = np.float64(vals[j]) * factor
+    """``out`` = zeros with ``out[idx[j]] = vals[j] * factor`` (float64 product, stored in
+    out's dtype), for ``idx`` strictly increasing in ``[0, len(out))`` (trusted: the
+    selection makes it so, and :class:`lowbit.codecs.RandKCodec` checks indices it reads
+    from a message). Each block of ``out`` is zeroed and then receives its kept values while
+    it is in the cache, so ``out`` is written to memory once (zeros and then a scatter write
+    it twice); unsigned indices spare numba's wraparound test on every access."""
+    n = np.uint64(out.shape[0])
+    k = np.uint64(idx.shape[0])
+    blk = np.uint64(_SCATTER_BLOCK)
+    j = np.uint64(0)
+    for base in range(np.uint64(0), n, blk):
+        end = min(base + blk, n)
+        for p in range(base, end):
+            out[p] = 0
+        while j < k:
+            i = np.uint64(idx[j])
+            if i >= end:
+                break
+            out[i] = np.float64(vals[j]) * factor
+            j += np.uint64(1)
 
 
 # --- torch-level API (the same names and signatures as the Triton module) ----------------------
@@ -370,8 +428,9 @@ def select_sparse(d: int, k: int, a: int, hb: int, round_keys: np.ndarray) -> to
 
 
 def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:
-    """Zeros of ``n`` elements with ``vals * factor`` (float64 products, cast to ``dtype``) at ``idx``."""
+    """Zeros of ``n`` elements with ``vals * factor`` (float64 products, cast to ``dtype``) at
+    ``idx`` (strictly increasing in ``[0, n)``)."""
     direct = dtype in (torch.float32, torch.float64)
-    out = torch.zeros(n, dtype=dtype if direct else torch.float64)
+    out = torch.empty(n, dtype=dtype if direct else torch.float64)
     _scatter(as_numba(vals), np_view(idx), float(factor), out.numpy())
     return out if direct else out.to(dtype)

@@ -13,13 +13,19 @@ exactly the integers of :func:`lowbit.codecs.randk.select_reference` and of the
 it a block at a time, then walks the rare cycle (values ``>= d``) and compacts
 the kept indices in order: one pass over ``[0, d)``, already sorted
 (:func:`select`; sparse selections take the 64-bit inverse of :mod:`.cpu_maxnorm`); an encode's gather of the kept values rides on the
-compaction (one sequential read of ``x``).
+compaction (one sequential read of ``x``). The compaction is a second intrinsic
+(:func:`_compactor`): 16 lanes at a time, LLVM's vector compress (AVX-512's
+``vpcompressd`` into a register, then one full store; the store form is slow on some
+CPUs), or the same stores lane by lane on an LLVM without it. Against numba's scalar
+loop (signed indices, with a wraparound test on each) it took the selection with the
+gather of 1e7 elements from 32 to 23 ms on this project's machine.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -30,6 +36,12 @@ from .cpu import _jit, np_view
 __all__ = ["select"]
 
 _BLOCK = 1024
+#: Lanes of one compaction step (:func:`_compactor`); the kernel's outputs have this much slack.
+_LANES = 16
+#: ``llvm.experimental.vector.compress`` (LLVM 19 and later; AVX-512's ``vpcompressd``): the
+#: compaction's 16 lanes in a few vector instructions. Older LLVMs get the same stores lane by
+#: lane. Read when a kernel is compiled.
+VECTOR_COMPRESS = llvm.llvm_version_info >= (19,)
 
 
 @intrinsic
@@ -78,6 +90,88 @@ def feistel32(typingctx, v, a, hb, keys):
     return types.uint32(v, a, hb, keys), codegen
 
 
+def _lane_name(t) -> str:
+    return {32: "i32"}[t.width] if isinstance(t, ir.IntType) else ("f32" if isinstance(t, ir.FloatType) else "f64")
+
+
+def _popcount(builder, mask, lanes: int):
+    """How many of the ``lanes`` bits of the ``<lanes x i1>`` ``mask`` are set, as an i64."""
+    bits = builder.bitcast(mask, ir.IntType(lanes))
+    fn = builder.module.declare_intrinsic("llvm.ctpop", [ir.IntType(lanes)])
+    return builder.zext(builder.call(fn, [bits]), ir.IntType(64))
+
+
+def _compactor(gather: bool):
+    """A numba intrinsic ``(buf, t, base, K, out, c, x, vals) -> c'``: of the lanes
+    ``l < 16`` with ``buf[t + l] < K``, in order, store ``base + t + l`` (int32) at
+    ``out[c:]`` and, with ``gather``, ``x[base + t + l]`` at ``vals[c:]``; returns ``c``
+    plus their count. All 16 lanes are stored (``out`` and ``vals`` need 16 elements of
+    slack). With :data:`VECTOR_COMPRESS` one vector compress per output, else the same
+    stores lane by lane, branch-free."""
+
+    @intrinsic
+    def compact(typingctx, buf, t, base, K, out, c, x, vals):
+        if not (isinstance(buf, types.Array) and buf.dtype == types.uint32 and isinstance(out, types.Array)
+                and out.dtype == types.int32 and isinstance(x, types.Array) and isinstance(vals, types.Array)
+                and x.dtype == vals.dtype and x.dtype in (types.float32, types.float64) and K == types.uint32
+                and all(isinstance(v, types.Integer) for v in (t, base, c))):
+            return None
+
+        def codegen(context, builder, sig, args):
+            bufa, oa, xa, va = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 4, 6, 7))
+            i64, i32, i1 = ir.IntType(64), ir.IntType(32), ir.IntType(1)
+            tt, bb, cc = (context.cast(builder, args[j], sig.args[j], types.int64) for j in (1, 2, 5))
+            fx = context.get_value_type(sig.args[6].dtype)
+            v32, vx = ir.VectorType(i32, _LANES), ir.VectorType(fx, _LANES)
+            b = builder.load(builder.bitcast(builder.gep(bufa.data, [tt]), v32.as_pointer()), align=4)
+            kv = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), args[3], ir.Constant(i32, 0)),
+                                        ir.Constant(v32, None), ir.Constant(v32, [0] * _LANES))
+            mask = builder.icmp_unsigned("<", b, kv)
+            start = builder.trunc(builder.add(bb, tt), i32)
+            first = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), start, ir.Constant(i32, 0)),
+                                           ir.Constant(v32, None), ir.Constant(v32, [0] * _LANES))
+            idx = builder.add(first, ir.Constant(v32, list(range(_LANES))))
+            outs = [(idx, oa.data, v32, 4)]
+            if gather:
+                xv = builder.load(builder.bitcast(builder.gep(xa.data, [builder.add(bb, tt)]), vx.as_pointer()),
+                                  align=sig.args[6].dtype.bitwidth // 8)
+                outs.append((xv, va.data, vx, sig.args[6].dtype.bitwidth // 8))
+            if VECTOR_COMPRESS:
+                for vec, base_ptr, vty, align in outs:
+                    # vectors of 512 bits (wider ones crash LLVM's x86 lowering): float64 in two halves
+                    width = min(_LANES, 512 // (8 * align))
+                    pos = cc
+                    for h in range(0, _LANES, width):
+                        part = ir.Constant(ir.VectorType(i32, width), list(range(h, h + width)))
+                        pty = ir.VectorType(vty.element, width)
+                        pv = builder.shuffle_vector(vec, ir.Constant(vty, None), part)
+                        pm = builder.shuffle_vector(mask, ir.Constant(mask.type, None), part)
+                        fn = builder.module.declare_intrinsic(
+                            f"llvm.experimental.vector.compress.v{width}{_lane_name(vty.element)}", (),
+                            ir.FunctionType(pty, [pty, ir.VectorType(i1, width), pty]))
+                        packed = builder.call(fn, [pv, pm, ir.Constant(pty, None)])
+                        builder.store(packed, builder.bitcast(builder.gep(base_ptr, [pos]), pty.as_pointer()),
+                                      align=align)
+                        if h + width < _LANES:
+                            pos = builder.add(pos, _popcount(builder, pm, width))
+                return builder.add(cc, _popcount(builder, mask, _LANES))
+            pos = cc
+            for lane in range(_LANES):
+                for vec, base_ptr, _, align in outs:
+                    builder.store(builder.extract_element(vec, ir.Constant(i32, lane)), builder.gep(base_ptr, [pos]),
+                                  align=align)
+                pos = builder.add(pos, builder.zext(builder.extract_element(mask, ir.Constant(i32, lane)), i64))
+            return pos
+
+        return types.int64(buf, t, base, K, out, c, x, vals), codegen
+
+    return compact
+
+
+_compact_indices = _compactor(False)
+_compact_gather = _compactor(True)
+
+
 @_jit
 def _walk(v, D, A, HB, keys):
     while v >= D:
@@ -90,7 +184,8 @@ def _select_dense(d, k, a, hb, keys, out, gather, x, vals):
     """``out[:c]`` = the sorted ``i < d`` with ``sigma(i) < k``; returns ``c`` (= k). With
     ``gather``, also ``vals[:c] = x[out[:c]]`` in the same pass. Per block: the permutation
     (vectorised), the rare cycle walks (values ``>= d``, only in a block that has one),
-    then a branch-free compaction."""
+    then the compaction, 16 lanes at a time (:func:`_compactor`). ``out`` and ``vals``
+    need :data:`_LANES` elements of slack."""
     D = np.uint32(d)
     K = np.uint32(k)
     A = np.uint32(a)
@@ -108,15 +203,18 @@ def _select_dense(d, k, a, hb, keys, out, gather, x, vals):
             for t in range(m):
                 if buf[t] >= D:
                     buf[t] = _walk(buf[t], D, A, HB, keys)
+        whole = m - m % _LANES
         if gather:
-            for t in range(m):
-                out[c] = base + t
-                vals[c] = x[base + t]
-                c += 1 if buf[t] < K else 0
+            for t in range(0, whole, _LANES):
+                c = _compact_gather(buf, t, base, K, out, c, x, vals)
         else:
-            for t in range(m):
-                out[c] = base + t
-                c += 1 if buf[t] < K else 0
+            for t in range(0, whole, _LANES):
+                c = _compact_indices(buf, t, base, K, out, c, x, vals)
+        for t in range(whole, m):  # the last block's tail
+            out[c] = np.int32(base + t)
+            if gather:
+                vals[c] = x[base + t]
+            c += 1 if buf[t] < K else 0
     return c
 
 
@@ -132,10 +230,10 @@ def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool, device=None
         idx = select_sparse(d, k, a, hb, round_keys)
         return idx if x is None else (idx, x.index_select(0, idx))
     keys = tuple(np.uint32(int(v)) for v in round_keys)
-    out = torch.empty(k + 1, dtype=torch.int32)  # d < 2^31; half the bytes of int64 to write and read
+    out = torch.empty(k + _LANES, dtype=torch.int32)  # d < 2^31; half the bytes of int64 to write and read
     gather = x is not None and x.dtype in (torch.float32, torch.float64)
     xs = np_view(x) if gather else np.empty(0, dtype=np.float32)
-    vals = torch.empty(k + 1, dtype=x.dtype) if gather else torch.empty(0)
+    vals = torch.empty(k + _LANES, dtype=x.dtype) if gather else torch.empty(0)
     c = _select_dense(d, k, a, hb, keys, out.numpy(), gather, xs, vals.numpy())
     if c != k:
         raise RuntimeError(f"the Feistel selection kept {c} of {d} coordinates instead of {k}")

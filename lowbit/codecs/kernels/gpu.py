@@ -115,7 +115,10 @@ def _unpack_kernel(data_ptr, out_ptr, n, nbytes, B: tl.constexpr, G: tl.constexp
 
 
 def pack(codes: torch.Tensor, b: int) -> torch.Tensor:
-    """Pack uint8 codes (each < 2^b, b in 1..8, trusted) into ``ceil(n b / 8)`` bytes."""
+    """Pack uint8 codes (each < 2^b, b in 1..8, trusted) into ``ceil(n b / 8)`` bytes; uint8
+    codes of 8 bits are returned as they are (see :func:`.cpu.pack`)."""
+    if b == 8 and codes.dtype == torch.uint8 and codes.is_contiguous():
+        return codes.detach()
     if b > 8:
         from ..packing import pack_wide
         return pack_wide(codes.to(torch.int64), b)
