@@ -1,6 +1,8 @@
 """The codecs' fast path (numba on the CPU) against the float64 reference: the same
 bytes for the same generator, the same decodes, the same errors."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -197,3 +199,31 @@ def test_moniqua_fused_exchange_is_the_codec_path_bit_for_bit(monkeypatch):
         assert any(m for _, _, m in fused) or kw["bits"] == 1  # theta 0.02: wrong blocks, repaired
         for (p, r, m), (q, s, o) in zip(fused, plain):
             assert torch.equal(p, q) and (r, m) == (s, o)
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (Linux smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise and smaps are Linux's")
+def test_large_decode_outputs_are_advised_as_huge_pages():
+    """empty_output advises the 2 MiB-aligned interior of a buffer of HUGE_FROM bytes or more
+    (MADV_HUGEPAGE shows as the VmFlag "hg"), and leaves smaller ones to the heap."""
+    from lowbit.codecs.kernels import HUGE_FROM, empty_output
+
+    big = empty_output(HUGE_FROM // 4 + 12345, torch.float32)
+    assert big.shape == (HUGE_FROM // 4 + 12345,) and big.dtype == torch.float32
+    interior = -(-big.data_ptr() // (2 << 20)) * (2 << 20)
+    assert "hg" in _vm_flags(interior)
+    small = empty_output(HUGE_FROM // 8, torch.float32)
+    assert "hg" not in _vm_flags(small.data_ptr() + small.numel() * 2)

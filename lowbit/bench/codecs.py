@@ -17,10 +17,10 @@ only that. RandK cases select anew at every encode (a new seed, as at every
 training step); a decode finds its step's selection in the per-process cache,
 as a global random-k step's decodes do. ``randk_k`` sets the kept counts of the
 RandK cases (default: 1% of the size, and half of it). Each round also times a
-copy into a fresh buffer (``torch.empty_like(x).copy_(x)``): what the
+copy into a fresh buffer allocated as a decode allocates its output
+(:func:`lowbit.codecs.kernels.empty_output`, then ``copy_(x)``): what the
 allocation and first touch of a decode's new output cost, as a multiple of the
-memcpy (a decode given ``out=`` avoids it; torch's huge-page allocation, which
-importing lowbit turns on, makes it cheaper: see :mod:`lowbit`).
+memcpy (a decode given ``out=`` avoids it).
 
 ``against="references"`` times, in each round, lowbit's encode + decode and a
 reference codec's (:mod:`lowbit.bench.references`) side by side, and reports
@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from ..codecs import Codec, CodecKind, make_generator, shared_generator
-from ..codecs.kernels import codec_path
+from ..codecs.kernels import codec_path, empty_output
 from . import references as refs
 from .timing import (check_positive_float, check_positive_int, measure, median_ratio, pinned_threads, resolve_clock,
                      spread)
@@ -317,7 +317,7 @@ def bench_codecs(size: int = 1_000_000, rounds: int = 5, cases: list[BenchCase] 
         x, ref = bench_data(size, dev, seed)
         out = torch.empty_like(x)
         memcpy = lambda: out.copy_(x)  # noqa: E731
-        fresh = lambda: torch.empty_like(x).copy_(x)  # noqa: E731
+        fresh = lambda: empty_output(x.numel(), x.dtype, x.device).copy_(x)  # noqa: E731
         prepared = []
         for case in cases:
             codec = case.make()
@@ -395,9 +395,9 @@ def format_report(report: dict) -> str:
     fresh = report.get("fresh_buffer_x_memcpy")
     lines = [title, head]
     if fresh is not None:
-        lines.append(f"a copy into a fresh buffer (torch.empty_like(x).copy_(x), what a decode's new output costs "
-                     f"to allocate and first touch): {fresh:.1f}x memcpy; torch's huge-page CPU allocation "
-                     f"THP_MEM_ALLOC_ENABLE={report.get('thp_mem_alloc')} (lowbit sets 1 unless set)")
+        lines.append(f"a copy into a fresh buffer (allocated as a decode's output is, by lowbit.codecs.kernels."
+                     f"empty_output, then copy_(x): what a decode's new output costs to allocate and first touch): "
+                     f"{fresh:.1f}x memcpy; THP_MEM_ALLOC_ENABLE={report.get('thp_mem_alloc')}")
     lines.append(f"{'codec':<27} {'enc/memcpy':>10} {'dec/memcpy':>10} {'(e+d)/memcpy':>12} {'range':>13} "
                  f"{'enc GB/s':>9} {'dec GB/s':>9} {'memcpy GB/s':>11} {'B/elem':>7}"
                  + (f" {'ref enc':>8} {'ref dec':>8}" if both else ""))

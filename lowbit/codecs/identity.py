@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecKind, Payload, pack_header, unpack_header
-from .kernels import kernels_for
+from .kernels import empty_output, kernels_for
 from .quantize import check_numel
 
 __all__ = ["IdentityCodec", "bytes_as"]
@@ -49,7 +49,7 @@ class IdentityCodec(Codec):
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """One copy (a cast for other dtypes) of ``x``: the reference is the same."""
         n = check_numel(x)
-        data = x.detach().to(torch.float32, copy=True).view(torch.uint8)
+        data = empty_output(n, torch.float32, x.device).copy_(x.detach().reshape(-1)).view(torch.uint8)
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=data)
 
     encode_reference = encode
@@ -65,8 +65,9 @@ class IdentityCodec(Codec):
         """One pass: a copy of the payload's floats, or their cast to ``dtype``."""
         if kernels_for(payload.data) is None:
             return self.decode_reference(payload, dtype=dtype)
-        self._check(payload)
-        return bytes_as(payload.data, torch.float32).to(torch.float32 if dtype is None else dtype, copy=True)
+        n = self._check(payload)
+        out = empty_output(n, torch.float32 if dtype is None else dtype, payload.data.device)
+        return out.copy_(bytes_as(payload.data, torch.float32))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -54,7 +54,7 @@ import torch
 
 from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .identity import bytes_as
-from .kernels import kernels_for
+from .kernels import empty_output, kernels_for
 from .quantize import check_numel
 
 __all__ = ["HalfCodec", "HALF_DTYPES", "check_out"]
@@ -166,7 +166,7 @@ class HalfCodec(Codec):
         n = self._check(payload)
         dtype = torch.float32 if dtype is None else dtype
         if out is None:
-            out = torch.empty(n, dtype=dtype, device=payload.data.device)
+            out = empty_output(n, dtype, payload.data.device)
         else:
             check_out(out, n, dtype, payload.data.device)
         return K.half_decode(bytes_as(payload.data, self.torch_dtype), out)

@@ -36,7 +36,7 @@ import torch
 
 from .base import Payload, pack_header
 from .entropy import entropy_code, entropy_decode
-from .kernels import kernels_for
+from .kernels import empty_output, kernels_for
 from .modulo import ModuloCodec
 from .packing import packed_nbytes
 from .rng import draw_key
@@ -138,7 +138,7 @@ class ModuloFrame:
         msg = torch.empty(nbytes + len(head) + 2 * nb + 1, dtype=torch.uint8, device=y.device)
         if head:
             msg[nbytes:nbytes + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(y.device)
-        x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
+        x_hat = empty_output(d, y.dtype, y.device)
         stochastic = codec.rounding == "stochastic"
         try:
             K.moniqua_send(y, codec.B_theta, codec.levels, stochastic, draw_key(generator) if stochastic else 0,
@@ -180,7 +180,7 @@ class ModuloFrame:
             if buf.numel() != need:
                 raise self._malformed(sender, f"{buf.numel()} bytes of codes, {d} elements at {codec.bits} bits "
                                               f"need {need}")
-            x_hat = torch.empty(d, dtype=y.dtype, device=y.device)
+            x_hat = empty_output(d, y.dtype, y.device)
             try:
                 wrong = K.moniqua_receive(buf, codec.bits, codec.B_theta, codec.levels, y, self.block, sent, x_hat,
                                           v, x_hat_i, w, delta)

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Codec, CodecKind, Payload, pack_header, unpack_header
-from .kernels import fast_backend
+from .kernels import empty_output, fast_backend
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64
 
 __all__ = ["PowerSGDCodec", "matrix_shape"]
@@ -235,7 +235,8 @@ class PowerSGDCodec(Codec):
             return self.decode_reference(payload, dtype=dtype)
         (N,) = unpack_header(self.header_format, payload.header)
         P, Q = self.factors(payload)
-        return torch.mm(P, Q.t()).reshape(-1)[:N]
+        out = empty_output(P.shape[0] * Q.shape[0], torch.float32, P.device).view(P.shape[0], Q.shape[0])
+        return torch.mm(P, Q.t(), out=out).reshape(-1)[:N]
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:

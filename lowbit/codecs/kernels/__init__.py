@@ -22,14 +22,16 @@ devices) take the reference; CUDA without Triton takes the reference.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import importlib
 import os
+import sys
 import threading
 
 import torch
 
-__all__ = ["fast_backend", "kernels_for", "codec_path", "PATHS", "cpu_kernels", "gpu_kernels"]
+__all__ = ["fast_backend", "kernels_for", "codec_path", "PATHS", "cpu_kernels", "gpu_kernels", "empty_output"]
 
 PATHS = ("fast", "reference")
 _local = threading.local()
@@ -97,3 +99,47 @@ def kernels_for(x: torch.Tensor, family: str = "core"):
     CUDA), or None: take the reference."""
     backend = fast_backend(x)
     return None if backend is None else _module(backend, family)
+
+
+#: Allocations of this many bytes or more get a fresh mapping from glibc at every call (its
+#: mmap threshold rises with the sizes freed, up to 32 MiB); smaller ones reuse freed heap
+#: memory, whose pages are already in place.
+HUGE_FROM = 32 << 20
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
+
+
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise()
+
+
+def empty_output(n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.empty(n, dtype=dtype, device=device)`` for a decode's output (returned to the
+    caller, so a new tensor every call). On the CPU, from :data:`HUGE_FROM` bytes on, glibc maps the buffer fresh
+    and the kernel would fault it in 4 KiB pages on first touch (a fresh 40 MB output cost
+    4-5x a copy into a kept buffer on this project's machine): its 2 MiB-aligned interior is
+    advised as transparent huge pages first (Linux ``madvise(MADV_HUGEPAGE)``; where THP is
+    off or on other systems nothing changes). Smaller buffers are left to the heap, which
+    reuses freed memory. Only lowbit's own outputs are advised: torch's process-wide
+    ``THP_MEM_ALLOC_ENABLE=1`` also advises every tensor from 2 MiB, and there made fresh
+    2-16 MiB tensors 5-50x slower to touch here than heap reuse."""
+    out = torch.empty(n, dtype=dtype, device=device)
+    nbytes = n * out.element_size()
+    if nbytes >= HUGE_FROM and _MADVISE is not None and out.device.type == "cpu":
+        start = out.data_ptr()
+        lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE
+        hi = (start + nbytes) // _HUGE_PAGE * _HUGE_PAGE
+        if hi > lo:
+            _MADVISE(lo, hi - lo, _MADV_HUGEPAGE)  # advice: a failure (THP compiled out) changes nothing
+    return out
