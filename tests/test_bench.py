@@ -141,8 +141,8 @@ def test_reference_bench_pairs_and_wire_sizes():
     assert by["sign (unscaled)"]["lowbit_bytes"] < size / 8 + 64
     assert by["powersgd r=2"]["lowbit_bytes"] == by["powersgd r=2"]["reference_bytes"]  # P and Q as float32 both
     # global random-k: the k = 40 kept values' 8-bit codes, W and d, neither sends the indices
-    assert by["globalrandk 1% maxnorm b=8"]["reference_bytes"] == size // 100 + 8
-    assert by["globalrandk 1% maxnorm b=8"]["lowbit_bytes"] < size // 100 + 64
+    assert by["globalrandk 1% b=8"]["reference_bytes"] == size // 100 + 8
+    assert by["globalrandk 1% b=8"]["lowbit_bytes"] < size // 100 + 64
 
 
 # --- the reference codecs compute what they claim ------------------------------------------

@@ -152,7 +152,7 @@ def reference_pairs(size: int = 1_000_000) -> list[ReferencePair]:
     pairs += [ReferencePair(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA),
                             lambda b=b: refs.MoniquaReference(b, THETA)) for b in (2, 4)]
     k = max(1, size // 100)
-    pairs.append(ReferencePair("globalrandk 1% maxnorm b=8", lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=k, seed=1),
+    pairs.append(ReferencePair("globalrandk 1% b=8", lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=k, seed=1),
                                lambda: refs.GlobalRandKMaxNormReference(8, k)))
     pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference, decode_out=True))
     pairs.append(ReferencePair("powersgd r=2", lambda: c.PowerSGDCodec(rank=2), lambda: refs.PowerSGDReference(2)))

@@ -126,14 +126,15 @@ _MADVISE = _madvise()
 
 def empty_output(n: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """``torch.empty(n, dtype=dtype, device=device)`` for a decode's output (returned to the
-    caller, so a new tensor every call). On the CPU, from :data:`HUGE_FROM` bytes on, glibc maps the buffer fresh
-    and the kernel would fault it in 4 KiB pages on first touch (a fresh 40 MB output cost
-    4-5x a copy into a kept buffer on this project's machine): its 2 MiB-aligned interior is
-    advised as transparent huge pages first (Linux ``madvise(MADV_HUGEPAGE)``; where THP is
-    off or on other systems nothing changes). Smaller buffers are left to the heap, which
-    reuses freed memory. Only lowbit's own outputs are advised: torch's process-wide
-    ``THP_MEM_ALLOC_ENABLE=1`` also advises every tensor from 2 MiB, and there made fresh
-    2-16 MiB tensors 5-50x slower to touch here than heap reuse."""
+    caller, so a new tensor every call). On the CPU, from :data:`HUGE_FROM` bytes on, glibc
+    maps the buffer fresh and the kernel would fault it in 4 KiB pages on first touch: its
+    2 MiB-aligned interior is advised as transparent huge pages first (Linux
+    ``madvise(MADV_HUGEPAGE)``; where THP is off, or on other systems, nothing changes).
+    Smaller buffers are left to the heap, which reuses freed memory. Only lowbit's own
+    outputs are advised: torch's process-wide ``THP_MEM_ALLOC_ENABLE=1`` advises every
+    tensor from 2 MiB, which on this project's machine made each fresh 4-32 MB tensor cost
+    1-3.6 ms where heap reuse took 0.05-1.6 ms (``python benchmarks/fresh_alloc.py``; a
+    fresh 40 MB one: 19 ms unadvised, 4-5 ms advised)."""
     out = torch.empty(n, dtype=dtype, device=device)
     nbytes = n * out.element_size()
     if nbytes >= HUGE_FROM and _MADVISE is not None and out.device.type == "cpu":
