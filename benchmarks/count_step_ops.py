@@ -1,7 +1,7 @@
 """Count the work one worker's algorithm issues per step: torch (aten) ops and Triton kernel
 launches inside its ``before_update`` and ``after_update`` hooks (the optimizer step and
 the model's forward and backward are not counted), on thread workers (digits-mlp, rank 0 of
-a ring of 4, steps 1-3).
+a ring of 4; the first ``--skip`` steps, which set things up, are left out).
 
 On a GPU a thread worker's step is bound by launching work from Python threads that share
 one interpreter, so these counts are what to cut there. ``--path cuda`` counts the CUDA
@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("algorithm")
     ap.add_argument("options", nargs="*", help="key=value TrainConfig options, e.g. bits=2")
     ap.add_argument("--path", choices=("cpu", "cuda"), default="cuda")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4, help="steps counted")
+    ap.add_argument("--skip", type=int, default=2, help="steps run first and not counted")
     args = ap.parse_args()
     if args.path == "cuda":
         os.environ["TRITON_INTERPRET"] = "1"
@@ -68,8 +69,10 @@ def main() -> None:
     for item in args.options:
         key, _, value = item.partition("=")
         options[key] = _value(value)
-    cfg = TrainConfig(task="digits-mlp", workers=4, steps=args.steps, device="cpu", seed=0,
-                      eval_every=args.steps + 1, backend="thread", algorithm=args.algorithm, **options)
+    total = args.skip + args.steps
+    cfg = TrainConfig(task="digits-mlp", workers=4, steps=total, device="cpu", seed=0,
+                      eval_every=total + 1, backend="thread", algorithm=args.algorithm, **options)
+    calls = collections.Counter()
 
     def instrument(algo) -> None:
         if algo.rank != 0:
@@ -79,6 +82,9 @@ def main() -> None:
 
     def counted(fn):
         def call(*a, **k):
+            calls[fn.__name__] += 1
+            if calls[fn.__name__] <= args.skip:
+                return fn(*a, **k)
             COUNTED.on = True
             try:
                 with Count():

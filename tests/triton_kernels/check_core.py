@@ -54,11 +54,13 @@ def test_nonfinite_input_is_a_clear_error():
         gpu.modulo_encode(torch.tensor([1.0, float("nan"), 2.0]), 0.3, 4, True, 1)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("block,dtype", [(100, torch.float64), (1100, torch.float32)])
-def test_modulo_decode_hash_matches_the_reference(block, dtype):
+def test_modulo_decode_hash_matches_the_reference(block, dtype, bits):
     """Moniqua's verification on CUDA: the same decode and the same block hashes as the float64
-    reference (the grid integers are computed in float64 on every path)."""
-    codec = ModuloCodec(bits=2, theta=0.05)
+    reference (the grid integers are computed in float64 on every path; codes of 1, 2, 4 and 8
+    bits read packed, others unpacked first)."""
+    codec = ModuloCodec(bits=bits, theta=0.05, rounding="nearest" if bits == 1 else "stochastic")
     g = torch.Generator().manual_seed(block)
     x = torch.randn(1031, dtype=torch.float64, generator=g)
     y = (x + (torch.rand(1031, dtype=torch.float64, generator=g) - 0.5) * 0.2).to(dtype)  # some blocks wrong
@@ -72,25 +74,27 @@ def test_modulo_decode_hash_matches_the_reference(block, dtype):
                                torch.full((4,), 1e17, dtype=dtype), block)
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype,dither", [(torch.float32, False), (torch.float64, False), (torch.float32, True)])
-def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither):
+def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits):
     """Moniqua's one-call exchange on CUDA: the same message bytes and decodes as the numba
     calls; the same wrong blocks; line 6's term where every block agrees (float32 slack: the
     fused multiply-adds are the same, the rounding of xh - v may differ by an ulp)."""
-    codec = ModuloCodec(bits=2, theta=0.05)
+    codec = ModuloCodec(bits=bits, theta=0.05, rounding="nearest" if bits == 1 else "stochastic")
     n, block, w = 1031, 100, 1 / 3
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, dtype=torch.float64, generator=g).to(dtype)
     xj = x + (torch.rand(n, dtype=torch.float64, generator=g) - 0.5).to(dtype) * 0.09
     v = (torch.rand(n, dtype=torch.float64, generator=g) - 0.5) * 0.02 if dither else None
     y, yj = (x.double() + v, xj.double() + v) if dither else (x, xj)
-    nbytes, nb = -(-n * 2 // 8), -(-n // block)
+    nbytes, nb = -(-n * bits // 8), -(-n // block)
     msgs = {}
     for name, K in (("gpu", gpu), ("cpu", cpu)):
         for who, src in (("i", y), ("j", yj)):
             msg = torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8)
             xhat = torch.empty(n, dtype=src.dtype)
-            K.moniqua_send(src, codec.B_theta, codec.levels, True, 77, 2, block, msg, nbytes, 3, xhat)
+            K.moniqua_send(src, codec.B_theta, codec.levels, codec.rounding == "stochastic", 77, bits, block, msg,
+                           nbytes, 3, xhat)
             msgs[name, who] = msg, xhat
     for who in "ij":
         assert torch.equal(msgs["gpu", who][0], msgs["cpu", who][0])
@@ -107,7 +111,7 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither):
         out = {}
         for name, K in (("gpu", gpu), ("cpu", cpu)):
             delta, xh = torch.zeros(n, dtype=dtype), torch.empty(n, dtype=y.dtype)
-            wrong = K.moniqua_receive(msg_j[:nbytes], 2, codec.B_theta, codec.levels, y_far, block, sent, xh, v,
+            wrong = K.moniqua_receive(msg_j[:nbytes], bits, codec.B_theta, codec.levels, y_far, block, sent, xh, v,
                                       x_hat_i, w, delta)
             out[name] = wrong, xh, delta
         assert out["gpu"][0] == out["cpu"][0] == [f // block for f in far]

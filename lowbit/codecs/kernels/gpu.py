@@ -15,6 +15,8 @@ Codes of at most 8 bits are packed in groups of 8 codes, which fill exactly
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 import triton
@@ -186,11 +188,13 @@ def _modulo_decode_kernel(codes_ptr, y_ptr, out_ptr, n, B, step, LEVELS: tl.cons
 
 @triton.jit
 def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: tl.constexpr, LEN: tl.constexpr,
-                       CHUNK: tl.constexpr):
+                       CHUNK: tl.constexpr, BITS: tl.constexpr):
     """Elements ``start..end-1`` (``end - start <= LEN``): eq. (5) as the numba kernel computes it
     (lattice index k, then the grid integers m = code - LEVELS k), stored into ``out``; returns the
-    block's 16-bit hash of m and its largest |k|. The loop's bounds are constexpr: Triton 3.6's
-    interpreter cannot take a tensor as a ``range`` bound."""
+    block's 16-bit hash of m and its largest |k|. ``codes_ptr``: one uint8 code per element
+    (``BITS`` 8) or the codes packed ``BITS`` (1, 2 or 4) to a byte, read as they lie in the
+    message. The loop's bounds are constexpr: Triton 3.6's interpreter cannot take a tensor as a
+    ``range`` bound."""
     acc = tl.zeros([CHUNK], dtype=tl.uint32)
     reach = tl.zeros([CHUNK], dtype=tl.float64)
     inv_B = 1.0 / tl.cast(B, tl.float64)  # IEEE in float64, as the numba kernel's 1 / B
@@ -199,7 +203,11 @@ def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: t
         mask = offs < end
         y = tl.load(y_ptr + offs, mask=mask, other=0.0)
         yf = y.to(tl.float64)
-        code = tl.load(codes_ptr + offs, mask=mask, other=0)
+        if BITS == 8:
+            code = tl.load(codes_ptr + offs, mask=mask, other=0)
+        else:  # little-endian bit order within a byte (lowbit.codecs.packing)
+            byte = tl.load(codes_ptr + offs // (8 // BITS), mask=mask, other=0)
+            code = (byte >> ((offs % (8 // BITS)) * BITS).to(tl.uint8)) & ((1 << BITS) - 1)
         z = code.to(tl.float64) * step - yf
         k = tl.floor(z * inv_B + 0.5)
         r = z - B * k
@@ -220,12 +228,13 @@ def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: t
 
 @triton.jit
 def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n, B, step,
-                               LEVELS: tl.constexpr, BLOCK_LEN: tl.constexpr, CHUNK: tl.constexpr):
+                               LEVELS: tl.constexpr, BLOCK_LEN: tl.constexpr, CHUNK: tl.constexpr,
+                               BITS: tl.constexpr):
     """One program per hashed block of ``BLOCK_LEN`` elements: the decode, the block's hash and
     its largest |k|."""
     b = tl.program_id(0)
     h, reach = _decode_hash_block(codes_ptr, y_ptr, out_ptr, b * BLOCK_LEN, tl.minimum(b * BLOCK_LEN + BLOCK_LEN, n),
-                                  B, step, LEVELS, BLOCK_LEN, CHUNK)
+                                  B, step, LEVELS, BLOCK_LEN, CHUNK, BITS)
     tl.store(hash_ptr + b, h)
     tl.store(reach_ptr + b, reach)
 
@@ -233,7 +242,7 @@ def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n
 @triton.jit
 def _moniqua_receive_kernel(codes_ptr, y_ptr, xh_ptr, sent_ptr, bad_ptr, reach_ptr, v_ptr, xhi_ptr, delta_ptr, n,
                             B, step, w_ptr, LEVELS: tl.constexpr, BLOCK_LEN: tl.constexpr, CHUNK: tl.constexpr,
-                            DITHER: tl.constexpr):
+                            DITHER: tl.constexpr, BITS: tl.constexpr):
     """One program per hashed block of a neighbour's message: the decode into ``xh``, the hash
     compared with the one sent (``bad``), and for a block that agrees line 6's term ``delta +=
     w x_j; delta -= w x_hat_i`` (fused multiply-adds; ``x_j = xh - v`` with the shared dither; ``w``
@@ -241,9 +250,9 @@ def _moniqua_receive_kernel(codes_ptr, y_ptr, xh_ptr, sent_ptr, bad_ptr, reach_p
     b = tl.program_id(0)
     start = b * BLOCK_LEN
     end = tl.minimum(start + BLOCK_LEN, n)
-    h, reach = _decode_hash_block(codes_ptr, y_ptr, xh_ptr, start, end, B, step, LEVELS, BLOCK_LEN, CHUNK)
+    h, reach = _decode_hash_block(codes_ptr, y_ptr, xh_ptr, start, end, B, step, LEVELS, BLOCK_LEN, CHUNK, BITS)
     differs = h != tl.load(sent_ptr + b)
-    tl.store(bad_ptr + b, differs.to(tl.int32))
+    tl.store(bad_ptr + b, differs.to(tl.float64))  # 1.0 where the block differs: read back with reach
     tl.store(reach_ptr + b, reach)
     tl.debug_barrier()  # this program's stores of xh are visible to its loads below
     if not differs:
@@ -261,17 +270,18 @@ def _moniqua_receive_kernel(codes_ptr, y_ptr, xh_ptr, sent_ptr, bad_ptr, reach_p
 
 
 def _decode_hash(codes: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block: int, B: float,
-                 levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode of the ``n`` unpacked ``codes`` into ``out`` and, on the device, the blocks'
-    hashes (int32) and the largest ``levels |k|`` (float64, one element)."""
+                 levels: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode of the ``n`` ``codes`` (unpacked, or packed ``bits`` < 8 to a byte) into ``out``
+    and, on the device, the blocks' hashes (int32) and each block's largest ``|k|`` (float64; the caller reads them back with
+    what else it reads and takes the maximum on the host)."""
     n = y.numel()
     nb = -(-n // block)
     hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
     reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
     if n:
         _modulo_decode_hash_kernel[(nb,)](codes, y, out, hashes, reach, n, float(B), float(B) / levels, LEVELS=levels,
-                                          BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)))
-    return hashes, reach.max().reshape(1) * levels
+                                          BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)), BITS=bits)
+    return hashes, reach
 
 
 def _check_reach(reach: float, B: float, levels: int) -> None:
@@ -287,10 +297,14 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
     the message), with the overflow check in the same host read."""
     y = ref.detach().contiguous()
     out = torch.empty(n, dtype=y.dtype, device=y.device)
-    hashes, reach = _decode_hash(unpack(data, bits, n), y, out, block, B, levels)
-    host = torch.cat([hashes.to(torch.float64), reach]).cpu()  # the one host read
-    _check_reach(float(host[-1]), B, levels)
-    return out, host[:-1].to(torch.int32)
+    if bits in (1, 2, 4, 8):  # read as packed
+        hashes, reach = _decode_hash(data, y, out, block, B, levels, bits)
+    else:
+        hashes, reach = _decode_hash(unpack(data, bits, n), y, out, block, B, levels)
+    host = torch.cat([hashes.to(torch.float64), reach]).cpu().numpy()  # the one host read
+    nb = hashes.numel()
+    _check_reach(float(host[nb:].max()) * levels, B, levels)
+    return out, torch.from_numpy(host[:nb].astype(np.int32))
 
 
 def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int, bits: int, block: int,
@@ -304,11 +318,11 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
     packed = pack(codes, bits)
     msg[:packed.numel()] = packed
     hashes, reach = _decode_hash(codes, x, xhat, block, B, levels)
-    host = torch.cat([flag.to(torch.float64), reach]).cpu()  # the one host read
-    raise_if_flagged(host[:1], "modulo")
-    _check_reach(float(host[1]), B, levels)
-    le = torch.stack([hashes & 0xFF, (hashes >> 8) & 0xFF], dim=1).flatten().to(torch.uint8)
-    msg[hash_at:hash_at + le.numel()] = le
+    host = torch.cat([flag.to(torch.float64), reach]).cpu().numpy()  # the one host read
+    raise_if_flagged(host[0], "modulo")
+    _check_reach(float(host[1:].max()) * levels, B, levels)
+    # the 16-bit hashes little-endian: int32 -> int16 keeps the low 16 bits (CUDA is little-endian)
+    msg[hash_at:hash_at + 2 * hashes.numel()] = hashes.to(torch.int16).view(torch.uint8)
     msg[-1] = ctrl
 
 
@@ -323,20 +337,25 @@ def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: tor
     y = y.detach().contiguous()
     n = y.numel()
     nb = -(-n // block)
-    codes = unpack(data, bits, n)
     # host-to-device copies of pageable memory with non_blocking: staged at once, and no
     # stream synchronisation (a blocking copy waits for every thread's queued kernels)
     theirs = torch.from_numpy(np.asarray(sent, dtype=np.int32)).to(y.device, non_blocking=True)
-    wd = torch.tensor([w], dtype=delta.dtype).to(y.device, non_blocking=True)
-    bad = torch.zeros(nb, dtype=torch.int32, device=y.device)
-    reach = torch.zeros(max(nb, 1), dtype=torch.float64, device=y.device)
+    found = torch.zeros(nb + max(nb, 1), dtype=torch.float64, device=y.device)  # each block: differs, then |k|
     if n:
-        _moniqua_receive_kernel[(nb,)](codes, y, xh, theirs, bad, reach, y if v is None else v.contiguous(), xhat_i,
-                                       delta, n, float(B), float(B) / levels, wd, LEVELS=levels, BLOCK_LEN=block,
-                                       CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None)
-    host = torch.cat([bad.to(torch.float64), reach.max().reshape(1) * levels]).cpu()  # the one host read
-    _check_reach(float(host[-1]), B, levels)
-    return np.flatnonzero(host[:-1].numpy()).tolist()
+        _moniqua_receive_kernel[(nb,)](data, y, xh, theirs, found, found[nb:], y if v is None else v.contiguous(),
+                                       xhat_i, delta, n, float(B), float(B) / levels, _scalar_on(w, delta.dtype, y.device),
+                                       LEVELS=levels, BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)),
+                                       DITHER=v is not None, BITS=bits)
+    host = found.cpu().numpy()  # the one host read
+    _check_reach(float(host[nb:].max()) * levels, B, levels)
+    return np.flatnonzero(host[:nb]).tolist()
+
+
+@functools.lru_cache(maxsize=256)
+def _scalar_on(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``value`` as a one-element tensor of ``dtype`` on ``device`` (a kernel reads it; never
+    written): made once per value, not copied to the device at every message."""
+    return torch.tensor([value], dtype=dtype).to(device)
 
 
 def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
@@ -344,11 +363,11 @@ def nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=x.device)
 
 
-def raise_if_flagged(flag: torch.Tensor, codec: str) -> None:
+def raise_if_flagged(flag, codec: str) -> None:
     """The fast path's one deliberate host read on CUDA: a non-finite input found by a
     kernel becomes a clear error (reading one int32 waits for the encode kernel; a flag
-    already read back is a CPU tensor)."""
-    if int(flag.item()):
+    already read back is a CPU tensor or a number)."""
+    if int(flag.item() if isinstance(flag, torch.Tensor) else flag):
         raise ValueError(f"x must be finite for the {codec} codec")
 
 
