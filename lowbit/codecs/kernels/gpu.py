@@ -315,8 +315,9 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
     overflow check."""
     x = x.detach().contiguous()
     codes, flag = _modulo_codes(x, B, levels, stochastic, key)
-    packed = pack(codes, bits)
-    msg[:packed.numel()] = packed
+    n = codes.numel()
+    if n:  # packed straight into the message's first ceil(n bits / 8) bytes
+        _pack_kernel[_grid(triton.cdiv(n, 8), GROUPS)](codes, msg, n, (n * bits + 7) // 8, B=bits, G=GROUPS)
     hashes, reach = _decode_hash(codes, x, xhat, block, B, levels)
     host = torch.cat([flag.to(torch.float64), reach]).cpu().numpy()  # the one host read
     raise_if_flagged(host[0], "modulo")
