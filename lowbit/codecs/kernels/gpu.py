@@ -272,8 +272,8 @@ def _moniqua_receive_kernel(codes_ptr, y_ptr, xh_ptr, sent_ptr, bad_ptr, reach_p
 def _decode_hash(codes: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block: int, B: float,
                  levels: int, bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode of the ``n`` ``codes`` (unpacked, or packed ``bits`` < 8 to a byte) into ``out``
-    and, on the device, the blocks' hashes (int32) and each block's largest ``|k|`` (float64; the caller reads them back with
-    what else it reads and takes the maximum on the host)."""
+    and, on the device, the blocks' hashes (int32) and each block's largest ``|k|`` (float64;
+    the caller reads them back with what else it reads and takes the maximum on the host)."""
     n = y.numel()
     nb = -(-n // block)
     hashes = torch.empty(nb, dtype=torch.int32, device=y.device)
@@ -298,7 +298,7 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
     y = ref.detach().contiguous()
     out = torch.empty(n, dtype=y.dtype, device=y.device)
     if bits in (1, 2, 4, 8):  # read as packed
-        hashes, reach = _decode_hash(data, y, out, block, B, levels, bits)
+        hashes, reach = _decode_hash(data.contiguous(), y, out, block, B, levels, bits)
     else:
         hashes, reach = _decode_hash(unpack(data, bits, n), y, out, block, B, levels)
     host = torch.cat([hashes.to(torch.float64), reach]).cpu().numpy()  # the one host read
@@ -343,10 +343,11 @@ def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: tor
     theirs = torch.from_numpy(np.asarray(sent, dtype=np.int32)).to(y.device, non_blocking=True)
     found = torch.zeros(nb + max(nb, 1), dtype=torch.float64, device=y.device)  # each block: differs, then |k|
     if n:
-        _moniqua_receive_kernel[(nb,)](data, y, xh, theirs, found, found[nb:], y if v is None else v.contiguous(),
-                                       xhat_i, delta, n, float(B), float(B) / levels, _scalar_on(w, delta.dtype, y.device),
-                                       LEVELS=levels, BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)),
-                                       DITHER=v is not None, BITS=bits)
+        wd = _scalar_on(w, delta.dtype, y.device)
+        _moniqua_receive_kernel[(nb,)](data.contiguous(), y, xh, theirs, found, found[nb:],
+                                       y if v is None else v.contiguous(), xhat_i, delta, n, float(B),
+                                       float(B) / levels, wd, LEVELS=levels, BLOCK_LEN=block,
+                                       CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None, BITS=bits)
     host = found.cpu().numpy()  # the one host read
     _check_reach(float(host[nb:].max()) * levels, B, levels)
     return np.flatnonzero(host[:nb]).tolist()
