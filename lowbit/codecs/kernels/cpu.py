@@ -23,7 +23,7 @@ from ..modulo import HASH_HIGH as MODULO_HASH_HIGH
 from ..modulo import HASH_SALT as MODULO_HASH_SALT
 from ..modulo import HASH_STEP as MODULO_HASH_STEP
 from ..rng import MIX_C1, MIX_C2, UNIFORM_SCALE, split_key
-from . import empty_output as empty
+from . import empty_output
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False, error_model="numpy")
 # helpers called per element from other kernels: inlined by numba (a plain call to a
@@ -329,7 +329,7 @@ def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor)
     """The point of the ``codes`` closest to ``ref`` on the grid modulo ``B`` (eq. (5) decoded against the receiver's
     model)."""
     y = ref.detach()
-    out = empty(codes.numel(), y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
+    out = empty_output(codes.numel(), y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
     _modulo_decode(np_view(codes), float(B), levels, as_numba(y), out.numpy())
     return out.to(y.dtype)
 
@@ -407,7 +407,7 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
                        block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode of the packed ``data`` against ``ref`` and the blocks' hashes (int32)."""
     y = ref.detach()
-    out = empty(n, y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
+    out = empty_output(n, y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
     hashes = torch.empty((n + block - 1) // block, dtype=torch.int32)
     if bits not in (1, 2, 4, 8):
         data, bits = unpack(data, bits, n), 8  # one byte per code: the kernel reads widths 1, 2, 4 and 8

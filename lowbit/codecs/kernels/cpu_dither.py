@@ -29,7 +29,8 @@ import torch
 
 from ..nested import _MAX_INDEX as MAX_INDEX  # NDQSG's fine index is exact below it in float64
 from ..qsgd import exact_ratio as ratio
-from .cpu import _inline, _jit, as_numba, empty, keys, nonfinite, pack, uniform, unpack
+from . import empty_output
+from .cpu import _inline, _jit, as_numba, keys, nonfinite, pack, uniform, unpack
 
 __all__ = ["code_dtype", "host_values", "index_limit", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode", "dithered_decode", "nested_encode", "nested_decode",
            "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
@@ -53,7 +54,7 @@ def host_values(*values) -> tuple:
 def _out_buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
     """Decode output: float32/float64 written directly; other dtypes (half types) are
     written in float64 and converted once, as the reference converts."""
-    return empty(n, dtype if dtype in (torch.float32, torch.float64) else torch.float64)
+    return empty_output(n, dtype if dtype in (torch.float32, torch.float64) else torch.float64)
 
 
 # --- DQSG -------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .cpu import _inline, _jit, as_numba, empty, keys, mix32, np_view, round_stochastic
+from . import empty_output
+from .cpu import _inline, _jit, as_numba, keys, mix32, np_view, round_stochastic
 
 FLAG_NONFINITE = 1
 FLAG_OVER = 2
@@ -369,7 +370,7 @@ def qsgd_encode(x: torch.Tensor, W, levels: int, offset: int, key: int, dtype: t
 def qsgd_decode(codes: torch.Tensor, offset: int, W, levels: int, m: int, dtype: torch.dtype) -> torch.Tensor:
     """``(codes - offset) * (W / levels) / m`` in float64 registers, stored as ``dtype``."""
     direct = dtype in (torch.float32, torch.float64)
-    out = empty(codes.numel(), dtype if direct else torch.float64)
+    out = empty_output(codes.numel(), dtype if direct else torch.float64)
     _qsgd_decode(np_view(codes), offset, float(W) / levels, float(m), out.numpy())
     return out if direct else out.to(dtype)
 
@@ -404,7 +405,7 @@ def ms_decode_sum(codes: torch.Tensor, idx: torch.Tensor, W, levels: torch.Tenso
                   dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """``(codes * W / levels[idx] / m as dtype, flags)`` (FLAG_INDEX for an index outside 0..N-1)."""
     direct = dtype in (torch.float32, torch.float64)
-    out = empty(codes.numel(), dtype if direct else torch.float64)
+    out = empty_output(codes.numel(), dtype if direct else torch.float64)
     bad = _ms_decode_sum(np_view(codes), np_view(idx), float(W), np_view(levels), float(m), out.numpy())
     return (out if direct else out.to(dtype)), (FLAG_INDEX if bad else 0)
 
@@ -413,7 +414,7 @@ def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor
                     dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """``(one message's decode as dtype, flags)``."""
     direct = dtype in (torch.float32, torch.float64)
-    out = empty(words.numel(), dtype if direct else torch.float64)
+    out = empty_output(words.numel(), dtype if direct else torch.float64)
     bad = _ms_decode_words(np_view(words), code_bits, float(W), np_view(levels), out.numpy())
     return (out if direct else out.to(dtype)), (FLAG_INDEX if bad else 0)
 
@@ -431,6 +432,6 @@ def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype:
     """Zeros of ``n`` elements with ``vals * factor`` (float64 products, cast to ``dtype``) at
     ``idx`` (strictly increasing in ``[0, n)``)."""
     direct = dtype in (torch.float32, torch.float64)
-    out = empty(n, dtype if direct else torch.float64)
+    out = empty_output(n, dtype if direct else torch.float64)
     _scatter(as_numba(vals), np_view(idx), float(factor), out.numpy())
     return out if direct else out.to(dtype)

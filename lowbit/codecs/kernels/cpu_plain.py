@@ -21,7 +21,8 @@ import math
 import numpy as np
 import torch
 
-from .cpu import _jit, _stats, as_numba, empty, keys, nonfinite, np_view, pack, rint, round_stochastic, stats, unpack
+from . import empty_output
+from .cpu import _jit, _stats, as_numba, keys, nonfinite, np_view, pack, rint, round_stochastic, stats, unpack
 
 __all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
@@ -76,7 +77,7 @@ def minmax_encode(x: torch.Tensor, lo: float, scale: float, bits: int, stochasti
 def minmax_decode(data: torch.Tensor, bits: int, n: int, lo: float, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``unpack(data) / scale + lo`` as ``dtype`` (``scale > 0``; the caller handles ``scale == 0``)."""
     codes = unpack(data, bits, n)
-    out = empty(n, _out_dtype(dtype))
+    out = empty_output(n, _out_dtype(dtype))
     _minmax_decode(codes.numpy(), scale, lo, out.numpy())
     return out.to(dtype)
 
@@ -195,7 +196,7 @@ def uniform_pack(codes: torch.Tensor, shift: int, b: int) -> torch.Tensor:
 def uniform_decode(data: torch.Tensor, b: int, n: int, offset: int, step: float, dtype: torch.dtype) -> torch.Tensor:
     """``(codes + offset) * step`` as ``dtype`` from ``n`` codes of ``b`` bits."""
     codes = unpack(data, b, n, torch.uint8 if b <= 8 else torch.uint32)
-    out = empty(n, _out_dtype(dtype))
+    out = empty_output(n, _out_dtype(dtype))
     _uniform_decode(codes.numpy(), float(offset), step, out.numpy())
     return out.to(dtype)
 
@@ -263,7 +264,7 @@ def sign_encode(x: torch.Tensor, order: int) -> tuple[torch.Tensor, float, bool]
 
 def sign_decode(data: torch.Tensor, n: int, c: float, dtype: torch.dtype) -> torch.Tensor:
     """``+c`` for a bit 1 (x_i >= 0), ``-c`` for a bit 0, as ``dtype``, from ``n`` packed sign bits."""
-    out = empty(n, _out_dtype(dtype))
+    out = empty_output(n, _out_dtype(dtype))
     if n:
         _sign_decode(np_view(data), c, out.numpy())
     return out.to(dtype)
@@ -342,7 +343,7 @@ def terngrad_encode(x: torch.Tensor, scale: float, key: int) -> torch.Tensor:
 
 def terngrad_decode(data: torch.Tensor, n: int, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """``(decoded, valid)``: valid is False when a byte holds more than its trits can."""
-    out = empty(n, _out_dtype(dtype))
+    out = empty_output(n, _out_dtype(dtype))
     bad = _terngrad_decode(np_view(data), scale, out.numpy()) if n else 0
     return out.to(dtype), not bad
 

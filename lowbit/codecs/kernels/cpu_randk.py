@@ -89,10 +89,6 @@ def feistel32(typingctx, v, a, hb, keys):
     return types.uint32(v, a, hb, keys), codegen
 
 
-def _lane_name(t) -> str:
-    return {32: "i32"}[t.width] if isinstance(t, ir.IntType) else ("f32" if isinstance(t, ir.FloatType) else "f64")
-
-
 def _popcount(builder, mask, lanes: int):
     """How many of the ``lanes`` bits of the ``<lanes x i1>`` ``mask`` are set, as an i64."""
     bits = builder.bitcast(mask, ir.IntType(lanes))
@@ -122,14 +118,13 @@ def _compactor(gather: bool):
             tt, bb, cc = (context.cast(builder, args[j], sig.args[j], types.int64) for j in (1, 2, 5))
             fx = context.get_value_type(sig.args[6].dtype)
             v32, vx = ir.VectorType(i32, _LANES), ir.VectorType(fx, _LANES)
+            def splat(value):  # value (i32) in all 16 lanes
+                one = builder.insert_element(ir.Constant(v32, None), value, ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(v32, None), ir.Constant(v32, [0] * _LANES))
+
             b = builder.load(builder.bitcast(builder.gep(bufa.data, [tt]), v32.as_pointer()), align=4)
-            kv = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), args[3], ir.Constant(i32, 0)),
-                                        ir.Constant(v32, None), ir.Constant(v32, [0] * _LANES))
-            mask = builder.icmp_unsigned("<", b, kv)
-            start = builder.trunc(builder.add(bb, tt), i32)
-            first = builder.shuffle_vector(builder.insert_element(ir.Constant(v32, None), start, ir.Constant(i32, 0)),
-                                           ir.Constant(v32, None), ir.Constant(v32, [0] * _LANES))
-            idx = builder.add(first, ir.Constant(v32, list(range(_LANES))))
+            mask = builder.icmp_unsigned("<", b, splat(args[3]))
+            idx = builder.add(splat(builder.trunc(builder.add(bb, tt), i32)), ir.Constant(v32, list(range(_LANES))))
             outs = [(idx, oa.data, v32, 4)]
             if gather:
                 xv = builder.load(builder.bitcast(builder.gep(xa.data, [builder.add(bb, tt)]), vx.as_pointer()),
@@ -146,7 +141,7 @@ def _compactor(gather: bool):
                         pv = builder.shuffle_vector(vec, ir.Constant(vty, None), part)
                         pm = builder.shuffle_vector(mask, ir.Constant(mask.type, None), part)
                         fn = builder.module.declare_intrinsic(
-                            f"llvm.experimental.vector.compress.v{width}{_lane_name(vty.element)}", (),
+                            f"llvm.experimental.vector.compress.v{width}{vty.element.intrinsic_name}", (),
                             ir.FunctionType(pty, [pty, ir.VectorType(i1, width), pty]))
                         packed = builder.call(fn, [pv, pm, ir.Constant(pty, None)])
                         builder.store(packed, builder.bitcast(builder.gep(base_ptr, [pos]), pty.as_pointer()),
