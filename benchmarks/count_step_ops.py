@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--path", choices=("cpu", "cuda"), default="cuda")
     ap.add_argument("--steps", type=int, default=4, help="steps counted")
     ap.add_argument("--skip", type=int, default=2, help="steps run first and not counted")
+    ap.add_argument("--where", action="store_true", help="also count by the lowbit source line that issued each")
     args = ap.parse_args()
     if args.path == "cuda":
         os.environ["TRITON_INTERPRET"] = "1"
@@ -40,6 +41,12 @@ def main() -> None:
     from lowbit.train.loop import run_worker
 
     counts: collections.Counter = collections.Counter()
+    lines: collections.Counter = collections.Counter()
+
+    def issued(what: str) -> None:
+        counts[what] += 1
+        if args.where:
+            lines[(what, _caller())] += 1
     if args.path == "cuda":
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -50,7 +57,7 @@ def main() -> None:
         def counted_run(self, *a, **k):
             on = getattr(COUNTED, "on", False)
             if on:
-                counts["triton " + self.fn.__name__] += 1
+                issued("triton " + self.fn.__name__)
             COUNTED.on = False  # the interpreter's own torch calls are not the kernel's
             try:
                 return run(self, *a, **k)
@@ -62,7 +69,7 @@ def main() -> None:
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), k=None):
             if getattr(COUNTED, "on", False):
-                counts["aten " + func.overloadpacket.__name__] += 1
+                issued("aten " + func.overloadpacket.__name__)
             return func(*a, **(k or {}))
 
     options = {}
@@ -102,6 +109,23 @@ def main() -> None:
           f"{launches / args.steps:.1f} Triton launches, {ops / args.steps:.1f} torch ops")
     for name, v in counts.most_common():
         print(f"  {name:<40} {v / args.steps:6.1f}")
+    if args.where:
+        print("by the lowbit line that issued them:")
+        for (name, where), v in sorted(lines.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            print(f"  {where:<48} {name:<36} {v / args.steps:6.1f}")
+
+
+def _caller() -> str:
+    """The innermost frame of the lowbit package on the stack, as path:line."""
+    import sys
+
+    f = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename.replace(os.sep, "/")
+        if "/lowbit/" in path:
+            return f"{path[path.rindex('/lowbit/') + 1:]}:{f.f_lineno}"
+        f = f.f_back
+    return "?"
 
 
 def _value(text: str):

@@ -170,8 +170,10 @@ def test_moniqua_receive_is_decode_hashed_then_torchs_mix(dtype, dither):
         msg, _, _, _ = _message(codec, far_j, key, block)
         sent = msg[nbytes + 2:-1].view("<u2")
         delta, xh = start.clone(), torch.empty(n, dtype=y.dtype)
-        wrong = cpu.moniqua_receive(torch.from_numpy(msg[:nbytes]), 2, codec.B_theta, codec.levels, y, block, sent,
-                                    xh, v, x_hat_i, w, delta)
+        found = cpu.moniqua_receive(torch.from_numpy(msg), 2, codec.B_theta, codec.levels, y, block, xh, v, x_hat_i,
+                                    w, delta)
+        wrong = np.flatnonzero(found[:nb]).tolist()
+        assert found[nb] == 5 and found.size == nb + 2  # the control byte, then the largest levels |k|
         p = codec.encode(far_j, generator=shared_generator(0, 1, 0))
         ref, mine = codec.decode_hashed_reference(p, ref=y, block=block)
         assert torch.equal(xh, ref)

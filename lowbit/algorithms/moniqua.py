@@ -569,9 +569,10 @@ class Moniqua(GossipAlgorithm):
         frame, d = state.frame, x.numel()
         nb = frame.nblocks(d)
         heard = _Heard(delta=torch.zeros_like(x), repair={j: set(b) for j, b in sent.asked.items()})
+        got = frame.receive(codec, {j: received[j] for j in ctx.neighbors}, sent.y, sent.K, v=sent.v,
+                            x_hat_i=sent.x_hat_i, w=ctx.w, delta=heard.delta)
         for j in ctx.neighbors:
-            r = frame.receive(codec, received[j], sent.y, j, sent.K, v=sent.v, x_hat_i=sent.x_hat_i, w=ctx.w[j],
-                              delta=heard.delta)
+            r = got[j]
             heard.mixed = heard.mixed and r.mixed
             self._receive_alarm_bits(state, k, r.ctrl & 3)
             if ctx.rank in r.requests:

@@ -37,7 +37,7 @@ import torch
 from .base import Payload, pack_header
 from .entropy import entropy_code, entropy_decode
 from .kernels import empty_output, kernels_for
-from .modulo import ModuloCodec
+from .modulo import GRID_LIMIT, ModuloCodec, grid_overflow_message
 from .packing import packed_nbytes
 from .rng import draw_key
 
@@ -166,28 +166,48 @@ class ModuloFrame:
             raise _overflow(e) from None
 
     # ---- the receiver -------------------------------------------------------------------
-    def receive(self, codec: ModuloCodec, buf: torch.Tensor, y: torch.Tensor, sender: int, K, *,
-                v: torch.Tensor | None, x_hat_i: torch.Tensor, w: float, delta: torch.Tensor) -> Received:
-        """Read ``sender``'s message against my ``y``; where the one-call kernel runs and every
-        block is right, its line-6 term ``w (x_hat_j - x_hat_i)`` (``x_hat_j - v`` with the
-        shared dither ``v``) is added to ``delta`` (``Received.mixed``); ``K``: :meth:`kernels`."""
+    def receive(self, codec: ModuloCodec, msgs: dict[int, torch.Tensor], y: torch.Tensor, K, *,
+                v: torch.Tensor | None, x_hat_i: torch.Tensor, w: dict[int, float],
+                delta: torch.Tensor) -> dict[int, Received]:
+        """Read each neighbour's message (``msgs``: {sender: message}) against my ``y``; where the
+        one-call kernel runs and every block of a message is right, its line-6 term
+        ``w[j] (x_hat_j - x_hat_i)`` (``x_hat_j - v`` with the shared dither ``v``) is added to
+        ``delta`` (``Received.mixed``); ``K``: :meth:`kernels`. With ``K`` the kernels of every
+        message are launched before the one host read that serves them all."""
         d = y.numel()
+        if K is None:
+            return {j: self._receive_decoded(codec, buf, y, j, v) for j, buf in msgs.items()}
+        nb, need = self.nblocks(d), packed_nbytes(d, codec.bits)
+        tail = 2 * nb + 1
+        x_hats, found = {}, []
+        for j, buf in msgs.items():
+            if buf.numel() < need + tail:
+                raise self._malformed(j, f"{buf.numel()} bytes, shorter than the {need} bytes of codes of {d} "
+                                         f"elements at {codec.bits} bits and the {tail}-byte verification trailer")
+            x_hats[j] = empty_output(d, y.dtype, y.device)
+            found.append(K.moniqua_receive(buf, codec.bits, codec.B_theta, codec.levels, y, self.block, x_hats[j], v,
+                                           x_hat_i, w[j], delta))
+        out = {}
+        for (j, buf), f in zip(msgs.items(), K.to_host(found)):  # one host read
+            ctrl = int(f[nb])
+            body, requests = self._requests(buf[:-tail], ctrl, nb, j)
+            if body.numel() != need:
+                raise self._malformed(j, f"{body.numel()} bytes of codes, {d} elements at {codec.bits} bits "
+                                         f"need {need}")
+            reach = float(f[nb + 1:].max())
+            if reach > GRID_LIMIT:
+                raise _overflow(OverflowError(grid_overflow_message(reach, codec.B_theta, codec.levels)))
+            wrong = np.flatnonzero(f[:nb]).tolist()
+            out[j] = Received(_undither(x_hats[j], v), wrong, ctrl, requests, mixed=not wrong)
+        return out
+
+    def _receive_decoded(self, codec: ModuloCodec, buf: torch.Tensor, y: torch.Tensor, sender: int,
+                         v: torch.Tensor | None) -> Received:
+        """One message read with the codec's calls (no one-call kernel)."""
         ctrl, requests, sent = 0, {}, None
         if self.verify:
-            buf, sent, ctrl, requests = self.parse(buf, self.nblocks(d), sender)
-        if K is not None:
-            need = packed_nbytes(d, codec.bits)
-            if buf.numel() != need:
-                raise self._malformed(sender, f"{buf.numel()} bytes of codes, {d} elements at {codec.bits} bits "
-                                              f"need {need}")
-            x_hat = empty_output(d, y.dtype, y.device)
-            try:
-                wrong = K.moniqua_receive(buf, codec.bits, codec.B_theta, codec.levels, y, self.block, sent, x_hat,
-                                          v, x_hat_i, w, delta)
-            except OverflowError as e:
-                raise _overflow(e) from None
-            return Received(_undither(x_hat, v), wrong, ctrl, requests, mixed=not wrong)
-        x_hat, mine = self._decode(codec, self.codes(buf, d, y.device, sender), y)
+            buf, sent, ctrl, requests = self.parse(buf, self.nblocks(y.numel()), sender)
+        x_hat, mine = self._decode(codec, self.codes(buf, y.numel(), y.device, sender), y)
         wrong = np.flatnonzero(mine.numpy() != sent).tolist() if self.verify else []
         return Received(_undither(x_hat, v), wrong, ctrl, requests, mixed=False)
 
@@ -199,7 +219,12 @@ class ModuloFrame:
             raise self._malformed(sender, f"{buf.numel()} bytes, shorter than its {tail}-byte verification trailer")
         raw = buf[-tail:].cpu().numpy()
         hashes, ctrl = raw[:-1].view("<u2"), int(raw[-1])
-        buf = buf[:-tail]
+        body, requests = self._requests(buf[:-tail], ctrl, nb, sender)
+        return body, hashes, ctrl, requests
+
+    def _requests(self, buf: torch.Tensor, ctrl: int, nb: int, sender: int) -> tuple[torch.Tensor, dict[int, set[int]]]:
+        """A verified message without its trailer, split by its control byte ``ctrl`` into (codes,
+        repair requests {rank: blocks})."""
         if ctrl & ~7:
             raise self._malformed(sender, f"control byte {ctrl:#04x} has unknown bits set")
         requests: dict[int, set[int]] = {}
@@ -219,7 +244,7 @@ class ModuloFrame:
                 if nb % 8 and req[(e + 1) * entry - 1] >> (nb % 8):
                     raise self._malformed(sender, f"a repair request names blocks beyond the {nb} blocks")
                 requests.setdefault(r, set()).update(blocks)
-        return buf, hashes, ctrl, requests
+        return buf, requests
 
     def codes(self, body: torch.Tensor, n: int, device, sender: int) -> Payload:
         """The codes of ``sender``'s message (of exactly the size n elements need; ValueError otherwise)."""

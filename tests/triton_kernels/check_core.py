@@ -4,6 +4,7 @@ TRITON_INTERPRET=1 on CPU tensors."""
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,14 +75,15 @@ def test_modulo_decode_hash_matches_the_reference(block, dtype, bits):
                                torch.full((4,), 1e17, dtype=dtype), block)
 
 
+@pytest.mark.parametrize("block", [64, 99])  # 99: bytes of codes span two blocks below 8 bits (the unfused send)
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("dtype,dither", [(torch.float32, False), (torch.float64, False), (torch.float32, True)])
-def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits):
+def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits, block):
     """Moniqua's one-call exchange on CUDA: the same message bytes and decodes as the numba
-    calls; the same wrong blocks; line 6's term where every block agrees (float32 slack: the
+    calls; the same wrong blocks, control byte and reach; line 6's term where every block agrees (float32 slack: the
     fused multiply-adds are the same, the rounding of xh - v may differ by an ulp)."""
     codec = ModuloCodec(bits=bits, theta=0.05, rounding="nearest" if bits == 1 else "stochastic")
-    n, block, w = 1031, 100, 1 / 3
+    n, w = 1031, 1 / 3
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, dtype=torch.float64, generator=g).to(dtype)
     xj = x + (torch.rand(n, dtype=torch.float64, generator=g) - 0.5).to(dtype) * 0.09
@@ -101,8 +103,7 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits):
         assert torch.equal(msgs["gpu", who][1], msgs["cpu", who][1])
     msg_j = msgs["cpu", "j"][0]
     x_hat_i = (msgs["cpu", "i"][1] if v is None else msgs["cpu", "i"][1] - v).to(dtype)
-    for far in ([], [250, 1030]):  # blocks 2 and 10 wrong
-        sent = msg_j[nbytes:-1].numpy().view("<u2").copy()
+    for far in ([], [250, 1030]):  # two blocks wrong
         if far:  # the receiver's model far from the sender's there: those blocks decode wrong
             y_far = y.clone()
             y_far[far] += 1.0
@@ -111,10 +112,12 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits):
         out = {}
         for name, K in (("gpu", gpu), ("cpu", cpu)):
             delta, xh = torch.zeros(n, dtype=dtype), torch.empty(n, dtype=y.dtype)
-            wrong = K.moniqua_receive(msg_j[:nbytes], bits, codec.B_theta, codec.levels, y_far, block, sent, xh, v,
-                                      x_hat_i, w, delta)
-            out[name] = wrong, xh, delta
+            (found,) = K.to_host([K.moniqua_receive(msg_j, bits, codec.B_theta, codec.levels, y_far, block, xh, v,
+                                                    x_hat_i, w, delta)])
+            assert found[nb] == 3  # the control byte
+            out[name] = np.flatnonzero(found[:nb]).tolist(), xh, delta, found[nb + 1:].max()
         assert out["gpu"][0] == out["cpu"][0] == [f // block for f in far]
+        assert out["gpu"][3] == out["cpu"][3]
         assert torch.equal(out["gpu"][1], out["cpu"][1])
         if not far:
             torch.testing.assert_close(out["gpu"][2], out["cpu"][2], rtol=0, atol=4 * torch.finfo(dtype).eps)

@@ -511,22 +511,33 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
         raise OverflowError(grid_overflow_message(reach, B, levels))
 
 
-def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
-                    sent: np.ndarray, xh: torch.Tensor, v: torch.Tensor | None, xhat_i: torch.Tensor, w: float,
-                    delta: torch.Tensor) -> list[int]:
-    """:func:`_moniqua_receive` on torch tensors (``sent``: the message's hashes, uint16); returns
-    the blocks whose hashes differ."""
+def moniqua_receive(msg: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
+                    xh: torch.Tensor, v: torch.Tensor | None, xhat_i: torch.Tensor, w: float,
+                    delta: torch.Tensor) -> np.ndarray:
+    """:func:`_moniqua_receive` of a neighbour's verified message ``msg`` (its codes from byte 0,
+    its ``nb`` block hashes ``<u2`` then its control byte last), as the CUDA kernel's contract:
+    returns float64 ``found``, 1.0 at ``b`` where block ``b``'s hash differs, the control byte at
+    ``nb``, the largest ``levels |k|`` at ``nb + 1``."""
     n = y.numel()
     nb = (n + block - 1) // block
+    m = np_view(msg)
+    sent = m[m.size - 2 * nb - 1:m.size - 1].view("<u2").copy()  # aligned for numba
     hashes = np.empty(nb, dtype=np.int32)
     bad = np.empty(nb, dtype=np.uint8)
     d = delta.numpy()
-    nbad, reach = _moniqua_receive(np_view(data), bits, n, float(B), levels, np_view(y), block, sent, xh.numpy(),
-                                   hashes, bad, _NO_DITHER if v is None else np_view(v), np_view(xhat_i),
-                                   d.dtype.type(w), d, np.empty(1, dtype=d.dtype))
-    if reach > GRID_LIMIT:
-        raise OverflowError(grid_overflow_message(reach, B, levels))
-    return np.flatnonzero(bad).tolist() if nbad else []
+    _, reach = _moniqua_receive(m, bits, n, float(B), levels, np_view(y), block, sent, xh.numpy(), hashes, bad,
+                                _NO_DITHER if v is None else np_view(v), np_view(xhat_i), d.dtype.type(w), d,
+                                np.empty(1, dtype=d.dtype))
+    found = np.empty(nb + 2, dtype=np.float64)
+    found[:nb] = bad
+    found[nb] = m[-1]
+    found[nb + 1] = reach
+    return found
+
+
+def to_host(found: list[np.ndarray]) -> list[np.ndarray]:
+    """The :func:`moniqua_receive` results as they are (already on the host)."""
+    return found
 
 
 _NO_DITHER = np.empty(0, dtype=np.float64)

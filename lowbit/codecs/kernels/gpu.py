@@ -240,20 +240,95 @@ def _modulo_decode_hash_kernel(codes_ptr, y_ptr, out_ptr, hash_ptr, reach_ptr, n
 
 
 @triton.jit
-def _moniqua_receive_kernel(codes_ptr, y_ptr, xh_ptr, sent_ptr, bad_ptr, reach_ptr, v_ptr, xhi_ptr, delta_ptr, n,
-                            B, step, w_ptr, LEVELS: tl.constexpr, BLOCK_LEN: tl.constexpr, CHUNK: tl.constexpr,
-                            DITHER: tl.constexpr, BITS: tl.constexpr):
-    """One program per hashed block of a neighbour's message: the decode into ``xh``, the hash
-    compared with the one sent (``bad``), and for a block that agrees line 6's term ``delta +=
-    w x_j; delta -= w x_hat_i`` (fused multiply-adds; ``x_j = xh - v`` with the shared dither; ``w``
-    one element of delta's dtype: a float argument would be rounded to float32)."""
+def _moniqua_send_kernel(x_ptr, msg_ptr, xh_ptr, found_ptr, n, inv_B, B, step, k0, k1, hash_at, last, ctrl,
+                         LEVELS: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_LEN: tl.constexpr,
+                         CHUNK: tl.constexpr, BITS: tl.constexpr):
+    """One program per hashed block of ``BLOCK_LEN`` elements (a multiple of ``8 // BITS``, so no
+    byte of codes spans two blocks): :func:`_modulo_encode_kernel`'s codes packed into the
+    message, the sender's own decode (:func:`_decode_hash_block`'s, against ``x`` itself) into
+    ``xh``, the block's hash into the message (``<u2`` at ``hash_at + 2 b``), and into ``found``
+    the block's count of non-finite elements (``b``) and its largest ``LEVELS |k|``
+    (``nb + b``); program 0 writes ``ctrl`` at byte ``last``. Works byte by byte: element
+    ``G j + i`` of the block is bit field ``i`` of its byte ``j`` (``G = 8 // BITS``)."""
+    G: tl.constexpr = 8 // BITS
+    CB: tl.constexpr = CHUNK // G
     b = tl.program_id(0)
     start = b * BLOCK_LEN
     end = tl.minimum(start + BLOCK_LEN, n)
-    h, reach = _decode_hash_block(codes_ptr, y_ptr, xh_ptr, start, end, B, step, LEVELS, BLOCK_LEN, CHUNK, BITS)
-    differs = h != tl.load(sent_ptr + b)
-    tl.store(bad_ptr + b, differs.to(tl.float64))  # 1.0 where the block differs: read back with reach
-    tl.store(reach_ptr + b, reach)
+    acc = tl.zeros([CB], dtype=tl.uint32)
+    reach = tl.zeros([CB], dtype=tl.float64)
+    bad = tl.zeros([CB], dtype=tl.int32)
+    inv_B64 = 1.0 / tl.cast(B, tl.float64)
+    for s in range(0, BLOCK_LEN // G, CB):
+        j = s + tl.arange(0, CB)
+        byte = tl.zeros([CB], dtype=tl.uint32)
+        for i in tl.static_range(G):
+            offs = start + j * G + i
+            mask = offs < end
+            x = load_work(x_ptr, offs, mask)
+            t = x * inv_B + 0.5  # the encode, in x's precision (as _modulo_encode_kernel)
+            r = t - tl.floor(t) - 0.5
+            v = r * LEVELS
+            if STOCHASTIC:
+                lo = tl.floor(v)
+                c = lo + (uniform(offs, k0, k1) < (v - lo)).to(v.dtype)
+            else:
+                c = rint(v)
+            ci = c.to(tl.int32)
+            ci = ci - LEVELS * tl.where(ci >= LEVELS, 1, 0) + LEVELS * tl.where(ci < 0, 1, 0)
+            ci = tl.where(mask, ci, 0)
+            bad += tl.where(mask & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0)
+            byte = byte | (ci.to(tl.uint32) << (i * BITS))
+            # the own decode and hash, in float64 (as _decode_hash_block)
+            xf = x.to(tl.float64)
+            z = ci.to(tl.float64) * step - xf
+            k = tl.floor(z * inv_B64 + 0.5)
+            r64 = z - B * k
+            up = r64 >= B * 0.5
+            down = r64 < -B * 0.5
+            r64 = tl.where(up, r64 - B, tl.where(down, r64 + B, r64))
+            k = tl.where(up, k + 1.0, tl.where(down, k - 1.0, k))
+            tl.store(xh_ptr + offs, (r64 + xf).to(xh_ptr.dtype.element_ty), mask=mask)
+            reach = tl.maximum(reach, tl.where(mask, tl.abs(k), 0.0))
+            m = ci.to(tl.int64) - LEVELS * k.to(tl.int64)
+            mlo = (m & 0xFFFFFFFF).to(tl.uint32)
+            mhi = ((m >> 32) & 0xFFFFFFFF).to(tl.uint32)
+            key = ((offs.to(tl.uint32) * HASH_STEP) ^ HASH_SALT) | 1
+            acc += tl.where(mask, mlo * key + mhi * HASH_HIGH, 0).to(tl.uint32)
+        tl.store(msg_ptr + start // G + j, byte.to(tl.uint8), mask=start + j * G < end)
+    total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
+    h = _mix32(total.to(tl.uint32)) & 0xFFFF
+    tl.store(msg_ptr + hash_at + 2 * b, (h & 0xFF).to(tl.uint8))
+    tl.store(msg_ptr + hash_at + 2 * b + 1, (h >> 8).to(tl.uint8))
+    nb = tl.num_programs(0)
+    tl.store(found_ptr + b, tl.sum(bad, axis=0).to(tl.float64))
+    tl.store(found_ptr + nb + b, tl.max(reach, axis=0) * LEVELS)
+    if b == 0:
+        tl.store(msg_ptr + last, ctrl)  # stored as the message's uint8
+
+
+@triton.jit
+def _moniqua_receive_kernel(msg_ptr, y_ptr, xh_ptr, found_ptr, v_ptr, xhi_ptr, delta_ptr, n, hash_at, last,
+                            B, step, w_ptr, LEVELS: tl.constexpr, BLOCK_LEN: tl.constexpr, CHUNK: tl.constexpr,
+                            DITHER: tl.constexpr, BITS: tl.constexpr):
+    """One program per hashed block of a neighbour's message (``msg``: its codes from byte 0,
+    its blocks' ``<u2`` hashes from byte ``hash_at``, its control byte at ``last``): the decode
+    into ``xh``, the hash compared with the one sent, and for a block that agrees line 6's term
+    ``delta += w x_j; delta -= w x_hat_i`` (fused multiply-adds; ``x_j = xh - v`` with the
+    shared dither; ``w`` one element of delta's dtype: a float argument would be rounded to
+    float32). ``found``: 1.0 at ``b`` where block ``b`` differs, the control byte at ``nb``, the
+    block's largest ``LEVELS |k|`` at ``nb + 1 + b``."""
+    b = tl.program_id(0)
+    nb = tl.num_programs(0)
+    start = b * BLOCK_LEN
+    end = tl.minimum(start + BLOCK_LEN, n)
+    h, reach = _decode_hash_block(msg_ptr, y_ptr, xh_ptr, start, end, B, step, LEVELS, BLOCK_LEN, CHUNK, BITS)
+    sent = tl.load(msg_ptr + hash_at + 2 * b).to(tl.int32) | (tl.load(msg_ptr + hash_at + 2 * b + 1).to(tl.int32) << 8)
+    differs = h != sent
+    tl.store(found_ptr + b, differs.to(tl.float64))
+    tl.store(found_ptr + nb + 1 + b, reach * LEVELS)
+    if b == 0:
+        tl.store(found_ptr + nb, tl.load(msg_ptr + last).to(tl.float64))
     tl.debug_barrier()  # this program's stores of xh are visible to its loads below
     if not differs:
         wd = tl.load(w_ptr)
@@ -311,11 +386,22 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
                  msg: torch.Tensor, hash_at: int, ctrl: int, xhat: torch.Tensor) -> None:
     """Moniqua's message on the device (the numba ``moniqua_send``'s contract): the codes packed
     into ``msg`` from byte 0, the sender's own decode into ``xhat``, the blocks' hashes ``<u2`` into
-    ``msg`` from ``hash_at``, ``ctrl`` last. One host read: the encode's non-finite flag with the
-    overflow check."""
-    x = x.detach().contiguous()
+    ``msg`` from ``hash_at``, ``ctrl`` last. One kernel where no byte of codes spans two blocks
+    (``block`` a multiple of ``8 // bits``; else an encode, a pack and a decode), and one host
+    read: the non-finite flag with the overflow check."""
+    x = x.contiguous()
+    n = x.numel()
+    nb = -(-n // block)
+    if n and block % (8 // bits) == 0:
+        found = torch.empty(2 * nb, dtype=torch.float64, device=x.device)
+        _moniqua_send_kernel[(nb,)](x, msg, xhat, found, n, 1.0 / B, float(B), float(B) / levels, *split_key(key),
+                                    hash_at, msg.numel() - 1, ctrl, LEVELS=levels, STOCHASTIC=bool(stochastic),
+                                    BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)), BITS=bits)
+        host = found.cpu().numpy()  # the one host read
+        raise_if_flagged(host[:nb].max(), "modulo")
+        _check_reach(float(host[nb:].max()), B, levels)
+        return
     codes, flag = _modulo_codes(x, B, levels, stochastic, key)
-    n = codes.numel()
     if n:  # packed straight into the message's first ceil(n bits / 8) bytes
         _pack_kernel[_grid(triton.cdiv(n, 8), GROUPS)](codes, msg, n, (n * bits + 7) // 8, B=bits, G=GROUPS)
     hashes, reach = _decode_hash(codes, x, xhat, block, B, levels)
@@ -327,30 +413,37 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
     msg[-1] = ctrl
 
 
-def moniqua_receive(data: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
-                    sent, xh: torch.Tensor, v: torch.Tensor | None, xhat_i: torch.Tensor, w: float,
-                    delta: torch.Tensor) -> list[int]:
-    """The numba ``moniqua_receive``'s contract on the device: decode into ``xh``, compare the
-    hashes with ``sent`` (the message's, uint16 on the host) and return the blocks that differ
-    (one host read, with the overflow check). The blocks that agree add their line-6 term to
-    ``delta``; when some block differs the caller rebuilds ``delta`` (as on the CPU, where the
-    kernel adds nothing then)."""
-    y = y.detach().contiguous()
+def moniqua_receive(msg: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,
+                    xh: torch.Tensor, v: torch.Tensor | None, xhat_i: torch.Tensor, w: float,
+                    delta: torch.Tensor) -> torch.Tensor:
+    """The numba ``moniqua_receive``'s contract on the device: decode a neighbour's verified
+    message ``msg`` (codes from byte 0, its ``nb`` hashes ``<u2`` then its control byte last) into
+    ``xh`` and compare its blocks' hashes with the ones sent; the blocks that agree add their
+    line-6 term to ``delta`` (when some block differs the caller rebuilds ``delta``, as on the
+    CPU, where the kernel adds nothing then). Returns, on the device and not read back (one
+    host read, :func:`to_host`, serves every neighbour), float64 ``found``: 1.0 at ``b`` where
+    block ``b`` differs, the control byte at ``nb``, then the largest ``levels |k|``."""
     n = y.numel()
     nb = -(-n // block)
-    # host-to-device copies of pageable memory with non_blocking: staged at once, and no
-    # stream synchronisation (a blocking copy waits for every thread's queued kernels)
-    theirs = torch.from_numpy(np.asarray(sent, dtype=np.int32)).to(y.device, non_blocking=True)
-    found = torch.zeros(nb + max(nb, 1), dtype=torch.float64, device=y.device)  # each block: differs, then |k|
+    found = torch.empty(2 * nb + 1, dtype=torch.float64, device=y.device)  # every element written
     if n:
-        wd = _scalar_on(w, delta.dtype, y.device)
-        _moniqua_receive_kernel[(nb,)](data.contiguous(), y, xh, theirs, found, found[nb:],
-                                       y if v is None else v.contiguous(), xhat_i, delta, n, float(B),
-                                       float(B) / levels, wd, LEVELS=levels, BLOCK_LEN=block,
-                                       CHUNK=min(1024, triton.next_power_of_2(block)), DITHER=v is not None, BITS=bits)
-    host = found.cpu().numpy()  # the one host read
-    _check_reach(float(host[nb:].max()) * levels, B, levels)
-    return np.flatnonzero(host[:nb]).tolist()
+        msg = msg.contiguous()
+        _moniqua_receive_kernel[(nb,)](msg, y.contiguous(), xh, found, y if v is None else v.contiguous(), xhat_i,
+                                       delta, n, msg.numel() - 2 * nb - 1, msg.numel() - 1, float(B),
+                                       float(B) / levels, _scalar_on(w, delta.dtype, y.device), LEVELS=levels,
+                                       BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)),
+                                       DITHER=v is not None, BITS=bits)
+    else:
+        found[nb] = msg[-1]
+    return found
+
+
+def to_host(found: list[torch.Tensor]) -> list[np.ndarray]:
+    """Device tensors as numpy arrays, in one host read."""
+    if not found:
+        return []
+    flat = torch.cat(found).cpu().numpy()
+    return np.split(flat, np.cumsum([f.numel() for f in found])[:-1])
 
 
 @functools.lru_cache(maxsize=256)
