@@ -407,6 +407,25 @@ def test_then_raises_with_the_error_type_on_a_done_future():
         run_threads(1, lambda t: t.all_reduce_async(torch.ones(2), "band"))
 
 
+def test_then_reads_a_done_future_with_wait():
+    """An NCCL collective's future is done once its kernels are queued; its value is safe to read
+    only after ``wait()``, which makes the current CUDA stream wait for them (``value()`` does not:
+    on an H200 the DDP hooks then decoded stale memory)."""
+    from lowbit.comm.base import then
+
+    class Queued:  # a done future whose value() is not yet synchronised
+        def done(self):
+            return True
+
+        def value(self):
+            return "stale"
+
+        def wait(self):
+            return "synchronised"
+
+    assert then(Queued(), lambda v: v).wait() == "synchronised"
+
+
 def test_nccl_has_no_bitwise_and_and_the_max_norm_hook_then_sends_the_uint8_min():
     """NCCL reduces no ``band``: a TorchDistributedTransport on NCCL leaves it out of
     ``reduce_ops`` and refuses it by name; the multi-scale hook's scale-index MIN then goes as
