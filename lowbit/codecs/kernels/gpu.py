@@ -91,6 +91,23 @@ def rint(v):
 
 
 @triton.jit
+def round_grid(v, offs, k0, k1, STOCHASTIC: tl.constexpr):
+    """``v`` rounded to an integer (float): up with probability its fractional part, by the
+    counter uniforms of element indices ``offs`` (``STOCHASTIC``), else half to even."""
+    if STOCHASTIC:
+        f = tl.floor(v)
+        c = f + (uniform(offs, k0, k1) < (v - f)).to(v.dtype)
+    else:
+        c = rint(v)
+    return c
+
+
+@triton.jit
+def is_nonfinite(x):
+    return (x != x) | (tl.abs(x) == float("inf"))
+
+
+@triton.jit
 def _pack_kernel(codes_ptr, out_ptr, n, nbytes, B: tl.constexpr, G: tl.constexpr):
     g = tl.program_id(0) * G + tl.arange(0, G)
     acc = tl.zeros([G], dtype=tl.uint64)
@@ -152,25 +169,49 @@ def stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, to
 
 
 @triton.jit
+def _modulo_code(x, offs, inv_B, k0, k1, LEVELS: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Eq. (5)'s code of ``x`` (in x's precision) as int32 in ``[0, LEVELS)``: rounding stochastic
+    with the counter uniforms of element indices ``offs``, or to nearest."""
+    t = x * inv_B + 0.5
+    r = t - tl.floor(t) - 0.5
+    ci = round_grid(r * LEVELS, offs, k0, k1, STOCHASTIC).to(tl.int32)
+    return ci - LEVELS * tl.where(ci >= LEVELS, 1, 0) + LEVELS * tl.where(ci < 0, 1, 0)
+
+
+@triton.jit
+def _grid_decode(code, yf, B, step, inv_B):
+    """Eq. (5) decoded against ``yf`` in float64, as the numba kernel computes it: the offset
+    ``r`` (the decoded value is ``r + yf``) and the lattice index ``k``."""
+    z = code.to(tl.float64) * step - yf
+    k = tl.floor(z * inv_B + 0.5)
+    r = z - B * k
+    up = r >= B * 0.5
+    down = r < -B * 0.5
+    r = tl.where(up, r - B, tl.where(down, r + B, r))
+    k = tl.where(up, k + 1.0, tl.where(down, k - 1.0, k))
+    return r, k
+
+
+@triton.jit
+def _hash_term(code, k, offs, LEVELS: tl.constexpr):
+    """Element ``offs``'s term (uint32, summed modulo 2^32 over a block) of the block hash of
+    its grid integer ``m = code - LEVELS k``."""
+    m = code.to(tl.int64) - LEVELS * k.to(tl.int64)
+    lo = (m & 0xFFFFFFFF).to(tl.uint32)
+    hi = ((m >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    key = ((offs.to(tl.uint32) * HASH_STEP) ^ HASH_SALT) | 1
+    return lo * key + hi * HASH_HIGH
+
+
+@triton.jit
 def _modulo_encode_kernel(x_ptr, codes_ptr, bad_ptr, n, inv_B, k0, k1, LEVELS: tl.constexpr,
                           STOCHASTIC: tl.constexpr, BLOCK_: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if x.dtype != tl.float64:
-        x = x.to(tl.float32)
-    t = x * inv_B + 0.5
-    r = t - tl.floor(t) - 0.5
-    v = r * LEVELS
-    if STOCHASTIC:
-        lo = tl.floor(v)
-        c = lo + (uniform(offs, k0, k1) < (v - lo)).to(v.dtype)
-    else:
-        c = rint(v)
-    ci = c.to(tl.int32)
-    ci = ci - LEVELS * tl.where(ci >= LEVELS, 1, 0) + LEVELS * tl.where(ci < 0, 1, 0)
+    x = load_work(x_ptr, offs, mask)
+    ci = _modulo_code(x, offs, inv_B, k0, k1, LEVELS, STOCHASTIC)
     tl.store(codes_ptr + offs, ci.to(tl.uint8), mask=mask)
-    nonfinite = tl.sum(tl.where(mask & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0), axis=0)
+    nonfinite = tl.sum(tl.where(mask & is_nonfinite(x), 1, 0), axis=0)
     tl.atomic_max(bad_ptr, nonfinite)
 
 
@@ -208,20 +249,10 @@ def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: t
         else:  # little-endian bit order within a byte (lowbit.codecs.packing)
             byte = tl.load(codes_ptr + offs // (8 // BITS), mask=mask, other=0)
             code = (byte >> ((offs % (8 // BITS)) * BITS).to(tl.uint8)) & ((1 << BITS) - 1)
-        z = code.to(tl.float64) * step - yf
-        k = tl.floor(z * inv_B + 0.5)
-        r = z - B * k
-        up = r >= B * 0.5
-        down = r < -B * 0.5
-        r = tl.where(up, r - B, tl.where(down, r + B, r))
-        k = tl.where(up, k + 1.0, tl.where(down, k - 1.0, k))
+        r, k = _grid_decode(code, yf, B, step, inv_B)
         tl.store(out_ptr + offs, (r + yf).to(y.dtype), mask=mask)
         reach = tl.maximum(reach, tl.where(mask, tl.abs(k), 0.0))
-        m = code.to(tl.int64) - LEVELS * k.to(tl.int64)
-        lo = (m & 0xFFFFFFFF).to(tl.uint32)
-        hi = ((m >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        key = ((offs.to(tl.uint32) * HASH_STEP) ^ HASH_SALT) | 1
-        acc += tl.where(mask, lo * key + hi * HASH_HIGH, 0).to(tl.uint32)
+        acc += tl.where(mask, _hash_term(code, k, offs, LEVELS), 0).to(tl.uint32)
     total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
     return (_mix32(total.to(tl.uint32)) & 0xFFFF).to(tl.int32), tl.max(reach, axis=0)
 
@@ -266,35 +297,14 @@ def _moniqua_send_kernel(x_ptr, msg_ptr, xh_ptr, found_ptr, n, inv_B, B, step, k
             offs = start + j * G + i
             mask = offs < end
             x = load_work(x_ptr, offs, mask)
-            t = x * inv_B + 0.5  # the encode, in x's precision (as _modulo_encode_kernel)
-            r = t - tl.floor(t) - 0.5
-            v = r * LEVELS
-            if STOCHASTIC:
-                lo = tl.floor(v)
-                c = lo + (uniform(offs, k0, k1) < (v - lo)).to(v.dtype)
-            else:
-                c = rint(v)
-            ci = c.to(tl.int32)
-            ci = ci - LEVELS * tl.where(ci >= LEVELS, 1, 0) + LEVELS * tl.where(ci < 0, 1, 0)
-            ci = tl.where(mask, ci, 0)
-            bad += tl.where(mask & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0)
+            ci = tl.where(mask, _modulo_code(x, offs, inv_B, k0, k1, LEVELS, STOCHASTIC), 0)
+            bad += tl.where(mask & is_nonfinite(x), 1, 0)
             byte = byte | (ci.to(tl.uint32) << (i * BITS))
-            # the own decode and hash, in float64 (as _decode_hash_block)
-            xf = x.to(tl.float64)
-            z = ci.to(tl.float64) * step - xf
-            k = tl.floor(z * inv_B64 + 0.5)
-            r64 = z - B * k
-            up = r64 >= B * 0.5
-            down = r64 < -B * 0.5
-            r64 = tl.where(up, r64 - B, tl.where(down, r64 + B, r64))
-            k = tl.where(up, k + 1.0, tl.where(down, k - 1.0, k))
-            tl.store(xh_ptr + offs, (r64 + xf).to(xh_ptr.dtype.element_ty), mask=mask)
+            xf = x.to(tl.float64)  # the own decode and hash, in float64
+            r, k = _grid_decode(ci, xf, B, step, inv_B64)
+            tl.store(xh_ptr + offs, (r + xf).to(xh_ptr.dtype.element_ty), mask=mask)
             reach = tl.maximum(reach, tl.where(mask, tl.abs(k), 0.0))
-            m = ci.to(tl.int64) - LEVELS * k.to(tl.int64)
-            mlo = (m & 0xFFFFFFFF).to(tl.uint32)
-            mhi = ((m >> 32) & 0xFFFFFFFF).to(tl.uint32)
-            key = ((offs.to(tl.uint32) * HASH_STEP) ^ HASH_SALT) | 1
-            acc += tl.where(mask, mlo * key + mhi * HASH_HIGH, 0).to(tl.uint32)
+            acc += tl.where(mask, _hash_term(ci, k, offs, LEVELS), 0).to(tl.uint32)
         tl.store(msg_ptr + start // G + j, byte.to(tl.uint8), mask=start + j * G < end)
     total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
     h = _mix32(total.to(tl.uint32)) & 0xFFFF

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..rng import split_key
-from .gpu import BLOCK, _grid, pack, uniform, unpack
+from .gpu import BLOCK, _grid, is_nonfinite, pack, uniform, unpack
 
 __all__ = ["code_dtype", "host_values", "index_limit", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode",
            "dithered_decode", "nested_encode", "nested_decode", "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
@@ -160,7 +160,7 @@ def _nested_encode_kernel(x_ptr, codes_ptr, status_ptr, worst_ptr, n, alpha, del
     t = alpha * x + u
     m = tl.floor(t * inv_delta1 + 0.5)
     a = tl.where(mask, tl.abs(m), 0.0)
-    nonfinite = tl.sum(tl.where(mask & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0), axis=0)
+    nonfinite = tl.sum(tl.where(mask & is_nonfinite(x), 1, 0), axis=0)
     over = tl.sum(tl.where(a >= LIMIT, 1, 0), axis=0)
     tl.atomic_max(status_ptr, nonfinite)
     tl.atomic_max(status_ptr + 1, over)
@@ -230,7 +230,7 @@ def _sumsq_kernel(x_ptr, out_ptr, bad_ptr, n, bucket, chunks, BLOCK_: tl.constex
     mask = (offs < n) & (offs < b * bucket + bucket)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float64)
     tl.atomic_add(out_ptr + b, tl.sum(x * x, axis=0))
-    nonfinite = tl.sum(tl.where(mask & ((x != x) | (tl.abs(x) == float("inf"))), 1, 0), axis=0)
+    nonfinite = tl.sum(tl.where(mask & is_nonfinite(x), 1, 0), axis=0)
     tl.atomic_max(bad_ptr, nonfinite)
 
 

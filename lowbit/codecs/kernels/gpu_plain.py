@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..rng import counter_uniforms, split_key
-from .gpu import BLOCK, _grid, div, load_work, pack, rint, uniform, unpack
+from .gpu import BLOCK, _grid, div, is_nonfinite, load_work, pack, round_grid, uniform, unpack
 
 __all__ = ["minmax_range", "minmax_encode", "minmax_decode", "uniform_codes",
            "uniform_pack", "uniform_decode", "sign_encode", "sign_decode", "terngrad_max_abs", "terngrad_encode",
@@ -37,11 +37,6 @@ def _scalar(v: float, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.full((1,), v, dtype=dtype, device=device)
 
 
-@triton.jit
-def _is_nonfinite(x):
-    return (x != x) | (tl.abs(x) == float("inf"))
-
-
 # --- min-max -------------------------------------------------------------------------------
 
 @triton.jit
@@ -50,12 +45,7 @@ def _minmax_encode_kernel(x_ptr, codes_ptr, n, lo_ptr, scale_ptr, k0, k1, TOP: t
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
     x = load_work(x_ptr, offs, mask)
-    v = (x - tl.load(lo_ptr)) * tl.load(scale_ptr)
-    if STOCHASTIC:
-        f = tl.floor(v)
-        c = f + (uniform(offs, k0, k1) < (v - f)).to(v.dtype)
-    else:
-        c = rint(v)
+    c = round_grid((x - tl.load(lo_ptr)) * tl.load(scale_ptr), offs, k0, k1, STOCHASTIC)
     c = tl.minimum(tl.maximum(c, 0.0), TOP)
     tl.store(codes_ptr + offs, c.to(tl.uint8), mask=mask)
 
@@ -113,12 +103,7 @@ def _uniform_encode_kernel(x_ptr, codes_ptr, range_ptr, n, step_ptr, base, k0, k
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
     mask = offs < n
     x = load_work(x_ptr, offs, mask)
-    v = div(x, tl.load(step_ptr))
-    if STOCHASTIC:
-        f = tl.floor(v)
-        c = f + (uniform(offs, k0, k1) < (v - f)).to(v.dtype)
-    else:
-        c = rint(v)
+    c = round_grid(div(x, tl.load(step_ptr)), offs, k0, k1, STOCHASTIC)
     r = (c.to(tl.int64) - base).to(tl.int32)
     tl.store(codes_ptr + offs, r, mask=mask)
     tl.atomic_min(range_ptr, tl.min(tl.where(mask, r, 2147483647), axis=0))
@@ -202,7 +187,7 @@ def _sign_encode_kernel(x_ptr, out_ptr, bad_ptr, n, nbytes, BLOCK_: tl.constexpr
         m = i < n
         v = load_work(x_ptr, i, m)
         acc = acc | (tl.where(m & (v >= 0.0), 1, 0) << k)
-        bad = bad | tl.where(m & _is_nonfinite(v), 1, 0)
+        bad = bad | tl.where(m & is_nonfinite(v), 1, 0)
     tl.store(out_ptr + j, acc.to(tl.uint8), mask=j < nbytes)
     tl.atomic_max(bad_ptr, tl.max(bad, axis=0))
 
