@@ -2,7 +2,9 @@
 kernels and the float64 reference; run by tests/test_triton_interpret.py with
 TRITON_INTERPRET=1 on CPU tensors."""
 
+import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -101,6 +103,13 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits, blo
     for who in "ij":
         assert torch.equal(msgs["gpu", who][0], msgs["cpu", who][0])
         assert torch.equal(msgs["gpu", who][1], msgs["cpu", who][1])
+    for bad, error in ((math.nan, "finite"), (1e17, "2\\^53")):  # a non-finite model; a grid too fine for it
+        src = y.clone()
+        src[n - 1] = bad
+        with pytest.raises((ValueError, OverflowError), match=error), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy casting NaN to int
+            gpu.moniqua_send(src, codec.B_theta, codec.levels, codec.rounding == "stochastic", 77, bits, block,
+                             torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8), nbytes, 3, torch.empty(n, dtype=y.dtype))
     msg_j = msgs["cpu", "j"][0]
     x_hat_i = (msgs["cpu", "i"][1] if v is None else msgs["cpu", "i"][1] - v).to(dtype)
     for far in ([], [250, 1030]):  # two blocks wrong
