@@ -16,6 +16,7 @@ Run: ``python benchmarks/count_step_ops.py moniqua bits=2 --path cuda`` (any alg
 import argparse
 import collections
 import os
+import sys
 import threading
 
 COUNTED = threading.local()
@@ -47,6 +48,7 @@ def main() -> None:
         counts[what] += 1
         if args.where:
             lines[(what, _caller())] += 1
+
     if args.path == "cuda":
         from triton.runtime.interpreter import InterpretedFunction
 
@@ -117,8 +119,6 @@ def main() -> None:
 
 def _caller() -> str:
     """The innermost frame of the lowbit package on the stack, as path:line."""
-    import sys
-
     f = sys._getframe(2)
     while f is not None:
         path = f.f_code.co_filename.replace(os.sep, "/")

@@ -71,9 +71,12 @@ def grid_hashes(m: torch.Tensor, block: int) -> torch.Tensor:
     return (mix32(sums) & 0xFFFF).to(torch.int32)
 
 
-def grid_overflow_message(reach: float, B: float, levels: int) -> str:
-    """The OverflowError text when the grid integers of a decode reach ``reach`` (beyond 2^53)."""
-    return (f"the grid integers reach {reach:.3g}, beyond 2^53 = {GRID_LIMIT:.3g}: the grid step "
+def check_grid_reach(reach: float, B: float, levels: int) -> None:
+    """An OverflowError when the grid integers of a decode reach ``reach`` (``levels`` times the
+    largest lattice index ``|k|``) beyond 2^53, where they are no longer exact."""
+    if reach > GRID_LIMIT:
+        raise OverflowError(
+            f"the grid integers reach {reach:.3g}, beyond 2^53 = {GRID_LIMIT:.3g}: the grid step "
             f"B_theta / 2^bits = {B / levels:.3g} is too fine for models this far from the origin, and "
             f"their hashes could not detect a wrong recovery. Raise theta at least {reach / GRID_LIMIT:.3g}-fold "
             "(with a margin: models move)")
@@ -194,8 +197,8 @@ class ModuloCodec(Rounded, Codec):
         up, down = r >= B / 2, r < -B / 2
         r = torch.where(up, r - B, torch.where(down, r + B, r))
         k = k + up.to(k.dtype) - down.to(k.dtype)
-        if n and float(k.abs().max()) * self.levels > GRID_LIMIT:
-            raise OverflowError(grid_overflow_message(float(k.abs().max()) * self.levels, self.B_theta, self.levels))
+        if n:
+            check_grid_reach(float(k.abs().max()) * self.levels, self.B_theta, self.levels)
         x_hat = (r + ref.detach().to(torch.float64)).to(ref.dtype)
         return x_hat, grid_hashes(codes - self.levels * k.to(torch.int64), block).cpu()
 

@@ -37,7 +37,7 @@ import torch
 from .base import Payload, pack_header
 from .entropy import entropy_code, entropy_decode
 from .kernels import empty_output, kernels_for
-from .modulo import GRID_LIMIT, ModuloCodec, grid_overflow_message
+from .modulo import ModuloCodec, check_grid_reach
 from .packing import packed_nbytes
 from .rng import draw_key
 
@@ -191,12 +191,11 @@ class ModuloFrame:
         for (j, buf), f in zip(msgs.items(), K.to_host(found)):  # one host read
             ctrl = int(f[nb])
             body, requests = self._requests(buf[:-tail], ctrl, nb, j)
-            if body.numel() != need:
-                raise self._malformed(j, f"{body.numel()} bytes of codes, {d} elements at {codec.bits} bits "
-                                         f"need {need}")
-            reach = float(f[nb + 1:].max())
-            if reach > GRID_LIMIT:
-                raise _overflow(OverflowError(grid_overflow_message(reach, codec.B_theta, codec.levels)))
+            self._check_codes(body, d, j)
+            try:
+                check_grid_reach(float(f[nb + 1:].max()), codec.B_theta, codec.levels)
+            except OverflowError as e:
+                raise _overflow(e) from None
             wrong = np.flatnonzero(f[:nb]).tolist()
             out[j] = Received(_undither(x_hats[j], v), wrong, ctrl, requests, mixed=not wrong)
         return out
@@ -255,10 +254,15 @@ class ModuloFrame:
             except ValueError as e:
                 raise self._malformed(sender, str(e)) from None
             body = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        self._check_codes(body, n, sender)
+        return Payload(header=pack_header(ModuloCodec.header_format, n), data=body.to(device))
+
+    def _check_codes(self, body: torch.Tensor, n: int, sender: int) -> None:
+        """``body`` is exactly the packed codes of ``n`` elements (a ValueError naming the sender otherwise)."""
+        need = packed_nbytes(n, self.bits)
         if body.numel() != need:
             raise self._malformed(sender, f"{body.numel()} bytes of codes, {n} elements at {self.bits} bits need "
                                           f"{need}")
-        return Payload(header=pack_header(ModuloCodec.header_format, n), data=body.to(device))
 
     # ---- the repair round ---------------------------------------------------------------------
     def repair_message(self, x: torch.Tensor, blocks: set[int]) -> torch.Tensor:

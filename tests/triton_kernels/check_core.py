@@ -109,7 +109,8 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits, blo
         with pytest.raises((ValueError, OverflowError), match=error), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy casting NaN to int
             gpu.moniqua_send(src, codec.B_theta, codec.levels, codec.rounding == "stochastic", 77, bits, block,
-                             torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8), nbytes, 3, torch.empty(n, dtype=y.dtype))
+                             torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8), nbytes, 3,
+                             torch.empty(n, dtype=y.dtype))
     msg_j = msgs["cpu", "j"][0]
     x_hat_i = (msgs["cpu", "i"][1] if v is None else msgs["cpu", "i"][1] - v).to(dtype)
     for far in ([], [250, 1030]):  # two blocks wrong

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 import torch
 
-from ..modulo import GRID_LIMIT, grid_overflow_message
+from ..modulo import check_grid_reach
 from ..modulo import HASH_HIGH as MODULO_HASH_HIGH
 from ..modulo import HASH_SALT as MODULO_HASH_SALT
 from ..modulo import HASH_STEP as MODULO_HASH_STEP
@@ -413,8 +413,7 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
         data, bits = unpack(data, bits, n), 8  # one byte per code: the kernel reads widths 1, 2, 4 and 8
     reach = _modulo_decode_hash(np_view(data), bits, n, float(B), levels, as_numba(y), block, out.numpy(),
                                 hashes.numpy())
-    if reach > GRID_LIMIT:
-        raise OverflowError(grid_overflow_message(reach, B, levels))
+    check_grid_reach(reach, B, levels)
     return out.to(y.dtype), hashes
 
 
@@ -507,8 +506,7 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
                                xhat.numpy(), hashes, m, hash_at)
     if bad:
         raise nonfinite_error("modulo")
-    if reach > GRID_LIMIT:
-        raise OverflowError(grid_overflow_message(reach, B, levels))
+    check_grid_reach(reach, B, levels)
 
 
 def moniqua_receive(msg: torch.Tensor, bits: int, B: float, levels: int, y: torch.Tensor, block: int,

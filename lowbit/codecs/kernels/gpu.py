@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import modulo, rng
-from ..modulo import GRID_LIMIT, grid_overflow_message
+from ..modulo import check_grid_reach
 from ..rng import split_key
 
 # A jitted kernel reads a module global only as a constexpr (the compiler refuses a plain
@@ -204,6 +204,13 @@ def _hash_term(code, k, offs, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _block_hash(acc):
+    """A block's 16-bit hash (int32) from its lanes' sums of :func:`_hash_term` (uint32)."""
+    total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
+    return (_mix32(total.to(tl.uint32)) & 0xFFFF).to(tl.int32)
+
+
+@triton.jit
 def _modulo_encode_kernel(x_ptr, codes_ptr, bad_ptr, n, inv_B, k0, k1, LEVELS: tl.constexpr,
                           STOCHASTIC: tl.constexpr, BLOCK_: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_ + tl.arange(0, BLOCK_)
@@ -253,8 +260,7 @@ def _decode_hash_block(codes_ptr, y_ptr, out_ptr, start, end, B, step, LEVELS: t
         tl.store(out_ptr + offs, (r + yf).to(y.dtype), mask=mask)
         reach = tl.maximum(reach, tl.where(mask, tl.abs(k), 0.0))
         acc += tl.where(mask, _hash_term(code, k, offs, LEVELS), 0).to(tl.uint32)
-    total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
-    return (_mix32(total.to(tl.uint32)) & 0xFFFF).to(tl.int32), tl.max(reach, axis=0)
+    return _block_hash(acc), tl.max(reach, axis=0)
 
 
 @triton.jit
@@ -306,8 +312,7 @@ def _moniqua_send_kernel(x_ptr, msg_ptr, xh_ptr, found_ptr, n, inv_B, B, step, k
             reach = tl.maximum(reach, tl.where(mask, tl.abs(k), 0.0))
             acc += tl.where(mask, _hash_term(ci, k, offs, LEVELS), 0).to(tl.uint32)
         tl.store(msg_ptr + start // G + j, byte.to(tl.uint8), mask=start + j * G < end)
-    total = tl.sum(acc.to(tl.uint64), axis=0) & 0xFFFFFFFF
-    h = _mix32(total.to(tl.uint32)) & 0xFFFF
+    h = _block_hash(acc)
     tl.store(msg_ptr + hash_at + 2 * b, (h & 0xFF).to(tl.uint8))
     tl.store(msg_ptr + hash_at + 2 * b + 1, (h >> 8).to(tl.uint8))
     nb = tl.num_programs(0)
@@ -369,11 +374,6 @@ def _decode_hash(codes: torch.Tensor, y: torch.Tensor, out: torch.Tensor, block:
     return hashes, reach
 
 
-def _check_reach(reach: float, B: float, levels: int) -> None:
-    if reach > GRID_LIMIT:
-        raise OverflowError(grid_overflow_message(reach, B, levels))
-
-
 def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: int, ref: torch.Tensor,
                        block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`modulo_decode` of the ``n`` codes packed ``bits`` each in ``data``, in float64
@@ -388,7 +388,7 @@ def modulo_decode_hash(data: torch.Tensor, bits: int, n: int, B: float, levels: 
         hashes, reach = _decode_hash(unpack(data, bits, n), y, out, block, B, levels)
     host = torch.cat([hashes.to(torch.float64), reach]).cpu().numpy()  # the one host read
     nb = hashes.numel()
-    _check_reach(float(host[nb:].max()) * levels, B, levels)
+    check_grid_reach(float(host[nb:].max()) * levels, B, levels)
     return out, torch.from_numpy(host[:nb].astype(np.int32))
 
 
@@ -409,7 +409,7 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
                                     BLOCK_LEN=block, CHUNK=min(1024, triton.next_power_of_2(block)), BITS=bits)
         host = found.cpu().numpy()  # the one host read
         raise_if_flagged(host[:nb].max(), "modulo")
-        _check_reach(float(host[nb:].max()), B, levels)
+        check_grid_reach(float(host[nb:].max()), B, levels)
         return
     codes, flag = _modulo_codes(x, B, levels, stochastic, key)
     if n:  # packed straight into the message's first ceil(n bits / 8) bytes
@@ -417,7 +417,7 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
     hashes, reach = _decode_hash(codes, x, xhat, block, B, levels)
     host = torch.cat([flag.to(torch.float64), reach]).cpu().numpy()  # the one host read
     raise_if_flagged(host[0], "modulo")
-    _check_reach(float(host[1:].max()) * levels, B, levels)
+    check_grid_reach(float(host[1:].max()) * levels, B, levels)
     # the 16-bit hashes little-endian: int32 -> int16 keeps the low 16 bits (CUDA is little-endian)
     msg[hash_at:hash_at + 2 * hashes.numel()] = hashes.to(torch.int16).view(torch.uint8)
     msg[-1] = ctrl
