@@ -11,17 +11,21 @@ from ..comm.base import Transport, then
 from .base import CentralizedAlgorithm
 
 
-def allreduce_average(t: Transport, x: torch.Tensor, *, divided: bool = False):
+def allreduce_average(t: Transport, x: torch.Tensor, *, divided: bool = False, inplace: bool = False):
     """The average over ranks of ``x`` by one SUM all-reduce, in ``x``'s dtype (the wire's):
     ``(future of the average, own)``, ``own()`` this rank's own contribution to it (float64).
 
     ``divided``: ``x`` is already this rank's share ``x_m / N`` (a narrow float wire, whose sum
     could overflow otherwise, as the DDP hook's fp16), so the sum is the average; else the sum
-    is divided by ``N`` after the all-reduce (AllReduce SGD). Shared by :class:`AllReduceSGD`
-    and the DDP hook's float family."""
+    is divided by ``N`` after the all-reduce (AllReduce SGD). ``inplace``: the caller gives ``x``
+    up (:meth:`~lowbit.comm.base.Transport.all_reduce_async`), and ``own`` is then None. Shared
+    by :class:`AllReduceSGD` and the DDP hook's float family."""
     n = t.world_size
-    own = (lambda: x.to(torch.float64) * n) if divided else (lambda: x.to(torch.float64))
-    fut = t.all_reduce_async(x, "sum")
+    if inplace:
+        own = None
+    else:
+        own = (lambda: x.to(torch.float64) * n) if divided else (lambda: x.to(torch.float64))
+    fut = t.all_reduce_async(x, "sum", inplace=inplace)
     return (fut if divided else then(fut, lambda total: total.div_(n))), own
 
 

@@ -61,9 +61,9 @@ def decode_average(wires: list[torch.Tensor], decode: Callable[[int, torch.Tenso
     rank order (the same numbers on every rank)."""
     acc = None
     for p, w in enumerate(wires):
-        x = decode(p, w).to(torch.float64)
-        acc = x if acc is None else acc + x
-    return acc / len(wires)
+        x = decode(p, w)
+        acc = x.to(torch.float64, copy=True) if acc is None else acc.add_(x)  # x exact in float64
+    return acc.div_(len(wires))
 
 
 def gathered_exchange(t: Transport, wire: torch.Tensor, average: Callable[[list[torch.Tensor]], torch.Tensor],

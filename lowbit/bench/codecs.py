@@ -190,6 +190,12 @@ def _generator(seed: int) -> torch.Generator:
     return shared_generator(seed, 0, 0)
 
 
+def _decode_generator(codec: Codec, seed: int) -> torch.Generator | None:
+    """The generator a receiver hands ``decode``: the sender's regenerated one for a codec
+    with ``dither_on_decode``, else none (lowbit's algorithms and DDP hooks derive none)."""
+    return _generator(seed) if codec.dither_on_decode else None
+
+
 def _reference_generator(seed: int, device: torch.device) -> torch.Generator:
     """The references draw on the data's device, as their code (``torch.rand_like``) does."""
     return make_generator(seed, device)
@@ -227,7 +233,7 @@ def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, dev
 
     def decode():
         with on_path():
-            return codec.decode(payload, generator=_generator(seed), **kw)
+            return codec.decode(payload, generator=_decode_generator(codec, seed), **kw)
 
     return encode, decode, payload
 
@@ -246,7 +252,7 @@ def roundtrip_calls(codec: Codec, reference: refs.Reference, x: torch.Tensor, re
 
     def lowbit():
         return codec.decode(encoder().encode(x, generator=_generator(seed)),
-                            generator=_generator(seed), **kw)
+                            generator=_decode_generator(codec, seed), **kw)
 
     def reference_rt():
         return reference.decode(reference.encode(x, generator=_reference_generator(seed, device)), **rkw)

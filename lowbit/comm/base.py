@@ -87,10 +87,12 @@ class Transport(ABC):
         self._record_reduce(t, op)
         return self._all_reduce(t, op)
 
-    def all_reduce_async(self, t: torch.Tensor, op: str = "sum") -> torch.futures.Future:
-        """:meth:`all_reduce` issued now, its result a future (recorded like it, at issue)."""
+    def all_reduce_async(self, t: torch.Tensor, op: str = "sum", *, inplace: bool = False) -> torch.futures.Future:
+        """:meth:`all_reduce` issued now, its result a future (recorded like it, at issue).
+        ``inplace``: the caller gives ``t`` up; a backend that reduces in place may then reduce
+        ``t`` itself instead of a copy (the result may be ``t``, and ``t`` is undefined after)."""
         self._record_reduce(t, op)
-        return self._all_reduce_async(t, op)
+        return self._all_reduce_async(t, op, inplace)
 
     @property
     def reduce_ops(self) -> tuple[str, ...]:
@@ -229,7 +231,7 @@ class Transport(ABC):
     @abstractmethod
     def _all_gather(self, t) -> list[torch.Tensor]: ...
 
-    def _all_reduce_async(self, t, op) -> torch.futures.Future:
+    def _all_reduce_async(self, t, op, inplace: bool = False) -> torch.futures.Future:
         """A completed future of :meth:`_all_reduce` (a runtime that can overlap overrides it)."""
         return completed(self._all_reduce(t, op))
 

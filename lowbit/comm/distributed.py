@@ -185,18 +185,19 @@ class TorchDistributedTransport(Transport):
     def _all_reduce(self, t, op):
         return _wait(*self._start_all_reduce(t, op, async_op=False))
 
-    def _all_reduce_async(self, t, op):
-        return _future(*self._start_all_reduce(t, op, async_op=True))
+    def _all_reduce_async(self, t, op, inplace: bool = False):
+        return _future(*self._start_all_reduce(t, op, async_op=True, inplace=inplace))
 
-    def _start_all_reduce(self, t, op, async_op: bool):
+    def _start_all_reduce(self, t, op, async_op: bool, inplace: bool = False):
         """Issue the all-reduce: (its work, None when synchronous; a function giving the result
-        once it is done)."""
+        once it is done). ``inplace``: ``t`` itself is reduced where it is on the comm device
+        and contiguous (else a copy, as always)."""
         self._beat()
         self._delay(2 * (self.world_size - 1))
         if self.deterministic and op == "sum" and t.is_floating_point() and self.world_size > 1:
             work, parts = self._start_gather_all(t, async_op)
             return work, lambda: _rank_order_sum(parts())
-        x = self._staged(t, copy=True)
+        x = self._staged(t, copy=not inplace)
         return dist.all_reduce(x, op=_REDUCE[op], group=self.group, async_op=async_op), lambda: x.to(t.device)
 
     def _all_gather(self, t):

@@ -7,14 +7,24 @@ from __future__ import annotations
 import torch
 
 from ...algorithms.allreduce import allreduce_average
-from ...comm.base import then
+from ...codecs.identity import IdentityCodec
 from .state import _float_wire_dtype
 
 
-def float_allreduce(t, codec, x):
+def float_allreduce(t, codec, x, scratch: bool = False):
     """``x / N`` in the codec's float dtype, one SUM all-reduce over the transport ``t``:
-    (future of the float64 average, this rank's own contribution)."""
-    # the codec's payload data is the wire tensor (HalfCodec raises ValueError on overflow)
-    wire = codec.encode(x / t.world_size).data.view(_float_wire_dtype(codec))
-    fut, own = allreduce_average(t, wire, divided=True)
-    return then(fut, lambda avg: avg.to(torch.float64)), own
+    (future of the average in the wire dtype, this rank's own contribution). The division
+    is in ``x``'s dtype (the bucket's float32, or float64 with error feedback); rounding its
+    float32 result to fp16/bf16 gives the correctly rounded quotient, as a float64 one would
+    (double rounding is innocuous from 24 to 11 or 8 significant bits).
+
+    ``scratch``: ``x`` is the caller's to overwrite and it needs no own contribution (the hook
+    without error feedback, as torch's hooks divide the bucket in place): ``x`` is divided in
+    place and the wire reduced in place (fp32: the bucket itself, as torch's allreduce_hook
+    does), and ``own`` is None."""
+    share = x.div_(t.world_size) if scratch else x / t.world_size
+    if isinstance(codec, IdentityCodec):  # the codec's payload data, without the copy its encode makes
+        wire = share.to(torch.float32)
+    else:  # the codec's payload data is the wire tensor (HalfCodec raises ValueError on overflow)
+        wire = codec.encode(share).data.view(_float_wire_dtype(codec))
+    return allreduce_average(t, wire, divided=True, inplace=scratch)

@@ -24,10 +24,10 @@ def allgather(state, t, codec, x, bidx):
 
     def decode(sender: int, wire: torch.Tensor) -> torch.Tensor:
         gen = shared_generator(seed, step, sender, HOOK_STREAM + bidx) if needs_gen else None
-        d = codec.decode(codec.payload_from_wire(wire), generator=gen).to(torch.float64)
+        d = codec.decode(codec.payload_from_wire(wire), generator=gen)
         if sender == rank:
             decoded["own"] = d
         return d
 
     fut = gathered_exchange(t, payload.to_wire(), lambda wires: decode_average(wires, decode))
-    return fut, lambda: decoded["own"]
+    return fut, lambda: decoded["own"].to(torch.float64)

@@ -15,6 +15,9 @@ from .maxnorm import int_allreduce, randk_allreduce
 from .powersgd import powersgd_step
 from .state import LowbitHookState, _offsets, _signature
 
+#: the methods whose step computes in float64 whatever the bucket's dtype
+_FLOAT64_METHODS = ("powersgd", "algorithm")
+
 
 def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     """The DDP communication hook: ``ddp_model.register_comm_hook(state, lowbit_hook)``."""
@@ -32,22 +35,22 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     state.fp32_bytes_sent += fp32_sent
     codec = state.codec
     ef = state.error_feedback
-    x = buf.detach().to(torch.float64)
+    # the codecs read the bucket as it is; error memory and PowerSGD's power step are float64
+    x = buf.detach().to(torch.float64) if ef or state.method in _FLOAT64_METHODS else buf.detach()
     layout = mem = None
     if ef:
         if state.per_parameter:
             layout = list(zip(state._names(bucket), _offsets(bucket)))
         mem = state._load_memory(bucket, buf)
         x = compensate(x, mem)  # p = g + e
-    gen = state._generator(rank, bidx)
     t.set_step(state.step)
     try:
         if state.method == "allreduce-float":
-            fut, own = float_allreduce(t, codec, x)
+            fut, own = float_allreduce(t, codec, x, scratch=not ef)  # without memory: x is the bucket
         elif state.method == "allreduce-int":
-            fut, own = int_allreduce(state, t, codec, x, gen)
+            fut, own = int_allreduce(state, t, codec, x, state._generator(rank, bidx))
         elif state.method == "allreduce-randk":
-            fut, own = randk_allreduce(state, t, codec, x, bidx, gen)
+            fut, own = randk_allreduce(state, t, codec, x, bidx, state._generator(rank, bidx))
         elif state.method == "allgather":
             fut, own = allgather(state, t, codec, x, bidx)
         elif state.method == "algorithm":
@@ -61,7 +64,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     def write(avg):
         if ef:
             state._store_memory(bidx, sig, layout, remember(mem, x, own()))  # e = p - C(p), in place
-        buf.copy_(avg.to(buf.dtype))
+        buf.copy_(avg)  # the average, cast to the bucket's dtype
         return buf
 
     return then(fut, write)

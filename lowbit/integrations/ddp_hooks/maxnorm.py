@@ -60,7 +60,7 @@ def int_allreduce(state, t, codec: SummableCodec, x, gen):
     dtype = codec.sum_dtype(t.world_size, state.sum_dtype)
     if dtype == torch.int16:
         dtype = torch.int32
-    return maxnorm_exchange(t, codec, x, gen, dtype, torch.float64, _scale_reduce(t, codec))
+    return maxnorm_exchange(t, codec, x, gen, dtype, x.dtype, _scale_reduce(t, codec))
 
 
 def randk_allreduce(state, t, codec: RandKCodec, x, bidx, gen):
@@ -79,13 +79,13 @@ def randk_allreduce(state, t, codec: RandKCodec, x, bidx, gen):
     factor = d / idx.numel() if codec.rescale and idx.numel() else 1.0
     kept = x[idx]
     if isinstance(inner, _FLOAT_WIRE):
-        fut, own = float_allreduce(t, inner, kept)
+        fut, own = float_allreduce(t, inner, kept, scratch=not state.error_feedback)  # kept: a copy
     else:
         fut, own = allgather(state, t, inner, kept, bidx)
 
     def scatter(v: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(d, dtype=torch.float64, device=x.device)
-        out[idx] = v * factor
+        out = torch.zeros(d, dtype=x.dtype, device=x.device)
+        out[idx] = v.to(x.dtype) * factor  # v may be the fp16 wire: scaled in x's dtype
         return out
 
-    return then(fut, scatter), lambda: scatter(own())
+    return then(fut, scatter), None if own is None else lambda: scatter(own())
