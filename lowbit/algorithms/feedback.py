@@ -24,6 +24,6 @@ def compensate(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 
 
 def remember(e: torch.Tensor, p: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
-    """``e <- p - sent`` in place (``sent`` = C(p) as every receiver decodes it, in
-    ``p``'s dtype); returns ``e``."""
-    return e.copy_(p - sent)
+    """``e <- p - sent`` in place (``sent`` = C(p) as every receiver decodes it; the difference
+    is taken in the wider of their dtypes and rounded once into ``e``'s); returns ``e``."""
+    return torch.sub(p, sent, out=e)

@@ -16,7 +16,8 @@ from .state import HOOK_STREAM
 def allgather(state, t, codec, x, bidx):
     """All-gather of the packed payloads (header included) over the transport ``t``; every rank
     decodes all of them (a dithered codec with each sender's regenerated generator) and
-    averages in rank order: (future of the float64 average, this rank's own decoded payload)."""
+    averages in rank order: (future of the float64 average, this rank's own decoded payload,
+    float32)."""
     rank, step, seed = t.rank, state.step, state.seed
     payload = codec.encode(x, generator=state._generator(rank, bidx))
     needs_gen = codec.dither_on_decode
@@ -30,4 +31,4 @@ def allgather(state, t, codec, x, bidx):
         return d
 
     fut = gathered_exchange(t, payload.to_wire(), lambda wires: decode_average(wires, decode))
-    return fut, lambda: decoded["own"].to(torch.float64)
+    return fut, lambda: decoded["own"]

@@ -15,8 +15,6 @@ from .maxnorm import int_allreduce, randk_allreduce
 from .powersgd import powersgd_step
 from .state import LowbitHookState, _offsets, _signature
 
-#: the methods whose step computes in float64 whatever the bucket's dtype
-_FLOAT64_METHODS = ("powersgd", "algorithm")
 
 
 def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
@@ -35,14 +33,13 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     state.fp32_bytes_sent += fp32_sent
     codec = state.codec
     ef = state.error_feedback
-    # the codecs read the bucket as it is; error memory and PowerSGD's power step are float64
-    x = buf.detach().to(torch.float64) if ef or state.method in _FLOAT64_METHODS else buf.detach()
+    x = buf.detach()  # every family works in the bucket's dtype, as torch's hooks do
     layout = mem = None
     if ef:
         if state.per_parameter:
             layout = list(zip(state._names(bucket), _offsets(bucket)))
         mem = state._load_memory(bucket, buf)
-        x = compensate(x, mem)  # p = g + e
+        x = compensate(x, mem)  # p = g + e, a new tensor
     t.set_step(state.step)
     try:
         if state.method == "allreduce-float":

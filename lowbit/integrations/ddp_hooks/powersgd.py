@@ -52,7 +52,7 @@ def powersgd_step(state, t, codec: PowerSGDCodec, x, bidx, sig, bucket):
     fut, p_hats, q_own = power_step(t, Ms, qs, rider)
 
     def assemble(qs_used, dense_part) -> torch.Tensor:
-        out = torch.empty(x.numel(), dtype=torch.float64, device=x.device)
+        out = torch.empty(x.numel(), dtype=x.dtype, device=x.device)
         for (off, n, m, _), ph, q in zip(mats, p_hats, qs_used):
             out[off:off + n * m] = power_product(ph, q)
         pos = 0
@@ -61,12 +61,13 @@ def powersgd_step(state, t, codec: PowerSGDCodec, x, bidx, sig, bucket):
             pos += size
         return out
 
-    own_dense = torch.cat([x[off:off + size] for off, size in dense]) if dense else x.new_empty(0)
-    own = lambda: assemble(q_own, own_dense.to(torch.float32).to(torch.float64))  # noqa: E731
+    def own() -> torch.Tensor:  # with the vectors as they were sent (float32)
+        own_dense = torch.cat([x[off:off + size] for off, size in dense]) if dense else x.new_empty(0)
+        return assemble(q_own, own_dense.to(torch.float32))
 
     def finish(result) -> torch.Tensor:
         q_avg, dense_sum = result
         state.powersgd_q[bidx] = (sig, [q.clone() for q in q_avg])
-        return assemble(q_avg, dense_sum.to(torch.float64))
+        return assemble(q_avg, dense_sum)
 
     return then(fut, finish), own

@@ -196,11 +196,12 @@ class LowbitHookState:
                              "state.bind_model(model)") from None
 
     def _load_memory(self, bucket, buf: torch.Tensor) -> torch.Tensor:
-        """The bucket's error memory (zeros where there is none), float64."""
+        """The bucket's error memory (zeros where there is none), in the bucket's dtype (as
+        torch's PowerSGD hook keeps it; a float64 memory of an older checkpoint is cast)."""
         n = buf.numel()
         idx = bucket.index()
         if self.per_parameter:
-            mem = torch.zeros(n, dtype=torch.float64, device=buf.device)
+            mem = torch.zeros(n, dtype=buf.dtype, device=buf.device)
             for name, (off, size) in zip(self._names(bucket), _offsets(bucket)):
                 e = self.param_memory.get(name)
                 if e is not None and e.numel() == size:
@@ -209,10 +210,10 @@ class LowbitHookState:
         sig = _signature(bucket)
         entry = self.bucket_memory.get(idx)
         if entry is not None and entry[0] == sig:
-            return entry[1].to(device=buf.device, dtype=torch.float64)
+            return entry[1].to(device=buf.device, dtype=buf.dtype)
         if entry is not None:
             self.memory_resets += 1
-        return torch.zeros(n, dtype=torch.float64, device=buf.device)
+        return torch.zeros(n, dtype=buf.dtype, device=buf.device)
 
     def _store_memory(self, bucket_index: int, sig: tuple, layout, e: torch.Tensor) -> None:
         """Keep ``e``, the memory :meth:`_load_memory` returned, updated in place: as the
