@@ -72,6 +72,18 @@ def _add_bench(sub) -> None:
     s.add_argument("--algorithms", default=None,
                    help="comma-separated algorithms (default: all; dpsgd and allreduce always run)")
     s.add_argument("--json", default=None, help="also write the report to this JSON file")
+    h = what.add_parser("hooks", help="lowbit's DDP communication hooks against torch's on one bucket",
+                        description="The compute of lowbit's DDP hooks (casts, codecs, error memory, PowerSGD) "
+                                    "against torch's allreduce, fp16, bf16 and PowerSGD hooks on one gradient bucket "
+                                    "in a one-process gloo group, interleaved rounds, medians of per-round ratios.")
+    h.add_argument("--size", type=int, default=1_000_000, help="elements of the bucket (a near-square weight gradient)")
+    h.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
+    h.add_argument("--min-run-time", type=float, default=0.05,
+                   help="seconds per timing (torch.utils.benchmark blocked_autorange)")
+    h.add_argument("--hooks", default=None, help="comma-separated lowbit hook names (default: the float, PowerSGD "
+                   "and quantized hooks)")
+    h.add_argument("--rank", type=int, default=2, help="PowerSGD's rank on both sides")
+    h.add_argument("--json", default=None, help="also write the report to this JSON file")
     o = what.add_parser("overlap", help="the wrapper's step time with its exchange overlapped with backward, and without",
                         description="DecentralizedDataParallel on real gloo processes training an MLP, overlap=True "
                                     "against overlap=False in interleaved rounds; the median of per-round ratios, "
@@ -164,13 +176,19 @@ def _bench(args) -> int:
                                batch=args.batch, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
                                latency_ms=args.latency_ms, bandwidth_mbit=args.bandwidth_mbit)
         print(format_overlap_report(report))
+    elif args.bench_what == "hooks":
+        from .bench.hooks import bench_hooks, format_hooks_report
+
+        report = bench_hooks(size=args.size, rounds=args.rounds, hooks=args.hooks, rank=args.rank,
+                             min_run_time=args.min_run_time)
+        print(format_hooks_report(report))
     elif args.bench_what == "step":
         report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,
                             rounds=args.rounds, device=args.device, algorithms=args.algorithms)
         print(format_step_report(report))
     else:
         print("lowbit: error: choose what to benchmark: lowbit bench codecs | lowbit bench step | "
-              "lowbit bench overlap", file=sys.stderr)
+              "lowbit bench hooks | lowbit bench overlap", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as f:

@@ -313,6 +313,9 @@ def test_step_bench_needs_its_baselines():
     (["step", "--rounds", "0"], "rounds must be an integer >= 1, got 0"),
     (["step", "--algorithms", "adam"], "algorithms: unknown 'adam'"),
     (["step", "--task", "imagenet"], "task='imagenet' is unknown"),
+    (["hooks", "--hooks", "zip"], "hooks must name lowbit hooks"),
+    (["hooks", "--size", "0"], "size must be an integer >= 1, got 0"),
+    (["hooks", "--rank", "0"], "rank must be an integer >= 1, got 0"),
     ([], "choose what to benchmark"),
 ])
 def test_bad_arguments_are_clear_errors(argv, match, capsys):
@@ -383,3 +386,29 @@ def test_decode_out_case_reuses_one_buffer():
     first = dec()
     assert dec() is first and torch.equal(first, x.half().float())
     assert [c.label for c in default_cases() if c.decode_out] == ["fp16 out="]
+
+
+# --- the DDP hook bench -------------------------------------------------------------------------
+
+def test_hook_bench_pairs_each_hook_with_torchs_and_times_the_same_computation(capsys):
+    from lowbit.bench.hooks import bench_hooks, format_hooks_report, matrix_of
+
+    assert matrix_of(1_000_000) == (1000, 1000) and matrix_of(4096) == (64, 64) and matrix_of(13) == (1, 13)
+    report = bench_hooks(size=4096, rounds=2, hooks="fp32,fp16,bf16,powersgd,qsgd", min_run_time=FAST)
+    rows = {r["hook"]: r for r in report["hooks"]}
+    assert {h: r["torch"] for h, r in rows.items()} == {"fp32": "torch allreduce", "fp16": "torch fp16",
+                                                         "bf16": "torch bf16", "powersgd": "torch powersgd",
+                                                         "qsgd": "torch allreduce"}
+    assert (report["rows"], report["cols"], report["threads"]) == (64, 64, 1)
+    for r in rows.values():
+        assert r["x_torch"] > 0 and r["ms"] > 0 and r["torch_ms"] > 0
+    # one process: the average is the rank's own decode, so the float hooks compute exactly torch's
+    assert rows["fp32"]["error"] == rows["fp32"]["torch_error"] == 0.0
+    for h in ("fp16", "bf16"):
+        assert 0 < rows[h]["error"] == rows[h]["torch_error"]
+    assert 0 < rows["powersgd"]["error"] < 1.5 and rows["qsgd"]["error"] > 0
+    text = format_hooks_report(report)
+    assert "torch powersgd" in text and "refill" in text
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # the bench's own group is gone

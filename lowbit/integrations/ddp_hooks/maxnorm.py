@@ -11,6 +11,7 @@ import torch
 
 from ...algorithms.maxnorm import kept_count, maxnorm_exchange
 from ...codecs.base import SummableCodec, is_summable
+from ...codecs.kernels import kernels_for
 from ...codecs.maxnorm import MultiScaleMaxNormCodec
 from ...codecs.packing import pack_bits, unpack_bits
 from ...codecs.randk import GLOBAL_RANDK_STREAM, RandKCodec
@@ -38,19 +39,23 @@ def _scale_reduce(t, codec: SummableCodec):
 
 
 def _min_by_bitplanes(t, idx: torch.Tensor, planes: int) -> torch.Tensor:
-    """Element-wise MIN over ranks of small indices (0..planes): plane p = (index >= p),
-    packed one bit per coordinate; the AND of a plane over ranks is (min >= p)."""
+    """Element-wise MIN over ranks of small uint8 indices (0..planes): plane p = (index >= p),
+    packed one bit per coordinate; the AND of a plane over ranks is (min >= p). Packed by the
+    codecs' kernels (the reference's int64 packing on the reference path: the same bytes)."""
     n = idx.numel()
     if planes == 0:
         return idx
-    i64 = idx.to(torch.int64)
-    packed = torch.cat([pack_bits((i64 >= p).to(torch.int64), 1) for p in range(1, planes + 1)])
-    packed = t.all_reduce(packed, "band")
+    K = kernels_for(idx)
+    if K is None:
+        pack, unpack = (lambda c: pack_bits(c.to(torch.int64), 1)), (lambda d: unpack_bits(d, 1, n).to(torch.uint8))
+    else:
+        pack, unpack = (lambda c: K.pack(c, 1)), (lambda d: K.unpack(d, 1, n))
+    packed = t.all_reduce(torch.cat([pack((idx >= p).to(torch.uint8)) for p in range(1, planes + 1)]), "band")
     per = packed.numel() // planes
-    out = torch.zeros(n, dtype=torch.int64, device=idx.device)
-    for p in range(planes):
-        out += unpack_bits(packed[p * per:(p + 1) * per], 1, n)
-    return out.to(torch.uint8)
+    out = unpack(packed[:per])
+    for p in range(1, planes):
+        out += unpack(packed[p * per:(p + 1) * per])
+    return out
 
 
 def int_allreduce(state, t, codec: SummableCodec, x, gen):
