@@ -105,6 +105,13 @@ def test_wire_size_and_roundtrip(codec, n):
     scale = agree_scale(codec, [x])
     codes = codec.encode_int(x, scale, _gen(1))
     assert codes.dtype == torch.int64 and int(codes.abs().max()) <= codec.max_code if n else True
+    for dt in (torch.int8, torch.int16, torch.int32):  # the codes straight in a narrower dtype that holds them
+        if torch.iinfo(dt).max >= codec.max_code:
+            narrow = codec.encode_int(x, scale, _gen(1), dt)
+            assert narrow.dtype == dt and torch.equal(narrow.to(torch.int64), codes)
+        else:
+            with pytest.raises(ValueError, match="dtype must be a signed integer dtype holding codes up to"):
+                codec.encode_int(x, scale, _gen(1), dt)
     y64 = codec.decode(p, dtype=torch.float64)
     assert torch.equal(y64, codec.decode_sum(codes, scale, 1, dtype=torch.float64))
     if n:  # |x_hat_i| <= W: the reconstruction stays within the shared norm, sign preserved

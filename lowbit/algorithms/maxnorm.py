@@ -110,10 +110,10 @@ def maxnorm_exchange(t: Transport, codec: SummableCodec, x: torch.Tensor, genera
     reconstruction in ``dtype``. Returns ``(future of the average, own)``, ``own()`` this rank's
     own decoded contribution (float64). Shared by :class:`MaxNormSGD` and the DDP hook."""
     scale = agree_scale_by(codec, x, t.all_reduce if reduce is None else reduce)  # lines 5 and 7
-    zeta = codec.encode_int(x, scale, generator)  # line 8
+    zeta = codec.encode_int(x, scale, generator, sum_dtype)  # line 8, in line 9's overflow-safe dtype
     d, n = x.numel(), t.world_size
     own = lambda: codec.decode_sum(zeta, scale, 1, numel=d, dtype=torch.float64)  # noqa: E731
-    fut = t.all_reduce_async(zeta.to(sum_dtype), "sum")  # line 9, in the overflow-safe dtype
+    fut = t.all_reduce_async(zeta, "sum")  # line 9
     return then(fut, lambda total: codec.decode_sum(total, scale, n, numel=d, dtype=dtype)), own  # line 10
 
 

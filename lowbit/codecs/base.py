@@ -174,8 +174,8 @@ class SummableCodec(Codec):
        ``codec.scale_reduce_ops[r]`` (``"max"`` or ``"min"``) over the workers.
        ``scale`` below is the agreed tensor when there is one round and the tuple of
        the agreed tensors otherwise (:func:`agree_scale` is the in-process version).
-    2. Each worker computes ``q_m = codec.encode_int(x_m, scale, generator)`` (int64)
-       and the workers sum them (all-reduce SUM) after casting to
+    2. Each worker computes ``q_m = codec.encode_int(x_m, scale, generator)`` (int64, or
+       ``dtype=codec.sum_dtype(M)`` directly) and the workers sum them (all-reduce SUM) in
        ``codec.sum_dtype(M)``, which is wide enough that the sum cannot overflow.
     3. Everyone computes ``codec.decode_sum(sum, scale, M)``: the AVERAGE of the
        ``M`` decodes, from the integer sum alone.
@@ -203,8 +203,20 @@ class SummableCodec(Codec):
         """This worker's statistic for scale round ``len(agreed)``."""
 
     @abstractmethod
-    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
-        """The integer (int64) codes of ``x`` against the agreed ``scale``."""
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None,
+                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """The integer codes of ``x`` against the agreed ``scale``, as ``dtype`` (int64 by
+        default; a signed integer dtype holding ``+-max_code``, checked by :meth:`code_dtype`,
+        e.g. the sum dtype: no int64 codes to convert)."""
+
+    def code_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """``dtype`` for :meth:`encode_int`'s codes: a signed integer dtype whose range holds
+        ``+-max_code``; otherwise a ValueError naming ``dtype``."""
+        if not isinstance(dtype, torch.dtype) or dtype not in SUM_DTYPES or torch.iinfo(dtype).max < self.max_code:
+            fit = [d for d in SUM_DTYPES if torch.iinfo(d).max >= self.max_code]
+            raise ValueError(f"dtype must be a signed integer dtype holding codes up to +-{self.max_code} "
+                             f"({', '.join(map(str, fit))}), got {dtype!r}")
+        return dtype
 
     @abstractmethod
     def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,

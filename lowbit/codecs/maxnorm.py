@@ -314,12 +314,14 @@ class QSGDMaxNormCodec(SummableCodec):
             raise ValueError(f"{type(self).__name__} has one scale round; agreed must be empty, got {len(agreed)}")
         return K.as_scale(_fast_norm(K, x, self.norm), x)
 
-    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None,
+                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        dtype = self.code_dtype(dtype)
         K = _kernels(x)
         if K is None:
-            return self.encode_int_reference(x, scale, generator)
+            return self.encode_int_reference(x, scale, generator).to(dtype)
         W = _norm_value(scale)
-        codes, flags = K.qsgd_encode(x, W, self.levels, 0, draw_key(generator), torch.int64)
+        codes, flags = K.qsgd_encode(x, W, self.levels, 0, draw_key(generator), dtype)
         _raise_flags(K, flags, x, W, self.norm)
         return codes
 
@@ -506,12 +508,14 @@ class MultiScaleMaxNormCodec(SummableCodec):
         _raise_flags(K, flags, x, W, self.norm)
         return idx
 
-    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None,
+                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        dtype = self.code_dtype(dtype)
         K = _kernels(x)
         if K is None:
-            return self.encode_int_reference(x, scale, generator)
+            return self.encode_int_reference(x, scale, generator).to(dtype)
         W, idx = self._fast_split(scale, x)
-        codes, flags = K.ms_encode_int(x, W, self._levels_tensor(x.device), idx, draw_key(generator))
+        codes, flags = K.ms_encode_int(x, W, self._levels_tensor(x.device), idx, draw_key(generator), dtype)
         _raise_flags(K, flags, x, W, self.norm, len(self.scales))
         return codes
 

@@ -416,8 +416,9 @@ class RandKCodec(SummableCodec):
     def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
         return self._summable_inner().shared_scale(self._kept_values(x), agreed)
 
-    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self._summable_inner().encode_int(self._kept_values(x), scale, generator)
+    def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None,
+                   dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return self._summable_inner().encode_int(self._kept_values(x), scale, generator, dtype)
 
     def decode_sum(self, int_sum: torch.Tensor, scale, world_size: int, *, numel: int | None = None,
                    dtype: torch.dtype | None = None) -> torch.Tensor:

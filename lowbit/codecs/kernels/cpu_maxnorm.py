@@ -382,10 +382,11 @@ def ms_index(x: torch.Tensor, W, levels: torch.Tensor) -> tuple[torch.Tensor, in
     return idx, _ms_index(as_numba(x), W, Wdiv, np_view(levels), idx.numpy())
 
 
-def ms_encode_int(x: torch.Tensor, W, levels: torch.Tensor, idx: torch.Tensor, key: int) -> tuple[torch.Tensor, int]:
-    """``(int64 signed codes on the scales levels[idx], flags)``."""
+def ms_encode_int(x: torch.Tensor, W, levels: torch.Tensor, idx: torch.Tensor, key: int,
+                  dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, int]:
+    """``(signed codes on the scales levels[idx] as dtype, flags)``."""
     W, Wdiv = _W(W)
-    codes = torch.empty(x.numel(), dtype=torch.int64)
+    codes = torch.empty(x.numel(), dtype=dtype)
     k0, k1 = keys(key)
     flags = _ms_encode_int(as_numba(x), W, Wdiv, np_view(levels), np_view(idx), k0, k1, codes.numpy())
     return codes, flags

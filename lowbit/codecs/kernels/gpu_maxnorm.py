@@ -238,10 +238,11 @@ def _ms_encode(x, W, levels, idx, key, out, code_bits, own):
     return out, flag
 
 
-def ms_encode_int(x: torch.Tensor, W, levels: torch.Tensor, idx: torch.Tensor, key: int):
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_encode_int`: ``(int64 signed codes on the scales
-    levels[idx], flags)``."""
-    out = torch.empty(x.numel(), dtype=torch.int64, device=x.device)
+def ms_encode_int(x: torch.Tensor, W, levels: torch.Tensor, idx: torch.Tensor, key: int,
+                  dtype: torch.dtype = torch.int64):
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_encode_int`: ``(signed codes on the scales
+    levels[idx] as dtype, flags)``."""
+    out = torch.empty(x.numel(), dtype=dtype, device=x.device)
     return _ms_encode(x, W, levels, idx.contiguous(), key, out, 0, False)
 
 
