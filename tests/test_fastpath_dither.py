@@ -12,7 +12,8 @@ from lowbit.codecs import shared_generator
 from lowbit.codecs.dithered import DitheredCodec
 from lowbit.codecs.kernels import codec_path, cpu_dither, kernels_for
 from lowbit.codecs.nested import NestedDitheredCodec
-from lowbit.codecs.qsgd import QSGDCodec, sequential_sumsq
+from lowbit.codecs.maxnorm import bucket_sum_squares_reference
+from lowbit.codecs.qsgd import QSGDCodec
 
 F64 = torch.float64
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
@@ -84,13 +85,18 @@ def test_qsgd_fast_path_gives_the_reference_bytes(levels, bucket, n, dtype):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
-def test_sequential_sumsq_is_the_kernel_order():
-    """The reference adds the squares in index order, as the kernel: terms of very
-    different magnitudes make any other order give other bits."""
+def test_bucket_sumsq_is_the_kernel_order():
+    """The reference adds each bucket's squares in the kernel's lane order: terms of very
+    different magnitudes make any other order give other bits (a sequential sum does)."""
     x = torch.randn(10_001, dtype=F64) * torch.logspace(-8, 8, 10_001, dtype=F64)
-    for bucket in (1, 10, 4096, 10_001):
-        sq, finite = cpu_dither.qsgd_sumsq(x, bucket)
-        assert finite and torch.equal(sq, sequential_sumsq(x, bucket))
+    for xs in (x, x.float()):
+        for bucket in (1, 7, 10, 4096, 10_001):
+            sq, finite = cpu_dither.qsgd_sumsq(xs, bucket)
+            assert finite and torch.equal(sq, bucket_sum_squares_reference(xs.double(), bucket)), bucket
+    sq, _ = cpu_dither.qsgd_sumsq(x, 10_001)
+    assert float(sq[0]) != float((x * x).cumsum(0)[-1])  # the order shows in the bits
+    x[5] = float("nan")
+    assert not cpu_dither.qsgd_sumsq(x, 4096)[1]
 
 
 def test_empty_inputs_take_the_reference():

@@ -31,6 +31,7 @@ from ..nested import _MAX_INDEX as MAX_INDEX  # NDQSG's fine index is exact belo
 from ..qsgd import exact_ratio as ratio
 from . import empty_output
 from .cpu import _inline, _jit, as_numba, keys, nonfinite, pack, uniform, unpack
+from .cpu_maxnorm import _norm_stats
 
 __all__ = ["code_dtype", "host_values", "index_limit", "ratio", "pack", "unpack", "dithered_scales", "dithered_encode", "dithered_decode", "nested_encode", "nested_decode",
            "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
@@ -173,18 +174,14 @@ def _bucket(j, bucket, n):
 
 @_jit
 def _qsgd_sumsq(x, bucket, out):
-    """``out[j]`` = the sum of ``x_i^2`` over bucket ``j``, added in index order; returns
-    the non-finite flag."""
+    """``out[j]`` = the sum of ``x_i^2`` over bucket ``j`` in the max-norm kernel's fixed lane
+    order (:func:`.cpu_maxnorm._norm_stats`); returns the non-finite flag."""
     n = x.shape[0]
     bad = False
     for j in range(out.shape[0]):
         start, stop = _bucket(j, bucket, n)
-        xs = x[start:stop]
-        sq = 0.0
-        for i in range(xs.shape[0]):
-            v = np.float64(xs[i])
-            bad |= nonfinite(v)
-            sq += v * v
+        _, sq, nonfinite_j = _norm_stats(x[start:stop])
+        bad |= nonfinite_j
         out[j] = sq
     return bad
 
