@@ -12,7 +12,7 @@ from lowbit.codecs import shared_generator
 from lowbit.codecs.dithered import DitheredCodec
 from lowbit.codecs.kernels import codec_path, cpu_dither, kernels_for
 from lowbit.codecs.nested import NestedDitheredCodec
-from lowbit.codecs.maxnorm import bucket_sum_squares_reference
+from lowbit.codecs.quantize import lane_sums_reference
 from lowbit.codecs.qsgd import QSGDCodec
 
 F64 = torch.float64
@@ -92,9 +92,10 @@ def test_bucket_sumsq_is_the_kernel_order():
     for xs in (x, x.float()):
         for bucket in (1, 7, 10, 4096, 10_001):
             sq, finite = cpu_dither.qsgd_sumsq(xs, bucket)
-            assert finite and torch.equal(sq, bucket_sum_squares_reference(xs.double(), bucket)), bucket
-    sq, _ = cpu_dither.qsgd_sumsq(x, 10_001)
-    assert float(sq[0]) != float((x * x).cumsum(0)[-1])  # the order shows in the bits
+            assert finite and torch.equal(sq, lane_sums_reference(xs.double() ** 2, bucket)), bucket
+    # 2^60, then squares of 100 that a sequential sum drops one by one (half an ulp is 128)
+    y = torch.tensor([2.0**30] + [10.0] * 15, dtype=F64)
+    assert float((y * y).cumsum(0)[-1]) == 2.0**60 < float(cpu_dither.qsgd_sumsq(y, 16)[0][0])
     x[5] = float("nan")
     assert not cpu_dither.qsgd_sumsq(x, 4096)[1]
 

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from lowbit.codecs.quantize import lane_sums_reference
+
 from lowbit.codecs import (HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec,
                            shared_generator)
 from lowbit.codecs.base import Payload
@@ -139,12 +141,19 @@ def test_sign_scales():
 
 
 @pytest.mark.parametrize("order", [1, 2])
-def test_sign_scale_sum_is_the_references_cumsum(order):
-    """float64 sums in index order: |x| or x^2 of float32 inputs (squares beyond float32 too)."""
-    for x in (_x(10_003, torch.float32, seed=8), torch.full((10,), 1e30), _x(77, torch.float64) * 1e100):
+def test_sign_scale_sum_is_the_references_lane_order(order):
+    """float64 sums in the lane order of lane_sums_reference: |x| or x^2 of float32 inputs
+    (squares beyond float32 too); terms of very different sizes make another order show."""
+    # a first term whose ulp the others' sequential additions each fall below (the lanes' do not)
+    spread = torch.tensor([2.0**60 if order == 1 else 2.0**30] + [100.0 if order == 1 else 10.0] * 15,
+                          dtype=torch.float64)
+    for x in (_x(10_003, torch.float32, seed=8), torch.full((10,), 1e30), _x(77, torch.float64) * 1e100, spread):
         _, total, finite = plain.sign_encode(x, order)
         x64 = x.double()
-        assert finite and total == float((x64.abs() if order == 1 else x64 * x64).cumsum(0)[-1])
+        terms = x64.abs() if order == 1 else x64 * x64
+        assert finite and total == float(lane_sums_reference(terms, x.numel())[0])
+    terms = spread.abs() if order == 1 else spread * spread
+    assert float(terms.cumsum(0)[-1]) == 2.0**60 < plain.sign_encode(spread, order)[1]  # not the sequential sum
     y = SignCodec("rms").decode(SignCodec("rms").encode(torch.full((10,), 1e30)))
     assert torch.allclose(y, torch.full((10,), 1e30))
 

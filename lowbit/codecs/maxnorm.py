@@ -92,14 +92,12 @@ from .base import (
 from .kernels import kernels_for
 from .packing import check_packed, pack_wide, unpack_wide
 from .radix import level_bits, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
-from .quantize import check_int_range, check_numel, round_to_int
+from .quantize import check_int_range, check_numel, lane_sums_reference, round_to_int
 from .rng import draw_key
 
-__all__ = ["NORMS", "QSGDMaxNormCodec", "MultiScaleMaxNormCodec", "bucket_sum_squares_reference",
-           "sum_squares_reference"]
+__all__ = ["NORMS", "QSGDMaxNormCodec", "MultiScaleMaxNormCodec", "sum_squares_reference"]
 
 FAMILY = "maxnorm"
-_LANES = 8
 
 NORMS = ("l2", "linf")
 _MAX_SCALES = 16
@@ -132,23 +130,9 @@ def _as_float64(x: torch.Tensor) -> torch.Tensor:
 
 
 def sum_squares_reference(x64: torch.Tensor) -> float:
-    """``sum x_i^2`` in float64 in a fixed order that the CPU kernel reproduces: lane
-    ``i mod 8`` accumulates its squares in index order (a cumulative sum), then the
-    lanes are added pairwise ``((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``."""
-    return float(bucket_sum_squares_reference(x64, max(1, x64.numel()))[0])
-
-
-def bucket_sum_squares_reference(x64: torch.Tensor, bucket: int) -> torch.Tensor:
-    """:func:`sum_squares_reference` of each bucket of ``bucket`` consecutive elements (the
-    last possibly shorter; lanes counted from the bucket's start), as a float64 tensor."""
-    n = x64.numel()
-    k = max(1, -(-n // bucket))
-    width = bucket + (-bucket) % _LANES  # zeros fill each bucket up to whole lanes: x + 0.0 is x
-    sq = torch.nn.functional.pad(x64 * x64, (0, k * bucket - n)).view(k, bucket)
-    l = torch.nn.functional.pad(sq, (0, width - bucket)).view(k, -1, _LANES).cumsum(1)[:, -1]
-    pairs = l[:, 0::2] + l[:, 1::2]  # (l0 + l1), (l2 + l3), (l4 + l5), (l6 + l7)
-    quads = pairs[:, 0::2] + pairs[:, 1::2]
-    return quads[:, 0] + quads[:, 1]
+    """``sum x_i^2`` in float64 in the fixed order that the CPU kernel reproduces
+    (:func:`~lowbit.codecs.quantize.lane_sums_reference`: lane ``i mod 8``, then pairwise)."""
+    return float(lane_sums_reference(x64 * x64, max(1, x64.numel()))[0])
 
 
 def _norm_of(amax: float, sumsq: float, norm: str) -> float:

@@ -15,10 +15,9 @@ The paper's Elias coding of the levels is not done here; the levels are sent
 at a fixed width, and :mod:`lowbit.codecs.entropy` can compress them further.
 
 Arithmetic (the reference, ``encode_reference``/``decode_reference``, float64):
-``norm_j = sqrt(sum of x_i^2 over bucket j)``, the squares added in the max-norm
-codec's fixed order (:func:`~lowbit.codecs.maxnorm.bucket_sum_squares_reference`:
-8 interleaved float64 lanes from the bucket's start, added pairwise; a sequential
-scan took the fast path ~10 memcpys at 1e6 elements), rounded up to float32; ``xi_i`` is the stochastic rounding (counter
+``norm_j = sqrt(sum of x_i^2 over bucket j)``, the squares added in the CPU kernels'
+fixed order (:func:`~lowbit.codecs.quantize.lane_sums_reference`: 8 interleaved
+float64 lanes from the bucket's start, added pairwise), rounded up to float32; ``xi_i`` is the stochastic rounding (counter
 uniforms, :mod:`lowbit.codecs.rng`) of ``min(|x_i| f_j, s)`` with ``f_j =
 s / norm_j`` computed once per bucket; the decode is ``(code - s) (norm_j / s)``.
 The CPU fast path (numba, :mod:`.kernels.cpu_dither`) performs the same float64
@@ -44,10 +43,9 @@ import torch
 
 from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .kernels import kernels_for
-from .maxnorm import bucket_sum_squares_reference
 from .radix import check_levels_packed, level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, \
     unpack_levels_fast
-from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64, round_to_int
+from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64, lane_sums_reference, round_to_int
 from .rng import draw_key
 
 __all__ = ["QSGDCodec", "float32_up", "round_up_float32", "exact_ratio"]
@@ -215,7 +213,7 @@ class QSGDCodec(Codec):
         n, x64 = finite_float64(x, "QSGD")
         s = self.levels
         bucket = self._bucket(n)
-        norms = float32_up(torch.sqrt(bucket_sum_squares_reference(x64, bucket))) if n else \
+        norms = float32_up(torch.sqrt(lane_sums_reference(x64 * x64, bucket))) if n else \
             torch.zeros(self._num_buckets(n), dtype=torch.float64, device=x.device)
         factor = exact_ratio(s, norms).repeat_interleave(bucket)[:n]  # s / norm, 0 for a zero bucket
         xi = round_to_int((x64.abs() * factor).clamp_(max=s), "stochastic", generator)

@@ -118,3 +118,25 @@ def finite_float64(x: torch.Tensor, codec: str) -> tuple[int, torch.Tensor]:
     if not bool(torch.isfinite(x64).all()):
         raise ValueError(f"x must be finite for the {codec} codec")
     return n, x64
+
+
+#: lanes of the fixed-order float64 sums (the CPU kernels' ``i mod 8`` accumulators)
+SUM_LANES = 8
+
+
+def lane_sums_reference(terms64: torch.Tensor, bucket: int) -> torch.Tensor:
+    """The float64 sum of ``terms64`` over each bucket of ``bucket`` consecutive elements (the
+    last possibly shorter), in the fixed order the CPU kernels add in: lane ``i mod 8``
+    (counted from the bucket's start) accumulates its terms in index order, then the lanes are
+    added pairwise, ``((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``. Eight independent
+    accumulators keep the kernels' loops off the latency of one float64 add chain (a
+    sequential sum of 1e6 terms took ~0.85 ms on one core, these 0.12 ms). An empty input
+    gives one zero."""
+    n = terms64.numel()
+    k = max(1, -(-n // bucket))
+    width = bucket + (-bucket) % SUM_LANES  # zeros fill each bucket up to whole lanes: t + 0.0 is t
+    t = torch.nn.functional.pad(terms64, (0, k * bucket - n)).view(k, bucket)
+    lanes = torch.nn.functional.pad(t, (0, width - bucket)).view(k, -1, SUM_LANES).cumsum(1)[:, -1]
+    pairs = lanes[:, 0::2] + lanes[:, 1::2]  # (l0 + l1), (l2 + l3), (l4 + l5), (l6 + l7)
+    quads = pairs[:, 0::2] + pairs[:, 1::2]
+    return quads[:, 0] + quads[:, 1]

@@ -12,8 +12,9 @@ stateless map.
 
 Paths: ``encode`` (:mod:`.kernels.cpu_plain`) computes the sign bits, the
 finiteness check and the scale's float64 sum (of ``|x_i|`` or ``x_i^2``) in one
-pass, adding in index order; ``encode_reference`` computes that sum with a float64
-``cumsum``, which adds in the same order, so the two send the same bytes. (Torch's
+pass, adding in the kernels' fixed lane order; ``encode_reference`` computes that sum
+with :func:`~lowbit.codecs.quantize.lane_sums_reference`, the same order, so the two
+send the same bytes. (Torch's
 float32 CPU norm is not used: at 1e7 equal elements its 1-norm is 14% low, see
 docs/ARCHITECTURE.md.) On CUDA the bits are exact and the scale is torch's norm in float32 on
 the device (about 1e-6 relative to the CPU's).
@@ -29,7 +30,7 @@ import torch
 from .base import Codec, CodecKind, Payload, pack_header, unpack_header
 from .kernels import kernels_for
 from .packing import check_packed, pack_bits, unpack_bits
-from .quantize import check_numel, finite_float64
+from .quantize import check_numel, finite_float64, lane_sums_reference
 
 __all__ = ["SignCodec", "SIGN_SCALES"]
 
@@ -89,8 +90,8 @@ class SignCodec(Codec):
         return Payload(header=pack_header(self.header_format, n, c, device=device), data=data)
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        """One pass: the sign bits, the finiteness flag and the scale's float64 sum (in index
-        order, as the reference's ``cumsum``: the same bytes)."""
+        """One pass: the sign bits, the finiteness flag and the scale's float64 sum (in the
+        reference's lane order: the same bytes)."""
         n = check_numel(x)
         K = kernels_for(x, "plain")
         if K is None:
@@ -113,12 +114,12 @@ class SignCodec(Codec):
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (the same bytes): the scale's
-        sum is a float64 ``cumsum``, which adds in index order."""
+        sum in the kernel's lane order (:func:`~lowbit.codecs.quantize.lane_sums_reference`)."""
         n, x64 = finite_float64(x, "sign")
         data = pack_bits((x64 >= 0).to(torch.int64), 1)
         total = 0.0
         if n and self.order:
-            total = float((x64.abs() if self.order == 1 else x64 * x64).cumsum(0)[-1])
+            total = float(lane_sums_reference(x64.abs() if self.order == 1 else x64 * x64, n)[0])
         return self._payload(n, total, data, x.device)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,

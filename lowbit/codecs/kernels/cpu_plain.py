@@ -206,12 +206,13 @@ def uniform_decode(data: torch.Tensor, b: int, n: int, offset: int, step: float,
 @_jit
 def _sign_encode(x, order, out):
     """Bit ``x_i >= 0`` packed 8 per byte into ``out``; returns ``(total, non-finite)`` with
-    ``total`` the float64 sum of ``|x_i|`` (order 1) or ``x_i^2`` (order 2) in index order
-    (0 for order 0), the order in which the reference's ``cumsum`` adds."""
+    ``total`` the float64 sum of ``|x_i|`` (order 1) or ``x_i^2`` (order 2) in the order of
+    :func:`lowbit.codecs.quantize.lane_sums_reference` (lane ``i mod 8``, one per bit of a
+    byte, then pairwise; 0 for order 0)."""
     n = x.shape[0]
     full = n // 8
     bad = False
-    total = 0.0
+    lanes = np.zeros(8)
     if order == 0:
         for j in range(full):
             acc = 0
@@ -227,7 +228,7 @@ def _sign_encode(x, order, out):
                 v = np.float64(x[8 * j + k])
                 bad |= nonfinite(v)
                 acc |= (1 if v >= 0.0 else 0) << k
-                total += abs(v) if order == 1 else v * v
+                lanes[k] += abs(v) if order == 1 else v * v
             out[j] = np.uint8(acc)
     if full * 8 < n:
         acc = 0
@@ -235,8 +236,9 @@ def _sign_encode(x, order, out):
             v = np.float64(x[8 * full + k])
             bad |= nonfinite(v)
             acc |= (1 if v >= 0.0 else 0) << k
-            total += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
+            lanes[k] += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
         out[full] = np.uint8(acc)
+    total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
     return total, bad
 
 
@@ -255,7 +257,7 @@ def _sign_decode(data, c, out):
 
 def sign_encode(x: torch.Tensor, order: int) -> tuple[torch.Tensor, float, bool]:
     """``(packed sign bits, total, finite)``: ``total`` is the float64 sum of ``|x_i|``
-    (``order`` 1) or ``x_i^2`` (2) in index order, 0.0 for ``order`` 0."""
+    (``order`` 1) or ``x_i^2`` (2) in the lane order, 0.0 for ``order`` 0."""
     xv = as_numba(x.detach())
     out = torch.empty((xv.shape[0] + 7) // 8, dtype=torch.uint8)
     total, bad = _sign_encode(xv, order, out.numpy())
