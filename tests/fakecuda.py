@@ -296,9 +296,7 @@ class _FunctionMode(TorchFunctionMode):
 _GETITEM, _SETITEM = torch._C.TensorBase.__getitem__, torch._C.TensorBase.__setitem__
 _DATA_DESCRIPTOR = torch._C.TensorBase.__dict__["data"]
 _ATEN_FOR = {torch.Tensor.__invert__: aten.bitwise_not.default, torch.Tensor.nonzero: aten.nonzero.default,
-             torch.nonzero: aten.nonzero.default,
-             torch.Tensor.contiguous: lambda t: t if t.is_contiguous() else aten.clone.default(
-                 t, memory_format=torch.contiguous_format)}
+             torch.nonzero: aten.nonzero.default}
 
 
 def _set_data(t, value) -> None:

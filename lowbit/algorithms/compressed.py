@@ -41,6 +41,7 @@ import torch
 from ..codecs import PowerSGDCodec, QSGDCodec, SignCodec, TernGradCodec
 from ..codecs.base import Codec, Payload
 from ..codecs.kernels import empty_output
+from ..codecs.powersgd import times_thin, transpose_times_thin
 from ..codecs.rng import shared_generator
 from ..comm.base import Transport, completed, then
 from .base import CentralizedAlgorithm, State
@@ -222,22 +223,17 @@ def orthogonalize(P: torch.Tensor) -> torch.Tensor:
 # step over a transport (power_step); the algorithm below and the DDP hook
 # (lowbit.integrations.ddp_hooks, per gradient matrix) both use them.
 
-# The two thin products are written so that the BLAS reads M once in its own row-major layout:
-# M Q with Q column-major, and M^T P as (P^T M)^T. MKL's single-thread sgemm took 1.1-1.4 ms for
-# M Q and M^T P of a row-major 1000 x 1000 float32 M and row-major rank-2 factors, and
-# 0.15-0.2 ms for these forms (0.1 ms to read M; 4096 x 1024: 4.8 and 25.9 ms against 0.84
-# and 0.89); cuBLAS takes either form.
-
 def power_p(M: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
-    """``P = M Q`` (the product in ``M``'s dtype with the float32 ``Q``), float32 as it travels."""
-    return (M @ Q.to(M.dtype).T.contiguous().T).to(torch.float32)
+    """``P = M Q`` (the product in ``M``'s dtype with the float32 ``Q``, streaming M:
+    :func:`~lowbit.codecs.powersgd.times_thin`), float32 as it travels."""
+    return times_thin(M, Q.to(M.dtype)).to(torch.float32)
 
 
 def power_q(M: torch.Tensor, P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From the all-reduced ``P``: ``P_hat = orthogonalize(P)`` as every worker holds it (float32
     values, in ``M``'s dtype) and this worker's ``Q_m = M^T P_hat`` (in ``M``'s dtype)."""
     P_hat = orthogonalize(P).to(torch.float32).to(M.dtype)
-    return P_hat, (P_hat.T @ M).T
+    return P_hat, transpose_times_thin(M, P_hat)
 
 
 def power_product(P_hat: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
