@@ -98,7 +98,8 @@ Error feedback (``error_feedback=True``; the default for the biased sign and
 PowerSGD codecs, False for the others): rank ``m`` compresses
 ``x_m = g_m + e_m`` and keeps ``e_m <- x_m - D(C(x_m))``, where ``D(C(x_m))`` is its
 own contribution to the average (for PowerSGD, ``P Q_m^T`` with its own ``Q_m``, and
-its own vectors as sent in float32).
+its own vectors as sent in float32). The memory is kept in the bucket's dtype (as
+torch's PowerSGD hook keeps it; a float64 memory of an older checkpoint is cast).
 The memory is keyed
 
 * per parameter (by name) when the state knows the model
@@ -132,6 +133,12 @@ continues exactly as the original when the new DDP model meets the same buckets
 layout); DDP without ``find_unused_parameters`` starts a fresh model with one
 bucket and rebuilds after the first iteration, so there the first restored step
 differs (per-parameter error memory still carries over exactly).
+
+Cost: every family works in the bucket's own dtype; without error memory the fp32, fp16
+and bf16 hooks divide the bucket in place and all-reduce their wire in place, as torch's
+do. ``lowbit bench hooks`` times each hook's own compute against torch's
+``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook`` and
+``powerSGD_hook`` (docs/RESULTS.md, "DDP hooks against torch's").
 
 Layout: one module per wire family, as torch's ``ddp_comm_hooks``: ``floats``
 (``allreduce-float``), ``maxnorm`` (``allreduce-int``, ``allreduce-randk``), ``gathered``
