@@ -16,7 +16,6 @@ from .powersgd import powersgd_step
 from .state import LowbitHookState, _offsets, _signature
 
 
-
 def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     """The DDP communication hook: ``ddp_model.register_comm_hook(state, lowbit_hook)``."""
     if not isinstance(state, LowbitHookState):
