@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The checks of a machine with a CUDA GPU, in one run (issue 10): the gpu-marked tests and
-# the rest of the suite side by side, then the codec and step benchmarks alone on the machine.
+# the rest of the suite side by side, then the codec, step and DDP-hook benchmarks alone on the machine.
 #
 #   bash benchmarks/device_check.sh OUTDIR
 #
-# Each part has its own time limit (seconds: T_TESTS, T_CODECS per codec group, T_STEP), so
+# Each part has its own time limit (seconds: T_TESTS, T_CODECS per codec group, T_STEP, T_HOOKS), so
 # one that hangs leaves the others' logs in OUTDIR. Wheels in .whl/ (constriction, for a
 # Python without it) are installed first. DEVICE=cpu and SIZE=... rehearse it without a GPU.
 # A shorter run: GPU_TESTS (pytest arguments instead of "-m gpu"), SUITE=0 (not the rest of
@@ -53,3 +53,7 @@ done
 timeout "${T_STEP:-80}" python3 -m lowbit bench step --device "$device" --rounds 3 \
   --algorithms "${STEP_ALGORITHMS:-moniqua,choco,qsgd,powersgd}" --json "$out/step.json" >"$out/step.txt" 2>&1
 cat "$out/step.txt"
+# 3. the DDP hooks against torch's on a 25 MiB bucket (a one-process NCCL group)
+timeout "${T_HOOKS:-60}" python3 -m lowbit bench hooks --device "$device" --size "${HOOK_SIZE:-6553600}" --rounds 3 \
+  --min-run-time 0.02 --json "$out/hooks.json" >"$out/hooks.txt" 2>&1
+cat "$out/hooks.txt"

@@ -83,6 +83,7 @@ def _add_bench(sub) -> None:
     h.add_argument("--hooks", default=None, help="comma-separated lowbit hook names (default: the float, PowerSGD "
                    "and quantized hooks)")
     h.add_argument("--rank", type=int, default=2, help="PowerSGD's rank on both sides")
+    h.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present; NCCL there)")
     h.add_argument("--json", default=None, help="also write the report to this JSON file")
     o = what.add_parser("overlap", help="the wrapper's step time with its exchange overlapped with backward, and without",
                         description="DecentralizedDataParallel on real gloo processes training an MLP, overlap=True "
@@ -180,7 +181,7 @@ def _bench(args) -> int:
         from .bench.hooks import bench_hooks, format_hooks_report
 
         report = bench_hooks(size=args.size, rounds=args.rounds, hooks=args.hooks, rank=args.rank,
-                             min_run_time=args.min_run_time)
+                             min_run_time=args.min_run_time, device=args.device)
         print(format_hooks_report(report))
     elif args.bench_what == "step":
         report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,

@@ -181,6 +181,21 @@ def test_ddp_hook_on_cuda_matches_the_cpu(name):
     assert_mostly_close(gpu, cpu, rtol=1e-4, atol=1e-6, frac=0.01)
 
 
+def test_hook_bench_on_cuda_pairs_torchs_hooks_and_matches_their_float_results():
+    """``lowbit bench hooks --device cuda``: a one-process NCCL group; with one process the float
+    hooks' results are torch's exactly, as on the CPU."""
+    from lowbit.bench.hooks import bench_hooks
+
+    report = bench_hooks(size=4096, rounds=1, hooks="fp16,bf16,powersgd,qsgd_maxnorm", min_run_time=1e-3,
+                         device=DEVICE_ARG)
+    rows = {r["hook"]: r for r in report["hooks"]}
+    assert report["device"].startswith("cuda") and set(rows) == {"fp16", "bf16", "powersgd", "qsgd_maxnorm"}
+    for h in ("fp16", "bf16"):
+        assert 0 < rows[h]["error"] == rows[h]["torch_error"]
+    assert all(r["ms"] > 0 and r["torch_ms"] > 0 for r in rows.values())
+    assert not dist.is_initialized()
+
+
 # ---- torchrun: more processes than GPUs -----------------------------------------------------
 def test_torchrun_with_more_processes_than_gpus_shares_them(tmp_path):
     """One process more than there are GPUs: the default backend is gloo, the GPUs are

@@ -2,8 +2,9 @@
 against torch's own hooks (``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``,
 ``powerSGD_hook``), in one process.
 
-The collective runs in a process group of this one process (gloo over a ``HashStore``, made
-here when no group exists), so what is timed is each hook's own work: its casts, encode and
+The collective runs in a process group of this one process (made here over a ``HashStore``
+when no group exists: gloo on the CPU, NCCL on CUDA where torch has it), so what is timed is
+each hook's own work: its casts, encode and
 decode, error memory, PowerSGD's products, the issue of the collective and its future's
 callbacks (a one-process all-reduce is a copy). The network is what compression saves; this
 bench says what it costs.
@@ -14,7 +15,8 @@ gradient (``buffer.copy_(g)``: a hook overwrites its bucket with the average) an
 the hook to its result (``hook(state, bucket).wait()``); each round also times the refill
 alone, and a hook's time is its call's minus the refill's. Rounds interleave the contenders;
 figures are medians of per-round ratios (:mod:`lowbit.bench.timing`), on the wall clock (part
-of a hook runs in the backend's thread) with one torch thread.
+of a hook runs in the backend's thread; on CUDA read after synchronizing the device) with one
+torch thread.
 
 Pairs: lowbit's ``fp32``, ``fp16``, ``bf16`` and ``powersgd`` (at the same rank, error
 feedback and warm start on both sides) against torch's hook doing the same; every other lowbit
@@ -46,7 +48,7 @@ class _Bucket:
 
     def __init__(self, g: torch.Tensor, rows: int, cols: int) -> None:
         self._buf = g.clone()
-        self._param = torch.nn.Parameter(torch.empty(rows, cols))
+        self._param = torch.nn.Parameter(torch.empty(rows, cols, device=g.device))
 
     def buffer(self) -> torch.Tensor:
         return self._buf
@@ -96,14 +98,16 @@ def _lowbit_hook(name: str, rank: int):
 
 
 def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] | None = None, rank: int = 2,
-                min_run_time: float = 0.05, seed: int = 0) -> dict:
+                min_run_time: float = 0.05, seed: int = 0, device: str = "cpu") -> dict:
     """Each lowbit hook of ``hooks`` (``make_hook`` names, default :data:`DEFAULT_HOOKS`)
     against its torch counterpart (:data:`TORCH_PAIRS`, else torch's ``allreduce_hook``) on a
-    bucket of ``size`` fp32 elements (see the module doc)."""
+    bucket of ``size`` fp32 elements on ``device`` (see the module doc)."""
     import torch.distributed as dist
 
     from ..integrations.ddp_hooks import HOOKS, centralized_names
+    from ..train.config import resolve_device
 
+    dev = resolve_device(device)
     check_positive_int(size, "size")
     check_positive_int(rounds, "rounds")
     check_positive_int(rank, "rank")
@@ -116,14 +120,19 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
         raise ValueError(f"hooks must name lowbit hooks ({', '.join(sorted(known))}), got {hooks!r}")
     own_group = not dist.is_initialized()
     if own_group:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        nccl = dev.type == "cuda" and dist.is_nccl_available()
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group("nccl" if nccl else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                **({"device_id": dev} if nccl else {}))
     elif dist.get_world_size() != 1:
         raise ValueError("bench_hooks times one process: the default process group has "
                          f"{dist.get_world_size()} ranks")
+    backend = str(dist.get_backend())
     try:
         with pinned_threads(1) as threads:
             rows, cols = matrix_of(size)
-            g = torch.randn(size, generator=torch.Generator().manual_seed(seed)) * 0.01
+            g = (torch.randn(size, generator=torch.Generator().manual_seed(seed)) * 0.01).to(dev)
             bucket = _Bucket(g, rows, cols)
             buf = bucket.buffer()
 
@@ -143,7 +152,7 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
             calls.update({k: (lambda h=h, s=s: call(h, s)) for k, (h, s) in contenders.items()})
             timings = []
             for _ in range(rounds):
-                t = {k: measure(f, torch.device("cpu"), min_run_time, threads, "wall") for k, f in calls.items()}
+                t = {k: measure(f, dev, min_run_time, threads, "wall") for k, f in calls.items()}
                 refill = t["refill"]
                 timings.append({k: (v - refill if k != "refill" else v) for k, v in t.items()})
     finally:
@@ -164,7 +173,8 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
                          "x_refill": median_ratio(timings, key, "refill"),
                          "torch_x_refill": median_ratio(timings, ref, "refill"),
                          "error": error[key], "torch_error": error[ref]})
-    return {"benchmark": "hooks", "size": size, "rows": rows, "cols": cols, "rank": rank, "rounds": rounds,
+    return {"benchmark": "hooks", "device": str(dev), "backend": backend, "size": size, "rows": rows, "cols": cols,
+            "rank": rank, "rounds": rounds,
             "threads": threads, "min_run_time": min_run_time, "clock": "wall",
             "refill_ms": 1e3 * statistics.median(r["refill"] for r in timings), "hooks": out_rows}
 
@@ -172,7 +182,8 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
 def format_hooks_report(report: dict) -> str:
     """The report of :func:`bench_hooks` as the text ``lowbit bench hooks`` prints."""
     lines = [f"DDP hook compute on one bucket of {report['size']} fp32 elements ({report['rows']} x {report['cols']} "
-             f"weight gradient), a one-process gloo group, {report['threads']} torch thread, {report['rounds']} "
+             f"weight gradient) on {report['device']}, a one-process {report['backend']} group, {report['threads']} "
+             f"torch thread, {report['rounds']} "
              f"interleaved rounds, medians of per-round ratios (wall clock; each call refills the bucket first, "
              f"refill {report['refill_ms']:.3f} ms, subtracted); PowerSGD rank {report['rank']}",
              "x refill: the hook's time in bucket refills (a copy of the bucket: memcpy); error: |avg - g| / |g|",
