@@ -544,3 +544,31 @@ def test_state_pickles_without_group():
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None and copy.step == 5 and copy.codec == state.codec
     assert torch.equal(copy.bucket_memory[0][1], torch.ones(3))
+
+
+def test_hooks_work_in_a_half_buckets_dtype():
+    """fp16 and bf16 buckets (a half-precision model): every family returns the bucket's dtype,
+    finite; with one process the fp32 hook gives the bucket back exactly (PowerSGD multiplies
+    a half bucket in float32)."""
+    from lowbit.bench.hooks import _Bucket
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for dt in (torch.float16, torch.bfloat16):
+            g = (torch.randn(64 * 64, generator=torch.Generator().manual_seed(0)) * 0.01).to(dt)
+            for name in ("fp32", "fp16", "bf16", "powersgd", "qsgd_maxnorm", "qsgd", "sign"):
+                bucket = _Bucket(g, 64, 64)
+                state, hook = make_hook(name)
+                for _ in range(2):  # the second step with error memory and PowerSGD's warm start
+                    bucket.buffer().copy_(g)
+                    out = hook(state, bucket).wait()
+                assert out.dtype == dt and bool(torch.isfinite(out).all()), (dt, name)
+                if name == "fp32":
+                    assert torch.equal(out, g)
+        # entries of 1e4: P = M Q reaches ~8e4, past fp16's 65504, so the products must be float32
+        big = (torch.randn(64 * 64, generator=torch.Generator().manual_seed(1)) * 1e4).to(torch.float16)
+        bucket = _Bucket(big, 64, 64)
+        state, hook = make_hook("powersgd")
+        assert bool(torch.isfinite(hook(state, bucket).wait()).all())
+    finally:
+        dist.destroy_process_group()

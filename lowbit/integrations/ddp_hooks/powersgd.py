@@ -36,7 +36,10 @@ def powersgd_step(state, t, codec: PowerSGDCodec, x, bidx, sig, bucket):
     """Vogels et al., Algorithm 1, per gradient tensor of the bucket (as the paper and torch's
     PowerSGD hook do) over the transport ``t``: the algorithm's
     :func:`~lowbit.algorithms.compressed.power_step` on the bucket's matrices; vectors travel
-    uncompressed in the first all-reduce."""
+    uncompressed in the first all-reduce. The products are in the bucket's dtype, a half
+    bucket's in float32."""
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.float()
     world = t.world_size
     mats, dense = _powersgd_plan(codec, bucket)
     entry = state.powersgd_q.get(bidx)
