@@ -18,9 +18,10 @@ import torch
 __all__ = ["compensate", "remember"]
 
 
-def compensate(v: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """``p = v + e``: the vector to compress (a new tensor)."""
-    return v + e
+def compensate(v: torch.Tensor, e: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``p = v + e``: the vector to compress (a new tensor, or written into ``out``, which may
+    be ``v`` itself)."""
+    return v + e if out is None else torch.add(v, e, out=out)
 
 
 def remember(e: torch.Tensor, p: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:

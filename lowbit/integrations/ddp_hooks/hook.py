@@ -38,7 +38,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
         if state.per_parameter:
             layout = list(zip(state._names(bucket), _offsets(bucket)))
         mem = state._load_memory(bucket, buf)
-        x = compensate(x, mem)  # p = g + e, a new tensor
+        x = compensate(x, mem, out=x)  # p = g + e in the bucket, which the average overwrites anyway
     t.set_step(state.step)
     try:
         if state.method == "allreduce-float":
