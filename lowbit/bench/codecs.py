@@ -216,8 +216,9 @@ def _encoder(codec: Codec) -> Callable[[], Codec]:
 def codec_calls(codec: Codec, x: torch.Tensor, ref: torch.Tensor, seed: int, device: torch.device,
                 path: str = "fast", decode_out: bool = False):
     """(encode, decode, payload): the two timed calls on ``path`` ("fast" or "reference"),
-    each with a fresh shared generator (as one message's sender and receiver derive it),
-    and a payload to decode (with ``decode_out``, into one float32 buffer kept between
+    the encode with a fresh shared generator and the decode with one where the codec
+    regenerates a dither (:func:`_decode_generator`: as one message's sender and receiver
+    derive them), and a payload to decode (with ``decode_out``, into one float32 buffer kept between
     calls). A RandK codec with a seed encodes with a new seed at every call (:func:`_encoder`)."""
     on_path = lambda: codec_path(path) if path == "reference" else contextlib.nullcontext()  # noqa: E731
     with on_path():

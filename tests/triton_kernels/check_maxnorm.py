@@ -72,6 +72,8 @@ def test_multiscale_index_codes_and_decode(scales, dtype):
     gc, gf = G.ms_encode_int(x, W, lev, ri, 5)
     rc, rf = C.ms_encode_int(x, W, lev, ri, 5)
     assert int(gf) == 0 and float((gc != rc).float().mean()) <= (1e-3 if dtype == torch.float32 else 0.0)
+    g8, _ = G.ms_encode_int(x, W, lev, ri, 5, torch.int8)  # straight in the sum dtype: the same codes
+    assert g8.dtype == torch.int8 and torch.equal(g8.to(torch.int64), gc)
     dt = C.code_dtype(c.bits)
     gw, _ = G.ms_encode_words(x, W, lev, c.code_bits, 5, dt)
     rw, _ = C.ms_encode_words(x, W, lev, c.code_bits, 5, dt)
