@@ -390,7 +390,7 @@ def test_decode_out_case_reuses_one_buffer():
 
 # --- the DDP hook bench -------------------------------------------------------------------------
 
-def test_hook_bench_pairs_each_hook_with_torchs_and_times_the_same_computation(capsys):
+def test_hook_bench_pairs_each_hook_with_torchs_and_times_the_same_computation():
     from lowbit.bench.hooks import bench_hooks, format_hooks_report, matrix_of
 
     assert matrix_of(1_000_000) == (1000, 1000) and matrix_of(4096) == (64, 64) and matrix_of(13) == (1, 13)

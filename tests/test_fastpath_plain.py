@@ -7,12 +7,11 @@ import math
 import pytest
 import torch
 
-from lowbit.codecs.quantize import lane_sums_reference
-
 from lowbit.codecs import (HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec, UniformCodec,
                            shared_generator)
 from lowbit.codecs.base import Payload
 from lowbit.codecs.kernels import cpu_kernels, kernels_for
+from lowbit.codecs.quantize import lane_sums_reference
 
 plain = cpu_kernels("plain")
 
