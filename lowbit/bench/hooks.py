@@ -32,7 +32,7 @@ import statistics
 
 import torch
 
-from .timing import check_positive_float, check_positive_int, measure, median_ratio, pinned_threads, spread
+from .timing import check_positive_int, measure, median_ratio, pinned_threads, spread
 
 __all__ = ["TORCH_PAIRS", "DEFAULT_HOOKS", "bench_hooks", "format_hooks_report"]
 
@@ -105,13 +105,10 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
     import torch.distributed as dist
 
     from ..integrations.ddp_hooks import HOOKS, centralized_names
-    from ..train.config import resolve_device
+    from .codecs import _setup
 
-    dev = resolve_device(device)
-    check_positive_int(size, "size")
-    check_positive_int(rounds, "rounds")
+    dev, clock = _setup(size, rounds, min_run_time, device, seed, "wall")
     check_positive_int(rank, "rank")
-    check_positive_float(min_run_time, "min_run_time")
     names = list(DEFAULT_HOOKS) if hooks is None else \
         [h.strip() for h in (hooks.split(",") if isinstance(hooks, str) else hooks) if h.strip()]
     known = set(HOOKS) | set(centralized_names())
@@ -152,7 +149,7 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
             calls.update({k: (lambda h=h, s=s: call(h, s)) for k, (h, s) in contenders.items()})
             timings = []
             for _ in range(rounds):
-                t = {k: measure(f, dev, min_run_time, threads, "wall") for k, f in calls.items()}
+                t = {k: measure(f, dev, min_run_time, threads, clock) for k, f in calls.items()}
                 refill = t["refill"]
                 timings.append({k: (v - refill if k != "refill" else v) for k, v in t.items()})
     finally:
@@ -175,7 +172,7 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
                          "error": error[key], "torch_error": error[ref]})
     return {"benchmark": "hooks", "device": str(dev), "backend": backend, "size": size, "rows": rows, "cols": cols,
             "rank": rank, "rounds": rounds,
-            "threads": threads, "min_run_time": min_run_time, "clock": "wall",
+            "threads": threads, "min_run_time": min_run_time, "clock": clock,
             "refill_ms": 1e3 * statistics.median(r["refill"] for r in timings), "hooks": out_rows}
 
 
