@@ -426,6 +426,43 @@ def test_then_reads_a_done_future_with_wait():
     assert then(Queued(), lambda v: v).wait() == "synchronised"
 
 
+def test_a_collective_done_at_issue_needs_no_future_hop():
+    """The torch runtime's asynchronous collectives: a work whose future is done at issue (an
+    NCCL one, its kernels queued) gives its result after ``wait()`` with no ``Future.then``;
+    one still running (gloo) chains it, and its error reaches ``wait()``."""
+    from lowbit.comm.distributed import _future
+
+    class Work:
+        def __init__(self, done):
+            self.fut = torch.futures.Future()
+            if done:
+                self.fut.set_result(None)
+            self.hops = 0
+            then = self.fut.then
+
+            def counted(fn):
+                self.hops += 1
+                return then(fn)
+
+            self.fut.then = counted
+
+        def get_future(self):
+            return self.fut
+
+    done = Work(done=True)
+    assert _future(done, lambda: 7).wait() == 7 and done.hops == 0
+    running = Work(done=False)
+    fut = _future(running, lambda: 8)
+    assert running.hops == 1 and not fut.done()
+    running.fut.set_result(None)
+    assert fut.wait() == 8
+    failing = Work(done=False)
+    fut = _future(failing, lambda: 9)
+    failing.fut.set_exception(RuntimeError("peer gone"))
+    with pytest.raises(RuntimeError, match="peer gone"):
+        fut.wait()
+
+
 def test_nccl_has_no_bitwise_and_and_the_max_norm_hook_then_sends_the_uint8_min():
     """NCCL reduces no ``band``: a TorchDistributedTransport on NCCL leaves it out of
     ``reduce_ops`` and refuses it by name; the multi-scale hook's scale-index MIN then goes as

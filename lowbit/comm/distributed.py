@@ -56,7 +56,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import Transport
+from .base import Transport, then
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -329,13 +329,11 @@ def _wait(work, result):
 
 
 def _future(work, result) -> torch.futures.Future:
-    """The future of ``result()`` once ``work`` has finished (its error re-raised in the future)."""
-
-    def finish(f):
-        f.value()
-        return result()
-
-    return work.get_future().then(finish)
+    """The future of ``result()`` once ``work`` has finished (its error re-raised in the future),
+    through :func:`~lowbit.comm.base.then`: an NCCL collective's future is done once its kernels
+    are queued, so the result is read at once after ``wait()``, without a ``Future.then`` hop
+    and its CUDA events (the DDP hooks chain one more step on this future)."""
+    return then(work.get_future(), lambda _: result())
 
 
 def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
