@@ -18,6 +18,11 @@ figures are medians of per-round ratios (:mod:`lowbit.bench.timing`), on the wal
 of a hook runs in the backend's thread; on CUDA read after synchronizing the device) with one
 torch thread.
 
+torch's ``powerSGD_hook`` cannot run on a CPU bucket where CUDA is available (its last callback
+calls ``torch.cuda.synchronize`` on the bucket's device, and that raises for ``cpu``): on such
+a machine the CPU bench leaves ``powersgd`` out of the default hooks and says so in its report
+(``skipped``), and refuses it when asked for by name.
+
 Pairs: lowbit's ``fp32``, ``fp16``, ``bf16`` and ``powersgd`` (at the same rank, error
 feedback and warm start on both sides) against torch's hook doing the same; every other lowbit
 hook against torch's ``allreduce_hook``, the uncompressed hook it would replace. ``error``
@@ -41,6 +46,11 @@ TORCH_PAIRS = {"fp32": "allreduce", "fp16": "fp16", "bf16": "bf16", "powersgd": 
 #: the lowbit hooks timed by default (``make_hook`` names)
 DEFAULT_HOOKS = ("fp32", "fp16", "bf16", "powersgd", "qsgd_maxnorm", "qsgd_maxnorm_multiscale", "qsgd", "terngrad",
                  "sign", "dithered")
+
+
+#: why the CPU bench cannot time torch's PowerSGD hook on a machine with CUDA
+_TORCH_POWERSGD_ON_CPU = ("torch's powerSGD_hook, which fails on a CPU bucket where CUDA is available "
+                          "(its callback calls torch.cuda.synchronize on the bucket's device)")
 
 
 class _Bucket:
@@ -115,6 +125,13 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
     bad = [h for h in names if h not in known]
     if bad or not names:
         raise ValueError(f"hooks must name lowbit hooks ({', '.join(sorted(known))}), got {hooks!r}")
+    skipped = {}
+    if dev.type == "cpu" and torch.cuda.is_available() and "powersgd" in names:
+        if hooks is not None:
+            raise ValueError(f"hooks: powersgd is timed against {_TORCH_POWERSGD_ON_CPU}: bench it with "
+                             "device='cuda', or with the GPUs hidden (CUDA_VISIBLE_DEVICES=)")
+        names.remove("powersgd")
+        skipped["powersgd"] = _TORCH_POWERSGD_ON_CPU
     own_group = not dist.is_initialized()
     if own_group:
         nccl = dev.type == "cuda" and dist.is_nccl_available()
@@ -173,7 +190,8 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
     return {"benchmark": "hooks", "device": str(dev), "backend": backend, "size": size, "rows": rows, "cols": cols,
             "rank": rank, "rounds": rounds,
             "threads": threads, "min_run_time": min_run_time, "clock": clock,
-            "refill_ms": 1e3 * statistics.median(r["refill"] for r in timings), "hooks": out_rows}
+            "refill_ms": 1e3 * statistics.median(r["refill"] for r in timings), "hooks": out_rows,
+            "skipped": skipped}
 
 
 def format_hooks_report(report: dict) -> str:
@@ -191,4 +209,5 @@ def format_hooks_report(report: dict) -> str:
         lines.append(f"{r['hook']:<24} {r['torch']:<16} {r['x_torch']:>12.2f} {f'{a:.2f}-{b:.2f}':>11} "
                      f"{r['ms']:>10.3f} {r['torch_ms']:>9.3f} {r['x_refill']:>9.1f} {r['torch_x_refill']:>8.1f} "
                      f"{r['error']:>9.2e} {r['torch_error']:>9.2e}")
+    lines += [f"{h}: not timed, {why}" for h, why in report.get("skipped", {}).items()]
     return "\n".join(lines)
