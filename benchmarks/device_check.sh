@@ -25,19 +25,19 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c "import sys, torch, numba; print(sys.version.split()[0], 'torch', torch.__version__, 'numba', numba.__version__,
 'cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"
   python3 -c "import triton; print('triton', triton.__version__)" 2>&1
-  nproc
+  nproc --all
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
 # 1. correctness: the gpu tests and everything else that is not slow, at the same time
 if [ "$device" != cpu ]; then
   # shellcheck disable=SC2086
-  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n "${GPU_WORKERS:-4}" --timeout 150 \
+  timeout "${T_TESTS:-300}" python3 -m pytest -v -rfE --tb=short -p no:cacheprovider -n "${GPU_WORKERS:-4}" --timeout 150 \
     ${GPU_TESTS:--m gpu} >"$out/gpu_tests.log" 2>&1 &
 fi
 if [ "${SUITE:-1}" != 0 ]; then
-  timeout "${T_TESTS:-200}" python3 -m pytest -v -rfE -p no:cacheprovider -m "not gpu and not slow" \
-    -n "${SUITE_WORKERS:-10}" --timeout 150 ${SUITE_ARGS:-} >"$out/suite.log" 2>&1 &
+  timeout "${T_TESTS:-300}" python3 -m pytest -v -rfE -p no:cacheprovider -m "not gpu and not slow" \
+    -n "${SUITE_WORKERS:-10}" --timeout 250 ${SUITE_ARGS:-} >"$out/suite.log" 2>&1 &
 fi
 wait
 grep -h -E "^(FAILED|ERROR)|passed|failed" "$out"/gpu_tests.log "$out/suite.log" 2>/dev/null
