@@ -534,6 +534,11 @@ def test_bad_input():
         make_hook("dqsg", server="ps")
     with pytest.raises(ValueError, match="bits must be an integer in 2..8"):
         make_hook("qsgd", bits=1)
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        make_hook("fp16", nonfinite="ignore")
+    for name, kw in (("qsgd_maxnorm", {}), ("sign", {}), ("fp16", {"error_feedback": True})):
+        with pytest.raises(ValueError, match="nonfinite='propagate' is for the fp32, fp16 and bf16 hooks"):
+            make_hook(name, nonfinite="propagate", **kw)
 
 
 def test_state_pickles_without_group():
@@ -544,6 +549,81 @@ def test_state_pickles_without_group():
     copy = pickle.loads(pickle.dumps(state))
     assert copy.process_group is None and copy.step == 5 and copy.codec == state.codec
     assert torch.equal(copy.bucket_memory[0][1], torch.ones(3))
+
+
+def test_state_pickled_before_nonfinite_loads_with_raise():
+    state, _ = make_hook("fp16", nonfinite="propagate")
+    assert pickle.loads(pickle.dumps(state)).nonfinite == "propagate"
+    old = state.__getstate__()
+    del old["nonfinite"]
+    restored = LowbitHookState.__new__(LowbitHookState)
+    restored.__setstate__(old)
+    assert restored.nonfinite == "raise"
+
+
+def test_half_hooks_raise_or_propagate_a_nonfinite_bucket():
+    """An fp16 overflow and a NaN in the bucket: by default the clear error, which names the
+    option; with ``nonfinite="propagate"`` the result of torch's own hook, bit for bit (inf and
+    NaN where torch has them)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+
+    from lowbit.bench.hooks import _Bucket
+
+    g = torch.randn(64 * 64, generator=torch.Generator().manual_seed(0)) * 0.01
+    g[5], g[77] = 1e5, float("nan")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for name, torch_hook in (("fp16", dh.fp16_compress_hook), ("bf16", dh.bf16_compress_hook)):
+            bucket = _Bucket(g, 64, 64)
+            expected = torch_hook(None, bucket).wait().clone()
+            bucket.buffer().copy_(g)
+            state, hook = make_hook(name)
+            with pytest.raises(ValueError, match="must be finite.*nonfinite='propagate'"):
+                hook(state, bucket)
+            bucket.buffer().copy_(g)
+            state, hook = make_hook(name, nonfinite="propagate")
+            out = hook(state, bucket).wait()
+            assert torch.equal(out.view(torch.int32), expected.view(torch.int32)), name
+            assert (name == "fp16") == bool(torch.isinf(out[5])) and bool(torch.isnan(out[77]))
+        g[77] = 0.0  # the overflow alone
+        bucket = _Bucket(g, 64, 64)
+        with pytest.raises(ValueError, match="overflows fp16"):
+            make_hook("fp16")[1](make_hook("fp16")[0], bucket)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp16_hook_trains_under_a_grad_scaler_with_propagate():
+    """torch.amp.GradScaler's first scale (2^30 here) overflows fp16: with
+    ``nonfinite="propagate"`` the hook passes the inf on, the scaler skips those steps and
+    lowers its scale until the gradients fit, and then training proceeds; by default the
+    hook refuses the first overflowing bucket."""
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for nonfinite in ("raise", "propagate"):
+            model = DDP(_net())
+            state, hook = make_hook("fp16", nonfinite=nonfinite)
+            model.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**30)
+            losses = []
+            for step in range(40):
+                opt.zero_grad()
+                loss = _loss(model, 0, step)
+                if nonfinite == "raise":
+                    with pytest.raises((ValueError, RuntimeError), match="overflows fp16"):
+                        scaler.scale(loss).backward()
+                    break
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                losses.append(loss.item())
+            if nonfinite == "propagate":
+                assert scaler.get_scale() < 2.0**30  # steps were skipped
+                assert math.isfinite(losses[-1]) and losses[-1] < losses[0]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_hooks_work_in_a_half_buckets_dtype():

@@ -80,6 +80,14 @@ How each codec travels (``WIRE_METHODS``):
   bucket over the state's process group (NDQSG), one algorithm state per bucket,
   synchronously (its future is complete when the hook returns).
 
+Mixed precision. The fp16 and bf16 hooks refuse a bucket that does not cast to finite
+16-bit values (an inf or NaN gradient, or an fp16 overflow) with a clear ValueError. Under
+``torch.amp.GradScaler`` such a gradient is expected (the scaler skips the step and lowers
+its scale): ``make_hook("fp16", nonfinite="propagate")`` casts as torch's
+``fp16_compress_hook`` does, unchecked, so the inf or NaN reaches every rank's average and
+the scaler sees it (:class:`LowbitHookState`; the quantized hooks, whose codes have no inf
+or NaN, refuse the option).
+
 Asynchrony. The one big transfer of a bucket (the float, integer, gathered or
 ``Q`` tensor) is the transport's ``all_reduce_async`` / ``all_gather_async``
 (``async_op=True``), decoded in a ``.then`` callback, so DDP overlaps it with the
@@ -150,7 +158,7 @@ Layout: one module per wire family, as torch's ``ddp_comm_hooks``: ``floats``
 from .hook import lowbit_hook
 from .names import HOOKS, algorithm_codec, centralized_names, hook_algorithm, hook_table, make_hook
 from .powersgd import POWERSGD_STREAM
-from .state import HOOK_STREAM, WIRE_METHODS, LowbitHookState, wire_method
+from .state import HOOK_STREAM, NONFINITE, WIRE_METHODS, LowbitHookState, wire_method
 
 __all__ = [
     "HOOKS",
@@ -160,6 +168,7 @@ __all__ = [
     "HOOK_STREAM",
     "POWERSGD_STREAM",
     "WIRE_METHODS",
+    "NONFINITE",
     "LowbitHookState",
     "lowbit_hook",
     "make_hook",

@@ -42,7 +42,8 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     t.set_step(state.step)
     try:
         if state.method == "allreduce-float":
-            fut, own = float_allreduce(t, codec, x, scratch=not ef)  # without memory: x is the bucket
+            fut, own = float_allreduce(t, codec, x, scratch=not ef,  # without memory: x is the bucket
+                                       checked=state.nonfinite == "raise")
         elif state.method == "allreduce-int":
             fut, own = int_allreduce(state, t, codec, x, state._generator(rank, bidx))
         elif state.method == "allreduce-randk":

@@ -46,7 +46,7 @@ HOOKS: dict[str, tuple[Any, str]] = {  # codec hooks: name -> (codec factory, de
                  "DQSG: all-gather, decode with each sender's regenerated dither"),
 }
 
-_STATE_OPTIONS = ("process_group", "seed", "error_feedback", "model")
+_STATE_OPTIONS = ("process_group", "seed", "error_feedback", "model", "nonfinite")
 
 
 def centralized_names() -> list[str]:

@@ -24,6 +24,9 @@ from ...codecs.uniform import UniformCodec
 #: ``stream`` of :func:`derive_seed` for the hooks' per-rank randomness (plus the bucket index).
 HOOK_STREAM = 0x484F4F4B << 20  # "HOOK"
 
+#: ``LowbitHookState(nonfinite=...)``: what the half-precision hooks do with an inf, NaN or overflow
+NONFINITE = ("raise", "propagate")
+
 WIRE_METHODS = ("allreduce-float", "allreduce-int", "allreduce-randk", "allgather", "powersgd", "algorithm")
 
 # Plain codecs whose payload length depends only on the input length, so that the
@@ -95,11 +98,21 @@ class LowbitHookState:
     narrowest that cannot overflow) and ``kept`` (GlobalRandK's kept fraction of each bucket,
     below 1; the codec's ``k`` is then replaced per bucket) are what :func:`make_hook` takes
     from a max-norm algorithm.
+
+    ``nonfinite``: what the fp16 and bf16 hooks do with a bucket that does not cast to finite
+    16-bit values (an inf or NaN gradient, or an fp16 overflow). ``"raise"`` (the default):
+    the codec's clear ValueError, as everywhere in lowbit. ``"propagate"``: the cast of
+    torch's ``fp16_compress_hook`` / ``bf16_compress_hook``, unchecked, so the inf or NaN
+    reaches every rank's average and ``torch.amp.GradScaler`` skips the step and lowers its
+    scale (no check, hence no host read on CUDA either). Only the float hooks (fp32, fp16,
+    bf16), without error memory, can propagate: a quantized code has no inf or NaN, and error
+    memory would keep one for good. The fp32 hook sends what it is given either way.
     """
 
     def __init__(self, codec: Codec | Algorithm, process_group=None, seed: int = 0,
                  error_feedback: bool | None = None, model: torch.nn.Module | None = None, *,
-                 sum_dtype: torch.dtype | None = None, kept: float | None = None) -> None:
+                 sum_dtype: torch.dtype | None = None, kept: float | None = None,
+                 nonfinite: str = "raise") -> None:
         self.method = wire_method(codec)
         if self.method == "algorithm" and error_feedback:
             raise ValueError(f"error_feedback: algorithm {codec.name!r} keeps its own memory, if any")
@@ -113,10 +126,17 @@ class LowbitHookState:
             error_feedback = isinstance(codec, (SignCodec, PowerSGDCodec))
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be a bool or None, got {error_feedback!r}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+        if nonfinite == "propagate" and (self.method != "allreduce-float" or error_feedback):
+            raise ValueError("nonfinite='propagate' is for the fp32, fp16 and bf16 hooks without error memory "
+                             f"(a quantized code has no inf or NaN; error memory would keep one), got "
+                             f"{type(codec).__name__} ({self.method}), error_feedback={error_feedback}")
         self.codec = codec
         self.process_group = process_group
         self.seed = seed
         self.error_feedback = error_feedback
+        self.nonfinite = nonfinite
         self.step = 0
         self.bytes_sent = 0
         self.messages = 0
@@ -160,6 +180,7 @@ class LowbitHookState:
         return d
 
     def __setstate__(self, d: dict) -> None:
+        d.setdefault("nonfinite", "raise")  # a state pickled before the option
         self.__dict__.update(d)
 
     # --- helpers used by the hook ---------------------------------------------------------
