@@ -38,6 +38,14 @@ def _add_train(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
 
+def _add_timing(p, size_help: str) -> None:
+    """The options of the benchmarks timed with ``bench.codecs._setup`` (codecs, hooks)."""
+    p.add_argument("--size", type=int, default=1_000_000, help=size_help)
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
+    p.add_argument("--min-run-time", type=float, default=0.05,
+                   help="seconds per timing (torch.utils.benchmark blocked_autorange)")
+
+
 def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks", description="Benchmarks measured side by side in one process, "
                        "one torch thread, interleaved rounds, medians of per-round ratios.")
@@ -46,10 +54,7 @@ def _add_bench(sub) -> None:
                         description="Each codec's encode and decode against memcpy (dst.copy_(src) into a "
                                     "preallocated buffer of the same size), or with --against references its "
                                     "encode + decode against plain-torch reference codecs.")
-    c.add_argument("--size", type=int, default=1_000_000, help="elements of the fp32 input")
-    c.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
-    c.add_argument("--min-run-time", type=float, default=0.05,
-                   help="seconds per timing (torch.utils.benchmark blocked_autorange)")
+    _add_timing(c, "elements of the fp32 input")
     c.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
     c.add_argument("--clock", default="auto", help="auto (CPU: the thread's CPU time; CUDA: wall time after "
                    "synchronizing), cpu or wall")
@@ -75,11 +80,9 @@ def _add_bench(sub) -> None:
     h = what.add_parser("hooks", help="lowbit's DDP communication hooks against torch's on one bucket",
                         description="The compute of lowbit's DDP hooks (casts, codecs, error memory, PowerSGD) "
                                     "against torch's allreduce, fp16, bf16 and PowerSGD hooks on one gradient bucket "
-                                    "in a one-process gloo group, interleaved rounds, medians of per-round ratios.")
-    h.add_argument("--size", type=int, default=1_000_000, help="elements of the bucket (a near-square weight gradient)")
-    h.add_argument("--rounds", type=int, default=5, help="interleaved rounds (ratios are medians over rounds)")
-    h.add_argument("--min-run-time", type=float, default=0.05,
-                   help="seconds per timing (torch.utils.benchmark blocked_autorange)")
+                                    "in a one-process group (gloo; NCCL on CUDA), interleaved rounds, medians of "
+                                    "per-round ratios.")
+    _add_timing(h, "elements of the bucket (a near-square weight gradient)")
     h.add_argument("--hooks", default=None, help="comma-separated lowbit hook names (default: the float, PowerSGD "
                    "and quantized hooks)")
     h.add_argument("--rank", type=int, default=2, help="PowerSGD's rank on both sides")
