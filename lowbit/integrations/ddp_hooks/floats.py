@@ -12,7 +12,7 @@ from .state import _float_wire_dtype
 def float_allreduce(t, codec, x, scratch: bool = False, checked: bool = True):
     """``x / N`` in the codec's float dtype, one SUM all-reduce over the transport ``t``:
     (future of the average in the wire dtype, this rank's own contribution). The division
-    is in ``x``'s dtype (the bucket's float32, or float64 with error feedback); rounding its
+    is in ``x``'s dtype (the bucket's, error memory included); rounding its
     float32 result to fp16/bf16 gives the correctly rounded quotient, as a float64 one would
     (double rounding is innocuous from 24 to 11 or 8 significant bits).
 
