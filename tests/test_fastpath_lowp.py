@@ -46,6 +46,29 @@ def test_encode_is_torchs_cast_bit_for_bit(name):
         assert not flagged2 and torch.equal(h2.view(torch.int16), ref_f)
 
 
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_encode_of_a_quotient_is_torchs_division_and_cast(name):
+    """``half_encode(x, dtype, divisor=N)`` (the DDP hooks' share ``x / N`` cast in one pass)
+    gives the bits of torch's ``(x / N).to(dtype)`` on the CPU, for world sizes that do and do
+    not divide exactly, streamed or not, at every alignment, float32 and float64 inputs; the
+    flag sees the quotient's overflow, not the input's; ``check=False`` never flags."""
+    x = _float32_patterns()
+    fits = torch.isfinite(x) & (x.abs() < 6e4)
+    xf = x[fits]
+    for N in (1, 2, 3, 7, 12):
+        ref = (xf / N).to(DTYPES[name]).view(torch.int16)
+        for stream in (False, True):
+            for skip in (0, 1, 3):  # the head loop up to the store alignment
+                h, flagged = K.half_encode(xf[skip:], DTYPES[name], stream=stream, divisor=N)
+                assert not flagged and torch.equal(h.view(torch.int16), ref[skip:]), (N, stream, skip)
+        h64, _ = K.half_encode(xf.double(), DTYPES[name], divisor=N)
+        assert torch.equal(h64.view(torch.int16), (xf.double() / N).to(DTYPES[name]).view(torch.int16))
+    big = torch.tensor([1.0, 1e5, 2.0])  # fp16 overflows at 1e5 but not at 1e5 / 2
+    assert K.half_encode(big, torch.float16, divisor=1)[1] and not K.half_encode(big, torch.float16, divisor=2)[1]
+    assert K.half_encode(torch.tensor([1.0, float("nan")]), DTYPES[name], divisor=3)[1]
+    assert not K.half_encode(torch.tensor([1.0, float("nan")]), DTYPES[name], divisor=3, check=False)[1]
+
+
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_decode_every_16_bit_pattern(name, stream):

@@ -181,6 +181,28 @@ def test_ddp_hook_on_cuda_matches_the_cpu(name):
     assert_mostly_close(gpu, cpu, rtol=1e-4, atol=1e-6, frac=0.01)
 
 
+def test_half_hook_wire_is_torchs_quotient_cast_on_cuda():
+    """The fp16/bf16 hooks' wire, the bucket divided by the world size and cast in one kernel:
+    torch's ``(x / N).to(dtype)`` on CUDA bit for bit; unchecked (``nonfinite="propagate"``)
+    without a host synchronisation; the decode into the bucket is torch's cast."""
+    from lowbit.codecs import HalfCodec
+    from lowbit.integrations.ddp_hooks.floats import _half_wire, write_average
+
+    x = torch.randn(100_003, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0)) * 100
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        for N in (1, 2, 3, 7):
+            wire = _half_wire(HalfCodec(name), x, N, checked=True)
+            assert torch.equal(wire.view(torch.int16), (x / N).to(dtype).view(torch.int16)), (name, N)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                unchecked = _half_wire(HalfCodec(name), x, N, checked=False)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert torch.equal(unchecked, wire)
+            buf = torch.empty_like(x)
+            assert write_average(buf, wire) is buf and torch.equal(buf, wire.float())
+
+
 def test_hook_bench_on_cuda_pairs_torchs_hooks_and_matches_their_float_results():
     """``lowbit bench hooks --device cuda``: a one-process NCCL group; with one process the float
     hooks' results are torch's exactly, as on the CPU."""

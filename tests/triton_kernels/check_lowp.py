@@ -42,6 +42,20 @@ def test_encode_is_torchs_cast(name):
 
 
 @pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_encode_of_a_quotient_is_torchs_cuda_division_and_cast(name):
+    """``divisor=N``: ``x`` times the float32 reciprocal of ``N``, cast (torch's ``x / N`` on
+    CUDA multiplies by that reciprocal); ``check=False`` computes and reads no flag."""
+    x = _patterns()
+    fits = x[torch.isfinite(x) & (x.abs() < 6e4)]
+    for N in (1, 2, 3, 7):
+        inv = torch.tensor(1.0, dtype=torch.float32) / N
+        h, flagged = gpu_lowp.half_encode(fits, DTYPES[name], divisor=N)
+        assert not flagged and torch.equal(h.view(torch.int16), (fits * inv).to(DTYPES[name]).view(torch.int16))
+    assert not gpu_lowp.half_encode(torch.tensor([1.0, float("nan")]), DTYPES[name], divisor=3, check=False)[1]
+    assert gpu_lowp.half_encode(torch.tensor([1.0, float("nan")]), DTYPES[name], divisor=3)[1]
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
 def test_decode_every_pattern(name):
     h = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(DTYPES[name])
     out = gpu_lowp.half_decode(h, torch.empty(h.numel()))

@@ -50,7 +50,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from .cpu import _jit
+from .cpu import _inline, _jit
 
 __all__ = ["half_encode", "half_decode", "cache_size_bytes", "last_level_cache_bytes", "streams"]
 
@@ -101,8 +101,14 @@ def _ir_bf16_to_u32(builder, h, lanes):
     return builder.shl(builder.zext(h, _of(_I32, lanes)), _const(_I32, lanes, 16))
 
 
+def _ir_f32_to_bf16(builder, v, lanes):
+    """float32 -> bfloat16 bits (:func:`_ir_u32_to_bf16` on the value's bits)."""
+    return _ir_u32_to_bf16(builder, builder.bitcast(v, _of(_I32, lanes)), lanes)
+
+
 _CONVERSIONS = {  # name: (IR, numba source type, numba result type)
     "f32_to_f16": (_ir_f32_to_f16, types.float32, types.uint16),
+    "f32_to_bf16": (_ir_f32_to_bf16, types.float32, types.uint16),
     "f16_to_f32": (_ir_f16_to_f32, types.uint16, types.float32),
     "u32_to_bf16": (_ir_u32_to_bf16, types.uint32, types.uint16),
     "bf16_to_u32": (_ir_bf16_to_u32, types.uint16, types.uint32),
@@ -126,24 +132,29 @@ def _scalar(name: str):
     return convert
 
 
-def _stream_block(name: str, flag_mask: int | None):
+def _stream_block(name: str, flag_mask: int | None, divide: bool = False):
     """The conversion ``name`` on the ``LANES`` values ``src[i:i + LANES]``, stored with one
     nontemporal store at ``dst[i:]`` (which must be aligned to the block's bytes: the caller's
-    head loop sees to it), as a numba intrinsic ``(src, dst, i)``. With ``flag_mask``: returns
-    True when one result ``r`` has ``r & flag_mask == flag_mask``."""
+    head loop sees to it), as a numba intrinsic ``(src, dst, i, q)``. With ``flag_mask``: returns
+    True when one result ``r`` has ``r & flag_mask == flag_mask``. With ``divide``: converts
+    ``src[i:i + LANES] / q`` (float32 division, IEEE), else ``q`` is not read."""
     ir_fn, src_t, dst_t = _CONVERSIONS[name]
 
     @intrinsic
-    def block(typingctx, src, dst, i):
-        if not (src == types.CPointer(src_t) and dst == types.CPointer(dst_t) and isinstance(i, types.Integer)):
+    def block(typingctx, src, dst, i, q):
+        if not (src == types.CPointer(src_t) and dst == types.CPointer(dst_t) and isinstance(i, types.Integer)
+                and (q == types.float32 or not divide)):
             return None
 
         def codegen(context, builder, sig, args):
-            s, d, k = args
+            s, d, k, qv = args
             k = context.cast(builder, k, sig.args[2], types.intp)
             src_v = ir.VectorType(context.get_value_type(src_t), LANES)
             dst_v = ir.VectorType(context.get_value_type(dst_t), LANES)
             v = builder.load(builder.bitcast(builder.gep(s, [k]), src_v.as_pointer()), align=src_t.bitwidth // 8)
+            if divide:
+                lane = builder.insert_element(ir.Constant(src_v, ir.Undefined), qv, ir.Constant(_I32, 0))
+                v = builder.fdiv(v, builder.shuffle_vector(lane, lane, _const(_I32, LANES, 0)))
             r = ir_fn(builder, v, LANES)
             store = builder.store(r, builder.bitcast(builder.gep(d, [k]), dst_v.as_pointer()),
                                   align=LANES * dst_t.bitwidth // 8)
@@ -154,7 +165,7 @@ def _stream_block(name: str, flag_mask: int | None):
             hits = builder.bitcast(builder.icmp_unsigned("==", builder.and_(r, m), m), ir.IntType(LANES))
             return builder.icmp_unsigned("!=", hits, ir.Constant(ir.IntType(LANES), 0))
 
-        return types.boolean(src, dst, i), codegen
+        return types.boolean(src, dst, i, q), codegen
 
     return block
 
@@ -215,38 +226,48 @@ def _flagger(flag_mask: int | None):
     return flagged
 
 
-def _kernel(name: str, flag_mask: int | None):
-    """The conversion ``name`` over ``n`` values: ``dst[i] = convert(src[i])``, returning True
-    when a result is flagged (:func:`_flagger`). In cache, one loop from 0 (indices known
-    >= 0, so it vectorises); streamed, a scalar head up to the destination's block alignment,
-    whole nontemporal blocks, a fence, a scalar tail."""
+def _kernel(name: str, flag_mask: int | None, divide: bool = False):
+    """The conversion ``name`` over ``n`` values: ``dst[i] = convert(src[i])`` (``divide``:
+    ``convert(src[i] / q)``, the float32 quotient, a float32 ``q``; else ``q`` is not read),
+    returning True when a result is flagged (:func:`_flagger`). In cache, one loop from 0
+    (indices known >= 0, so it vectorises); streamed, a scalar head up to the destination's
+    block alignment, whole nontemporal blocks, a fence, a scalar tail."""
     _, src_t, dst_t = _CONVERSIONS[name]
     src_np, dst_np = np.dtype(src_t.name).type, np.dtype(dst_t.name).type
     dst_size = dst_t.bitwidth // 8
-    convert, block, flagged = _scalar(name), _stream_block(name, flag_mask), _flagger(flag_mask)
+    convert, block, flagged = _scalar(name), _stream_block(name, flag_mask, divide), _flagger(flag_mask)
+
+    if divide:
+        @_inline
+        def value(v, q):
+            return v / q
+    else:
+        @_inline
+        def value(v, q):
+            return v
 
     @_jit
-    def kernel(sa, da, n, stream):
+    def kernel(sa, da, n, stream, q=1.0):
         sp, dp = _pointer(sa, src_np), _pointer(da, dst_np)
         src, dst = numba.carray(sp, n), numba.carray(dp, n)
         bad = False
         if not stream:
             for i in range(n):
-                r = convert(src[i])
+                r = convert(value(src[i], q))
                 bad |= flagged(r)
                 dst[i] = r
             return bad
         start = _head(da, dst_size, n)
         for i in range(start):
-            r = convert(src[i])
+            r = convert(value(src[i], q))
             bad |= flagged(r)
             dst[i] = r
         while start + LANES <= n:
-            bad |= block(sp, dp, start)
+            bad |= block(sp, dp, start, q)
             start += LANES
         _store_fence()
         for i in range(start, n):
-            r = convert(src[i])
+            r = convert(value(src[i], q))
             bad |= flagged(r)
             dst[i] = r
         return bad
@@ -259,6 +280,9 @@ _encode_f16 = _kernel("f32_to_f16", _EXP_MASK[torch.float16])
 _encode_bf16 = _kernel("u32_to_bf16", _EXP_MASK[torch.bfloat16])
 _decode_f16 = _kernel("f16_to_f32", None)
 _decode_bf16 = _kernel("bf16_to_u32", None)  # a bf16 is the top half of its float32's bits
+# the cast of a float32 quotient ``x / q`` (the DDP hooks' share of the average)
+_divide_f16 = _kernel("f32_to_f16", _EXP_MASK[torch.float16], divide=True)
+_divide_bf16 = _kernel("f32_to_bf16", _EXP_MASK[torch.bfloat16], divide=True)
 
 
 @_jit
@@ -318,19 +342,27 @@ def _aligned(t: torch.Tensor, itemsize: int, name: str) -> torch.Tensor:
     return t
 
 
-def half_encode(x: torch.Tensor, dtype: torch.dtype, stream: bool | None = None) -> tuple[torch.Tensor, bool]:
-    """``(h, flagged)``: ``x`` cast to ``dtype`` (fp16/bf16, a new tensor), and True when
-    ``h`` holds an inf or NaN (a non-finite ``x`` or an overflow). float32 inputs take one
-    fused pass (``stream``: nontemporal stores, None: by size, see :func:`streams`); other
-    dtypes torch's cast (its rounding) and one read of the bits."""
+def half_encode(x: torch.Tensor, dtype: torch.dtype, stream: bool | None = None,
+                divisor: int | None = None, check: bool = True) -> tuple[torch.Tensor, bool]:
+    """``(h, flagged)``: ``x`` (or ``x / divisor``, computed in ``x``'s dtype as torch's
+    ``x / divisor`` on the CPU computes it: IEEE division) cast to ``dtype`` (fp16/bf16, a new
+    tensor), and True when ``h`` holds an inf or NaN (a non-finite ``x`` or an overflow).
+    float32 inputs take one fused pass (``stream``: nontemporal stores, None: by size, see
+    :func:`streams`); other dtypes torch's division and cast (its rounding) and one read of
+    the bits. ``check=False``: ``flagged`` is False (the GPU module's option; here the flag
+    comes with the pass)."""
     n = x.numel()
     if x.dtype == torch.float32:
         x = _aligned(x, 4, "x")
         h = torch.empty(n, dtype=dtype)
-        kernel = _encode_f16 if dtype == torch.float16 else _encode_bf16
-        return h, bool(kernel(x.data_ptr(), h.data_ptr(), n, streams(6 * n) if stream is None else bool(stream)))
-    h = x.detach().to(dtype, copy=True)
-    return h, bool(_all_ones(h.data_ptr(), n, np.uint16(_EXP_MASK[dtype])))
+        stream = streams(6 * n) if stream is None else bool(stream)
+        if divisor is None:
+            kernel = _encode_f16 if dtype == torch.float16 else _encode_bf16
+            return h, bool(kernel(x.data_ptr(), h.data_ptr(), n, stream)) and check
+        kernel = _divide_f16 if dtype == torch.float16 else _divide_bf16
+        return h, bool(kernel(x.data_ptr(), h.data_ptr(), n, stream, np.float32(divisor))) and check
+    h = (x.detach() if divisor is None else x.detach() / divisor).to(dtype, copy=True)
+    return h, check and bool(_all_ones(h.data_ptr(), n, np.uint16(_EXP_MASK[dtype])))
 
 
 def half_decode(h: torch.Tensor, out: torch.Tensor, stream: bool | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ from ...algorithms.feedback import compensate, remember
 from ...comm.base import then
 from ...comm.netmodel import op_messages_and_bytes
 from .algorithm import algorithm_step
-from .floats import float_allreduce
+from .floats import float_allreduce, write_average
 from .gathered import allgather
 from .maxnorm import int_allreduce, randk_allreduce
 from .powersgd import powersgd_step
@@ -61,8 +61,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     def write(avg):
         if ef:
             state._store_memory(bidx, sig, layout, remember(mem, x, own()))  # e = p - C(p), in place
-        buf.copy_(avg)  # the average, cast to the bucket's dtype
-        return buf
+        return write_average(buf, avg)  # the average, cast to the bucket's dtype
 
     return then(fut, write)
 
