@@ -95,10 +95,14 @@ def agree_scale_by(codec: SummableCodec, x: torch.Tensor, reduce: Callable[[torc
     """Lines 5 and 7: the shared scale of a summable codec, agreed round by round. Each round
     reduces this worker's statistic ``codec.shared_scale(x, agreed so far)`` over the workers
     by ``reduce(stat, op)`` (``op`` is ``codec.scale_reduce_ops[r]``, ``"max"`` or ``"min"``; a
-    transport's ``all_reduce``); returns the agreed tensor (one round) or the tuple of them."""
-    agreed: list[torch.Tensor] = []
+    transport's ``all_reduce``); returns the agreed value (one round) or the tuple of them.
+    An agreed norm (a one-element float tensor) is read to the host here, once: the codecs'
+    kernels take it as a number, and each use would read it again (on a GPU each read waits
+    for the queued work); index tensors stay where they are."""
+    agreed: list = []
     for op in codec.scale_reduce_ops:
-        agreed.append(reduce(codec.shared_scale(x, tuple(agreed)), op))
+        a = reduce(codec.shared_scale(x, tuple(agreed)), op)
+        agreed.append(float(a) if a.numel() == 1 and a.is_floating_point() else a)
     return agreed[0] if len(agreed) == 1 else tuple(agreed)
 
 

@@ -75,6 +75,7 @@ so ``W >= ||x||`` (rounded up to float32) as on the CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -191,6 +192,13 @@ def _fast_norm(K, x: torch.Tensor, norm: str) -> float:
 
 def _out_dtype(dtype) -> torch.dtype:
     return torch.float32 if dtype is None else dtype
+
+
+@functools.lru_cache(maxsize=64)
+def _levels_on(levels: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The multi-scale levels as a float64 tensor on ``device``, made once per device (a copy
+    from the host at every call would wait for the GPU each time). Read only."""
+    return torch.tensor(levels, dtype=torch.float64, device=device)
 
 
 def _norm_value(scale, field: str = "scale") -> float:
@@ -458,7 +466,7 @@ class MultiScaleMaxNormCodec(SummableCodec):
         return _lemma_bound(numel, self.levels[0], W, self.norm)
 
     def _levels_tensor(self, device) -> torch.Tensor:
-        return torch.tensor(self.levels, dtype=torch.float64, device=device)
+        return _levels_on(tuple(self.levels), torch.device(device))
 
     def _split_scale(self, scale, n: int, device) -> tuple[float, torch.Tensor]:
         if not isinstance(scale, (tuple, list)) or len(scale) != 2:

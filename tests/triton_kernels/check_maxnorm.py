@@ -33,8 +33,10 @@ def test_norm_stats(dtype):
     amax, sq, ok = G.norm_stats(x)
     a2, s2, ok2 = C.norm_stats(x)
     assert bool(ok) and ok2 and float(amax) == a2 and abs(float(sq) - s2) <= 1e-12 * s2
+    assert all(isinstance(v, t) for v, t in zip((amax, sq, ok), (float, float, bool)))  # read together
     x[17] = float("nan")
-    assert not bool(G.norm_stats(x)[2])
+    assert not G.norm_stats(x)[2]
+    assert G.norm_stats(x[:0]) == (0.0, 0.0, True)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 8, 12])

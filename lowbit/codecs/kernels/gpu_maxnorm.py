@@ -161,20 +161,23 @@ def _work(t: torch.Tensor) -> torch.dtype:
 
 def as_scale(W: float, x: torch.Tensor) -> torch.Tensor:
     """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.as_scale`: the shared-scale tensor ``[W]`` (float32) on
-    x's device."""
-    return torch.tensor([W], dtype=torch.float32, device=x.device)
+    x's device (filled there: no copy from the host, which would wait for the GPU)."""
+    return torch.full((1,), W, dtype=torch.float32, device=x.device)
 
 
-def norm_stats(x: torch.Tensor):
-    """``(max |x|, sum x^2, all finite)`` as device tensors (float64 partials per block)."""
+def norm_stats(x: torch.Tensor) -> tuple[float, float, bool]:
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.norm_stats`: ``(max |x|, sum x^2,
+    all finite)`` from float64 partials per block, read to the host together (one read)."""
     x = x.detach().contiguous()
-    nb = max(1, triton.cdiv(x.numel(), BLOCK))
-    sq = torch.zeros(nb, dtype=torch.float64, device=x.device)
-    amax = torch.zeros(nb, dtype=torch.float64, device=x.device)
-    bad = torch.zeros(nb, dtype=torch.int32, device=x.device)
-    if x.numel():
-        _norm_partials_kernel[(nb,)](x, sq, amax, bad, x.numel(), BLOCK_=BLOCK)
-    return amax.max(), sq.sum(), bad.max() == 0
+    if not x.numel():
+        return 0.0, 0.0, True
+    nb = triton.cdiv(x.numel(), BLOCK)
+    sq = torch.empty(nb, dtype=torch.float64, device=x.device)
+    amax = torch.empty(nb, dtype=torch.float64, device=x.device)
+    bad = torch.empty(nb, dtype=torch.int32, device=x.device)
+    _norm_partials_kernel[(nb,)](x, sq, amax, bad, x.numel(), BLOCK_=BLOCK)
+    amax_v, sq_v, bad_v = torch.stack([amax.max(), sq.sum(), bad.max().to(torch.float64)]).tolist()
+    return amax_v, sq_v, not bad_v
 
 
 def code_dtype(bits: int) -> torch.dtype:
@@ -203,8 +206,9 @@ def qsgd_decode(codes: torch.Tensor, offset: int, W, levels: int, m: int, dtype:
     codes = codes.contiguous()
     direct = dtype in (torch.float32, torch.float64)
     out = torch.empty(codes.numel(), dtype=dtype if direct else torch.float32, device=codes.device)
-    par = torch.tensor([float(W) / levels, float(m)], device=codes.device,
-                       dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    par = torch.full((2,), float(m), device=codes.device,  # filled on the device: no copy from the host
+                     dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    par[:1].fill_(float(W) / levels)
     if codes.numel():
         _qsgd_decode_kernel[_grid(codes.numel(), BLOCK)](codes, par, out, codes.numel(), offset, BLOCK_=BLOCK)
     return out if direct else out.to(dtype)
