@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from device_cases import (CODEC_CASES, DIM, WORKERS, WRAPPER_CASES, WRAPPER_IDS, algo_cases, inputs, roundtrip,
                           run_algorithm, wrapper_run)
 from lowbit.codecs.base import CodecKind
+from lowbit.codecs.maxnorm import MultiScaleMaxNormCodec, QSGDMaxNormCodec
 from lowbit.codecs.rng import shared_generator
 from lowbit.integrations.ddp_hooks import HOOKS, centralized_names, make_hook
 from quadratic import quadratic_problem
@@ -215,28 +216,27 @@ def _host_reads(fn) -> list[str]:
     return [f"{r.filename}:{r.lineno}" for r in rec if "synchronizing" in str(r.message)]
 
 
-@pytest.mark.parametrize("name, reads", [("qsgd_maxnorm", 3), ("qsgd_maxnorm_multiscale", 5),
-                                         ("fp16", 1), ("fp32", 0)])
-def test_hooks_read_the_gpu_back_only_where_they_must(name, reads):
-    """Per bucket on CUDA, the max-norm hooks read back: the norm statistics (max |x|, sum x^2
-    and the finiteness flag together), the agreed norm, the encode's error flags, and for the
-    multi-scale codec the index round's flags and the decode's; the fp16 hook its overflow
-    flag; fp32 nothing."""
-    from lowbit.bench.hooks import _Bucket
+@pytest.mark.parametrize("codec, reads", [(QSGDMaxNormCodec(bits=4), 3),
+                                          (MultiScaleMaxNormCodec(scales=(2, 6)), 5)], ids=["qsgd", "multiscale"])
+def test_maxnorm_exchange_reads_the_gpu_back_only_where_it_must(codec, reads):
+    """Lines 5-10 of the max-norm algorithms on CUDA (a world of one: the reduce is the identity)
+    read back to the host: the norm statistics (max |x|, sum x^2 and the finiteness flag
+    together), the agreed norm, the encode's error flags, and for the multi-scale codec the
+    index round's flags and the decode's."""
+    from lowbit.algorithms.maxnorm import agree_scale_by
 
-    dist.init_process_group("nccl" if dist.is_nccl_available() else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1, **({"device_id": CUDA} if dist.is_nccl_available() else {}))
-    try:
-        g = torch.randn(256 * 256, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
-        bucket = _Bucket(g, 256, 256)
-        state, hook = make_hook(name)
-        hook(state, bucket).wait()  # the first call compiles and caches
-        bucket.buffer().copy_(g)
-        torch.cuda.synchronize()
-        where = _host_reads(lambda: hook(state, bucket).wait())
-        assert len(where) <= reads, where
-    finally:
-        dist.destroy_process_group()
+    x = torch.randn(65_536, device=CUDA, generator=torch.Generator(CUDA).manual_seed(0))
+    sum_dtype = codec.sum_dtype(1, None)
+
+    def exchange():
+        scale = agree_scale_by(codec, x, lambda stat, op: stat)
+        zeta = codec.encode_int(x, scale, shared_generator(1, 0, 0, device=CUDA), sum_dtype)
+        return codec.decode_sum(zeta, scale, 1, numel=x.numel(), dtype=x.dtype)
+
+    exchange()  # compiles the kernels
+    torch.cuda.synchronize()
+    where = _host_reads(exchange)
+    assert len(where) <= reads, where
 
 
 def test_hook_bench_on_cuda_pairs_torchs_hooks_and_matches_their_float_results():
