@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/device_check.sh OUTDIR
 #
-# Each part has its own time limit (seconds: T_TESTS, T_CODECS per codec group, T_STEP, T_HOOKS), so
+# Each part has its own time limit (seconds: T_TESTS, T_CODECS per codec group, T_STEP, T_HOOKS, T_SYNCS), so
 # one that hangs leaves the others' logs in OUTDIR. Wheels in .whl/ (constriction, for a
 # Python without it) are installed first. DEVICE=cpu and SIZE=... rehearse it without a GPU.
 # A shorter run: GPU_TESTS (pytest arguments instead of "-m gpu"), SUITE=0 (not the rest of
@@ -57,3 +57,8 @@ cat "$out/step.txt"
 timeout "${T_HOOKS:-60}" python3 -m lowbit bench hooks --device "$device" --size "${HOOK_SIZE:-6553600}" --rounds 3 \
   --min-run-time 0.02 --json "$out/hooks.json" >"$out/hooks.txt" 2>&1
 cat "$out/hooks.txt"
+# 4. how often each hook makes the host wait for the GPU
+if [ "$device" != cpu ]; then
+  timeout "${T_SYNCS:-60}" python3 benchmarks/hook_syncs.py --size "${HOOK_SIZE:-6553600}" >"$out/hook_syncs.txt" 2>&1
+  cat "$out/hook_syncs.txt"
+fi

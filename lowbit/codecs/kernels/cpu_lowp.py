@@ -8,7 +8,8 @@ are torch's casts bit for bit (fp16: IEEE round to nearest even; bf16: torch's
 round to nearest even on the bits), tested over every 16-bit pattern and
 millions of float32 patterns in tests/test_fastpath_lowp.py.
 
-Each kernel is one branch-free pass. The encode casts float32 to 16-bit bits
+Each kernel is one branch-free pass. The encode casts float32 (or, for the DDP
+hooks, the float32 quotient ``x / N``: ``half_encode(..., divisor=N)``) to 16-bit bits
 and, in the same pass, flags an all-ones exponent in the result (a NaN or inf
 input, or a value that rounds to inf: the caller tells them apart on its
 error path only); the flag does not stop the vectoriser (the loop compiles to
