@@ -1,8 +1,7 @@
 """How often each DDP hook makes the host wait for the GPU: every lowbit hook of ``lowbit bench
 hooks`` (and the fp16/bf16 hooks with ``nonfinite="propagate"``) on one bucket in a one-process
-NCCL group, one call and its wait counted under ``torch.cuda.set_sync_debug_mode("warn")``
-(which sees copies to and from the host and ``.item()``; a prototype that may miss some),
-with where each came from, and the mean time of 20 calls with their bucket refills.
+NCCL group, one call and its wait counted by :func:`lowbit.bench.timing.host_syncs` (torch's
+sync debug mode), with where each came from, and the mean time of 20 calls with their refills.
 
 Run: ``OMP_NUM_THREADS=1 python benchmarks/hook_syncs.py [--size N]`` on a machine with CUDA
 (default: a 25 MiB bucket).
@@ -10,12 +9,12 @@ Run: ``OMP_NUM_THREADS=1 python benchmarks/hook_syncs.py [--size N]`` on a machi
 
 import argparse
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from lowbit.bench.hooks import DEFAULT_HOOKS, _Bucket, matrix_of
+from lowbit.bench.timing import host_syncs
 from lowbit.integrations.ddp_hooks import make_hook
 
 
@@ -40,24 +39,17 @@ def main() -> None:
         for _ in range(3):
             call()
         torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as rec:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                call()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
+        _, syncs = host_syncs(call)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(20):
             call()
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) / 20 * 1e3
-        syncs = [r for r in rec if "synchronizing" in str(r.message)]
         label = name + (" (propagate)" if options else "")
         print(f"{label:26s} host reads {len(syncs):3d}  {ms:7.3f} ms a call with its refill")
-        for r in syncs:
-            print(f"    {r.filename.split('lowbit/')[-1]}:{r.lineno}")
+        for where in syncs:
+            print(f"    {where.split('lowbit/')[-1]}")
     dist.destroy_process_group()
 
 

@@ -429,3 +429,11 @@ def test_hook_bench_on_the_cpu_of_a_cuda_machine_leaves_torchs_powersgd_out(monk
     assert [r["hook"] for r in report["hooks"]] == [h for h in DEFAULT_HOOKS if h != "powersgd"]
     assert set(report["skipped"]) == {"powersgd"}
     assert "powersgd: not timed, torch's powerSGD_hook, which fails on a CPU bucket" in format_hooks_report(report)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for machines without CUDA")
+def test_host_syncs_needs_cuda_and_says_so():
+    from lowbit.bench.timing import host_syncs
+
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        host_syncs(lambda: None)

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from device_cases import (CODEC_CASES, DIM, WORKERS, WRAPPER_CASES, WRAPPER_IDS, algo_cases, inputs, roundtrip,
                           run_algorithm, wrapper_run)
+from lowbit.bench.timing import host_syncs
 from lowbit.codecs.base import CodecKind
 from lowbit.codecs.maxnorm import MultiScaleMaxNormCodec, QSGDMaxNormCodec
 from lowbit.codecs.rng import shared_generator
@@ -194,26 +195,10 @@ def test_half_hook_wire_is_torchs_quotient_cast_on_cuda():
         for N in (1, 2, 3, 7):
             wire = _half_wire(HalfCodec(name), x, N, checked=True)
             assert torch.equal(wire.view(torch.int16), (x / N).to(dtype).view(torch.int16)), (name, N)
-            unchecked = []
-            assert not _host_reads(lambda: unchecked.append(_half_wire(HalfCodec(name), x, N, checked=False)))
-            assert torch.equal(unchecked[0], wire)
+            unchecked, reads = host_syncs(lambda: _half_wire(HalfCodec(name), x, N, checked=False))
+            assert not reads and torch.equal(unchecked, wire)
             buf = torch.empty_like(x)
             assert write_average(buf, wire) is buf and torch.equal(buf, wire.float())
-
-
-def _host_reads(fn) -> list[str]:
-    """Where ``fn()`` synchronised the host with the GPU (torch's sync debug mode, which sees
-    the copies to and from the host and ``.item()``; a prototype that may miss some)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as rec:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return [f"{r.filename}:{r.lineno}" for r in rec if "synchronizing" in str(r.message)]
 
 
 @pytest.mark.parametrize("codec, reads", [(QSGDMaxNormCodec(bits=4), 3),
@@ -235,7 +220,7 @@ def test_maxnorm_exchange_reads_the_gpu_back_only_where_it_must(codec, reads):
 
     exchange()  # compiles the kernels
     torch.cuda.synchronize()
-    where = _host_reads(exchange)
+    where = host_syncs(exchange)[1]
     assert len(where) <= reads, where
 
 

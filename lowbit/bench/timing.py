@@ -29,14 +29,15 @@ from __future__ import annotations
 import statistics
 import time
 import timeit
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..comm.inprocess import pinned_threads  # noqa: F401  (the benchmarks' thread pinning)
 
-__all__ = ["CLOCKS", "check_positive_float", "check_positive_int", "clock_for", "measure", "median_ratio",
-           "pinned_threads", "resolve_clock", "spread"]
+__all__ = ["CLOCKS", "check_positive_float", "check_positive_int", "clock_for", "host_syncs", "measure",
+           "median_ratio", "pinned_threads", "resolve_clock", "spread"]
 
 
 def check_positive_int(value, name: str, lo: int = 1) -> int:
@@ -117,3 +118,19 @@ def spread(rounds: Sequence[dict], num: str | Sequence[str], den: str) -> tuple[
     r = _ratios(rounds, num, den)
     return min(r), max(r)
 
+
+def host_syncs(fn: Callable[[], object]) -> tuple[object, list[str]]:
+    """``(fn(), where)``: ``where`` lists, as ``"file:line"``, each place where ``fn`` made the
+    host wait for the GPU, as torch's CUDA sync debug mode sees them (copies to and from the
+    host, ``.item()``, stream synchronisations; a prototype of torch's that may miss some).
+    Needs CUDA (RuntimeError otherwise)."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("host_syncs counts a GPU's synchronisations with the host: CUDA is not available here")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return result, [f"{r.filename}:{r.lineno}" for r in rec if "synchronizing" in str(r.message)]

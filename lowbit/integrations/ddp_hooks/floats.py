@@ -1,5 +1,6 @@
 """fp32, fp16 and bf16: each rank divides by the world size and casts to the wire dtype (for
-fp16/bf16 on the fast path in one pass), one SUM all-reduce, cast back (method ``allreduce-float``): AllReduce SGD's exchange,
+fp16/bf16 on the fast path in one pass), one SUM all-reduce, cast back (method
+``allreduce-float``): AllReduce SGD's exchange,
 :func:`~lowbit.algorithms.allreduce.allreduce_average`, on the pre-divided wire."""
 
 from __future__ import annotations
