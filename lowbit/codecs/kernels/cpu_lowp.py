@@ -133,18 +133,19 @@ def _scalar(name: str):
     return convert
 
 
-def _stream_block(name: str, flag_mask: int | None, divide: bool = False):
+def _stream_block(name: str, flag_mask: int | None, scale: str | None = None):
     """The conversion ``name`` on the ``LANES`` values ``src[i:i + LANES]``, stored with one
     nontemporal store at ``dst[i:]`` (which must be aligned to the block's bytes: the caller's
     head loop sees to it), as a numba intrinsic ``(src, dst, i, q)``. With ``flag_mask``: returns
-    True when one result ``r`` has ``r & flag_mask == flag_mask``. With ``divide``: converts
-    ``src[i:i + LANES] / q`` (float32 division, IEEE), else ``q`` is not read."""
+    True when one result ``r`` has ``r & flag_mask == flag_mask``. With ``scale``: converts
+    ``src[i:i + LANES] / q`` (``"div"``) or ``* q`` (``"mul"``) in float32 (IEEE), else ``q``
+    is not read."""
     ir_fn, src_t, dst_t = _CONVERSIONS[name]
 
     @intrinsic
     def block(typingctx, src, dst, i, q):
         if not (src == types.CPointer(src_t) and dst == types.CPointer(dst_t) and isinstance(i, types.Integer)
-                and (q == types.float32 or not divide)):
+                and (q == types.float32 or scale is None)):
             return None
 
         def codegen(context, builder, sig, args):
@@ -153,9 +154,10 @@ def _stream_block(name: str, flag_mask: int | None, divide: bool = False):
             src_v = ir.VectorType(context.get_value_type(src_t), LANES)
             dst_v = ir.VectorType(context.get_value_type(dst_t), LANES)
             v = builder.load(builder.bitcast(builder.gep(s, [k]), src_v.as_pointer()), align=src_t.bitwidth // 8)
-            if divide:
+            if scale is not None:
                 lane = builder.insert_element(ir.Constant(src_v, ir.Undefined), qv, ir.Constant(_I32, 0))
-                v = builder.fdiv(v, builder.shuffle_vector(lane, lane, _const(_I32, LANES, 0)))
+                splat = builder.shuffle_vector(lane, lane, _const(_I32, LANES, 0))
+                v = builder.fdiv(v, splat) if scale == "div" else builder.fmul(v, splat)
             r = ir_fn(builder, v, LANES)
             store = builder.store(r, builder.bitcast(builder.gep(d, [k]), dst_v.as_pointer()),
                                   align=LANES * dst_t.bitwidth // 8)
@@ -227,21 +229,26 @@ def _flagger(flag_mask: int | None):
     return flagged
 
 
-def _kernel(name: str, flag_mask: int | None, divide: bool = False):
-    """The conversion ``name`` over ``n`` values: ``dst[i] = convert(src[i])`` (``divide``:
-    ``convert(src[i] / q)``, the float32 quotient, a float32 ``q``; else ``q`` is not read),
+def _kernel(name: str, flag_mask: int | None, scale: str | None = None):
+    """The conversion ``name`` over ``n`` values: ``dst[i] = convert(src[i])`` (``scale``
+    ``"div"``: ``convert(src[i] / q)``, ``"mul"``: ``convert(src[i] * q)``, in float32 with a
+    float32 ``q``; else ``q`` is not read),
     returning True when a result is flagged (:func:`_flagger`). In cache, one loop from 0
     (indices known >= 0, so it vectorises); streamed, a scalar head up to the destination's
     block alignment, whole nontemporal blocks, a fence, a scalar tail."""
     _, src_t, dst_t = _CONVERSIONS[name]
     src_np, dst_np = np.dtype(src_t.name).type, np.dtype(dst_t.name).type
     dst_size = dst_t.bitwidth // 8
-    convert, block, flagged = _scalar(name), _stream_block(name, flag_mask, divide), _flagger(flag_mask)
+    convert, block, flagged = _scalar(name), _stream_block(name, flag_mask, scale), _flagger(flag_mask)
 
-    if divide:
+    if scale == "div":
         @_inline
         def value(v, q):
             return v / q
+    elif scale == "mul":
+        @_inline
+        def value(v, q):
+            return v * q
     else:
         @_inline
         def value(v, q):
@@ -281,9 +288,12 @@ _encode_f16 = _kernel("f32_to_f16", _EXP_MASK[torch.float16])
 _encode_bf16 = _kernel("u32_to_bf16", _EXP_MASK[torch.bfloat16])
 _decode_f16 = _kernel("f16_to_f32", None)
 _decode_bf16 = _kernel("bf16_to_u32", None)  # a bf16 is the top half of its float32's bits
-# the cast of a float32 quotient ``x / q`` (the DDP hooks' share of the average)
-_divide_f16 = _kernel("f32_to_f16", _EXP_MASK[torch.float16], divide=True)
-_divide_bf16 = _kernel("f32_to_bf16", _EXP_MASK[torch.bfloat16], divide=True)
+# the cast of a float32 quotient ``x / q`` (the DDP hooks' share of the average), and of a
+# product ``x * q`` (the same quotient where ``q = 1 / N`` is exact: ``N`` a power of two)
+_divide_f16 = _kernel("f32_to_f16", _EXP_MASK[torch.float16], scale="div")
+_divide_bf16 = _kernel("f32_to_bf16", _EXP_MASK[torch.bfloat16], scale="div")
+_scale_f16 = _kernel("f32_to_f16", _EXP_MASK[torch.float16], scale="mul")
+_scale_bf16 = _kernel("f32_to_bf16", _EXP_MASK[torch.bfloat16], scale="mul")
 
 
 @_jit
@@ -360,8 +370,11 @@ def half_encode(x: torch.Tensor, dtype: torch.dtype, stream: bool | None = None,
         if divisor is None:
             kernel = _encode_f16 if dtype == torch.float16 else _encode_bf16
             return h, bool(kernel(x.data_ptr(), h.data_ptr(), n, stream)) and check
-        kernel = _divide_f16 if dtype == torch.float16 else _divide_bf16
-        return h, bool(kernel(x.data_ptr(), h.data_ptr(), n, stream, np.float32(divisor))) and check
+        if divisor & (divisor - 1) == 0:  # 1 / N is exact, and x * (1 / N) the quotient's bits
+            kernel, q = (_scale_f16 if dtype == torch.float16 else _scale_bf16), np.float32(1.0 / divisor)
+        else:  # a float32 division (slower than the product where the data is in cache)
+            kernel, q = (_divide_f16 if dtype == torch.float16 else _divide_bf16), np.float32(divisor)
+        return h, bool(kernel(x.data_ptr(), h.data_ptr(), n, stream, q)) and check
     h = (x.detach() if divisor is None else x.detach() / divisor).to(dtype, copy=True)
     return h, check and bool(_all_ones(h.data_ptr(), n, np.uint16(_EXP_MASK[dtype])))
 
