@@ -50,7 +50,7 @@ def test_encode_is_torchs_cast_bit_for_bit(name):
 def test_encode_of_a_quotient_is_torchs_division_and_cast(name):
     """``half_encode(x, dtype, divisor=N)`` (the DDP hooks' share ``x / N`` cast in one pass)
     gives the bits of torch's ``(x / N).to(dtype)`` on the CPU, for world sizes that do and do
-    not divide exactly, streamed or not, at every alignment, float32 and float64 inputs; the
+    not divide exactly, streamed or not, at three alignments, float32 and float64 inputs; the
     flag sees the quotient's overflow, not the input's; ``check=False`` never flags."""
     x = _float32_patterns()
     fits = torch.isfinite(x) & (x.abs() < 6e4)
