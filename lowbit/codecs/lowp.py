@@ -135,17 +135,31 @@ class HalfCodec(Codec):
             "scale x down or use another codec"
         )
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        """One pass: the cast of ``x`` and a check of the 16-bit result's exponents: an inf
-        or NaN there is a non-finite input or an overflow (told apart only on that error path)."""
-        n = check_numel(x)
+    def cast(self, x: torch.Tensor, *, divisor: int | None = None, check: bool = True) -> torch.Tensor:
+        """The 16-bit values :meth:`encode` sends for ``x``, without the header: for callers
+        that send them themselves (the DDP hooks' all-reduce). ``divisor``: the values of
+        ``x / divisor``, the quotient as torch computes it on ``x``'s device, in ``x``'s dtype
+        (on the fast path in the same pass as the cast). ``check=False``: torch's cast,
+        unchecked (an inf or NaN passes on); else :meth:`encode`'s errors.
+
+        Fast path: one pass, the cast and a check of the 16-bit result's exponents: an inf or
+        NaN there is a non-finite input or an overflow (told apart only on that error path)."""
+        check_numel(x)
         K = kernels_for(x, _FAMILY)
         if K is None:
-            return self.encode_reference(x, generator=generator)
-        h, flagged = K.half_encode(x, self.torch_dtype)
+            share = x.detach() if divisor is None else x.detach() / divisor
+            if not check:
+                return share.to(self.torch_dtype)
+            return self.encode_reference(share).data.view(self.torch_dtype)
+        h, flagged = K.half_encode(x, self.torch_dtype, divisor=divisor, check=check)
         if flagged:
-            raise self._overflow_error(x.detach(), h)
-        return Payload(header=pack_header(self.header_format, n, device=x.device), data=h.view(torch.uint8))
+            raise self._overflow_error(x.detach() if divisor is None else x.detach() / divisor, h)
+        return h
+
+    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+        """:meth:`cast`'s values of ``x`` behind the header."""
+        h = self.cast(x)
+        return Payload(header=pack_header(self.header_format, x.numel(), device=x.device), data=h.view(torch.uint8))
 
     def _check(self, payload: Payload) -> int:
         (n,) = unpack_header(self.header_format, payload.header)

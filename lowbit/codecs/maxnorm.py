@@ -466,7 +466,7 @@ class MultiScaleMaxNormCodec(SummableCodec):
         return _lemma_bound(numel, self.levels[0], W, self.norm)
 
     def _levels_tensor(self, device) -> torch.Tensor:
-        return _levels_on(tuple(self.levels), torch.device(device))
+        return _levels_on(self.levels, torch.device(device))
 
     def _split_scale(self, scale, n: int, device) -> tuple[float, torch.Tensor]:
         if not isinstance(scale, (tuple, list)) or len(scale) != 2:

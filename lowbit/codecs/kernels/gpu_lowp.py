@@ -74,7 +74,7 @@ def half_encode(x: torch.Tensor, dtype: torch.dtype, divisor: int | None = None,
         return h, check and bool(n) and bool(((h.view(torch.int16) & m) == m).any())
     x = x.contiguous()
     h = torch.empty(n, dtype=dtype, device=x.device)
-    flag = torch.zeros(1, dtype=torch.int32, device=x.device) if check else h
+    flag = torch.zeros(1, dtype=torch.int32, device=x.device) if check else h  # unchecked: not written
     inv = 1.0 if divisor is None else float(np.float32(1.0) / np.float32(divisor))
     if n:
         _encode_kernel[_grid(n, BLOCK)](x, h.view(torch.int16), flag, n, inv, BF16=dtype == torch.bfloat16,

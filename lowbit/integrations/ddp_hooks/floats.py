@@ -37,25 +37,14 @@ def float_allreduce(t, codec, x, scratch: bool = False, checked: bool = True):
 
 
 def _half_wire(codec, x, n: int, checked: bool):
-    """The fp16/bf16 wire of ``x / n`` (``x`` left as it is): on the fast path one pass, the
-    quotient and its cast (and the overflow flag) together; on the reference path the
-    division, then the codec's encode (or torch's cast, unchecked)."""
-    dtype = _float_wire_dtype(codec)
-    K = kernels_for(x, "lowp")
-    if K is not None:
-        wire, flagged = K.half_encode(x, dtype, divisor=n, check=checked)
-        if not flagged:
-            return wire
-        error = codec._overflow_error(x / n, wire)
-    elif not checked:
-        return (x / n).to(dtype)
-    else:  # the codec's payload data is the wire tensor (HalfCodec raises ValueError on overflow)
-        try:
-            return codec.encode(x / n).data.view(dtype)
-        except ValueError as e:
-            error = e
-    raise ValueError(f"{error} (the bucket divided by the world size; under torch.amp.GradScaler, "
-                     "LowbitHookState(nonfinite='propagate') passes it on as torch's hook does)") from None
+    """The fp16/bf16 wire of ``x / n`` (``x`` left as it is): the codec's values of the
+    quotient (:meth:`~lowbit.codecs.HalfCodec.cast`, one pass on the fast path), its errors
+    naming the hook's option."""
+    try:
+        return codec.cast(x, divisor=n, check=checked)
+    except ValueError as e:
+        raise ValueError(f"{e} (the bucket divided by the world size; under torch.amp.GradScaler, "
+                         "LowbitHookState(nonfinite='propagate') passes it on as torch's hook does)") from None
 
 
 def write_average(buf, avg):
