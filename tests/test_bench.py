@@ -437,3 +437,27 @@ def test_host_syncs_needs_cuda_and_says_so():
 
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         host_syncs(lambda: None)
+
+
+def test_syncs_within_counts_only_the_reads_inside_the_call_and_names_their_caller():
+    """What host_syncs counts, without a GPU: a synchronisation warning raised inside ``fn`` is
+    counted at the line that raised it; one raised as the warnings are turned off (``stop``, as
+    torch's ``set_sync_debug_mode("default")``), one that is not about a synchronisation, and
+    one raised on another thread are not."""
+    import threading
+    import warnings
+
+    from lowbit.bench.timing import syncs_within
+
+    def fn():
+        warnings.warn("called a synchronizing CUDA operation")  # counted: this line
+        warnings.warn("something else")
+        t = threading.Thread(target=lambda: warnings.warn("called a synchronizing CUDA operation"))
+        t.start()
+        t.join()
+        return 7
+
+    line = fn.__code__.co_firstlineno + 1
+    result, where = syncs_within(fn, start=lambda: None,
+                                 stop=lambda: warnings.warn("called a synchronizing CUDA operation"))
+    assert result == 7 and where == [f"{__file__}:{line}"]

@@ -26,9 +26,12 @@
 
 from __future__ import annotations
 
+import os
 import statistics
+import threading
 import time
 import timeit
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -37,7 +40,7 @@ import torch
 from ..comm.inprocess import pinned_threads  # noqa: F401  (the benchmarks' thread pinning)
 
 __all__ = ["CLOCKS", "check_positive_float", "check_positive_int", "clock_for", "host_syncs", "measure",
-           "median_ratio", "pinned_threads", "resolve_clock", "spread"]
+           "median_ratio", "pinned_threads", "resolve_clock", "spread", "syncs_within"]
 
 
 def check_positive_int(value, name: str, lo: int = 1) -> int:
@@ -123,14 +126,53 @@ def host_syncs(fn: Callable[[], object]) -> tuple[object, list[str]]:
     """``(fn(), where)``: ``where`` lists, as ``"file:line"``, each place where ``fn`` made the
     host wait for the GPU, as torch's CUDA sync debug mode sees them (copies to and from the
     host, ``.item()``, stream synchronisations; a prototype of torch's that may miss some).
-    Needs CUDA (RuntimeError otherwise)."""
+    Needs CUDA (RuntimeError otherwise). What is counted is :func:`syncs_within`'s."""
     if not torch.cuda.is_available():
         raise RuntimeError("host_syncs counts a GPU's synchronisations with the host: CUDA is not available here")
-    with warnings.catch_warnings(record=True) as rec:
+    return syncs_within(fn, lambda: torch.cuda.set_sync_debug_mode("warn"),
+                        lambda: torch.cuda.set_sync_debug_mode("default"))
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """The folders of the libraries a synchronisation is reported from (torch's Python code,
+    Triton's launcher), not the code that asked for it."""
+    dirs = [os.path.dirname(torch.__file__)]
+    try:
+        import triton
+
+        dirs.append(os.path.dirname(triton.__file__))
+    except ImportError:
+        pass
+    return tuple(d + os.sep for d in dirs)
+
+
+def syncs_within(fn: Callable[[], object], start: Callable[[], None], stop: Callable[[], None]
+                 ) -> tuple[object, list[str]]:
+    """``(fn(), where)`` for the synchronisation warnings ("...synchronizing...") raised on this
+    thread while ``fn`` runs, between ``start()`` (which turns the warnings on) and ``stop()``.
+
+    Counted are only the warnings raised inside ``fn``'s own call, never one that ``stop()``
+    raises as it turns them off (issue 28: on torch 2.11 each count had one read more, reported
+    from ``torch/cuda/__init__.py``, torch's own Python code). Each is named by the innermost
+    frame of its stack outside torch's and Triton's Python code: the line that asked torch for
+    the read."""
+    me, libs, seen, inside = threading.get_ident(), _library_dirs(), [], [False]
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if inside[0] and threading.get_ident() == me and "synchroniz" in str(message):
+            stack = traceback.extract_stack()[:-1]
+            caller = next((f for f in reversed(stack) if not f.filename.startswith(libs)
+                           and f.filename not in (__file__, warnings.__file__)), None)
+            seen.append(f"{filename}:{lineno}" if caller is None else f"{caller.filename}:{caller.lineno}")
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        warnings.showwarning = record
+        start()
         try:
+            inside[0] = True
             result = fn()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return result, [f"{r.filename}:{r.lineno}" for r in rec if "synchronizing" in str(r.message)]
+            inside[0] = False
+            stop()
+    return result, seen
