@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from .base import (Codec, CodecKind, Payload, SummableCodec, agree_scale, check_flat, header_size, is_summable,
-                   pack_header, unpack_header)
+from .base import (MAX_DECODE_NUMEL, Codec, CodecKind, Payload, PayloadError, SummableCodec, agree_scale, check_flat,
+                   header_size, is_summable, pack_header, unpack_header)
 from .identity import IdentityCodec
 from .minmax import MinMaxCodec
 from .modulo import ModuloCodec, centered_mod
@@ -54,6 +54,8 @@ __all__ = [
     "Codec",
     "CodecKind",
     "Payload",
+    "PayloadError",
+    "MAX_DECODE_NUMEL",
     "check_flat",
     "header_size",
     "pack_header",

@@ -58,8 +58,98 @@ class Payload:
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise TypeError(f"wire buffer must be a 1-D uint8 tensor, got {buf.dtype} {tuple(buf.shape)}")
         if buf.numel() < header_nbytes:
-            raise ValueError(f"wire buffer of {buf.numel()} bytes is shorter than the {header_nbytes}-byte header")
+            raise PayloadError("wire", f"at least the {header_nbytes}-byte header", f"a buffer of {buf.numel()} bytes")
         return Payload(header=buf[:header_nbytes], data=buf[header_nbytes:])
+
+
+class PayloadError(ValueError):
+    """A payload that no encode of this codec could have produced: a header of the wrong size,
+    an element count other than the receiver expects (or beyond what it can hold), data of the
+    wrong length, a scale that is not finite or outside the codec's range, codes outside their
+    levels. Every codec's ``decode`` raises it (and only it, for a malformed frame) before it
+    allocates for or reads the data, so a peer's bytes never drive an out-of-bounds read or a
+    huge allocation. A subclass of ValueError. ``codec``: the codec's name; ``expected``/``got``:
+    what the frame had to hold and what came; a receiver that knows who sent the payload catches
+    it and names the sender."""
+
+    def __init__(self, codec: str, expected: str, got: str, message: str | None = None):
+        self.codec, self.expected, self.got = codec, expected, got
+        super().__init__(message or f"malformed {codec} payload: expected {expected}, got {got}")
+
+
+#: Without ``numel=``, the most elements a decode allocates for where the payload's length does
+#: not bound the count its header announces (random-k's scatter, PowerSGD's product); also,
+#: in bytes times 4, :func:`lowbit.codecs.entropy.entropy_decode`'s default ``max_length``. A
+#: receiver that knows the count passes ``numel=`` (exact) instead.
+MAX_DECODE_NUMEL = 1 << 28
+
+
+def _codec_name(codec) -> str:
+    return codec if isinstance(codec, str) else getattr(codec, "name", type(codec).__name__)
+
+
+def frame_header(codec, payload: "Payload", fmt: str | None = None) -> tuple:
+    """The fields of ``payload``'s header (struct format ``fmt``, default the codec's
+    ``header_format``), after checking it has exactly that format's size (PayloadError)."""
+    fmt = codec.header_format if fmt is None else fmt
+    need = header_size(fmt)
+    got = payload.header.numel()
+    if got != need:
+        raise PayloadError(_codec_name(codec), f"a {need}-byte header", f"{got} bytes")
+    return struct.unpack("<" + fmt, payload.header.cpu().numpy().tobytes())
+
+
+def check_numel_arg(numel) -> int | None:
+    """A decode's ``numel=`` argument: None or an int >= 0 (ValueError naming ``numel``)."""
+    if numel is not None and (isinstance(numel, bool) or not isinstance(numel, int) or numel < 0):
+        raise ValueError(f"numel must be an int >= 0 (the element count the receiver expects) or None, got {numel!r}")
+    return numel
+
+
+def frame_count(codec, n: int, numel: int | None = None, *, bounded: bool = True,
+                ref: torch.Tensor | None = None) -> int:
+    """The element count ``n`` a header announces, checked: ``>= 0``; equal to ``numel`` when the
+    caller gives it (the count the receiver expects), else to ``ref``'s length when there is a
+    ``ref`` (a side-information decode's); without either, at most :data:`MAX_DECODE_NUMEL`
+    where the payload's length does not bound it (``bounded=False``). PayloadError otherwise."""
+    if check_numel_arg(numel) is not None and n != numel:
+        raise PayloadError(_codec_name(codec), f"{numel} elements (numel=, the count the receiver expects)",
+                           f"a header announcing {n}")
+    if numel is None and isinstance(ref, torch.Tensor) and n != ref.numel():
+        raise PayloadError(_codec_name(codec), f"{ref.numel()} elements (the length of ref, the receiver's "
+                           "reference)", f"a header announcing {n}")
+    if n < 0:
+        raise PayloadError(_codec_name(codec), "an element count >= 0", f"a header announcing {n}")
+    if not bounded and numel is None and n > MAX_DECODE_NUMEL:
+        raise PayloadError(_codec_name(codec), f"at most MAX_DECODE_NUMEL = {MAX_DECODE_NUMEL} elements "
+                           "(pass numel= to decode more)", f"a header announcing {n}")
+    return n
+
+
+def frame_nbytes(codec, data: torch.Tensor, need: int, what: str) -> torch.Tensor:
+    """``data`` holds exactly ``need`` bytes, the size of ``what`` (e.g. "1000 codes of 2 bits");
+    PayloadError otherwise."""
+    if data.numel() != need:
+        name = _codec_name(codec)
+        raise PayloadError(name, f"{need} data bytes for {what}", f"{data.numel()}",
+                           f"malformed {name} payload: {what} need exactly {need} data bytes, got {data.numel()}")
+    return data
+
+
+def frame_scale(codec, value: float, field: str, limit: float, low: float = 0.0) -> float:
+    """A scale a header carries: finite and in ``[low, limit]`` (the values the codec's encode
+    sends); PayloadError naming ``field`` otherwise. A NaN fails every comparison."""
+    if not low <= value <= limit:
+        raise PayloadError(_codec_name(codec), f"{field} in [{low:.9g}, {limit:.9g}]", f"{value!r}")
+    return value
+
+
+def frame_scales(codec, values: torch.Tensor, field: str, limit: float, low: float = 0.0) -> torch.Tensor:
+    """:func:`frame_scale` for a tensor of scales (one reduction; one host read on CUDA)."""
+    if values.numel() and not bool(((values >= low) & (values <= limit)).all()):
+        bad = values[~((values >= low) & (values <= limit))][0]
+        raise PayloadError(_codec_name(codec), f"every {field} in [{low:.9g}, {limit:.9g}]", f"{float(bad)!r}")
+    return values
 
 
 def pack_header(fmt: str, *values, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -118,7 +208,13 @@ class Codec(ABC):
         """Decode. ``ref``: the receiver's reference, for side-information codecs.
         ``generator``: for codecs whose ``dither_on_decode`` is True, a generator
         seeded as the sender's was for this message (shared randomness), not yet
-        drawn from; other codecs ignore it."""
+        drawn from; other codecs ignore it. ``numel`` (every codec's decode takes it):
+        the element count the receiver expects, checked against the header.
+
+        Every decode checks the frame before it allocates for or reads the data: the
+        header's size, the count (against ``numel``, or what the data's length allows),
+        the data's length, the scales (finite, in the range encode sends); a frame that
+        fails is a :class:`PayloadError` naming the codec."""
 
     def roundtrip(self, x: torch.Tensor, *, generator=None, ref=None) -> torch.Tensor:
         """``decode(encode(x))``; a codec with ``dither_on_decode`` decodes with a copy
@@ -127,6 +223,12 @@ class Codec(ABC):
         return self.decode(self.encode(x, generator=generator), ref=ref, generator=receiver)
 
     def payload_from_wire(self, buf: torch.Tensor) -> Payload:
+        """The payload a transport's buffer carries: ``header || data`` split at the header's size
+        (PayloadError naming the codec when the buffer is shorter)."""
+        if isinstance(buf, torch.Tensor) and buf.dtype == torch.uint8 and buf.dim() == 1 \
+                and buf.numel() < self.header_nbytes:
+            raise PayloadError(self.name, f"at least the {self.header_nbytes}-byte header",
+                               f"a buffer of {buf.numel()} bytes")
         return Payload.from_wire(buf, self.header_nbytes)
 
 

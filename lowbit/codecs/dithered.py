@@ -61,6 +61,13 @@ reconstruction ``(kappa / M) (q - (r - 1/2))``. Non-finite inputs, or scales
 beyond the float32 range, raise ValueError. ``decode`` returns float32 unless
 ``dtype`` is given.
 
+Range. A decode reaches ``kappa (M + 1/2) / M`` (subtractive: ``q = +-M`` less the dither)
+or ``kappa`` (half-dithered), so ``encode`` takes finite ``x`` whose part scales, rounded up
+to float32, are at most :attr:`DitheredCodec.scale_limit` (float32's largest value times
+``M / (M + 1/2)`` when subtractive), and raises ValueError naming ``x`` beyond: the float32
+decode is never inf. A payload whose scales are not finite, negative or beyond that
+limit, or whose data length does not match its count, is a PayloadError.
+
 Fast path and reference. ``encode_reference``/``decode_reference`` compute
 in float64 on whole tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dither`)
 runs the same operations in float64 registers, one element at a time, and
@@ -82,7 +89,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_flat, frame_count, frame_header, frame_nbytes, frame_scale, \
+    frame_scales, pack_header
 from .kernels import kernels_for
 from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .qsgd import exact_ratio, float32_header, round_up_float32, scale_bytes
@@ -92,6 +100,7 @@ from .rng import counter_uniforms, draw_key
 __all__ = ["DitheredCodec", "partition_sizes"]
 
 _MAX_LEVELS = 2**31 - 1  # 2M + 1 codes must fit the 32-bit packing
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def partition_sizes(n: int, parts: int) -> list[int]:
@@ -113,9 +122,10 @@ def _uniforms(n: int, generator: torch.Generator | None, device) -> torch.Tensor
 _float32_up = round_up_float32  # the name lowbit.algorithms.dqsg imports
 
 
-def _scale_error(worst: float | None) -> ValueError:
+def _scale_error(worst: float | None, limit: float = _F32_MAX) -> ValueError:
     got = "a non-finite element" if worst is None else f"max |x| = {worst}"
-    return ValueError(f"x must be finite with |x| within the float32 range for the dithered codec, got {got}")
+    return ValueError(f"x must be finite with |x| within the float32 range for the dithered codec: at most "
+                      f"{limit:.9g} (a decode reaches |x| (M + 1/2) / M), got {got}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +174,12 @@ class DitheredCodec(Codec):
     def step(self) -> float:
         """``Delta = 1/M`` (relative to each part's scale ``kappa``)."""
         return 1.0 / self.levels
+
+    @property
+    def scale_limit(self) -> float:
+        """The largest part scale (float32) this codec sends or accepts: float32's largest value,
+        times ``M / (M + 1/2)`` when subtractive (a decode reaches ``kappa (M + 1/2) / M``)."""
+        return _F32_MAX * self.levels / (self.levels + 0.5) if self.subtractive else _F32_MAX
 
     @property
     def num_codes(self) -> int:
@@ -233,9 +249,9 @@ class DitheredCodec(Codec):
             tail = a[extra * (base + 1):].view(p - extra, base).amax(dim=1)
             k = torch.cat([head, tail])
         k32 = _float32_up(k)
-        if not bool(torch.isfinite(k32).all()):
+        if not bool((k32 <= self.scale_limit).all()):  # NaN and inf fail too
             worst = float(k.max())
-            raise _scale_error(worst if math.isfinite(worst) or worst == math.inf else None)
+            raise _scale_error(worst if math.isfinite(worst) or worst == math.inf else None, self.scale_limit)
         return k32
 
     def _expand(self, kappa: torch.Tensor, n: int) -> torch.Tensor:
@@ -259,16 +275,27 @@ class DitheredCodec(Codec):
                 "the sender's (e.g. shared_generator(run_seed, step, sender)), to regenerate the dither"
             )
 
-    def _scales_of(self, payload: Payload, n: int) -> tuple[int, torch.Tensor]:
-        """``(bytes of scales in data, the float32 scales on the data's device)``, after
-        checking the data length."""
+    def _frame(self, payload: Payload, numel: int | None) -> int:
+        """The payload's count, its header, count, first scale and data length checked
+        (PayloadError)."""
+        n, k1 = frame_header(self, payload)
+        frame_count(self, n, numel)
+        frame_scale(self, k1, "scale", self.scale_limit)
         p = min(self.partitions, n)
-        need = self.data_nbytes(n)
-        if payload.data.numel() != need:
-            raise ValueError(f"a {n}-element payload of {self!r} has {need} data bytes, got {payload.data.numel()}")
+        frame_nbytes(self, payload.data, self.data_nbytes(n), f"{max(p - 1, 0)} more scales and {n} codes of "
+                     f"{self.num_codes} levels")
+        return n
+
+    def _scales_of(self, payload: Payload, n: int) -> tuple[int, torch.Tensor]:
+        """``(bytes of scales in data, the float32 scales on the data's device)`` of a payload
+        :meth:`_frame` checked, the scales in the data checked too (PayloadError)."""
+        p = min(self.partitions, n)
         extra = 4 * (p - 1)
         raw = torch.cat([payload.header[4:8].to(payload.data.device), payload.data[:extra]])
-        return extra, raw.view(torch.float32)
+        k32 = raw.view(torch.float32)
+        if p > 1:
+            frame_scales(self, k32[1:], "scale", self.scale_limit)
+        return extra, k32
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Eq. (2)/(4): scales, then indices ``q = round(x/(kappa Delta) + u/Delta)``."""
@@ -280,24 +307,26 @@ class DitheredCodec(Codec):
         amax, finite = K.dithered_scales(x, min(self.partitions, n))
         k32 = _float32_up(amax)
         finite, kmax = K.host_values(finite, k32.max())  # the one host read on CUDA
-        if not finite or not math.isfinite(kmax):
-            raise _scale_error(float(amax.max()) if finite else None)
+        if not finite or not kmax <= self.scale_limit:
+            raise _scale_error(float(amax.max()) if finite else None, self.scale_limit)
         codes = K.dithered_encode(x, K.ratio(self.levels, k32), self.levels, self.code_bits, draw_key(generator))
         header, rest = float32_header(n, k32)
         packed = pack_levels_fast(codes, self.num_codes)
         return Payload(header=header, data=torch.cat([rest, packed]) if rest.numel() else packed)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         """``kappa (Delta q - u)`` (subtractive; ``generator`` required, same seed and
         kind as the sender's) or ``kappa Delta q`` (half-dithered). ``ref`` is unused."""
-        n, _ = unpack_header(self.header_format, payload.header)
         self._need_generator(generator, "decode")
+        n = self._frame(payload, numel)
         K = kernels_for(payload.data, "dither")
         if K is None or n == 0:
-            return self.decode_reference(payload, generator=generator, dtype=dtype)
+            return self.decode_reference(payload, generator=generator, dtype=dtype, numel=numel)
         extra, k32 = self._scales_of(payload, n)
-        codes = unpack_levels_fast(payload.data[extra:], self.num_codes, n, K.code_dtype(self.code_bits))
+        codes = unpack_levels_fast(payload.data[extra:], self.num_codes, n, K.code_dtype(self.code_bits),
+                                   codec=self.name)
         key = draw_key(generator) if self.subtractive else 0
         return K.dithered_decode(codes, k32.to(torch.float64) / self.levels, self.levels, self.subtractive, key,
                                  torch.float32 if dtype is None else dtype)
@@ -321,16 +350,17 @@ class DitheredCodec(Codec):
         return Payload(header=header, data=data)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        n, _ = unpack_header(self.header_format, payload.header)
+        self._need_generator(generator, "decode")
+        n = self._frame(payload, numel)
         out_dtype = torch.float32 if dtype is None else dtype
         dev = payload.data.device
-        self._need_generator(generator, "decode")
         if n == 0:
             return torch.empty(0, dtype=out_dtype, device=dev)
         extra, k32 = self._scales_of(payload, n)
-        q = (unpack_levels(payload.data[extra:], self.num_codes, n) - self.levels).to(torch.float64)
+        q = (unpack_levels(payload.data[extra:], self.num_codes, n, codec=self.name) - self.levels).to(torch.float64)
         step = self._expand(k32.to(torch.float64) / self.levels, n)  # kappa Delta
         if self.subtractive:
             xt = step * (q - (_uniforms(n, generator, dev) - 0.5))

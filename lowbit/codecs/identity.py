@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, pack_header
 from .kernels import empty_output, kernels_for
 from .quantize import check_numel
 
@@ -54,24 +54,28 @@ class IdentityCodec(Codec):
 
     encode_reference = encode
 
-    def _check(self, payload: Payload) -> int:
-        (n,) = unpack_header(self.header_format, payload.header)
-        if payload.data.numel() != 4 * n:
-            raise ValueError(f"fp32 payload of {n} elements needs {4 * n} data bytes, got {payload.data.numel()}")
+    def _check(self, payload: Payload, numel: int | None) -> int:
+        """The frame: header, count (``numel``), ``4 n`` data bytes (PayloadError)."""
+        (n,) = frame_header(self, payload)
+        frame_count(self, n, numel)
+        frame_nbytes(self, payload.data, 4 * n, f"{n} float32 values")
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """One pass: a copy of the payload's floats, or their cast to ``dtype``."""
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
+        """One pass: a copy of the payload's floats, or their cast to ``dtype``. The values are
+        the sender's as they are (a non-finite one passes on: there is no scale to check)."""
         if kernels_for(payload.data) is None:
-            return self.decode_reference(payload, dtype=dtype)
-        n = self._check(payload)
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        n = self._check(payload, numel)
         out = empty_output(n, torch.float32 if dtype is None else dtype, payload.data.device)
         return out.copy_(bytes_as(payload.data, torch.float32))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The plain reference of :meth:`decode` (a copy, then a cast)."""
-        self._check(payload)
+        self._check(payload, numel)
         x = payload.data.clone().view(torch.float32)
         return x if dtype is None else x.to(dtype)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, pack_header
 from .identity import bytes_as
 from .kernels import empty_output, kernels_for
 from .quantize import check_numel
@@ -161,23 +161,23 @@ class HalfCodec(Codec):
         h = self.cast(x)
         return Payload(header=pack_header(self.header_format, x.numel(), device=x.device), data=h.view(torch.uint8))
 
-    def _check(self, payload: Payload) -> int:
-        (n,) = unpack_header(self.header_format, payload.header)
-        if payload.data.numel() != 2 * n:
-            raise ValueError(f"{self.dtype} payload of {n} elements needs {2 * n} data bytes, "
-                             f"got {payload.data.numel()}")
+    def _check(self, payload: Payload, numel: int | None) -> int:
+        """The frame: header, count (``numel``), ``2 n`` data bytes (PayloadError)."""
+        (n,) = frame_header(self, payload)
+        frame_count(self, n, numel)
+        frame_nbytes(self, payload.data, 2 * n, f"{n} {self.dtype} values")
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, numel: int | None = None) -> torch.Tensor:
         """One cast of the payload's 16-bit floats (read in place when aligned) into a new
         tensor, or into ``out`` (a contiguous 1-D tensor of ``numel`` elements of the decode's
         dtype on the payload's device, checked), which is returned."""
         K = kernels_for(payload.data, _FAMILY)
         if K is None:
-            return self.decode_reference(payload, dtype=dtype, out=out)
-        n = self._check(payload)
+            return self.decode_reference(payload, dtype=dtype, out=out, numel=numel)
+        n = self._check(payload, numel)
         dtype = torch.float32 if dtype is None else dtype
         if out is None:
             out = empty_output(n, dtype, payload.data.device)
@@ -199,9 +199,9 @@ class HalfCodec(Codec):
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-                         out: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, numel: int | None = None) -> torch.Tensor:
         """The plain reference of :meth:`decode` (with ``out``: the result copied into it)."""
-        n = self._check(payload)
+        n = self._check(payload, numel)
         dtype = torch.float32 if dtype is None else dtype
         if out is not None:
             check_out(out, n, dtype, payload.data.device)

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, pack_header
 from .kernels import kernels_for
-from .packing import check_packed, pack_bits, unpack_bits
+from .packing import pack_bits, packed_nbytes, unpack_bits
 from .quantize import Rounded, check_int_range, check_numel, check_rounding, round_to_int
 from .rng import draw_key
 
 __all__ = ["MinMaxCodec"]
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,9 @@ class MinMaxCodec(Rounded, Codec):
     way on both ends. Error: ``<= (max - min) / (2^b - 1) / 2`` with ``nearest``
     rounding (Bagua's choice, biased), ``< (max - min) / (2^b - 1)`` and
     unbiased with ``stochastic``. ``decode`` returns float32 unless ``dtype`` is
-    given. Non-finite inputs raise ValueError.
+    given. Range: finite ``x`` whose min and max fit float32 (others raise ValueError
+    on encode); the decode lies in ``[min, max]``. A payload whose min/max are not finite
+    or out of order, or whose data length does not match, is a PayloadError.
     """
 
     bits: int = 8
@@ -99,13 +103,22 @@ class MinMaxCodec(Rounded, Codec):
                                draw_key(generator) if stochastic else 0)
         return Payload(header=pack_header(self.header_format, n, lo, hi, device=x.device), data=data)
 
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, float, float]:
+        """``(n, min, max)`` of a payload, its frame checked (PayloadError)."""
+        n, lo, hi = frame_header(self, payload)
+        frame_count(self, n, numel)
+        frame_scale(self, lo, "min", _F32_MAX, -_F32_MAX)
+        frame_scale(self, hi, "max", _F32_MAX, lo)
+        frame_nbytes(self, payload.data, packed_nbytes(n, self.bits), f"{n} codes of {self.bits} bits")
+        return n, lo, hi
+
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        n, lo, hi = unpack_header(self.header_format, payload.header)
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         K = kernels_for(payload.data, "plain")
         if K is None:
-            return self.decode_reference(payload, dtype=dtype)
-        check_packed(payload.data, self.bits, n)
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        n, lo, hi = self._frame(payload, numel)
         dtype = torch.float32 if dtype is None else dtype
         scale = self._scale(lo, hi)
         if scale == 0:
@@ -126,9 +139,10 @@ class MinMaxCodec(Rounded, Codec):
         return Payload(header=header, data=pack_bits(codes.to(torch.int64), self.bits))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        n, lo, hi = unpack_header(self.header_format, payload.header)
+        n, lo, hi = self._frame(payload, numel)
         codes = unpack_bits(payload.data, self.bits, n).to(torch.float64)
         scale = self._scale(lo, hi)
         x = codes / scale + lo if scale > 0 else torch.full_like(codes, lo)

@@ -76,10 +76,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_ref, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, check_ref, frame_count, frame_header, frame_nbytes, pack_header
 from .dithered import _uniforms
 from .kernels import kernels_for
-from .radix import level_bits, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
+from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .quantize import check_int_range, check_numel, check_positive, finite_float64
 from .rng import draw_key
 
@@ -307,6 +307,11 @@ class NestedDitheredCodec(Codec):
     ``unbiased`` is True only for ``alpha = 1``, and then in the regime of correct
     decoding (guaranteed by ``|x - y| < safe_radius``): ``x_hat = x - e``.
     For ``alpha < 1`` the estimate is shrunk towards ``y`` by ``(1 - alpha^2) z``.
+
+    Range: finite ``x`` whose fine index ``|alpha x + u| / delta1`` stays below 2^52 (2^24 for
+    float32 on CUDA), where the arithmetic is exact; encode raises ValueError beyond. A
+    payload whose count is not ``ref``'s (or ``numel``'s), or whose data is not
+    ``levels_nbytes(numel, k)`` bytes, is a PayloadError before any kernel reads it.
     """
 
     delta1: float
@@ -422,16 +427,25 @@ class NestedDitheredCodec(Codec):
         self._check_index(worst, K.index_limit(x.dtype))
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_levels_fast(codes, self.k))
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None) -> torch.Tensor:
-        """Eq. (7) against the side information ``ref``."""
-        (n,) = unpack_header(self.header_format, payload.header)
+    def _frame(self, payload: Payload, ref: torch.Tensor | None, numel: int | None) -> int:
+        """The payload's count ``n``, its frame checked (PayloadError): the header, ``n`` against
+        ``numel`` and ``ref``'s length, the data's length; ``ref`` checked."""
+        (n,) = frame_header(self, payload)
+        frame_count(self, n, numel, ref=ref)
         check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
+        frame_nbytes(self, payload.data, levels_nbytes(n, self.k), f"{n} codes of {self.k} levels")
+        return n
+
+    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
+               generator: torch.Generator | None = None, numel: int | None = None) -> torch.Tensor:
+        """Eq. (7) against the side information ``ref``."""
+        n = self._frame(payload, ref, numel)
         self._need_generator(generator, "decode")
         K = kernels_for(ref, "dither")
         if K is None:
             return self.decode_reference(payload, ref=ref, generator=generator)
-        codes = unpack_levels_fast(payload.data.to(ref.device), self.k, n, K.code_dtype(self.code_bits))
+        codes = unpack_levels_fast(payload.data.to(ref.device), self.k, n, K.code_dtype(self.code_bits),
+                                   codec=self.name)
         return K.nested_decode(codes, ref, self.alpha, self.delta1, self.delta2, draw_key(generator))
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
@@ -442,11 +456,10 @@ class NestedDitheredCodec(Codec):
         return Payload(header=pack_header(self.header_format, n, device=x.device), data=pack_levels(codes, self.k))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        (n,) = unpack_header(self.header_format, payload.header)
-        check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
+        n = self._frame(payload, ref, numel)
         self._need_generator(generator, "decode")
-        codes = unpack_levels(payload.data.to(ref.device), self.k, n)
+        codes = unpack_levels(payload.data.to(ref.device), self.k, n, codec=self.name)
         u = self.dither(n, generator, device=ref.device)
         return self.reconstruct(codes, u, ref.detach()).to(ref.dtype)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .base import PayloadError
+
 __all__ = ["packed_nbytes", "check_packed", "check_wire_bytes", "pack_bits", "unpack_bits", "pack_wide", "unpack_wide"]
 
 _MAX_NARROW = 8
@@ -56,12 +58,13 @@ def check_packed(data: torch.Tensor, b: int, n: int) -> torch.Tensor:
 
 def check_wire_bytes(data: torch.Tensor, need: int, what: str) -> torch.Tensor:
     """``data`` is a 1-D uint8 tensor of exactly ``need`` bytes, the size of ``what`` (a phrase
-    such as "5 codes of 3 bits"); a TypeError / ValueError saying so otherwise."""
+    such as "5 codes of 3 bits"); a TypeError, or a PayloadError (a ValueError) for a wrong length."""
     if not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 1:
         desc = f"{data.dtype} {tuple(data.shape)}" if isinstance(data, torch.Tensor) else type(data).__name__
         raise TypeError(f"packed data must be a 1-D uint8 tensor, got {desc}")
     if data.numel() != need:
-        raise ValueError(f"{what} need exactly {need} bytes, got {data.numel()}")
+        raise PayloadError("packed data", f"exactly {need} bytes for {what}", f"{data.numel()}",
+                           f"{what} need exactly {need} bytes, got {data.numel()}")
     return data
 
 

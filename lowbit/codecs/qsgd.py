@@ -41,10 +41,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, frame_scales, \
+    pack_header
 from .kernels import kernels_for
-from .radix import check_levels_packed, level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, \
-    unpack_levels_fast
+from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64, lane_sums_reference, round_to_int
 from .rng import draw_key
 
@@ -116,7 +116,10 @@ class QSGDCodec(Codec):
     element on the wire) plus ``32 / bucket`` for the per-bucket norms.
 
     Arithmetic is float64; ``decode`` returns float32 unless ``dtype`` is
-    given. Non-finite inputs, and norms beyond float32, raise ValueError.
+    given. Non-finite inputs, and norms beyond float32, raise ValueError (the range:
+    finite ``x`` whose bucket norms fit float32; the decode is within ``+-norm``). A
+    payload whose norms are not finite, negative or beyond float32, or whose data
+    length does not match its count, is a PayloadError.
     """
 
     levels: int
@@ -161,17 +164,26 @@ class QSGDCodec(Codec):
     def _bucket(self, n: int) -> int:
         return max(1, n) if self.bucket is None else self.bucket
 
+    def _frame(self, payload: Payload, numel: int | None) -> int:
+        """The payload's count, its header and count checked (PayloadError)."""
+        fields = frame_header(self, payload)
+        frame_count(self, fields[0], numel)
+        if self.bucket is None:
+            frame_scale(self, fields[1], "norm", _F32_MAX)
+        return fields[0]
+
     def _norms_of(self, payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(float32 norms, packed codes)`` of a payload, on the data's device."""
+        """``(float32 norms, packed codes)`` of a payload whose header :meth:`_frame` checked, on
+        the data's device, the data's length and the norms checked (PayloadError)."""
         data = payload.data
         if self.bucket is None:
-            check_levels_packed(data, self.num_codes, n)
+            frame_nbytes(self, data, levels_nbytes(n, self.num_codes), f"{n} codes of {self.num_codes} levels")
             return payload.header[4:8].to(data.device).clone().view(torch.float32), data
         k = self._num_buckets(n)
-        need = 4 * k + levels_nbytes(n, self.num_codes)
-        if data.numel() != need:
-            raise ValueError(f"QSGD payload of {n} elements in {k} buckets needs {need} data bytes, got {data.numel()}")
-        return data[: 4 * k].clone().view(torch.float32), data[4 * k:]
+        frame_nbytes(self, data, 4 * k + levels_nbytes(n, self.num_codes),
+                     f"{k} bucket norms and {n} codes of {self.num_codes} levels")
+        norms = frame_scales(self, data[: 4 * k].clone().view(torch.float32), "bucket norm", _F32_MAX)
+        return norms, data[4 * k:]
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """``Q_s`` of each bucket: norms (rounded up to float32), then the codes."""
@@ -197,14 +209,15 @@ class QSGDCodec(Codec):
         return Payload(header=header, data=torch.cat([norms32.view(torch.uint8), packed]))
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         """``(code - s) norm / s``."""
-        n = unpack_header(self.header_format, payload.header)[0]
+        n = self._frame(payload, numel)
         K = kernels_for(payload.data, "dither")
         if K is None or n == 0:
-            return self.decode_reference(payload, dtype=dtype)
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
         norms32, data = self._norms_of(payload, n)
-        codes = unpack_levels_fast(data, self.num_codes, n, K.code_dtype(self.code_bits))
+        codes = unpack_levels_fast(data, self.num_codes, n, K.code_dtype(self.code_bits), codec=self.name)
         return K.qsgd_decode(codes, norms32.to(torch.float64) / self.levels, self._bucket(n), self.levels,
                              torch.float32 if dtype is None else dtype)
 
@@ -227,12 +240,13 @@ class QSGDCodec(Codec):
         return Payload(header=header, data=data)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        n = unpack_header(self.header_format, payload.header)[0]
+        n = self._frame(payload, numel)
         norms32, data = self._norms_of(payload, n)
         step = (norms32.to(torch.float64) / self.levels).repeat_interleave(self._bucket(n))[:n]
-        codes = unpack_levels(data, self.num_codes, n) if n else \
+        codes = unpack_levels(data, self.num_codes, n, codec=self.name) if n else \
             torch.empty(0, dtype=torch.int64, device=data.device)
         x = (codes - self.levels).to(torch.float64) * step
         return x.to(torch.float32 if dtype is None else dtype)

@@ -47,6 +47,7 @@ import math
 
 import torch
 
+from .base import PayloadError
 from .kernels import cpu_kernels, fast_backend, kernels_for
 from .packing import check_packed, check_wire_bytes, pack_bits, pack_wide, packed_nbytes, unpack_bits, unpack_wide
 
@@ -207,7 +208,7 @@ def pack_radix_reference(codes: torch.Tensor, L: int) -> torch.Tensor:
     return _pack_values(_group_limbs(c, L, limbs(b)), b)[:radix_nbytes(n, L)]
 
 
-def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+def unpack_radix_reference(data: torch.Tensor, L: int, n: int, codec: str | None = None) -> torch.Tensor:
     """The torch reference of :func:`unpack_radix`."""
     L, n = _check_levels(L), _check_n(n)
     g, b = radix_group(L)
@@ -220,14 +221,18 @@ def unpack_radix_reference(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
     # a value must fit its group's digits: < L^g, and < L^r for a last group of r symbols
     r = n - (m - 1) * g
     over[-1] |= bool((digits[-1, r:] != 0).any())
-    _raise_bad(int(over.sum()), L, m)
+    _raise_bad(int(over.sum()), L, m, codec)
     return digits.view(-1)[:n]
 
 
-def _raise_bad(bad: int, L: int, m: int) -> None:
+def _raise_bad(bad: int, L: int, m: int, codec: str | None = None) -> None:
+    """A PayloadError (naming ``codec``, else the packing) when ``bad`` of the ``m`` group values
+    exceed what their digits can hold: not the output of a radix-``L`` packing."""
     if bad:
-        raise ValueError(f"packed data is not a radix-{L} packing: {bad} of its {m} group values exceed "
-                         f"what their digits can hold")
+        name = codec or f"radix-{L}"
+        raise PayloadError(name, f"a radix-{L} packing", f"{bad} group values beyond their digits",
+                           f"malformed {name} payload: the packed data is not a radix-{L} packing: {bad} of its "
+                           f"{m} group values exceed what their digits can hold")
 
 
 # --- public API --------------------------------------------------------------------------------
@@ -242,17 +247,18 @@ def pack_radix(codes: torch.Tensor, L: int) -> torch.Tensor:
     return k.pack(_as_symbols(codes, L).contiguous(), L, *radix_group(L))
 
 
-def unpack_radix(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
+def unpack_radix(data: torch.Tensor, L: int, n: int, codec: str | None = None) -> torch.Tensor:
     """Inverse of :func:`pack_radix`: the ``n`` codes, as an int64 tensor. Raises
-    ValueError when ``data`` is not ``radix_nbytes(n, L)`` bytes or holds a group
-    value that its digits cannot hold (so not the output of :func:`pack_radix`)."""
+    ValueError when ``data`` is not ``radix_nbytes(n, L)`` bytes, and a PayloadError (naming
+    ``codec`` when given) when it holds a group value that its digits cannot hold (so not the
+    output of :func:`pack_radix`)."""
     k = _fast(data) if isinstance(data, torch.Tensor) else None
     if k is None:
-        return unpack_radix_reference(data, L, n)
+        return unpack_radix_reference(data, L, n, codec)
     L, n = _check_levels(L), _check_n(n)
     g, b = radix_group(L)
     out, bad = k.unpack(_check_data(data, n, L), L, g, b, n, torch.int64)
-    _raise_bad(bad, L, -(-n // g))
+    _raise_bad(bad, L, -(-n // g), codec)
     return out
 
 
@@ -314,10 +320,10 @@ def pack_levels(codes: torch.Tensor, L: int) -> torch.Tensor:
     return pack_radix_reference(codes, L) if radix_applies(L) else pack_wide(codes, level_width(L))
 
 
-def unpack_levels(data: torch.Tensor, L: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_levels` (int64 codes)."""
+def unpack_levels(data: torch.Tensor, L: int, n: int, codec: str | None = None) -> torch.Tensor:
+    """Inverse of :func:`pack_levels` (int64 codes); ``codec`` names the codec in a PayloadError."""
     L = _check_any_levels(L)
-    return unpack_radix_reference(data, L, n) if radix_applies(L) else unpack_wide(data, level_width(L), n)
+    return unpack_radix_reference(data, L, n, codec) if radix_applies(L) else unpack_wide(data, level_width(L), n)
 
 
 def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
@@ -329,14 +335,15 @@ def pack_levels_fast(codes: torch.Tensor, L: int) -> torch.Tensor:
     return kernels_for(codes).pack(codes, level_width(L))
 
 
-def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+def unpack_levels_fast(data: torch.Tensor, L: int, n: int, dtype: torch.dtype = torch.uint8,
+                       codec: str | None = None) -> torch.Tensor:
     """The fast path's :func:`unpack_levels`: the ``n`` codes as ``dtype`` (a dtype that holds
-    ``L - 1``). ``data`` must be exactly :func:`levels_nbytes` bytes (ValueError otherwise, and
-    for group values that their digits cannot hold)."""
+    ``L - 1``). ``data`` must be exactly :func:`levels_nbytes` bytes (ValueError otherwise, before
+    any kernel runs; a PayloadError naming ``codec`` for group values that their digits cannot hold)."""
     data = check_levels_packed(data, L, n)
     if not radix_applies(L):
         return kernels_for(data).unpack(data, level_width(L), n, dtype)
     g, b = radix_group(L)
     out, bad = kernels_for(data, "radix").unpack(data, L, g, b, n, dtype)
-    _raise_bad(int(bad), L, -(-n // g))
+    _raise_bad(int(bad), L, -(-n // g), codec)
     return out

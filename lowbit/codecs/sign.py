@@ -27,14 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, pack_header
 from .kernels import kernels_for
-from .packing import check_packed, pack_bits, unpack_bits
+from .packing import pack_bits, packed_nbytes, unpack_bits
 from .quantize import check_numel, finite_float64, lane_sums_reference
 
 __all__ = ["SignCodec", "SIGN_SCALES"]
 
 SIGN_SCALES = ("mean_abs", "rms", "none")
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,10 @@ class SignCodec(Codec):
     Header ``<if`` (numel, scale as float32), or ``<i`` for ``"none"``; data:
     bit ``1`` for ``x_i >= 0`` (zero is sent as ``+``), ``0`` for ``x_i < 0``,
     packed 1 bit each. Non-finite inputs and scales beyond float32 raise
-    ValueError. ``decode`` returns float32 unless ``dtype`` is given.
+    ValueError (the range: finite ``x`` whose scale fits float32; the decode is
+    ``+-scale``). ``decode`` returns float32 unless ``dtype`` is given; a payload whose
+    scale is not finite, negative or beyond float32, or whose data is not
+    ``ceil(numel / 8)`` bytes, is a PayloadError.
     """
 
     scale: str = "mean_abs"
@@ -101,15 +105,21 @@ class SignCodec(Codec):
             raise ValueError("x must be finite for the sign codec")
         return self._payload(n, total, data, x.device)
 
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, float]:
+        """``(n, scale)`` of a payload, its frame checked (PayloadError)."""
+        fields = frame_header(self, payload)
+        n = frame_count(self, fields[0], numel)
+        c = 1.0 if self.scale == "none" else frame_scale(self, fields[1], "scale", _F32_MAX)
+        frame_nbytes(self, payload.data, packed_nbytes(n, 1), f"{n} sign bits")
+        return n, c
+
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        fields = unpack_header(self.header_format, payload.header)
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         K = kernels_for(payload.data, "plain")
         if K is None:
-            return self.decode_reference(payload, dtype=dtype)
-        n = fields[0]
-        check_packed(payload.data, 1, n)
-        c = 1.0 if self.scale == "none" else fields[1]
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        n, c = self._frame(payload, numel)
         return K.sign_decode(payload.data, n, c, torch.float32 if dtype is None else dtype)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
@@ -123,11 +133,10 @@ class SignCodec(Codec):
         return self._payload(n, total, data, x.device)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        fields = unpack_header(self.header_format, payload.header)
-        n = fields[0]
-        c = 1.0 if self.scale == "none" else fields[1]
+        n, c = self._frame(payload, numel)
         bits = unpack_bits(payload.data, 1, n)
         x = (2 * bits - 1).to(torch.float64) * c
         return x.to(torch.float32 if dtype is None else dtype)

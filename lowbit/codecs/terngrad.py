@@ -23,14 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, frame_scale, \
+    pack_header
 from .kernels import kernels_for
-from .radix import check_levels_packed, level_bits, pack_levels, unpack_levels
+from .radix import level_bits, levels_nbytes, pack_levels, unpack_levels
 from .qsgd import float32_up
 from .quantize import check_numel, finite_float64, round_to_int
 from .rng import draw_key
 
 __all__ = ["TernGradCodec"]
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,10 @@ class TernGradCodec(Codec):
     than 5 trits hold) is refused with ValueError.
 
     Arithmetic is float64; ``decode`` returns float32 unless ``dtype`` is
-    given. Non-finite inputs and scales beyond float32 raise ValueError.
+    given. Non-finite inputs and scales beyond float32 raise ValueError (the range:
+    finite ``x`` with ``max |x|`` within float32; the decode is ``0`` or ``+-scale``). A
+    payload whose scale is not finite, negative or beyond float32, or whose data length
+    is not ``ceil(numel / 5)`` bytes, is a PayloadError.
     """
 
     name = "terngrad"
@@ -77,17 +83,26 @@ class TernGradCodec(Codec):
         data = K.terngrad_encode(x, scale, draw_key(generator))
         return Payload(header=pack_header(self.header_format, n, scale, device=x.device), data=data)
 
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, float]:
+        """``(n, scale)`` of a payload, its frame checked (PayloadError)."""
+        n, scale = frame_header(self, payload)
+        frame_count(self, n, numel)
+        frame_scale(self, scale, "scale", _F32_MAX)
+        frame_nbytes(self, payload.data, levels_nbytes(n, 3), f"{n} trits")
+        return n, scale
+
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        n, scale = unpack_header(self.header_format, payload.header)
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         K = kernels_for(payload.data, "plain")
         if K is None:
-            return self.decode_reference(payload, dtype=dtype)
-        check_levels_packed(payload.data, 3, n)
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        n, scale = self._frame(payload, numel)
         x, valid = K.terngrad_decode(payload.data, n, scale, torch.float32 if dtype is None else dtype)
         if not valid:
-            raise ValueError("TernGrad payload holds a byte that is not 5 ternary digits (a value above 242, "
-                             "or above 3^r - 1 in a last byte of r digits)")
+            raise PayloadError(self.name, "bytes of 5 ternary digits", "a byte that is not", "malformed terngrad "
+                               "payload: it holds a byte that is not 5 ternary digits (a value above 242, or above "
+                               "3^r - 1 in a last byte of r digits)")
         return x
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
@@ -100,9 +115,10 @@ class TernGradCodec(Codec):
         return Payload(header=pack_header(self.header_format, n, scale, device=x.device), data=pack_levels(codes, 3))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        n, scale = unpack_header(self.header_format, payload.header)
-        codes = unpack_levels(payload.data, 3, n)
+        n, scale = self._frame(payload, numel)
+        codes = unpack_levels(payload.data, 3, n, codec=self.name)
         x = (codes - 1).to(torch.float64) * scale
         return x.to(torch.float32 if dtype is None else dtype)

@@ -21,16 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, pack_header
 from .kernels import kernels_for
 from .quantize import INT32_MAX, Rounded, check_numel, check_positive, check_rounding, error_bound, round_to_int
-from .radix import check_levels_packed, level_width, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
+from .radix import level_width, levels_nbytes, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
     unpack_levels_fast
 from .rng import draw_key
 
 __all__ = ["UniformCodec"]
 
 _MAX_SPAN = 2**32 - 1
+_F32_MAX = float(torch.finfo(torch.float32).max)
 _WORD_DTYPE = {8: torch.uint8, 16: torch.uint16}
 
 
@@ -55,6 +56,11 @@ class UniformCodec(Rounded, Codec):
     Arithmetic is float64 internally; ``decode`` returns float32 unless
     ``dtype`` is given. Error ``|decode - x| <= error_bound`` (= ``step`` for
     stochastic rounding, ``step / 2`` for nearest), up to float rounding.
+
+    Range: finite ``x`` whose grid points ``step n`` all fit float32 (``|x| + step`` at
+    most float32's largest value, about 3.4e38), and whose codes fit the header (above).
+    Encode refuses others with a ValueError; a payload whose offset and span reach beyond
+    float32 is a PayloadError.
     """
 
     step: float
@@ -88,7 +94,26 @@ class UniformCodec(Rounded, Codec):
                 f"step={self.step} is too small for x (or x is not finite): the codes span "
                 f"[{lo:.6g}, {hi:.6g}], but the offset must fit int32 and the range 32 bits"
             )
+        if self._reach(int(lo), int(hi - lo)) > _F32_MAX:
+            raise ValueError(f"x is out of the uniform codec's range: its grid points reach "
+                             f"{self._reach(int(lo), int(hi - lo)):.6g} (step={self.step}), beyond float32's "
+                             f"largest value {_F32_MAX:.6g}")
         return int(lo), int(hi - lo)
+
+    def _reach(self, offset: int, top: int) -> float:
+        """The largest ``|step n|`` of the codes ``offset..offset + top`` (float64)."""
+        return max(abs(offset), abs(offset + top)) * self.step
+
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, int, int]:
+        """``(n, offset, top)`` of a payload, its frame checked (PayloadError)."""
+        n, offset, top = frame_header(self, payload)
+        frame_count(self, n, numel)
+        if self._reach(offset, top) > _F32_MAX:
+            raise PayloadError(self.name, f"codes whose grid points fit float32 (step={self.step})",
+                               f"offset {offset} and span {top}")
+        L = max(2, top + 1)
+        frame_nbytes(self, payload.data, levels_nbytes(n, L), f"{n} codes of {L} levels")
+        return n, offset, top
 
     def _empty(self, x: torch.Tensor) -> Payload:
         return Payload(header=pack_header(self.header_format, 0, 0, 0, device=x.device),
@@ -119,18 +144,18 @@ class UniformCodec(Rounded, Codec):
         return Payload(header=pack_header(self.header_format, n, offset, top, device=x.device), data=data)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        n, offset, top = unpack_header(self.header_format, payload.header)
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         K = kernels_for(payload.data, "plain")
-        if K is None or top > _MAX_SPAN:
-            return self.decode_reference(payload, dtype=dtype)
+        if K is None:
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        n, offset, top = self._frame(payload, numel)
         L = max(2, top + 1)
         out = torch.float32 if dtype is None else dtype
         if radix_applies(L):  # the codes one per byte (16-bit words above 256 levels): the 8 (16)-bit packing
             w = _radix_word(L)
-            codes = unpack_levels_fast(payload.data, L, n, _WORD_DTYPE[w]).view(torch.uint8)
+            codes = unpack_levels_fast(payload.data, L, n, _WORD_DTYPE[w], codec=self.name).view(torch.uint8)
             return K.uniform_decode(codes, w, n, offset, self.step, out)
-        check_levels_packed(payload.data, L, n)
         return K.uniform_decode(payload.data, level_width(L), n, offset, self.step, out)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
@@ -145,12 +170,11 @@ class UniformCodec(Rounded, Codec):
         return Payload(header=pack_header(self.header_format, n, lo_i, top, device=x.device), data=data)
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
-        n, offset, top = unpack_header(self.header_format, payload.header)
-        if top > _MAX_SPAN:
-            raise ValueError(f"uniform: a header's code span {top} is beyond 32 bits")
+        n, offset, top = self._frame(payload, numel)
         L = max(2, top + 1)
-        codes = unpack_levels(check_levels_packed(payload.data, L, n), L, n)
+        codes = unpack_levels(payload.data, L, n, codec=self.name)
         x = (codes + offset).to(torch.float64) * self.step
         return x.to(torch.float32 if dtype is None else dtype)

@@ -18,7 +18,8 @@ import numba
 import numpy as np
 import torch
 
-from ..modulo import check_grid_reach
+from ..modulo import GRID_LIMIT as MODULO_GRID_LIMIT
+from ..modulo import check_grid_reach, modulo_range_error
 from ..modulo import HASH_HIGH as MODULO_HASH_HIGH
 from ..modulo import HASH_SALT as MODULO_HASH_SALT
 from ..modulo import HASH_STEP as MODULO_HASH_STEP
@@ -243,33 +244,44 @@ def _stats(x):
 @_jit
 def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes):
     """Codes ``Q((x / B) mod 1) * levels mod levels`` (see ModuloCodec; ``levels`` a
-    power of two); returns the non-finite flag."""
+    power of two); returns 1 when an element is not finite, else 2 when one is out of the
+    codec's range (``|x| / B > 2^53 / levels - 1``: :func:`lowbit.codecs.modulo.modulo_range`),
+    else 0."""
     L = float(levels)
+    lim = MODULO_GRID_LIMIT / L - 1.0
     mask = levels - 1
     bad = False
+    far = False
     if stochastic:
         for i in range(x.shape[0]):
             xv = np.float64(x[i])
             bad |= nonfinite(xv)
+            far |= abs(xv) * inv_B > lim
             c = round_stochastic(centered_mod(xv * inv_B, 1.0, 1.0) * L, k0, k1, i)
             codes[i] = np.uint8(np.int64(c) & mask)
     else:
         for i in range(x.shape[0]):
             xv = np.float64(x[i])
             bad |= nonfinite(xv)
+            far |= abs(xv) * inv_B > lim
             c = rint(centered_mod(xv * inv_B, 1.0, 1.0) * L)
             codes[i] = np.uint8(np.int64(c) & mask)
-    return bad
+    return 1 if bad else (2 if far else 0)
 
 
 @_jit
 def _modulo_decode(codes, B, levels, y, out):
-    """Eq. (5): ``(q B/levels - y) mod B + y``, into ``out`` (``y``'s dtype)."""
+    """Eq. (5): ``(q B/levels - y) mod B + y``, into ``out`` (``y``'s dtype). Returns True when
+    an element of ``y`` is out of the codec's range (as :func:`_modulo_encode`'s flag 2)."""
     step = B / float(levels)
     inv_B = 1.0 / B
+    lim = MODULO_GRID_LIMIT / float(levels) - 1.0
+    far = False
     for i in range(codes.shape[0]):
         yv = np.float64(y[i])
+        far |= abs(yv) * inv_B > lim
         out[i] = centered_mod(float(codes[i]) * step - yv, B, inv_B) + yv
+    return far
 
 
 # --- torch-level API (the same names and signatures as the Triton module) --------------------
@@ -320,8 +332,11 @@ def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key:
     ``key`` or to nearest."""
     codes = torch.empty(x.numel(), dtype=torch.uint8)
     k0, k1 = keys(key)
-    if _modulo_encode(as_numba(x), 1.0 / B, levels, stochastic, k0, k1, codes.numpy()):
+    flag = _modulo_encode(as_numba(x), 1.0 / B, levels, stochastic, k0, k1, codes.numpy())
+    if flag == 1:
         raise nonfinite_error("modulo")
+    if flag == 2:
+        raise modulo_range_error("x", float(x.detach().abs().max()), B, levels)
     return codes
 
 
@@ -330,7 +345,8 @@ def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor)
     model)."""
     y = ref.detach()
     out = empty_output(codes.numel(), y.dtype if y.dtype in (torch.float32, torch.float64) else torch.float32)
-    _modulo_decode(np_view(codes), float(B), levels, as_numba(y), out.numpy())
+    if _modulo_decode(np_view(codes), float(B), levels, as_numba(y), out.numpy()):
+        raise modulo_range_error("ref", float(y.abs().max()), B, levels)
     return out.to(y.dtype)
 
 
@@ -460,7 +476,7 @@ def _moniqua_send(x, inv_B, B, levels, stochastic, k0, k1, bits, block, codes, x
     ``x`` into ``xhat`` with the block hashes, written ``<u2`` at ``msg[hash_at:]``. Returns
     (non-finite flag, largest ``levels |k|``)."""
     n = x.shape[0]
-    bad = _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes)
+    bad = _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes) == 1  # out of range: the reach below
     nbytes = (n * bits + 7) // 8
     _pack(codes, bits, msg[:nbytes])
     m = np.empty(n, dtype=np.int64)
