@@ -9,10 +9,24 @@ strings, None, and lists/tuples/dicts of them (so that it loads with
 :func:`save_checkpoint` writes ``PATH.tmp-PID``, fsyncs it, keeps the
 checkpoint already at ``PATH`` (if any) as ``PATH.prev`` and renames the new
 file onto ``PATH`` (then fsyncs the folder): a crash at any moment leaves
-either the old or the new checkpoint complete at ``PATH``.
+either the old or the new checkpoint complete at ``PATH``. A process killed
+during a save leaves its ``PATH.tmp-PID`` (or ``PATH.prev.tmp-PID``) behind:
+the next save or load of ``PATH`` removes those of PIDs no longer alive on
+this machine (:func:`remove_stale_temporaries`).
 :func:`load_checkpoint` refuses a file whose magic, length or checksum is
 wrong with a :class:`CheckpointError` naming the file (and ``PATH.prev`` when
-that exists).
+that exists); :func:`check_fields` refuses one whose checksum is valid but
+whose content lacks a field its reader needs, naming the file and the field.
+
+Resuming is collective (:func:`agree_resume`): every rank reads its current
+and previous file (:func:`candidates`), the ranks exchange the steps they have
+and why a file was refused (a bounded UTF-8 note in a tensor, never a pickle),
+and all take the newest step every rank has. A rank that resumes from an older
+step than its newest file says so with a :class:`CheckpointFallbackWarning`
+naming the refused file, why, and the step it falls back to; with
+``fallback="error"`` a refused newest file on any rank is a
+:class:`CheckpointError` on every rank instead. :func:`agree_outcome` makes a
+failure to restore on one rank the same error on every rank.
 
 Random number generator states are stored as tensors (:func:`rng_state`,
 :func:`set_rng_state`): torch's and CUDA's byte tensors, numpy's MT19937 key
@@ -26,6 +40,9 @@ import io
 import os
 import random
 import struct
+import warnings
+from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +54,56 @@ _HEAD = struct.Struct("<8sI32sQ")
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, corrupt, or does not match the run resuming from it."""
+
+
+class CheckpointFallbackWarning(UserWarning):
+    """A resume from an older step than this rank's newest checkpoint file: that file was refused
+    (corrupt, truncated, foreign or incomplete), or another rank has no good checkpoint of its step."""
+
+
+# What a resume does when a rank's newest checkpoint file is refused: warn and fall back to the
+# newest step every rank still has, or raise a CheckpointError on every rank.
+RESUME_FALLBACKS = ("warn", "error")
+MISSING, REFUSED = -1, -2  # a candidate's step when its file is absent, or present but refused
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (POSIX; one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[str]:
+    """Remove the temporaries :func:`save_checkpoint` leaves when killed during a save of
+    ``path``: ``PATH.tmp-PID`` and ``PATH.prev.tmp-PID`` whose PID is not alive on this
+    machine (POSIX only; nothing else in the folder is touched). Returns the removed paths."""
+    if os.name != "posix":  # os.kill(pid, 0) would end the process elsewhere
+        return []
+    folder, base = os.path.split(os.path.abspath(os.fspath(path)))
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        for stem in (base + ".tmp-", base + ".prev.tmp-"):
+            pid = name[len(stem):]
+            if not (name.startswith(stem) and pid.isdigit() and pid.isascii()):
+                continue
+            pid = int(pid)
+            if pid <= 0 or pid == os.getpid() or _alive(pid):
+                continue
+            try:
+                os.remove(os.path.join(folder, name))
+                removed.append(os.path.join(folder, name))
+            except OSError:  # gone already, or a read-only folder
+                pass
+    return removed
 
 
 def _fsync_dir(folder: str) -> None:
@@ -60,6 +127,7 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> str:
     body = buf.getvalue()
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
+    remove_stale_temporaries(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -83,10 +151,16 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> str:
 
 def load_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
     """The state :func:`save_checkpoint` wrote to ``path``, checked against its checksum and
-    loaded with ``weights_only=True``; :class:`CheckpointError` otherwise."""
+    loaded with ``weights_only=True``; :class:`CheckpointError` otherwise. Removes the
+    temporaries of a save of ``path`` killed midway (:func:`remove_stale_temporaries`)."""
     path = os.fspath(path)
     prev = path + ".prev"
-    hint = f"; the previous checkpoint {prev} may be used instead" if os.path.isfile(prev) else ""
+    remove_stale_temporaries(path)
+    return _load(path, map_location, f"; the previous checkpoint {prev} may be used instead"
+                 if os.path.isfile(prev) else "")
+
+
+def _load(path: str, map_location, hint: str) -> dict:
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -111,6 +185,42 @@ def load_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
         return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - weights_only refuses anything that could run code
         raise CheckpointError(f"checkpoint {path} holds objects that weights_only=True refuses ({e})") from None
+
+
+# The fields of the parts every checkpoint format shares (see check_fields): a key ending in "?"
+# may be absent; a value is the type(s) the field must have, or the fields of a dict.
+OPTIMIZER_FIELDS = {"state": dict, "param_groups": list}
+ALGORITHM_STATE_FIELDS = {"tensors": dict, "extra?": dict}
+LEDGER_FIELDS = {"ops": list, "rows": torch.Tensor}
+RNG_FIELDS = {"torch": torch.Tensor, "numpy_keys": torch.Tensor, "numpy_pos": int, "numpy_has_gauss": int,
+              "numpy_gauss": (float, int), "python_version": int, "python_internal": torch.Tensor,
+              "python_gauss_next": (float, type(None)), "cuda?": torch.Tensor}
+
+
+def check_fields(state, fields: dict, path: str, _prefix: str = "") -> None:
+    """A :class:`CheckpointError` naming ``path`` and the field when ``state`` (a loaded
+    checkpoint: its checksum cannot tell a file saved without a field) lacks a field of ``fields`` or holds one of another
+    type. ``fields``: name -> type, tuple of types, or the fields of a nested dict; a name
+    ending in ``?`` is optional."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path}: {_prefix.rstrip('.') or 'its content'} is a "
+                              f"{type(state).__name__}, not a dict (written by another program or version)")
+    for key, want in fields.items():
+        name = key.rstrip("?")
+        if name not in state:
+            if key.endswith("?"):
+                continue
+            raise CheckpointError(f"checkpoint {path} has no field '{_prefix}{name}' (written by another "
+                                  f"program or version, or edited)")
+        value = state[name]
+        if isinstance(want, dict):
+            check_fields(value, want, path, f"{_prefix}{name}.")
+            continue
+        types = want if isinstance(want, tuple) else (want,)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise CheckpointError(f"checkpoint {path}: field '{_prefix}{name}' is a {type(value).__name__}, "
+                                  f"not a {' or '.join(t.__name__ for t in types)} (written by another program "
+                                  f"or version, or edited)")
 
 
 def rng_state() -> dict:
@@ -165,29 +275,141 @@ def restore_ledger(ledger, state: dict) -> None:
         ledger.records[s].append(CommRecord(ops[op], nb, sent, msgs, peers))
 
 
-def newest_common_step(table: list[list[int]], where: str) -> int | None:
+def newest_common_step(table: list[list[int]], where: str, refused: str = "") -> int | None:
     """The newest step that every rank has a good checkpoint of. ``table[r]``: the steps of
-    rank r's candidate files (-1: missing or corrupt). None when no rank has any checkpoint;
-    a :class:`CheckpointError` when some do but no step is common to all."""
-    if all(s < 0 for row in table for s in row):
+    rank r's candidate files (:data:`MISSING`, :data:`REFUSED`: absent, or present but
+    refused, as ``refused`` says). None when no rank has any checkpoint file; a
+    :class:`CheckpointError` when some do but no step is common to all (also when every
+    file there was refused: starting afresh would overwrite them)."""
+    why = f" (refused: {refused})" if refused else ""
+    if all(s == MISSING for row in table for s in row):
         return None
     common = set.intersection(*({s for s in row if s >= 0} for row in table))
     if not common:
         raise CheckpointError(f"cannot resume from {where}: no step has a good checkpoint on every rank "
-                              f"(steps per rank, current and previous file: {table}); every rank must "
-                              f"resume from the same step")
+                              f"(steps per rank, current and previous file: {table}; {MISSING}: none, "
+                              f"{REFUSED}: refused){why}; every rank must resume from the same step")
     return max(common)
 
 
-def candidates(path: str | os.PathLike) -> list[tuple[int, dict | None]]:
-    """(step, state) of ``path`` and of the previous checkpoint ``path.prev``; (-1, None)
-    for a file that is missing, corrupt or has no step."""
+class Candidate(NamedTuple):
+    """One checkpoint file a rank may resume from: its step (or :data:`MISSING` /
+    :data:`REFUSED`), its state when good, and why it was refused."""
+
+    path: str
+    step: int
+    state: dict | None
+    reason: str = ""
+
+
+def candidates(path: str | os.PathLike, fields: dict | None = None) -> list[Candidate]:
+    """The current file ``path`` and the previous checkpoint ``path.prev``, each read and
+    checked (:func:`load_checkpoint`; a ``step`` >= 0 and :func:`check_fields` of ``fields``);
+    a file that is absent is :data:`MISSING`, one that fails a check :data:`REFUSED` with the
+    reason. Removes stale temporaries first (:func:`remove_stale_temporaries`)."""
     path = os.fspath(path)
-    out: list[tuple[int, dict | None]] = []
+    remove_stale_temporaries(path)
+    out = []
     for p in (path, path + ".prev"):
+        if not os.path.lexists(p):
+            out.append(Candidate(p, MISSING, None))
+            continue
         try:
-            state = load_checkpoint(p)
-            out.append((int(state["step"]), state))
-        except (CheckpointError, KeyError, TypeError, ValueError):
-            out.append((-1, None))
+            state = _load(p, None, "")
+            check_fields(state, {"step": int, **(fields or {})}, p)
+            if state["step"] < 0:
+                raise CheckpointError(f"checkpoint {p}: step {state['step']} is negative")
+            out.append(Candidate(p, int(state["step"]), state))
+        except CheckpointError as e:
+            out.append(Candidate(p, REFUSED, None, str(e)))
     return out
+
+
+NOTE_BYTES = 2048  # the bound on the UTF-8 note each rank sends with its numbers (agree_resume, agree_outcome)
+
+
+def exchange_notes(gather: Callable[[torch.Tensor], list[torch.Tensor]], numbers: list[int],
+                   note: str) -> list[tuple[list[int], str]]:
+    """Collective: every rank's ``numbers`` (int64, the same count on every rank) and ``note``
+    (UTF-8, cut at :data:`NOTE_BYTES`), in rank order, through one all-gather of a fixed-size
+    uint8 tensor: nothing is unpickled, and a peer's stated note length is bounded.
+    ``gather``: the transport's all-gather (untracked, on the device its backend needs)."""
+    head = struct.Struct(f"<{len(numbers)}qI")
+    text = note.encode("utf-8")[:NOTE_BYTES]
+    raw = bytearray(head.size + NOTE_BYTES)
+    head.pack_into(raw, 0, *numbers, len(text))
+    raw[head.size:head.size + len(text)] = text
+    out = []
+    for t in gather(torch.frombuffer(raw, dtype=torch.uint8).clone()):
+        got = t.detach().cpu().numpy().tobytes()
+        if len(got) != len(raw):
+            raise CheckpointError(f"a rank sent {len(got)} bytes of checkpoint agreement, not {len(raw)}")
+        *nums, n = head.unpack_from(got)
+        out.append((list(nums), got[head.size:head.size + min(n, NOTE_BYTES)].decode("utf-8", "replace")))
+    return out
+
+
+def _by_text(items: list[tuple[int, str]]) -> str:
+    """``text (rank(s) [0, 1])`` when the ranks agree, else ``rank(s) [0, 2]: text; rank(s) [1]: other``."""
+    groups: dict[str, list[int]] = {}
+    for r, text in items:
+        groups.setdefault(text, []).append(r)
+    if len(groups) == 1:
+        (text, ranks), = groups.items()
+        return f"{text} (rank(s) {ranks})"
+    return "; ".join(f"rank(s) {ranks}: {text}" for text, ranks in groups.items())
+
+
+def agree_resume(found: list[Candidate], gather: Callable[[torch.Tensor], list[torch.Tensor]], where: str,
+                 rank: int, fallback: str = "warn") -> tuple[Candidate | None, dict]:
+    """Collective: the candidate (of :func:`candidates`) of the newest step that every rank has a
+    good checkpoint of, and what happened (``{"resumed_from_step", "fell_back", "refused"}``,
+    the same on every rank); ``(None, {})`` when no rank has any checkpoint file.
+
+    A rank that resumes from an older step than its newest file (refused, or of a step another
+    rank lacks), or that refused a file, says so with a :class:`CheckpointFallbackWarning`
+    naming the file, why, and the step it resumes from. ``fallback="error"``: a refused newest
+    file on any rank is a :class:`CheckpointError` on every rank instead. ``where``: the
+    checkpoint folder or file, for the messages."""
+    if fallback not in RESUME_FALLBACKS:
+        raise ValueError(f"resume fallback={fallback!r} is unknown; choose one of: {', '.join(RESUME_FALLBACKS)}")
+    mine = "; ".join(c.reason for c in found if c.step == REFUSED)  # each names its file
+    rows = exchange_notes(gather, [c.step for c in found], mine)
+    table = [nums for nums, _ in rows]
+    refused = _by_text([(r, text) for r, (nums, text) in enumerate(rows) if REFUSED in nums])
+    newest_refused = [r for r, row in enumerate(table) if row[0] == REFUSED]
+    if fallback == "error" and newest_refused:
+        raise CheckpointError(f"cannot resume: the newest checkpoint of rank(s) {newest_refused} was refused "
+                              f"({refused}); resume fallback='error' does not fall back to an older step "
+                              f"(fallback='warn' does, with a warning)")
+    step = newest_common_step(table, where, refused)
+    if step is None:
+        return None, {}
+    chosen = next(c for c in found if c.step == step)
+    info = {"resumed_from_step": step, "fell_back": any(row[0] != step for row in table),
+            "refused": refused}
+    newest = found[0]
+    if newest is not chosen and newest.step != MISSING:
+        if newest.step == REFUSED:
+            why = f"{newest.path} was refused: {newest.reason}"
+        else:
+            lacking = [r for r, row in enumerate(table) if newest.step not in row]
+            why = (f"{newest.path} is of step {newest.step}, which rank(s) {lacking} have no good checkpoint of"
+                   + (f" (refused: {refused})" if refused else ""))
+        warnings.warn(f"rank {rank}: resuming from step {step} ({chosen.path}), not from its newest checkpoint: "
+                      f"{why}", CheckpointFallbackWarning, stacklevel=3)
+    elif any(c.step == REFUSED for c in found):
+        warnings.warn(f"rank {rank}: resuming from step {step} ({chosen.path}); {mine}", CheckpointFallbackWarning,
+                      stacklevel=3)
+    return chosen, info
+
+
+def agree_outcome(gather: Callable[[torch.Tensor], list[torch.Tensor]], step: int, error: str | None) -> list[int]:
+    """Collective: every rank's resumed ``step``, or a :class:`CheckpointError` on every rank, with
+    the same message, when a rank failed (``error``: why, naming its file). One all-gather
+    (:func:`exchange_notes`), so no rank is left waiting for one that raised."""
+    rows = exchange_notes(gather, [MISSING if error is not None else step], error or "")
+    failed = [(r, text) for r, (nums, text) in enumerate(rows) if nums[0] < 0]
+    if failed:
+        raise CheckpointError(_by_text(failed))
+    return [nums[0] for nums, _ in rows]

@@ -116,13 +116,18 @@ from ..comm.base import Transport
 from ..comm.inprocess import blocking
 from ..comm.ledger import Ledger
 from ..topology import Topology
-from .checkpoint import (CheckpointError, candidates, ledger_state, load_checkpoint, newest_common_step, restore_ledger, rng_state,
-                         save_checkpoint, set_rng_state)
+from .checkpoint import (ALGORITHM_STATE_FIELDS, LEDGER_FIELDS, OPTIMIZER_FIELDS, RNG_FIELDS, CheckpointError,
+                         agree_outcome, agree_resume, candidates, check_fields, ledger_state, load_checkpoint,
+                         restore_ledger, rng_state, save_checkpoint, set_rng_state)
 from .flat import FlatParams
 
 BUFFER_POLICIES = ("local", "average")
 StepCallback = Callable[[int, dict], None]  # on_step(step, stats)
 _FORMAT = 2  # 2: RNG states and the ledger as tensors (weights_only=True); 1 is still read
+# what a checkpoint must hold (check_fields), besides "step"; format 2 also "rng" (RNG_FIELDS)
+_FIELDS = {"format": int, "rank": int, "world_size": int, "algorithm": str, "numel": int, "step": int,
+           "module": dict, "optimizer": OPTIMIZER_FIELDS, "algorithm_state": ALGORITHM_STATE_FIELDS,
+           "ledger?": LEDGER_FIELDS, "rng?": dict}
 
 
 class DecentralizedDataParallel(nn.Module):
@@ -541,6 +546,7 @@ class DecentralizedDataParallel(nn.Module):
         self._no_exchange("load_checkpoint_state()")
         if not isinstance(state, dict) or state.get("format") not in (1, _FORMAT):
             raise ValueError("state is not a DecentralizedDataParallel checkpoint (missing or unknown 'format')")
+        check_fields(state, _fields(state), "state")
         for key, mine in (("world_size", self.world_size), ("rank", self.rank),
                           ("algorithm", self.algorithm.name), ("numel", len(self.flat))):
             if state[key] != mine:
@@ -573,47 +579,69 @@ class DecentralizedDataParallel(nn.Module):
         (:func:`lowbit.integrations.checkpoint.save_checkpoint`); returns the path."""
         return save_checkpoint(self.checkpoint_state(), path)
 
-    def resume_latest(self, path: str | os.PathLike) -> int | None:
+    def resume_latest(self, path: str | os.PathLike, fallback: str = "warn") -> int | None:
         """Resume from the newest step whose checkpoint verifies on *every* rank, looking at
         ``path`` and the previous checkpoint ``path.prev`` that :meth:`save_checkpoint` keeps
         (a rank killed during a save has only the older one). Collective. Returns the step
-        resumed from, or None when no rank has any checkpoint (a fresh start); a
-        :class:`~lowbit.integrations.checkpoint.CheckpointError` when checkpoints exist but no
-        step is common to all ranks. Made for restarts (``torchrun --max-restarts``)."""
+        resumed from, or None when no rank has any checkpoint file (a fresh start); a
+        :class:`~lowbit.integrations.checkpoint.CheckpointError` on every rank when checkpoints
+        exist but no step is common to all ranks, or one fails to load on some rank. A rank
+        whose newest file was refused (corrupt, truncated, foreign, incomplete) warns
+        (:class:`~lowbit.integrations.checkpoint.CheckpointFallbackWarning`, naming the file,
+        why, and the step it resumes from), as does every rank that resumes an older step than
+        its newest file; ``fallback="error"`` makes a refused newest file an error on every rank
+        instead. Made for restarts (``torchrun --max-restarts``)."""
         self._no_exchange("resume_latest()")
         _wait_channel(self.transport)
         path = os.fspath(path)
-        found = candidates(path)
-        mine = torch.tensor([s for s, _ in found], dtype=torch.int64)
-        with self.transport.untracked():
-            table = [t.tolist() for t in self.transport.all_gather(mine.to(self.flat.data.device))]
-        step = newest_common_step(table, path)
-        if step is None:
+        chosen, _ = agree_resume(candidates(path, _FIELDS), self._gather, path, self.rank, fallback)
+        if chosen is None:
             return None
-        state = next(st for s, st in found if s == step)
-        self.load_checkpoint_state(state)
-        return step
+        self._restore_agreed(chosen.path, lambda: chosen.state)
+        return chosen.step
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Resume from ``path`` (written by :meth:`save_checkpoint` on this rank).
         Collective: every rank calls it, and the ranks check that they all resume
         the same step of a run of the same world size and algorithm; otherwise a
-        :class:`~lowbit.integrations.checkpoint.CheckpointError` on every rank
-        (instead of a hang at the first exchange). A corrupt file is refused."""
+        :class:`~lowbit.integrations.checkpoint.CheckpointError` on every rank, with the
+        same message (instead of a hang at the first exchange). A corrupt or incomplete
+        file is refused (no fallback to ``path.prev``: :meth:`resume_latest` falls back)."""
         self._no_exchange("load_checkpoint()")
         _wait_channel(self.transport)
-        error = None
-        try:
+        path = os.fspath(path)
+
+        def read() -> dict:
             state = load_checkpoint(path, map_location=self.flat.data.device)
-            self.load_checkpoint_state(state)
-        except (CheckpointError, ValueError, KeyError) as e:
-            error = e
-        mine = torch.tensor([-1 if error else self.step_count], dtype=torch.int64)
+            check_fields(state, _fields(state), path)  # a missing field is named with the file
+            return state
+
+        check_resume_steps(self._restore_agreed(path, read), path)
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         with self.transport.untracked():
-            steps = [int(t) for t in self.transport.all_gather(mine.to(self.flat.data.device))]
-        if error is not None:
-            raise CheckpointError(f"rank {self.rank}: cannot resume from {os.fspath(path)}: {error}") from error
-        check_resume_steps(steps, os.fspath(path))
+            return self.transport.all_gather(t.to(self.flat.data.device))
+
+    def _restore_agreed(self, path: str, read: Callable[[], dict]) -> list[int]:
+        """:meth:`load_checkpoint_state` of ``read()``, then every rank's step; collective: a
+        failure on any rank (a refused file, a state that does not fit, any error of a
+        ``load_state_dict``) is the same CheckpointError on every rank."""
+        error = local = None
+        try:
+            self.load_checkpoint_state(read())
+        except Exception as e:  # noqa: BLE001 - every rank must learn of it, or the others wait
+            local = e
+            error = str(e) if isinstance(e, CheckpointError) else \
+                f"cannot resume from {path}: {type(e).__name__}: {e}"
+        try:
+            return agree_outcome(self._gather, self.step_count, error)
+        except CheckpointError as agreed:
+            raise agreed from local
+
+
+def _fields(state: dict) -> dict:
+    """The fields a checkpoint of ``state``'s format must hold (format 2: RNG states as tensors)."""
+    return {**_FIELDS, "rng": RNG_FIELDS} if state.get("format") == _FORMAT else _FIELDS
 
 
 def _bound_messages(transport: Transport, numel: int) -> None:

@@ -21,6 +21,7 @@ import torch
 from ..algorithms import ALGORITHMS
 from ..algorithms.options import AlgorithmOptions, opt
 from ..comm.netmodel import NetworkModel
+from ..integrations.checkpoint import RESUME_FALLBACKS
 from ..topology import TOPOLOGIES, WEIGHTINGS, make_topology
 from .tasks import SPLITS, TASKS
 
@@ -114,6 +115,9 @@ class TrainConfig(AlgorithmOptions):
     resume: str | None = opt(None, "continue from the newest step every worker has a good checkpoint of in this "
                               "folder; with --checkpoint-every, an empty folder starts afresh (for torchrun "
                               "--max-restarts: the same command resumes after a restart)")
+    resume_fallback: str = opt("warn", "when a worker's newest checkpoint in --resume is refused (corrupt, truncated, "
+                                "incomplete): warn (naming the file and why) and resume from the newest step every "
+                                "worker still has, or error; one of: " + ", ".join(RESUME_FALLBACKS))
     # --- tasks ---
     eval_every: int = opt(25, "evaluate every this many steps")
     dim: int = opt(16, "dimension of the quadratic task")
@@ -138,6 +142,7 @@ class TrainConfig(AlgorithmOptions):
         choice("weights", WEIGHTINGS)
         choice("lr_schedule", LR_SCHEDULES)
         choice("split", SPLITS)
+        choice("resume_fallback", RESUME_FALLBACKS)
         if not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
         self._check_workers_bound()

@@ -19,16 +19,21 @@ from ..comm.base import Transport
 from ..comm.inprocess import blocking
 from ..integrations import FlatParams, TensorBoardStats
 from ..topology import make_topology
-from ..integrations.checkpoint import (CheckpointError, candidates, ledger_state, newest_common_step, restore_ledger,
+from ..integrations.checkpoint import (ALGORITHM_STATE_FIELDS, LEDGER_FIELDS, OPTIMIZER_FIELDS, CheckpointError,
+                                       agree_outcome, agree_resume, candidates, ledger_state, restore_ledger,
                                        save_checkpoint)
 from .config import TrainConfig, resolve_device
 from .errors import Diverged, strict_json
 from .tasks import TASKS
 
 _CKPT_FORMAT = 1
+# what a checkpoint of format 1 must hold (besides "step"), checked before any rank resumes from it
+_CKPT_FIELDS = {"format": int, "rank": int, "world_size": int, "config": dict, "params": torch.Tensor,
+                "optimizer": OPTIMIZER_FIELDS, "algorithm_state": ALGORITHM_STATE_FIELDS, "data_gen": torch.Tensor,
+                "ledger": LEDGER_FIELDS, "compute": torch.Tensor, "evals": list}
 # options that may differ between a checkpointed run and the run resuming it
 RESUME_MAY_DIFFER = ("steps", "timeout", "stall_timeout", "tensorboard", "checkpoint_every", "checkpoint_dir",
-                     "resume", "device")
+                     "resume", "resume_fallback", "device")
 
 _INIT_LOCK = threading.Lock()
 
@@ -52,6 +57,9 @@ class WorkerResult:
     nominal_bits_per_element: float
     report: dict
     evals: list[dict] = field(default_factory=list)
+    # a resumed run: the step every rank resumed from, whether some rank fell back from its newest
+    # checkpoint, and which files were refused and why (the same on every rank); {} otherwise
+    resume: dict = field(default_factory=dict)
 
 
 def _evaluate(k, task, model, flat, transport, eval_model, eval_flat) -> dict:
@@ -111,19 +119,26 @@ def _comparable(cfg_dict: dict) -> dict:
     return {k: v for k, v in cfg_dict.items() if k not in RESUME_MAY_DIFFER}
 
 
-def _resume(cfg: TrainConfig, folder: str, transport: Transport, d: int) -> dict | None:
+def _gather(transport: Transport):
+    def gather(t: torch.Tensor) -> list[torch.Tensor]:
+        with transport.untracked():
+            return transport.all_gather(t)
+    return gather
+
+
+def _resume(cfg: TrainConfig, folder: str, transport: Transport) -> tuple[dict | None, dict]:
     """This rank's state of the newest step that every rank has a good checkpoint of in
-    ``folder`` (current or previous file), checked against this run; collective."""
-    found = candidates(checkpoint_path(folder, transport.rank))
-    with transport.untracked():
-        table = [t.tolist() for t in transport.all_gather(torch.tensor([s for s, _ in found], dtype=torch.int64))]
-    step = newest_common_step(table, folder)
-    if step is None:
-        return None
-    state = next(st for s, st in found if s == step)
-    if state.get("format") != _CKPT_FORMAT or state.get("world_size") != transport.world_size:
-        raise CheckpointError(f"cannot resume from {folder}: its checkpoints are of {state.get('world_size')} "
-                              f"workers, this run has {transport.world_size}")
+    ``folder`` (current or previous file; a refused newest file is a warning naming it, or an
+    error with ``resume_fallback="error"``), and what the ranks agreed; collective."""
+    found = candidates(checkpoint_path(folder, transport.rank), _CKPT_FIELDS)
+    chosen, info = agree_resume(found, _gather(transport), folder, transport.rank, cfg.resume_fallback)
+    return (None if chosen is None else {**chosen.state, "path": chosen.path}), info
+
+
+def _check_resumable(cfg: TrainConfig, folder: str, state: dict, n: int, d: int) -> None:
+    if state["format"] != _CKPT_FORMAT or state["world_size"] != n:
+        raise CheckpointError(f"cannot resume from {folder}: its checkpoints are of {state['world_size']} "
+                              f"workers, this run has {n}")
     theirs, mine = _comparable(state["config"]), _comparable(cfg.to_dict())
     differ = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
     if differ:
@@ -131,11 +146,30 @@ def _resume(cfg: TrainConfig, folder: str, transport: Transport, d: int) -> dict
                               + ", ".join(f"{k} ({theirs.get(k)!r} there, {mine.get(k)!r} here)" for k in differ))
     if state["params"].numel() != d:
         raise CheckpointError(f"cannot resume from {folder}: {state['params'].numel()} parameters, the model has {d}")
-    if step > cfg.steps:
-        raise CheckpointError(f"cannot resume from {folder}: it is at step {step}, beyond steps={cfg.steps}")
-    return state
+    if state["step"] > cfg.steps:
+        raise CheckpointError(f"cannot resume from {folder}: it is at step {state['step']}, beyond steps={cfg.steps}")
 
 
+def _restore(cfg: TrainConfig, state: dict, transport: Transport, d: int, flat, opt, algo,
+             data_gen) -> tuple[list[float], list[dict], int]:
+    """Check ``state`` against this run and load it (compute seconds, evaluations and step out);
+    collective: a failure on any rank is the same :class:`CheckpointError` on every rank."""
+    error = None
+    try:
+        _check_resumable(cfg, cfg.resume, state, transport.world_size, d)
+        with torch.no_grad():
+            flat.data.copy_(state["params"].to(flat.data.device))
+        opt.load_state_dict(state["optimizer"])
+        algo.load_state_dict(state["algorithm_state"])
+        data_gen.set_state(state["data_gen"])
+        restore_ledger(transport.ledger, state["ledger"])
+        restored = [float(c) for c in state["compute"].tolist()], list(state["evals"]), int(state["step"])
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure to restore ends every rank, with this message
+        error = f"cannot resume from {state['path']}: {type(e).__name__}: {e}"
+    agree_outcome(_gather(transport), int(state["step"]), error)
+    return restored
 class _MetricsStream:
     """Rank 0 appends each evaluation row to ``path`` as the run goes (flushed), so that a run
     that stops early keeps its metrics; the finished run's rows are written over it by train().
@@ -217,21 +251,14 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
     compute: list[float] = []
     evals: list[dict] = []
     start = 0
+    resumed: dict = {}
     if cfg.resume is not None:
-        state = _resume(cfg, cfg.resume, transport, d)
+        state, resumed = _resume(cfg, cfg.resume, transport)
         if state is None:
             if not cfg.checkpoint_every:  # a restart with nothing saved yet starts afresh; a --resume needs one
                 raise CheckpointError(f"resume={cfg.resume!r}: no checkpoint (rank*.pt) there")
         else:
-            with torch.no_grad():
-                flat.data.copy_(state["params"].to(flat.data.device))
-            opt.load_state_dict(state["optimizer"])
-            algo.load_state_dict(state["algorithm_state"])
-            data_gen.set_state(state["data_gen"])
-            restore_ledger(transport.ledger, state["ledger"])
-            compute = [float(c) for c in state["compute"].tolist()]
-            evals = list(state["evals"])
-            start = int(state["step"])
+            compute, evals, start = _restore(cfg, state, transport, d, flat, opt, algo, data_gen)
     metrics = _MetricsStream(stream, rank, cfg.tensorboard)
     if bar is not None and start:
         bar.update(start)
@@ -293,4 +320,4 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
     return WorkerResult(rank=rank, params=flat.data.detach().cpu().clone(), ledger_rows=transport.ledger.to_rows(),
                         compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(),
                         nominal_bits_per_element=float(algo.nominal_bits_per_element()), report=algo.report(),
-                        evals=evals)
+                        evals=evals, resume=resumed)

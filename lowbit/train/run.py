@@ -187,6 +187,7 @@ def summarize(cfg: TrainConfig, results: list[WorkerResult], wall_seconds: float
         "emulated_comm_seconds": comm,
         "wall_seconds": wall_seconds,
         "steps": cfg.steps,
+        **({"resume": results[0].resume} if results[0].resume else {}),
         "config": cfg.to_dict(),
     }
 
