@@ -103,12 +103,13 @@ taking the worst case:
   (momentum makes the first steps grow: on digits-mlp, 176 of 252 wrong
   blocks came in the first 20 steps when the first agreement waited for step
   10), and every ``theta_every`` steps after that, all workers sum
-  the blocks they checked and found wrong since the last agreement (one
-  all-reduce SUM, 16 bytes, counted): more than :data:`THETA_TARGET` (0.1 %)
-  wrong doubles theta, none shrinks it by :data:`THETA_SHRINK` (0.8), in
-  between keeps it;
+  the blocks they found wrong since the last agreement, out of the blocks
+  checked (one all-reduce SUM, 16 bytes, counted, which also agrees theta's
+  floor, below): more than :data:`THETA_TARGET` (0.1 %) wrong doubles theta,
+  none shrinks it by :data:`THETA_SHRINK` (0.8), in between keeps it;
 * follows alpha_k between agreements (theta_k = theta alpha_k / alpha_0, as in
-  Theorem 2).
+  Theorem 2);
+* never goes below its floor F (next paragraph).
 
 It needs verification, and relies on the default gamma and on shared
 randomness: were the quantization noise to keep the models' distance above
@@ -123,6 +124,57 @@ ended at theta 0.044 with 59 wrong blocks, 4.15 wire bits per element per
 step (4 nominal), 98.33 %; 1 bit sent 2.10 bits (2 nominal), 98.05 % (fp32
 D-PSGD: 98.6 %; ``docs/RESULTS.md``, the decentralized table; with the fp32
 repair and R = 0.3 at 1 bit: theta 0.027, 78 wrong blocks, 4.18 bits and 2.14).
+
+**theta's floor.** Where the models agree to the last bit (the quadratic
+task: every worker minimises the same function), no block is ever wrong and
+shrinking would go on without end: ``lowbit train --task quadratic --workers
+8 --topology ring --steps 2000 --seed 0 --algorithm moniqua --bits 2`` took
+theta to 4.9e-18 and failed (issue 28), its grid integers beyond 2^53. Theorem
+2's theta_k bounds the models' distance; below what the weights resolve it
+bounds nothing. So theta_k never goes below F, the smallest power of two at
+least every worker's :func:`theta_floor` of its largest weight M_i =
+||x_i||_inf. With eps the machine epsilon of the model's dtype (2^-23 for
+float32: weights near M lie ulp(M) <= eps M apart), the floor f is the
+larger of two bounds:
+
+* resolution: a decoded value is stored in the model's dtype, which rounds it
+  by up to ulp(M) / 2 <= eps M / 2 on top of Lemma 2's error bound
+  delta B_theta. The floor keeps that rounding within 1/8 of the bound:
+  delta B_theta >= :data:`THETA_FLOOR_ULPS` (4) eps M, i.e. theta >= 4 eps M
+  (1 - 2 delta) / (2 delta); at 2 bits (stochastic, delta = 1/4) and at 1 bit
+  (nearest, delta = 1/4) theta >= 4 eps M. In grid steps s = B_theta / 2^bits:
+  s >= 4 eps M / (delta 2^bits), 4 ulps of M with stochastic rounding, 8 with
+  nearest. A finer grid is finer than the weights and sends nothing more.
+* verification: the grid integers m ~ x 2^bits / B_theta must be exact in
+  float64 (|m| <= 2^53) for equal hashes to prove a block right, and for the
+  codec to take x at all. The floor keeps them :data:`THETA_FLOOR_GROWTH`
+  (2^10) times inside: B_theta >= 2^10 M 2^bits / (2^53 - 2^bits), so the
+  models may grow 1024-fold before the next agreement. For float32 models the
+  first bound is the larger (|m| <= M / s <= 2^21 there); for float64 models
+  (eps = 2^-52) this one.
+
+F must be the same on every worker, and costs no byte more. Each worker adds
+to the agreement's SUM, beside its wrong blocks, 2^(16 k_i)
+(:func:`floor_vote`; 16 is :data:`THETA_FLOOR_SPREAD`, more from 2^16
+workers), 2^(E + k_i) being the smallest power of two >= its f_i and
+2^(E - 1) <= theta_k < 2^E. Whatever the order and the rounding of the
+additions, 2^(16 K) <= sum <= n 2^(16 K) < 2^(16 (K + 1)) for the largest
+k_i = K and fewer than 2^16 workers n, so the sum's binary exponent divided by
+16 is K on every worker, and F = 2^(E + K) (:func:`floor_from_votes`; max_i
+f_i <= F < 2 max_i f_i). The blocks checked, which the agreement summed
+before, every worker knows: each checks every block of every message it gets,
+so all together checked its own count times the neighbours of all workers
+over its own. The agreement still sends 16 bytes: a run whose floor never
+binds is what it was, bit for bit (the parameters and ledgers of
+``tests/test_behaviour_pinned.py``'s 15 Moniqua cases, compared before and
+after). After each agreement a theta with theta alpha_k / alpha_0 < F is
+raised to it (a shrink stops at F; a doubling then doubles from F), and
+between agreements theta_k = max(theta alpha_k / alpha_0, F), for a decaying
+step size. ``report()["theta_floor"]`` is F (0 before the first agreement,
+and where every f_i is 2^63 or more below theta_k). The command above then
+finishes: theta = F = 2^-25 = 3.0e-8 from about step 480 (M = 0.05, 4 eps M =
+2.4e-8), final loss 1.8e-15 (as at step 1475 of the failed run), 45 s (35 s
+to the failure before, this 2-core machine).
 
 **Verification** (``verify``, section 6), per block: the flat vector of d
 elements is split into nb = ceil(d / ``verify_block``) blocks of
@@ -247,6 +299,7 @@ import torch
 
 from ..codecs import ModuloCodec
 from ..codecs.entropy import ENTROPY_METHODS
+from ..codecs.modulo import GRID_LIMIT
 from ..codecs.modulo_frame import ModuloFrame
 from ..codecs.rng import shared_generator
 from ..topology import Topology
@@ -263,6 +316,12 @@ THETA_SHRINK = 0.8
 THETA_START = 2.0
 # theta="auto" grown this many times theta_0: the run's warning says the noise, not the gradients, sets the distance
 THETA_RUNAWAY = 256.0
+# theta="auto"'s floor (module docstring, "theta's floor"): Lemma 2's error bound delta B_theta is at least
+# THETA_FLOOR_ULPS ulps of the largest weight, and the grid integers stay THETA_FLOOR_GROWTH times below 2^53
+THETA_FLOOR_ULPS = 4.0
+THETA_FLOOR_GROWTH = 2.0 ** 10
+# ... agreed in the agreement's sum as 2^(THETA_FLOOR_SPREAD k) per worker (k: its floor's binary exponent)
+THETA_FLOOR_SPREAD = 16
 # R of default_gamma: the rounding noise allowed per unit of theta / s, at 1 bit and above (module docstring)
 GAMMA_NOISE_1BIT = 0.4
 GAMMA_NOISE = 0.75
@@ -319,6 +378,60 @@ def default_verify_block(bits: int) -> int:
     return max(VERIFY_BLOCK, VERIFY_CODE_BITS // bits)
 
 
+def theta_floor(codec: ModuloCodec, peak: float, eps: float) -> float:
+    """The smallest theta ``theta="auto"`` takes for a model whose largest ``|weight|`` is ``peak``,
+    held in a dtype of machine epsilon ``eps`` (2^-23 for float32; module docstring, "theta's
+    floor"): the larger of the theta whose Lemma 2 error bound ``delta B_theta`` is
+    :data:`THETA_FLOOR_ULPS` ``eps peak`` (a finer grid is finer than the weights themselves) and
+    the theta whose grid integers ``peak 2^bits / B_theta`` stay :data:`THETA_FLOOR_GROWTH` times
+    inside the codec's range ``(2^53 / 2^bits - 1) B_theta`` (where verification's hashes hold).
+    ``codec``'s bits and rounding count, not its theta; 0 for ``peak`` 0."""
+    levels = codec.levels
+    B = max(THETA_FLOOR_ULPS * eps * peak / codec.delta, THETA_FLOOR_GROWTH * peak * levels / (GRID_LIMIT - levels))
+    return B * (1.0 - 2.0 * codec.delta) / 2.0
+
+
+def _floor_spread(n: int) -> int:
+    """p of the floor's votes ``2^(p k)`` among ``n`` workers: n < 2^p, so that the sum of n votes
+    stays below the next power ``2^(p (K + 1))`` of the largest, ``2^(p K)``."""
+    return max(THETA_FLOOR_SPREAD, n.bit_length())
+
+
+def floor_vote(floor: float, theta: float, n: int) -> float:
+    """One worker's term of the agreement's sum for its ``floor`` (:func:`theta_floor`), among ``n``
+    workers whose theta is ``theta``: ``2^(p k)``, p = 16 (more from 65536 workers), ``2^(E + k)``
+    the smallest power of two >= ``floor`` and ``2^(E - 1) <= theta < 2^E``; 0 where the floor is
+    0 or more than 2^(1022 / p) below theta (it cannot bind), and k at most ``1023 / p - 1``
+    (theta then rises that far, and again at the next agreement)."""
+    if not (floor > 0.0 and math.isfinite(floor)):
+        return 0.0
+    p = _floor_spread(n)
+    m, e = math.frexp(floor)
+    k = (e - 1 if m == 0.5 else e) - math.frexp(theta)[1]
+    if k < -(1022 // p):
+        return 0.0
+    return math.ldexp(1.0, p * min(k, 1023 // p - 1))
+
+
+def floor_from_votes(total: float, theta: float, n: int) -> float:
+    """The agreed floor from the sum ``total`` of the ``n`` workers' :func:`floor_vote` terms:
+    ``2^(E + K)`` with ``2^(p K)`` the largest vote, i.e. the smallest power of two at least
+    every worker's floor; 0 when every vote was 0. Exact on every worker whatever the order and
+    rounding of the additions: ``2^(p K) <= total < 2^(p (K + 1))``."""
+    if not total > 0.0:
+        return 0.0
+    K = (math.frexp(total)[1] - 1) // _floor_spread(n)
+    return math.ldexp(1.0, math.frexp(theta)[1] + K)
+
+
+def _peak(x: torch.Tensor) -> float:
+    """``max |x|`` (0 for an empty tensor), with one host read."""
+    if not x.numel():
+        return 0.0
+    lo, hi = torch.aminmax(x.detach())
+    return float(torch.maximum(-lo, hi))
+
+
 def check_theta(theta, *, auto: bool = True):
     """``theta`` if it is a finite number > 0, or ``"auto"`` where ``auto`` allows it; a
     ValueError naming theta and its range otherwise."""
@@ -355,10 +468,13 @@ class MoniquaState(State):
     mismatches: int = 0  # wrong blocks this worker detected (and did not use)
     mismatched_messages: int = 0  # messages with at least one wrong block
     theta_doublings: int = 0  # grow_theta's doublings
+    floor: float = 0.0  # theta="auto": the floor agreed at the last agreement (0: none yet, or none binds)
     gamma: float = transient(default=1.0)  # the slack matrix's gamma: the option, or default_gamma of this W
     period: int = transient(default=1)  # P = diameter + 1: steps per alarm epoch
     frame: ModuloFrame | None = transient(default=None)  # this worker's message format
     codec: ModuloCodec | None = transient(default=None)  # the codec of the last theta_k (validated once per theta_k)
+    own_floor: float = transient(default=0.0)  # theta="auto": this worker's theta_floor at an agreement
+    degrees: tuple[int, int] = transient(default=(0, 0))  # (my neighbours, all workers' neighbours summed)
 
 
 @dataclass
@@ -508,8 +624,9 @@ class Moniqua(GossipAlgorithm):
         frame = ModuloFrame(bits=self.bits, block=self.block, verify=self.verify, entropy=self.entropy,
                             peers=len(ctx.neighbors), rank=ctx.rank)
         gamma = self.gamma if self.gamma is not None else default_gamma(codec, ctx.W, self.shared_randomness)
+        degrees = (len(ctx.neighbors), sum(len(ctx.topology.neighbors(u)) for u in range(ctx.topology.n)))
         return MoniquaState(theta=None if self.auto_theta else float(self.theta), gamma=float(gamma),
-                            period=topology_diameter(ctx.topology) + 1, frame=frame, codec=codec)
+                            period=topology_diameter(ctx.topology) + 1, frame=frame, codec=codec, degrees=degrees)
 
     # ---- one step: Algorithm 1, lines 3-6 -------------------------------------------------
     def before_update(self, state, ctx, k, x, g, lr):
@@ -531,14 +648,18 @@ class Moniqua(GossipAlgorithm):
         if self.grow_theta and ctx.neighbors and len(heard.nack) == len(ctx.neighbors):
             _add(state.pending_alarms, k // state.period)  # no neighbour's message was right: theta far too small
         if self.auto_theta and agreement_due(k, self.theta_every):
+            state.own_floor = theta_floor(codec, _peak(x), torch.finfo(x.dtype).eps)
             self._agree_theta(state, ctx)
+            self._hold_floor(state, lr)
         return state
 
     def _theta_k(self, state: MoniquaState, lr: float) -> ModuloCodec:
-        """The codec of theta_k: theta, or theta alpha_k / alpha_0 (``theta_schedule="lr"`` and ``"auto"``)."""
+        """The codec of theta_k: theta, or theta alpha_k / alpha_0 (``theta_schedule="lr"`` and ``"auto"``),
+        at least the floor ``"auto"`` agreed last."""
         theta = state.theta
         if (self.theta_schedule == "lr" or self.auto_theta) and state.lr0 > 0 and lr > 0:
             theta = state.theta * lr / state.lr0
+        theta = max(theta, state.floor)  # theta="auto": never below its agreed floor (0 otherwise)
         if state.codec.theta != theta:  # a new theta_k: a new codec (validated once)
             state.codec = dataclasses.replace(state.codec, theta=theta)
         return state.codec
@@ -641,15 +762,34 @@ class Moniqua(GossipAlgorithm):
     @staticmethod
     def _agree_theta(state: MoniquaState, ctx) -> None:
         """theta="auto", every ``theta_every`` steps: one all-reduce SUM (16 bytes, counted) of the
-        blocks recovered wrong and checked since the last agreement; theta doubles when more than
-        THETA_TARGET of them were wrong and shrinks by THETA_SHRINK when none was."""
-        wrong, checked = ctx.transport.all_reduce(
-            torch.tensor([state.window[0], state.window[1]], dtype=torch.float64), "sum").tolist()
+        blocks recovered wrong since the last agreement and of the workers' :func:`floor_vote`
+        terms; theta doubles when more than THETA_TARGET of the blocks checked were wrong and
+        shrinks by THETA_SHRINK when none was, and the floor is agreed (:func:`floor_from_votes`).
+        The blocks checked are not sent: every worker checks every block of every message it
+        gets, so all workers checked mine times the neighbours of all over mine."""
+        theta_k = state.codec.theta  # agreed: the reference of the floor's votes
+        vote = floor_vote(state.own_floor, theta_k, ctx.world_size)
+        wrong, votes = ctx.transport.all_reduce(torch.tensor([state.window[0], vote], dtype=torch.float64), "sum").tolist()
+        mine, every = state.degrees
+        checked = state.window[1] * every // mine if mine else 0
         if checked > 0 and wrong > THETA_TARGET * checked:
             state.theta *= 2.0
         elif checked > 0 and wrong == 0:
             state.theta *= THETA_SHRINK
+        state.floor = floor_from_votes(votes, theta_k, ctx.world_size)
         state.window = [0, 0]
+
+    @staticmethod
+    def _hold_floor(state: MoniquaState, lr: float) -> None:
+        """theta="auto", after an agreement: theta_k = theta alpha_k / alpha_0 at least the agreed
+        floor (a floor that binds raises theta to it; doubling then doubles theta_k)."""
+        if state.floor <= 0.0:
+            return
+        if state.lr0 > 0 and lr > 0:
+            if state.theta * lr / state.lr0 < state.floor:
+                state.theta = state.floor * state.lr0 / lr
+        elif state.theta < state.floor:
+            state.theta = state.floor
 
     # ---- grow_theta's alarms (verification) ---------------------------------------------------
     @staticmethod
@@ -697,6 +837,8 @@ class Moniqua(GossipAlgorithm):
                "mismatched_messages": int(state.mismatched_messages), "theta_doublings": int(state.theta_doublings)}
         if state.theta_start is not None:
             out["theta_start"] = float(state.theta_start)
+        if self.auto_theta:
+            out["theta_floor"] = float(state.floor)
         return out
 
 
