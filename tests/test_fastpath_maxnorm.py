@@ -71,7 +71,8 @@ def test_scatter_writes_every_element(n, k):
     vals = torch.randn(k, generator=g)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         torch.full((n,), float("nan"), dtype=dtype)  # leave NaNs where the next allocation may land
-        out = cpu_maxnorm.scatter(vals, idx, n, 1.5, dtype)
+        out, far = cpu_maxnorm.scatter(vals, idx, n, 1.5, dtype)
+        assert not far
         ref = torch.zeros(n, dtype=dtype)
         ref[idx.long()] = (vals.double() * 1.5).to(dtype)
         assert out.dtype == dtype and torch.equal(out, ref)

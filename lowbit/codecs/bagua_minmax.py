@@ -30,6 +30,13 @@ assert on CUDA, a ValueError on the CPU), and ``decode(payload, numel=n)`` does
 not either (without ``numel`` it reads the count from the header: one host read).
 No float64 copy is made; a float64 input is quantized in float32, as Bagua's
 kernel supports float32 (and float16) only.
+
+Range: finite ``x`` whose grid Bagua's float32 arithmetic can hold: ``hi - lo``, ``scale``,
+``hi * scale``, ``lo * scale`` and the decoded ends ``lower / scale``, ``(lower + 255) / scale``
+all finite (:meth:`BaguaMinMaxCodec.grid_ok`; a constant bucket of 3e38 and the range
++-3.4e38 are outside it). Encode raises ValueError naming ``x`` beyond it (an asynchronous
+device assert on CUDA); a payload whose ``min``/``max`` are outside it or out of order, or
+whose count or code length do not match, is a PayloadError.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Codec, CodecKind, Payload, unpack_header
+from .base import Codec, CodecKind, Payload, PayloadError, check_numel_arg, frame_count, frame_header, frame_nbytes
 from .quantize import check_numel
 
 __all__ = ["BaguaMinMaxCodec", "align32", "BAGUA_EPS", "BAGUA_BLOCK_BYTES"]
@@ -75,6 +82,20 @@ class BaguaMinMaxCodec(Codec):
         lower = torch.round(hi * scale) - LEVELS
         return scale, lower
 
+    @classmethod
+    def grid_ok(cls, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """A 0-d bool tensor: ``lo <= hi`` and every float32 quantity of the grid finite (the
+        codec's range, module docstring): ``hi - lo``, ``scale``, ``lo * scale``, ``hi * scale``
+        and the decodes of codes 0 and 255. On ``lo``'s device, no host read."""
+        scale, lower = cls.grid(lo, hi)
+        vals = torch.stack([hi - lo, scale, lo * scale, hi * scale, lower / scale, (lower + LEVELS) / scale])
+        return (lo <= hi) & torch.isfinite(vals).all()
+
+    def _range_error(self, lo: float, hi: float) -> ValueError:
+        return ValueError(f"x is out of Bagua's min-max codec's range: its range [{lo:.6g}, {hi:.6g}] does not give "
+                          "a finite float32 grid (hi - lo, scale = 255 / (hi - lo + 1e-7), hi * scale and the decoded "
+                          "ends must all be finite)")
+
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         n = check_numel(x)
         dev = x.device
@@ -86,11 +107,14 @@ class BaguaMinMaxCodec(Codec):
         x32 = x.detach().to(torch.float32)  # no copy when x is float32 already
         lo, hi = torch.aminmax(x32)
         finite = torch.isfinite(lo) & torch.isfinite(hi)
+        ok = finite & self.grid_ok(lo, hi)
         if dev.type == "cpu":
-            if not bool(finite):
-                raise ValueError(f"x must be finite for Bagua's min-max codec, got range [{float(lo)}, {float(hi)}]")
+            if not bool(ok):
+                if not bool(finite):
+                    raise ValueError(f"x must be finite for Bagua's min-max codec, got range [{float(lo)}, {float(hi)}]")
+                raise self._range_error(float(lo), float(hi))
         else:
-            torch._assert_async(finite, "x must be finite for Bagua's min-max codec")
+            torch._assert_async(ok, "x must be finite and within the range of Bagua's min-max codec")
         scale, lower = self.grid(lo, hi)
         level = torch.minimum(torch.round(x32 * scale), lower + LEVELS)  # Bagua: min(level, upper)
         data = torch.zeros(align32(n), dtype=torch.uint8, device=dev)
@@ -106,19 +130,24 @@ class BaguaMinMaxCodec(Codec):
         receiver expects (no host read; checked against the code length); None reads it
         from the header."""
         if payload.header.numel() != BAGUA_BLOCK_BYTES:
-            raise ValueError(f"a Bagua min-max payload opens with a {BAGUA_BLOCK_BYTES}-byte block, "
-                             f"got {payload.header.numel()} bytes")
-        if numel is None:
-            numel = int(unpack_header(self.header_format, payload.header)[2])
-        elif isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-            raise ValueError(f"numel must be an int >= 0, got {numel!r}")
-        if payload.data.numel() != align32(numel):
-            raise ValueError(f"a Bagua min-max payload of {numel} elements carries align32({numel}) = "
-                             f"{align32(numel)} code bytes, got {payload.data.numel()}")
+            raise PayloadError(self.name, f"a {BAGUA_BLOCK_BYTES}-byte opening block (Bagua's)",
+                               f"{payload.header.numel()} bytes")
+        if check_numel_arg(numel) is not None:
+            frame_nbytes(self, payload.data, align32(numel), f"align32({numel}) codes")
+        if numel is None or payload.header.device.type == "cpu":  # a host header: read it
+            lo, hi, n = frame_header(self, payload)
+            numel = frame_count(self, n, numel)
+            if numel and not bool(self.grid_ok(torch.tensor(lo), torch.tensor(hi))):
+                raise PayloadError(self.name, "min <= max giving a finite float32 grid (the codec's range)",
+                                   f"[{lo!r}, {hi!r}]")
+            frame_nbytes(self, payload.data, align32(numel), f"align32({numel}) codes")
         out_dtype = torch.float32 if dtype is None else dtype
         if numel == 0:
             return torch.empty(0, dtype=out_dtype, device=payload.data.device)
         lohi = payload.header[:8].clone().view(torch.float32).to(payload.data.device)
+        if payload.header.device.type != "cpu":  # a device header with numel given: checked without a host read
+            torch._assert_async(self.grid_ok(lohi[0], lohi[1]), "malformed bagua_minmax payload: min/max outside "
+                                "the codec's range")
         scale, lower = self.grid(lohi[0], lohi[1])
         x = (payload.data[:numel].to(torch.float32) + lower) / scale
         return x.to(out_dtype)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Codec, Payload, check_flat, header_size
+from .base import MAX_DECODE_NUMEL, Codec, Payload, PayloadError, check_flat, frame_header, header_size
 from .packing import pack_wide, packed_nbytes, unpack_wide
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "entropy_decode",
     "ans_overhead_nbytes",
     "EntropyCodedCodec",
+    "ENTROPY_MAX_LENGTH",
 ]
 
 ENTROPY_METHODS = ("zlib", "bz2", "lzma", "ans")
@@ -62,6 +63,18 @@ _METHOD_OF_TAG = {v[0]: k for k, v in _TAGS.items()}
 _SYMBOL_BITS = (1, 2, 4, 8)
 _LZMA_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6}]
 _ANS_HEAD = "BIBH"  # symbol_bits, original byte count, count width w, listed symbols
+#: :func:`entropy_decode`'s ``max_length`` when the caller gives none: 2^30 bytes (1 GiB, the
+#: float32 values of :data:`~lowbit.codecs.base.MAX_DECODE_NUMEL` elements). A blob announcing
+#: or expanding to more is refused before it is allocated; pass ``max_length`` to allow more.
+ENTROPY_MAX_LENGTH = 4 * MAX_DECODE_NUMEL
+#: ANS symbols decoded per call (the coder's output is int32 per symbol: decoding in chunks keeps
+#: the transient at 16 MiB, whatever the blob's length)
+_ANS_CHUNK = 1 << 22
+
+
+def _corrupt(msg: str) -> PayloadError:
+    """The error of a malformed blob: a PayloadError (a ValueError) whose message is ``msg``."""
+    return PayloadError("entropy-coded", "a blob made by entropy_code", "another", msg)
 
 
 def _check_method(method, field: str = "method") -> str:
@@ -176,19 +189,20 @@ def _ans_parse(blob: bytes):
     """``(symbol_bits, n_bytes, counts or None, words_offset)`` of an ans blob."""
     head = 1 + header_size(_ANS_HEAD)
     if len(blob) < head:
-        raise ValueError(f"ans blob of {len(blob)} bytes is shorter than its {head}-byte header")
+        raise _corrupt(f"ans blob of {len(blob)} bytes is shorter than its {head}-byte header")
     b, n_bytes, w, listed = struct.unpack_from("<" + _ANS_HEAD, blob, 1)
-    b = _check_symbol_bits(b)
+    if b not in _SYMBOL_BITS:
+        raise _corrupt(f"corrupt ans blob: symbol width {b}, not one of {_SYMBOL_BITS}")
     k = 1 << b
     if w == 0:
         return b, n_bytes, None, head
     if w > 32 or not 1 <= listed <= k:
-        raise ValueError(f"corrupt ans blob: histogram width {w} or size {listed} out of range")
+        raise _corrupt(f"corrupt ans blob: histogram width {w} or size {listed} out of range")
 
     def take(off: int, count: int, width: int) -> tuple[np.ndarray, int]:
         end = off + packed_nbytes(count, width)
         if len(blob) < end:
-            raise ValueError("corrupt ans blob: truncated histogram")
+            raise _corrupt("corrupt ans blob: truncated histogram")
         buf = torch.frombuffer(bytearray(blob[off:end]), dtype=torch.uint8)
         return unpack_wide(buf, width, count).numpy(), end
 
@@ -211,30 +225,33 @@ def ans_overhead_nbytes(blob: bytes) -> int:
     return _ans_parse(blob)[3]
 
 
-def _check_length(n: int, max_length: int | None, what: str) -> None:
-    if max_length is not None and n > max_length:
-        raise ValueError(f"{what} {n} bytes, more than max_length={max_length} (the most the receiver expects): "
-                         f"a corrupt or hostile blob")
+def _check_length(n: int, max_length: int, what: str) -> None:
+    if n > max_length:
+        raise _corrupt(f"{what} {n} bytes, more than max_length={max_length} (the most the receiver expects; "
+                       f"default ENTROPY_MAX_LENGTH = {ENTROPY_MAX_LENGTH}): a corrupt or hostile blob")
 
 
-def _ans_decode(blob: bytes, max_length: int | None = None) -> bytes:
+def _ans_decode(blob: bytes, max_length: int = ENTROPY_MAX_LENGTH) -> bytes:
     b, n_bytes, counts, off = _ans_parse(blob)
     _check_length(n_bytes, max_length, "corrupt ans blob: it announces")
     if counts is None:
         if n_bytes:
-            raise ValueError(f"corrupt ans blob: {n_bytes} bytes announced but no histogram")
+            raise _corrupt(f"corrupt ans blob: {n_bytes} bytes announced but no histogram")
         return b""
     n_sym = n_bytes * 8 // b
     if int(counts.sum()) != n_sym:
-        raise ValueError(f"corrupt ans blob: histogram holds {int(counts.sum())} symbols, header says {n_sym}")
+        raise _corrupt(f"corrupt ans blob: histogram holds {int(counts.sum())} symbols, header says {n_sym}")
     if (len(blob) - off) % 4:
-        raise ValueError("corrupt ans blob: the ANS stream is not a whole number of 32-bit words")
+        raise _corrupt("corrupt ans blob: the ANS stream is not a whole number of 32-bit words")
     words = np.frombuffer(blob, dtype="<u4", offset=off).astype(np.uint32)
     coder = _constriction().stream.stack.AnsCoder(words)
-    sym = coder.decode(_ans_model(counts), n_sym)
+    model = _ans_model(counts)
+    out = bytearray()
+    for start in range(0, n_sym, _ANS_CHUNK):  # chunks of whole bytes (_ANS_CHUNK is a multiple of 8)
+        out += _from_symbols(np.asarray(coder.decode(model, min(_ANS_CHUNK, n_sym - start))), b)
     if not coder.is_empty():
-        raise ValueError("corrupt ans blob: data left over after decoding")
-    return _from_symbols(np.asarray(sym), b)
+        raise _corrupt("corrupt ans blob: data left over after decoding")
+    return bytes(out)
 
 
 def entropy_code(data, method: str = "bz2", *, symbol_bits: int = 8) -> bytes:
@@ -258,43 +275,41 @@ def entropy_code(data, method: str = "bz2", *, symbol_bits: int = 8) -> bytes:
     return _TAGS[method] + body
 
 
-def _inflate(decompressor, body: bytes, max_length: int | None, method: str) -> bytes:
+def _inflate(decompressor, body: bytes, max_length: int, method: str) -> bytes:
     """Run a zlib/bz2/lzma decompressor on ``body`` without ever producing more than
-    ``max_length`` bytes (a decompression bomb is refused after max_length + 1)."""
-    if max_length is None:
-        out = decompressor.decompress(body)
-    else:
-        out = decompressor.decompress(body, max_length + 1)
-        _check_length(len(out), max_length, f"{method} blob expands to at least")
-    if method == "zlib":
-        if not decompressor.eof:
-            raise ValueError("corrupt zlib blob: the stream is truncated")
-        if decompressor.unused_data:
-            raise ValueError(f"corrupt zlib blob: {len(decompressor.unused_data)} bytes after the end of the stream")
-    elif method == "bz2":
-        if not decompressor.eof:
-            raise ValueError("corrupt bz2 blob: the stream is truncated")
-        if decompressor.unused_data:
-            raise ValueError(f"corrupt bz2 blob: {len(decompressor.unused_data)} bytes after the end of the stream")
+    ``max_length`` bytes (a decompression bomb is refused after max_length + 1); a stream that
+    does not reach its end marker (truncated) or has bytes after it (extended) is refused."""
+    out = decompressor.decompress(body, max_length + 1)
+    _check_length(len(out), max_length, f"{method} blob expands to at least")
+    if not decompressor.eof:
+        raise _corrupt(f"corrupt {method} blob: the stream is truncated")
+    if decompressor.unused_data:
+        raise _corrupt(f"corrupt {method} blob: {len(decompressor.unused_data)} bytes after the end of the stream")
     return out
 
 
 def entropy_decode(blob, method: str | None = None, *, max_length: int | None = None) -> bytes:
     """Inverse of :func:`entropy_code`. The method is read from the blob's tag;
     if ``method`` is given it must match. ``max_length``: the most bytes the
-    caller expects; a blob that announces or expands to more is refused with a
-    ValueError before more than ``max_length + 1`` bytes are produced (a peer's
-    blob cannot force a large allocation). Every malformed blob is a ValueError."""
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 0):
+    caller expects (None: :data:`ENTROPY_MAX_LENGTH`, 2^30 bytes; pass a larger int to
+    allow more); a blob that announces or expands to more is refused before more than
+    ``max_length + 1`` bytes are produced (a peer's blob cannot force a large
+    allocation: an ANS blob's announced length is checked before anything is
+    allocated, and its symbols are decoded in chunks). Every malformed blob (a
+    truncated or extended stream included) is a
+    :class:`~lowbit.codecs.base.PayloadError`, a ValueError."""
+    if max_length is None:
+        max_length = ENTROPY_MAX_LENGTH
+    elif isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 0:
         raise ValueError(f"max_length must be an integer >= 0 or None, got {max_length!r}")
     blob = _as_bytes(blob)
     if not blob:
-        raise ValueError("cannot decode an empty blob: every entropy-coded blob starts with a method tag")
+        raise _corrupt("cannot decode an empty blob: every entropy-coded blob starts with a method tag")
     found = _METHOD_OF_TAG.get(blob[0])
     if found is None:
-        raise ValueError(f"unknown method tag {blob[:1]!r}: not a blob made by entropy_code")
+        raise _corrupt(f"unknown method tag {blob[:1]!r}: not a blob made by entropy_code")
     if method is not None and _check_method(method) != found:
-        raise ValueError(f"method={method!r} but the blob was coded with {found!r}")
+        raise _corrupt(f"method={method!r} but the blob was coded with {found!r}")
     body = blob[1:]
     if found == "ans":
         return _ans_decode(blob, max_length)
@@ -306,7 +321,7 @@ def entropy_decode(blob, method: str | None = None, *, max_length: int | None = 
         d = lzma.LZMADecompressor(format=lzma.FORMAT_RAW, filters=_LZMA_FILTERS)
         return _inflate(d, body, max_length, found)
     except (zlib.error, lzma.LZMAError, OSError, EOFError) as e:
-        raise ValueError(f"corrupt {found} blob: {e}") from None
+        raise _corrupt(f"corrupt {found} blob: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -322,8 +337,9 @@ class EntropyCodedCodec(Codec):
     ``symbol_bits`` (``"ans"`` only): the symbol width; None picks the inner
     codec's ``bits`` when it is 1, 2, 4 or 8, else 8 (bytes).
     ``max_decoded_nbytes``: the largest inner wire form the receiver expects
-    (None: unbounded); a payload that announces or expands to more is refused
-    with a ValueError before it is produced (see :func:`entropy_decode`). ``kind`` and
+    (None: :data:`ENTROPY_MAX_LENGTH`); a payload that announces or expands to more is
+    refused with a PayloadError before it is produced (see :func:`entropy_decode`), and the
+    inner payload's frame is the inner codec's to check. ``kind`` and
     ``unbiased`` are the inner codec's; ``bits`` is the inner nominal width
     (an upper bound in spirit; the payload's ``nbytes`` is the truth).
     """
@@ -376,7 +392,8 @@ class EntropyCodedCodec(Codec):
         return Payload(header=torch.empty(0, dtype=torch.uint8, device=x.device), data=data)
 
     def inner_payload(self, payload: Payload) -> Payload:
-        """The inner codec's payload, decompressed."""
+        """The inner codec's payload, decompressed (PayloadError for a malformed blob)."""
+        frame_header(self, payload)
         raw = entropy_decode(payload.data, self.method, max_length=self.max_decoded_nbytes)
         buf = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
         return self.inner.payload_from_wire(buf.to(payload.data.device))

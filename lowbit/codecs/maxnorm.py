@@ -84,15 +84,19 @@ import torch
 
 from .base import (
     Payload,
+    PayloadError,
     SummableCodec,
     check_flat,
     check_world_size,
+    frame_count,
+    frame_header,
+    frame_nbytes,
+    frame_scale,
     pack_header,
-    unpack_header,
 )
 from .kernels import kernels_for
-from .packing import check_packed, pack_wide, unpack_wide
-from .radix import level_bits, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
+from .packing import pack_wide, packed_nbytes, unpack_wide
+from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .quantize import check_int_range, check_numel, lane_sums_reference, round_to_int
 from .rng import draw_key
 
@@ -246,6 +250,24 @@ def _kernels(t: torch.Tensor):
     return kernels_for(t, FAMILY) if isinstance(t, torch.Tensor) else None
 
 
+def _x_kernels(x: torch.Tensor):
+    """:func:`_kernels` for an input ``x``, after checking it is a flat floating tensor that a
+    header can count (:func:`~lowbit.codecs.quantize.check_numel`: a TypeError or ValueError
+    naming ``x``, as every codec's, never a kernel's typing error)."""
+    check_numel(x)
+    return _kernels(x)
+
+
+def _frame(codec, payload: Payload, numel: int | None, need) -> tuple[int, float]:
+    """``(n, W)`` of a max-norm payload, its frame checked (PayloadError): the header, the
+    count, ``W`` finite in ``[0, float32 max]``, and ``need(n)`` data bytes."""
+    n, W = frame_header(codec, payload)
+    frame_count(codec, n, numel)
+    frame_scale(codec, W, "norm W", _F32_MAX)
+    frame_nbytes(codec, payload.data, need(n), f"{n} codes of {codec.bits} bits")
+    return n, W
+
+
 def _lemma_bound(numel: int, s_hat: int, W: float, norm: str) -> float:
     if norm == "l2":
         return (1 + min(numel / s_hat**2, math.sqrt(numel) / s_hat)) * W**2
@@ -310,7 +332,7 @@ class QSGDMaxNormCodec(SummableCodec):
     # --- the summable protocol (fast path) --------------------------------------------
 
     def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
-        K = _kernels(x)
+        K = _x_kernels(x)
         if K is None:
             return self.shared_scale_reference(x, agreed)
         if len(agreed) != 0:
@@ -320,7 +342,7 @@ class QSGDMaxNormCodec(SummableCodec):
     def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None,
                    dtype: torch.dtype = torch.int64) -> torch.Tensor:
         dtype = self.code_dtype(dtype)
-        K = _kernels(x)
+        K = _x_kernels(x)
         if K is None:
             return self.encode_int_reference(x, scale, generator).to(dtype)
         W = _norm_value(scale)
@@ -342,7 +364,7 @@ class QSGDMaxNormCodec(SummableCodec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
         """One worker's message; ``scale``: the agreed norm (default: this worker's own)."""
-        K = _kernels(x)
+        K = _x_kernels(x)
         if K is None:
             return self.encode_reference(x, generator=generator, scale=scale)
         W = _fast_norm(K, x, self.norm) if scale is None else _norm_value(scale)
@@ -351,13 +373,17 @@ class QSGDMaxNormCodec(SummableCodec):
         header = pack_header(self.header_format, x.numel(), W, device=x.device)
         return Payload(header=header, data=pack_levels_fast(codes, self.num_codes))
 
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, float]:
+        return _frame(self, payload, numel, lambda n: levels_nbytes(n, self.num_codes))
+
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         K = _kernels(payload.data)
         if K is None:
-            return self.decode_reference(payload, dtype=dtype)
-        n, W = unpack_header(self.header_format, payload.header)
-        codes = unpack_levels_fast(payload.data, self.num_codes, n, K.code_dtype(self.bits))
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        n, W = self._frame(payload, numel)
+        codes = unpack_levels_fast(payload.data, self.num_codes, n, K.code_dtype(self.bits), codec=self.name)
         return K.qsgd_decode(codes, self.levels, W, self.levels, 1, _out_dtype(dtype))
 
     # --- the float64 references -------------------------------------------------------------
@@ -391,9 +417,10 @@ class QSGDMaxNormCodec(SummableCodec):
         return Payload(header=header, data=pack_levels(codes + self.levels, self.num_codes))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        n, W = unpack_header(self.header_format, payload.header)
-        codes = unpack_levels(payload.data, self.num_codes, n) - self.levels
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
+        n, W = self._frame(payload, numel)
+        codes = unpack_levels(payload.data, self.num_codes, n, codec=self.name) - self.levels
         return self.decode_sum_reference(codes, W, 1, dtype=dtype)
 
 
@@ -499,7 +526,7 @@ class MultiScaleMaxNormCodec(SummableCodec):
     # --- the summable protocol (fast path) --------------------------------------------
 
     def shared_scale(self, x: torch.Tensor, agreed: tuple = ()) -> torch.Tensor:
-        K = _kernels(x)
+        K = _x_kernels(x)
         if K is None:
             return self.shared_scale_reference(x, agreed)
         if len(agreed) == 0:
@@ -514,7 +541,7 @@ class MultiScaleMaxNormCodec(SummableCodec):
     def encode_int(self, x: torch.Tensor, scale, generator: torch.Generator | None = None,
                    dtype: torch.dtype = torch.int64) -> torch.Tensor:
         dtype = self.code_dtype(dtype)
-        K = _kernels(x)
+        K = _x_kernels(x)
         if K is None:
             return self.encode_int_reference(x, scale, generator).to(dtype)
         W, idx = self._fast_split(scale, x)
@@ -539,7 +566,7 @@ class MultiScaleMaxNormCodec(SummableCodec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None, scale=None) -> Payload:
         """One worker's message; ``scale``: the agreed ``(W, index)`` (default: this worker's own)."""
-        K = _kernels(x)
+        K = _x_kernels(x)
         if K is None:
             return self.encode_reference(x, generator=generator, scale=scale)
         levels = self._levels_tensor(x.device)
@@ -556,18 +583,24 @@ class MultiScaleMaxNormCodec(SummableCodec):
         header = pack_header(self.header_format, x.numel(), W, device=x.device)
         return Payload(header=header, data=kernels_for(x).pack(words, self.bits))
 
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, float]:
+        return _frame(self, payload, numel, lambda n: packed_nbytes(n, self.bits))
+
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         K = _kernels(payload.data)
         if K is None:
-            return self.decode_reference(payload, dtype=dtype)
-        n, W = unpack_header(self.header_format, payload.header)
-        check_packed(payload.data, self.bits, n)
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        n, W = self._frame(payload, numel)
         words = kernels_for(payload.data).unpack(payload.data, self.bits, n, K.code_dtype(self.bits))
         out, flags = K.ms_decode_words(words, self.code_bits, W, self._levels_tensor(words.device), _out_dtype(dtype))
         if int(flags):
-            raise _index_error(len(self.scales))
+            raise self._bad_index()
         return out
+
+    def _bad_index(self) -> PayloadError:
+        return PayloadError(self.name, f"scale indices, which must lie in 0..{len(self.scales) - 1}", "a larger one")
 
     # --- the float64 references -------------------------------------------------------------
 
@@ -612,8 +645,11 @@ class MultiScaleMaxNormCodec(SummableCodec):
         return Payload(header=header, data=pack_wide(words, self.bits))
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        n, W = unpack_header(self.header_format, payload.header)
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
+        n, W = self._frame(payload, numel)
         words = unpack_wide(payload.data, self.bits, n)
+        if n and int((words >> self.code_bits).max()) >= len(self.scales):
+            raise self._bad_index()
         codes = (words & ((1 << self.code_bits) - 1)) - self.levels[0]
         return self.decode_sum_reference(codes, (W, words >> self.code_bits), 1, dtype=dtype)

@@ -44,13 +44,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, pack_header, unpack_header
+from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, pack_header
 from .kernels import empty_output, fast_backend
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64
 
 __all__ = ["PowerSGDCodec", "matrix_shape", "times_thin", "transpose_times_thin"]
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
+#: ``|P_ij| <= 1`` for orthonormal columns; this much more is float32 QR's rounding
+P_SLACK = 1e-3
 #: :func:`times_thin` computes ``M q`` as one matrix-vector product per column up to this rank
 MV_RANK = 3
 
@@ -117,6 +119,14 @@ class PowerSGDCodec(Codec):
     it with error feedback, which the algorithm layer holds. Orthogonalization
     is a reduced QR (Householder), which also copes with rank-deficient ``P``
     (e.g. ``M = 0``). Non-finite inputs and factors beyond float32 raise ValueError.
+
+    Range: finite ``x`` whose factor ``Q`` satisfies ``r_eff (1 + P_SLACK) max |Q| <=``
+    float32's largest value (:meth:`q_limit`), so that no entry of ``P Q^T`` can overflow
+    (``|P_ij| <= 1``: orthonormal columns); encode raises ValueError naming ``x`` beyond.
+    Decode checks the frame first: the header, the count against ``numel`` (without it, at
+    most :data:`~lowbit.codecs.base.MAX_DECODE_NUMEL`: the factors' ``4 (n + m) r`` bytes do
+    not bound ``n m``), the factors' length, ``P`` finite within ``1 + P_SLACK`` and ``Q``
+    finite within :meth:`q_limit`; a PayloadError otherwise.
     """
 
     rank: int
@@ -139,6 +149,11 @@ class PowerSGDCodec(Codec):
         """``(n, m, r_eff)`` used for a vector of ``numel`` elements."""
         n, m = matrix_shape(numel)
         return n, m, min(self.rank, n, m)
+
+    def q_limit(self, numel: int) -> float:
+        """The largest ``|Q_ij|`` of this codec's range: float32's largest value over
+        ``r_eff (1 + P_SLACK)``."""
+        return _F32_MAX / (max(1, self.matrix_shape(numel)[2]) * (1 + P_SLACK))
 
     def data_nbytes(self, numel: int) -> int:
         """Bytes of the factors: ``4 (n + m) r_eff``."""
@@ -195,10 +210,10 @@ class PowerSGDCodec(Codec):
         P = torch.cat([times_thin(top, q), times_thin(tail, q)])
         P = torch.linalg.qr(P, mode="reduced").Q.clone(memory_format=row_major)
         Q = torch.addmm(P[rows:].T @ tail, P[:rows].T, top).T.clone(memory_format=row_major)
-        if not bool(torch.isfinite(P).all() & torch.isfinite(Q).all()):  # the one host read
+        if not bool(torch.isfinite(P).all() & (Q.abs() <= self.q_limit(N)).all()):  # the one host read
             if not bool(torch.isfinite(x).all()):
                 raise ValueError("x must be finite for the PowerSGD codec")
-            return self.encode_with_state_reference(x, state, generator=generator)  # float32 overflow
+            return self.encode_with_state_reference(x, state, generator=generator)  # float32 overflow, range
         header = pack_header(self.header_format, N, device=x.device)
         data = torch.cat([P.reshape(-1), Q.reshape(-1)]).view(torch.uint8)
         return Payload(header=header, data=data), Q
@@ -221,8 +236,10 @@ class PowerSGDCodec(Codec):
         P = torch.linalg.qr(P, mode="reduced").Q
         P32 = P.to(torch.float32)
         Q = M.T @ P32.to(torch.float64)  # with the P the receiver sees
-        if float(Q.abs().max()) > _F32_MAX:
-            raise ValueError("the factor Q = M^T P does not fit float32 (|x| too large)")
+        if float(Q.abs().max()) > self.q_limit(N):
+            raise ValueError(f"x is out of the PowerSGD codec's range: the factor Q = M^T P reaches "
+                             f"{float(Q.abs().max()):.6g}, beyond {self.q_limit(N):.6g} = float32's largest value / "
+                             f"(rank {r} (1 + {P_SLACK})), where P Q^T could overflow float32 (|x| too large)")
         Q32 = Q.to(torch.float32)
         data = torch.cat([P32.reshape(-1), Q32.reshape(-1)]).view(torch.uint8)
         return Payload(header=header, data=data), Q32.clone()
@@ -231,32 +248,44 @@ class PowerSGDCodec(Codec):
         """A cold-start step: ``Q0`` is drawn from ``generator``."""
         return self.encode_with_state(x, None, generator=generator)[0]
 
-    def factors(self, payload: Payload) -> tuple[torch.Tensor, torch.Tensor]:
-        """The float32 factors ``(P, Q)`` (``n x r_eff``, ``m x r_eff``) of a payload."""
-        (N,) = unpack_header(self.header_format, payload.header)
+    def _frame(self, payload: Payload, numel: int | None) -> int:
+        """The payload's count, its header, count and data length checked (PayloadError)."""
+        (N,) = frame_header(self, payload)
+        frame_count(self, N, numel, bounded=False)
         n, m, r = self.matrix_shape(N)
-        need = 4 * (n + m) * r
-        if payload.data.numel() != need:
-            raise ValueError(f"PowerSGD payload of {N} elements ({n}x{m}, rank {r}) needs {need} data bytes, "
-                             f"got {payload.data.numel()}")
+        frame_nbytes(self, payload.data, 4 * (n + m) * r, f"the float32 factors of {N} elements ({n}x{m}, rank {r})")
+        return N
+
+    def factors(self, payload: Payload, numel: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 factors ``(P, Q)`` (``n x r_eff``, ``m x r_eff``) of a payload, its frame
+        checked (PayloadError; ``numel``: the count the receiver expects)."""
+        N = self._frame(payload, numel)
+        n, m, r = self.matrix_shape(N)
         f = payload.data.clone().view(torch.float32)
-        return f[: n * r].view(n, r), f[n * r:].view(m, r)
+        P, Q = f[: n * r].view(n, r), f[n * r:].view(m, r)
+        if N and not bool((P.abs() <= 1 + P_SLACK).all() & (Q.abs() <= self.q_limit(N)).all()):  # NaN fails too
+            raise PayloadError(self.name, f"factors P within 1 + {P_SLACK} (orthonormal columns) and Q within "
+                               f"{self.q_limit(N):.6g}, finite", f"P up to {float(P.abs().max())!r}, "
+                               f"Q up to {float(Q.abs().max())!r}")
+        return P, Q
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         """``(P Q^T).flatten()[:numel]``: float32 products for a float32 result on the fast
         path, else the float64 reference."""
         if dtype not in (None, torch.float32) or not _fast_path_on():
-            return self.decode_reference(payload, dtype=dtype)
-        (N,) = unpack_header(self.header_format, payload.header)
-        P, Q = self.factors(payload)
+            return self.decode_reference(payload, dtype=dtype, numel=numel)
+        P, Q = self.factors(payload, numel)
+        N = frame_header(self, payload)[0]
         out = empty_output(P.shape[0] * Q.shape[0], torch.float32, P.device).view(P.shape[0], Q.shape[0])
         return torch.mm(P, Q.t(), out=out).reshape(-1)[:N]
 
     def decode_reference(self, payload: Payload, *, ref: torch.Tensor | None = None,
-                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+                         generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+                         numel: int | None = None) -> torch.Tensor:
         """The float64 reference of :meth:`decode`."""
-        (N,) = unpack_header(self.header_format, payload.header)
-        P, Q = self.factors(payload)
+        P, Q = self.factors(payload, numel)
+        N = frame_header(self, payload)[0]
         x = (P.to(torch.float64) @ Q.to(torch.float64).T).reshape(-1)[:N]
         return x.to(torch.float32 if dtype is None else dtype)

@@ -66,12 +66,14 @@ from .base import (
     Codec,
     CodecKind,
     Payload,
+    PayloadError,
     SummableCodec,
     check_flat,
+    frame_count,
+    frame_header,
     header_size,
     is_summable,
     pack_header,
-    unpack_header,
 )
 from .kernels import kernels_for
 from .packing import pack_wide, packed_nbytes, unpack_wide
@@ -96,6 +98,7 @@ _SELECT_FAMILY = "randk"
 #: The ``stream`` of :func:`lowbit.codecs.rng.derive_seed` reserved for global random-k selections.
 GLOBAL_RANDK_STREAM = 0x52414E444B  # "RANDK"
 _SEED_MAX = 2**63 - 1
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def global_index_seed(run_seed: int, step: int) -> int:
@@ -196,8 +199,9 @@ def _check_sent_indices(idx: torch.Tensor, n: int) -> torch.Tensor:
     encode sends them (anything else would write outside the decoded vector, or twice to one
     coordinate). On CUDA the check reads one flag back to the host."""
     if idx.numel() and bool((idx[-1] >= n) | (idx[1:] <= idx[:-1]).any()):
-        raise ValueError(f"payload: the sent indices must be strictly increasing and below numel={n} "
-                         "(a malformed or corrupted RandK message)")
+        raise PayloadError("randk", f"sent indices strictly increasing and below numel={n}", "others",
+                           f"malformed randk payload: the sent indices must be strictly increasing and below "
+                           f"numel={n} (a malformed or corrupted RandK message)")
     return idx
 
 
@@ -218,6 +222,13 @@ class RandKCodec(SummableCodec):
     ``unbiased`` when ``inner`` is and ``rescale`` is True. ``bits`` is nominal: the
     inner codec's bits per KEPT coordinate (plus 32 per index with ``send_indices``);
     ``payload.nbytes`` is the honest size.
+
+    Range: the inner codec's, and with ``rescale`` the kept values times ``d / k`` must fit
+    float32 (encode raises ValueError naming ``x`` beyond; a decode whose rescaled values
+    would not fit its dtype raises a PayloadError, never returns inf). Decode checks the
+    frame first: the header's size, its count against ``numel`` (without it, at most
+    :data:`~lowbit.codecs.base.MAX_DECODE_NUMEL`: a 16-byte payload cannot announce 2^31
+    elements), the seed, the sent indices, then the inner payload against ``min(k, numel)``.
     """
 
     inner: Codec
@@ -331,6 +342,12 @@ class RandKCodec(SummableCodec):
         n = check_numel(x)
         seed = self.seed if self.seed is not None else self._draw_seed(generator)
         idx, vals = self._kept(n, seed, x.device, x.detach())
+        factor = self._factor(n)
+        if factor > 1 and vals.numel():
+            amax = float(vals.abs().max())  # a pass over the k kept values (NaN passes: the inner encode refuses it)
+            if amax * factor > _F32_MAX:
+                raise ValueError(f"x is out of the random-k codec's range: a kept value |x_i| = {amax:.6g} times the "
+                                 f"rescale d / k = {factor:.6g} exceeds float32's largest value {_F32_MAX:.6g}")
         kw = {"generator": generator}
         if scale is not None:
             if not is_summable(self.inner):
@@ -346,41 +363,56 @@ class RandKCodec(SummableCodec):
         return Payload(header=torch.cat([header, ip.header.to(x.device)]), data=data)
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
+               numel: int | None = None) -> torch.Tensor:
         """Scatter the inner decode back. ``generator``: only for an inner codec with
         ``dither_on_decode`` (a copy of the sender's generator; the seed draw of ``encode``
         is replayed on it first when the codec has no fixed ``seed``)."""
         own = header_size(self._own_header)
-        fields = unpack_header(self._own_header, payload.header[:own])
-        n = fields[0]
+        frame_header(self, payload)  # the whole header's size: own fields and the inner codec's
+        fields = frame_header(self, Payload(header=payload.header[:own], data=payload.data), self._own_header)
+        n = frame_count(self, fields[0], numel, bounded=False)
         kk = self.kept(n)
         data = payload.data
         if self.send_indices:
             nb = packed_nbytes(kk, self._index_bits(n))
+            if data.numel() < nb:
+                raise PayloadError(self.name, f"at least {nb} data bytes for {kk} indices of {self._index_bits(n)} "
+                                   "bits", f"{data.numel()}")
             idx = _check_sent_indices(unpack_wide(data[:nb], self._index_bits(n), kk), n)
             data = data[nb:]
         else:
-            idx = self._indices(n, _check_seed(fields[1]), data.device)
+            if not 0 <= fields[1] <= _SEED_MAX:
+                raise PayloadError(self.name, "a selection seed in 0..2^63-1", f"{fields[1]}")
+            idx = None
         inner_p = Payload(header=payload.header[own:], data=data)
         out_dtype = torch.float32 if dtype is None else dtype
-        kw = {}
+        kw = {"numel": kk} if _accepts_kw(self.inner.decode, "numel") else {}
         if dtype is not None and _accepts_kw(self.inner.decode, "dtype"):
             kw["dtype"] = dtype
         if self.dither_on_decode:
             if generator is not None and self.seed is None:
                 self._draw_seed(generator)  # keep the receiver's copy in step with the sender's
             kw["generator"] = generator
-        vals = self.inner.decode(inner_p, **kw)
-        return self._scatter(vals, idx, n, out_dtype)
+        vals = self.inner.decode(inner_p, **kw)  # the inner frame checked before the selection runs
+        if idx is None:
+            idx = self._indices(n, fields[1], data.device)
+        out, far = self._scatter(vals, idx, n, out_dtype)
+        if far:
+            raise PayloadError(self.name, f"kept values that, times d / k = {self._factor(n):.6g}, fit {out_dtype}",
+                               "larger ones")
+        return out
 
-    def _scatter(self, vals: torch.Tensor, idx: torch.Tensor, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Zeros with the kept values (times the rescale factor, in float64, then cast) at ``idx``."""
+    def _scatter(self, vals: torch.Tensor, idx: torch.Tensor, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+        """Zeros with the kept values (times the rescale factor, in float64, then cast) at ``idx``,
+        and whether a product is beyond ``dtype``'s largest finite value (or NaN)."""
         K = kernels_for(vals, _FAMILY)
         if K is not None and idx.device == vals.device:
             return K.scatter(vals, idx, n, self._factor(n), dtype)
         out = torch.zeros(n, dtype=dtype, device=vals.device)
-        out[idx.to(vals.device)] = (vals.to(torch.float64) * self._factor(n)).to(dtype)
-        return out
+        prod = vals.to(torch.float64) * self._factor(n)
+        out[idx.to(vals.device)] = prod.to(dtype)
+        return out, bool(prod.numel()) and not bool((prod.abs() <= torch.finfo(dtype).max).all())
 
     # --- the summable protocol (inner summable, send_indices False, seed set) ---------------
 
@@ -430,4 +462,9 @@ class RandKCodec(SummableCodec):
                              f"got shape {tuple(int_sum.shape)}")
         vals = inner.decode_sum(int_sum, scale, world_size, dtype=torch.float64)
         idx = self._indices(numel, self._need_seed(), int_sum.device)
-        return self._scatter(vals, idx, numel, torch.float32 if dtype is None else dtype)
+        out_dtype = torch.float32 if dtype is None else dtype
+        out, far = self._scatter(vals, idx, numel, out_dtype)
+        if far:
+            raise ValueError(f"the decoded average times d / k = {self._factor(numel):.6g} does not fit {out_dtype}: "
+                             "the workers' inputs are out of the random-k codec's range")
+        return out

@@ -312,17 +312,20 @@ _SCATTER_BLOCK = 2048  # output elements zeroed and filled while they sit in the
 
 
 @_jit
-def _scatter(vals, idx, factor, out):
+def _scatter(vals, idx, factor, lim, out):
     """``out`` = zeros with ``out[idx[j]] = vals[j] * factor`` (float64 product, stored in
-    out's dtype), for ``idx`` strictly increasing in ``[0, len(out))`` (trusted: the
-    selection makes it so, and :class:`lowbit.codecs.RandKCodec` checks indices it reads
-    from a message). Each block of ``out`` is zeroed and then receives its kept values while
-    it is in the cache, so ``out`` is written to memory once (zeros and then a scatter write
-    it twice); unsigned indices spare numba's wraparound test on every access."""
+    out's dtype), for ``idx`` strictly increasing in ``[0, len(out))`` (the selection makes it
+    so, and :class:`lowbit.codecs.RandKCodec` checks indices it reads from a message; an index
+    at or beyond ``len(out)`` ends the loop: nothing is written out of bounds). Each block of
+    ``out`` is zeroed and then receives its kept values while it is in the cache, so ``out`` is
+    written to memory once (zeros and then a scatter write it twice); unsigned indices spare
+    numba's wraparound test on every access. Returns True when a product's magnitude exceeds
+    ``lim`` (or is NaN): its value would not be the decode's in the output dtype."""
     n = np.uint64(out.shape[0])
     k = np.uint64(idx.shape[0])
     blk = np.uint64(_SCATTER_BLOCK)
     j = np.uint64(0)
+    far = False
     for base in range(np.uint64(0), n, blk):
         end = min(base + blk, n)
         for p in range(base, end):
@@ -331,8 +334,11 @@ def _scatter(vals, idx, factor, out):
             i = np.uint64(idx[j])
             if i >= end:
                 break
-            out[i] = np.float64(vals[j]) * factor
+            v = np.float64(vals[j]) * factor
+            far |= not abs(v) <= lim
+            out[i] = v
             j += np.uint64(1)
+    return far
 
 
 # --- torch-level API (the same names and signatures as the Triton module) ----------------------
@@ -429,10 +435,11 @@ def select_sparse(d: int, k: int, a: int, hb: int, round_keys: np.ndarray) -> to
     return out.sort().values
 
 
-def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:
+def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """Zeros of ``n`` elements with ``vals * factor`` (float64 products, cast to ``dtype``) at
-    ``idx`` (strictly increasing in ``[0, n)``)."""
+    ``idx`` (strictly increasing in ``[0, n)``), and whether a product is beyond ``dtype``'s
+    largest finite value (or NaN)."""
     direct = dtype in (torch.float32, torch.float64)
     out = empty_output(n, dtype if direct else torch.float64)
-    _scatter(as_numba(vals), np_view(idx), float(factor), out.numpy())
-    return out if direct else out.to(dtype)
+    far = _scatter(as_numba(vals), np_view(idx), float(factor), float(torch.finfo(dtype).max), out.numpy())
+    return (out if direct else out.to(dtype)), bool(far)

@@ -281,8 +281,11 @@ def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor
     return _ms_decode(words, words, W, levels, 1, dtype, code_bits, True)
 
 
-def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> torch.Tensor:
-    """Zeros of ``n`` elements with ``vals * factor`` at ``idx`` (torch ops on the device)."""
+def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """Zeros of ``n`` elements with ``vals * factor`` at ``idx`` (torch ops on the device), and
+    whether a product is beyond ``dtype``'s largest finite value or NaN (one host read)."""
     out = torch.zeros(n, dtype=dtype, device=vals.device)
-    out[idx.to(vals.device)] = (vals.to(torch.float64) * factor).to(dtype)
-    return out
+    prod = vals.to(torch.float64) * factor
+    out[idx.to(vals.device)] = prod.to(dtype)
+    far = bool(prod.numel()) and not bool((prod.abs() <= torch.finfo(dtype).max).all())
+    return out, far
