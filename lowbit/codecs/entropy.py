@@ -74,7 +74,7 @@ _ANS_CHUNK = 1 << 22
 
 def _corrupt(msg: str) -> PayloadError:
     """The error of a malformed blob: a PayloadError (a ValueError) whose message is ``msg``."""
-    return PayloadError("entropy-coded", "a blob made by entropy_code", "another", msg)
+    return PayloadError("entropy", "a blob made by entropy_code", "another", f"malformed entropy payload: {msg}")
 
 
 def _check_method(method, field: str = "method") -> str:
@@ -244,11 +244,14 @@ def _ans_decode(blob: bytes, max_length: int = ENTROPY_MAX_LENGTH) -> bytes:
     if (len(blob) - off) % 4:
         raise _corrupt("corrupt ans blob: the ANS stream is not a whole number of 32-bit words")
     words = np.frombuffer(blob, dtype="<u4", offset=off).astype(np.uint32)
-    coder = _constriction().stream.stack.AnsCoder(words)
     model = _ans_model(counts)
     out = bytearray()
-    for start in range(0, n_sym, _ANS_CHUNK):  # chunks of whole bytes (_ANS_CHUNK is a multiple of 8)
-        out += _from_symbols(np.asarray(coder.decode(model, min(_ANS_CHUNK, n_sym - start))), b)
+    try:
+        coder = _constriction().stream.stack.AnsCoder(words)
+        for start in range(0, n_sym, _ANS_CHUNK):  # chunks of whole bytes (_ANS_CHUNK is a multiple of 8)
+            out += _from_symbols(np.asarray(coder.decode(model, min(_ANS_CHUNK, n_sym - start))), b)
+    except (ValueError, RuntimeError) as e:  # constriction's own refusals of a malformed stream
+        raise _corrupt(f"corrupt ans blob: {e}") from None
     if not coder.is_empty():
         raise _corrupt("corrupt ans blob: data left over after decoding")
     return bytes(out)

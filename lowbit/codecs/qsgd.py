@@ -67,7 +67,8 @@ def float32_up(v: torch.Tensor, field: str = "norm") -> torch.Tensor:
     Raises ValueError when a value does not fit float32."""
     v = v.to(torch.float64)
     if v.numel() and float(v.max()) > _F32_MAX:
-        raise ValueError(f"the {field} {float(v.max()):.6g} does not fit the float32 sent on the wire")
+        raise ValueError(f"x is out of the codec's range: the {field} {float(v.max()):.6g} does not fit the float32 "
+                         "sent on the wire")
     return round_up_float32(v).to(torch.float64)
 
 
@@ -198,7 +199,8 @@ class QSGDCodec(Codec):
         if not finite:
             raise ValueError("x must be finite for the QSGD codec")
         if not math.isfinite(nmax):
-            raise ValueError(f"the norm {float(torch.sqrt(sq).max()):.6g} does not fit the float32 sent on the wire")
+            raise ValueError(f"x is out of the QSGD codec's range: the norm {float(torch.sqrt(sq).max()):.6g} does not "
+                             "fit the float32 sent on the wire")
         codes = K.qsgd_encode(x, K.ratio(self.levels, norms32), bucket, self.levels, self.code_bits,
                               draw_key(generator))
         packed = pack_levels_fast(codes, self.num_codes)
