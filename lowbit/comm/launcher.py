@@ -3,10 +3,12 @@
 The processes are started with the "spawn" method, join a
 ``torch.distributed`` group on 127.0.0.1 through the same environment
 variables ``torchrun`` sets (the launcher hosts the rendezvous store, as
-torchrun's agent does), and send back their (picklable) results. A worker
-that raises stops the whole launch: the others are terminated and the
-launcher raises a :class:`RuntimeError` that names the rank and carries its
-traceback.
+torchrun's agent does), and send back their results through a pipe as
+:mod:`lowbit.comm.wire_objects` frames (no pickle: the launcher never runs what
+a worker sends; results are values, tensors and registered dataclasses). A
+worker that raises stops the whole launch: the others are terminated and the
+launcher raises a :class:`WorkerFailed` that names the rank and carries its
+traceback and its exception, rebuilt from its record.
 
 Liveness, not a deadline: a launch has no whole-run time limit unless
 ``timeout_s`` sets one. Each worker beats a heartbeat (its last step and the
@@ -17,8 +19,11 @@ longer of that and :data:`STARTUP_GRACE_S`) ends the launch with a
 :class:`WorkerStalled` error naming the rank(s), their last step and whether
 the OS reports the process stopped. A worker that dies is reported at once
 (:class:`WorkerDied`). SIGTERM to the launching process ends the workers as
-SIGINT does. For several machines, start the script with ``torchrun`` and call
-:func:`lowbit.comm.init_from_env` instead (:func:`is_torchrun` tells which).
+SIGINT does. Each worker watches its launcher (:func:`~lowbit.comm.liveness.watch_parent`):
+a SIGKILLed launcher leaves no worker running. For several machines, start the
+script with ``torchrun`` and call :func:`lowbit.comm.init_from_env` instead
+(:func:`is_torchrun` tells which); the same liveness rules hold there
+(:class:`~lowbit.comm.liveness.PeerMonitor`, used by ``lowbit train``).
 """
 
 from __future__ import annotations
@@ -27,11 +32,9 @@ import contextlib
 import datetime
 import math
 import os
-import pickle
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from multiprocessing.connection import wait
@@ -41,35 +44,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import wire_objects
 from .distributed import init_from_env
-
+from .liveness import (DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S, STARTUP_GRACE_S, Silence,  # noqa: F401
+                       WorkerDied, WorkerFailed, WorkerStalled, died_error, os_state, sigterm_as_interrupt,
+                       stall_error, stopped_note, watch_parent)
 
 # The most local worker processes one launch starts: each is a Python interpreter with torch
 # loaded (~300 MB) and a gloo socket to every peer it talks to.
 MAX_LOCAL_WORKERS = 256
-DEFAULT_STALL_TIMEOUT_S = 300.0
-DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
-# Before its first step a worker imports torch, joins the rendezvous and loads its data: it
-# gets at least this long (or the stall timeout, if longer) before it counts as stalled.
-STARTUP_GRACE_S = 120.0
-
-
-class WorkerDied(RuntimeError):
-    """A worker process exited without a result (killed, out of memory, os._exit)."""
-
-
-class WorkerFailed(RuntimeError):
-    """A worker raised; ``rank``, ``error`` (the exception's one-line summary) and the traceback in the message."""
-
-    def __init__(self, message: str, rank: int, error: str, cause: BaseException | None = None):
-        super().__init__(message)
-        self.rank = rank
-        self.error = error
-        self.cause = cause  # the worker's exception, when it could be pickled
-
-
-class WorkerStalled(TimeoutError):
-    """No heartbeat from a worker for ``stall_timeout_s`` seconds."""
+# The largest frame a worker may send back through its pipe (its result or its error).
+MAX_RESULT_NBYTES = 1 << 34
 
 
 class _Heartbeat:
@@ -101,7 +86,8 @@ def _loopback_ifname() -> str | None:
 
 
 def _worker(rank: int, world_size: int, env: dict, backend: str, timeout_s: float, deterministic: bool, latency_s: float,
-            fn, args, conn, beats) -> None:
+            fn, args, conn, beats, launcher_pid: int) -> None:
+    watch_parent(launcher_pid, what=f"lowbit worker rank {rank}")  # a SIGKILLed launcher leaves no worker behind
     torch.set_num_threads(1)
     os.environ.update(env)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size)})
@@ -111,20 +97,14 @@ def _worker(rank: int, world_size: int, env: dict, backend: str, timeout_s: floa
         transport = init_from_env(backend, timeout_s=timeout_s, deterministic=deterministic, latency_s=latency_s)
         transport.heartbeat = beat
         result = fn(transport, *args)
-        payload = pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = wire_objects.dumps({"ok": result})
     except BaseException as e:  # noqa: BLE001 - reported to the launcher
-        summary = "".join(traceback.format_exception_only(type(e), e)).strip()
-        try:
-            exc = pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)
-            pickle.loads(exc)
-        except Exception:  # noqa: BLE001 - not every exception survives pickling
-            exc = None
-        conn.send(("error", (traceback.format_exc(), summary, exc)))
+        conn.send_bytes(wire_objects.dumps({"error": wire_objects.exception_record(e, traceback.format_exc())}))
         conn.close()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # peers may be blocked in a collective with us: do not wait for them
-    conn.send(("ok", payload))
+    conn.send_bytes(payload)
     conn.close()
     try:  # leave together, so no rank closes its sockets under a peer still talking
         transport.barrier()
@@ -208,7 +188,8 @@ def launch(
             recv_end, send_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, env, backend, op_timeout, deterministic, latency_s, fn, args, send_end, beats),
+                args=(rank, world_size, env, backend, op_timeout, deterministic, latency_s, fn, args, send_end, beats,
+                      os.getpid()),
                 name=f"lowbit-rank-{rank}",
                 daemon=False,  # fn may start processes of its own (DataLoader workers)
             )
@@ -217,7 +198,7 @@ def launch(
             send_end.close()
             procs.append(p)
             conns.append(recv_end)
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt("launch: received signal {signum} (SIGTERM); workers ended"):
             results = _collect(procs, conns, timeout_s, stall_timeout_s, beats)
         for p in procs:  # they leave on their own after a final barrier
             p.join(timeout=30)
@@ -241,52 +222,6 @@ def _in_namespace(network, rank: int):
     return contextlib.nullcontext() if network is None else network.enter(rank)
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM received by the launching process (handled as Ctrl-C: the workers are ended)."""
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt():
-    """While the launcher waits, SIGTERM raises in it as SIGINT does, so that its
-    ``finally`` ends the workers (the default action would kill the launcher alone
-    and leave them running). Only on the main thread, where handlers can be set."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise _Terminated(f"launch: received signal {signum} (SIGTERM); workers ended")
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
-def _os_state(pid: int) -> str | None:
-    """The process state letter of /proc/PID/stat (Linux; 'T' stopped, 'D' disk sleep), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _stall_error(procs, beats, stale: list[int], stall_timeout_s: float) -> WorkerStalled:
-    now = time.monotonic()
-    world_size = len(procs)
-    parts = []
-    for r in sorted(stale, key=lambda r: beats[2 * r + 1]):
-        step = int(beats[2 * r])
-        state = _os_state(procs[r].pid)
-        parts.append(f"rank {r} ({'before its first step' if step < 0 else f'last step {step}'}, "
-                     f"silent {now - beats[2 * r + 1]:.0f} s{', process stopped (SIGSTOP?)' if state == 'T' else ''})")
-    return WorkerStalled(f"launch: no progress from {len(stale)} of {world_size} worker(s) for more than "
-                         f"stall_timeout_s={stall_timeout_s:g} s: {'; '.join(parts)}. A worker is stopped, hung, "
-                         f"or waiting on one that is (raise --stall-timeout if a step really takes this long)")
-
-
 def _collect(procs, conns, timeout_s: float | None, stall_timeout_s: float | None, beats) -> list:
     """Each rank's result, read as it arrives; the first failure, death or stall is raised."""
     world_size = len(procs)
@@ -299,9 +234,7 @@ def _collect(procs, conns, timeout_s: float | None, stall_timeout_s: float | Non
         code = procs[rank].exitcode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         hint = " (SIGKILL: often the out-of-memory killer)" if code == -signal.SIGKILL else ""
-        step = int(beats[2 * rank])
-        where = "before its first step" if step < 0 else f"at step {step}"
-        return WorkerDied(f"launch: worker rank {rank} of {world_size} {how}{hint} {where}, without a result")
+        return died_error("launch", rank, world_size, how + hint, int(beats[2 * rank]))
 
     while pending:
         now = time.monotonic()
@@ -313,23 +246,38 @@ def _collect(procs, conns, timeout_s: float | None, stall_timeout_s: float | Non
                      if now - beats[2 * r + 1] > (stall_timeout_s if beats[2 * r] >= 0
                                                   else max(stall_timeout_s, STARTUP_GRACE_S))]
             if stale:
-                raise _stall_error(procs, beats, stale, stall_timeout_s)
+                raise stall_error("launch", world_size, [
+                    Silence(r, int(beats[2 * r]), now - beats[2 * r + 1], stopped_note(procs[r].pid)) for r in stale],
+                    stall_timeout_s)
         sentinels = {procs[r].sentinel: r for r in pending.values()}
         ready = wait(list(pending) + list(sentinels), timeout=min(left, 1.0))
         for obj in ready:
             if obj in pending:
                 rank = pending.pop(obj)
                 try:
-                    status, payload = obj.recv()
+                    frame = obj.recv_bytes(MAX_RESULT_NBYTES)
                 except EOFError:
                     raise died(rank) from None
-                if status != "ok":
-                    tb, summary, exc = payload
-                    raise WorkerFailed(f"launch: worker rank {rank} of {world_size} failed:\n{tb}", rank, summary,
-                                       None if exc is None else pickle.loads(exc))
-                results[rank] = pickle.loads(payload)
+                except OSError as e:  # a frame longer than the bound
+                    raise wire_objects.BadPeerData(f"worker rank {rank} sent a result of more than "
+                                                   f"{MAX_RESULT_NBYTES} bytes; refused ({e})") from None
+                results[rank] = _result(frame, rank, world_size)
         for obj in ready:  # a worker gone with nothing left in its pipe
             rank = sentinels.get(obj)
             if rank is not None and conns[rank] in pending and not conns[rank].poll():
                 raise died(rank)
     return results
+
+
+def _result(frame: bytes, rank: int, world_size: int):
+    """The result in worker ``rank``'s frame, or its error raised as :class:`WorkerFailed`."""
+    who = f"worker rank {rank}"
+    msg = wire_objects.loads(frame, sender=who, max_nbytes=MAX_RESULT_NBYTES)
+    if not (isinstance(msg, dict) and len(msg) == 1 and ("ok" in msg or "error" in msg)):
+        raise wire_objects.BadPeerData(f"{who} sent a frame that is neither a result nor an error; refused")
+    if "ok" in msg:
+        return msg["ok"]
+    rec = msg["error"]
+    cause = wire_objects.rebuild_exception(rec, sender=who)
+    raise WorkerFailed(f"launch: worker rank {rank} of {world_size} failed:\n{rec.get('traceback', '')}", rank,
+                       str(rec.get("summary", "")), cause)

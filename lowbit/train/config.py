@@ -109,6 +109,8 @@ class TrainConfig(AlgorithmOptions):
     timeout: float | None = opt(None, "torch backend: a limit in seconds on the whole run (default: none)")
     stall_timeout: float = opt(300.0, "torch backend: end the run when a worker neither starts a step nor "
                                 "communicates for this many seconds (a stopped or hung worker)")
+    collective_timeout: float = opt(600.0, "torch backend: the longest one collective may wait for its peers, in "
+                                     "seconds (torch.distributed's process-group timeout; capped by --timeout)")
     checkpoint_every: int = opt(0, "save every worker's state every K steps (0: never), atomically and "
                                  "checksummed, into --checkpoint-dir (default OUT/checkpoints)")
     checkpoint_dir: str | None = opt(None, "folder of the --checkpoint-every checkpoints (rank{r}.pt)")
@@ -164,9 +166,9 @@ class TrainConfig(AlgorithmOptions):
         for name in ("weight_decay", "noise"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
-        for name in ("timeout", "stall_timeout"):
+        for name in ("timeout", "stall_timeout", "collective_timeout"):
             v = getattr(self, name)
-            if v is not None and not v > 0:
+            if (v is None and name == "collective_timeout") or (v is not None and not v > 0):
                 raise ValueError(f"{name} must be a number of seconds > 0, got {v}")
         if isinstance(self.checkpoint_every, bool) or not isinstance(self.checkpoint_every, int) \
                 or self.checkpoint_every < 0:

@@ -44,6 +44,26 @@ class OutputExists(FileExistsError):
     """``--out`` holds a previous run."""
 
 
+class NoSpace(OSError):
+    """A file an option names could not be written: its filesystem is full (or over quota)."""
+
+
+def unwritable(option: str, path, e: OSError) -> OSError:
+    """The error for ``path`` (``option``'s file or folder) that could not be written because of
+    ``e``: :class:`NoSpace` for a full filesystem or quota, PermissionError otherwise; the message
+    names the path, the option and the cause."""
+    import errno
+
+    why = e.strerror or str(e) or type(e).__name__
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        err: OSError = NoSpace(f"{option}: cannot write {path}: {why} (its filesystem is full); free space there "
+                               f"or choose another {option}")
+    else:
+        err = PermissionError(f"{option}: cannot write {path} ({why}); choose another {option}")
+    err.errno = e.errno
+    return err
+
+
 def strict_json(value):
     """``value`` with every non-finite float replaced by None (JSON has no NaN or
     Infinity); returns (clean value, list of the dotted keys that were replaced)."""
@@ -93,6 +113,10 @@ def classify(e: BaseException) -> tuple[str, str]:
         return "checkpoint", f"{e} (--resume)"
     if isinstance(e, DataError):
         return "data", f"{e} (check --data-dir)"
+    from ..comm.wire_objects import BadPeerData
+
+    if isinstance(e, BadPeerData):
+        return "worker", str(e)
     if isinstance(e, (KeyboardInterrupt,)):
         return "interrupted", "interrupted; the workers were ended"
     if isinstance(e, (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)):

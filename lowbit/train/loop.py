@@ -23,7 +23,7 @@ from ..integrations.checkpoint import (ALGORITHM_STATE_FIELDS, LEDGER_FIELDS, OP
                                        agree_outcome, agree_resume, candidates, ledger_state, restore_ledger,
                                        save_checkpoint)
 from .config import TrainConfig, resolve_device
-from .errors import Diverged, strict_json
+from .errors import Diverged, strict_json, unwritable
 from .tasks import TASKS
 
 _CKPT_FORMAT = 1
@@ -32,8 +32,8 @@ _CKPT_FIELDS = {"format": int, "rank": int, "world_size": int, "config": dict, "
                 "optimizer": OPTIMIZER_FIELDS, "algorithm_state": ALGORITHM_STATE_FIELDS, "data_gen": torch.Tensor,
                 "ledger": LEDGER_FIELDS, "compute": torch.Tensor, "evals": list}
 # options that may differ between a checkpointed run and the run resuming it
-RESUME_MAY_DIFFER = ("steps", "timeout", "stall_timeout", "tensorboard", "checkpoint_every", "checkpoint_dir",
-                     "resume", "resume_fallback", "device")
+RESUME_MAY_DIFFER = ("steps", "timeout", "stall_timeout", "collective_timeout", "tensorboard", "checkpoint_every",
+                     "checkpoint_dir", "resume", "resume_fallback", "device")
 
 _INIT_LOCK = threading.Lock()
 
@@ -110,6 +110,14 @@ def worker_device(cfg: TrainConfig, transport: Transport) -> torch.device:
     return resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", transport.rank)))
 
 
+def _save_checkpoint(state: dict, path: str) -> None:
+    """save_checkpoint, with a write that fails (a full filesystem) naming the file and --checkpoint-dir."""
+    try:
+        save_checkpoint(state, path)
+    except OSError as e:
+        raise unwritable("--checkpoint-dir", path, e) from None
+
+
 def checkpoint_path(folder: str, rank: int) -> str:
     """Where rank ``rank`` writes its checkpoint in ``folder``."""
     return os.path.join(folder, f"rank{rank}.pt")
@@ -177,6 +185,7 @@ class _MetricsStream:
     ``metrics/<column>`` scalars, through the wrapper's :class:`TensorBoardStats`."""
 
     def __init__(self, path: str | None, rank: int, tensorboard: str | None = None):
+        self.path = path
         self.f = open(path, "a") if path is not None and rank == 0 else None
         self.tb = TensorBoardStats(tensorboard, prefix="metrics") if tensorboard is not None and rank == 0 else None
 
@@ -185,8 +194,11 @@ class _MetricsStream:
             clean, replaced = strict_json(row)
             if replaced:
                 clean["non_finite"] = replaced
-            self.f.write(json.dumps(clean, allow_nan=False) + "\n")
-            self.f.flush()
+            try:
+                self.f.write(json.dumps(clean, allow_nan=False) + "\n")
+                self.f.flush()
+            except OSError as e:  # e.g. a full filesystem: name the file and the option
+                raise unwritable("--out", self.path, e) from None
         if self.tb is not None:
             self.tb(row["step"], row)
 
@@ -298,7 +310,7 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
             if bar is not None:
                 bar.update(1)
             if cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0 and k + 1 < cfg.steps:
-                save_checkpoint({
+                _save_checkpoint({
                     "format": _CKPT_FORMAT, "rank": rank, "world_size": n, "step": k + 1,
                     "config": strict_json(cfg.to_dict())[0], "params": flat.data.detach().cpu().clone(),
                     "optimizer": opt.state_dict(), "algorithm_state": algo.state_dict(),

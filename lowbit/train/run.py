@@ -18,7 +18,7 @@ from ..algorithms import ALGORITHMS
 from ..comm.inprocess import pinned_threads, run_threads
 from ..comm.ledger import Ledger
 from .config import TrainConfig, resolve_device
-from .errors import OutputExists, classify, strict_json
+from .errors import OutputExists, classify, strict_json, unwritable
 from .loop import WorkerResult, run_worker
 
 
@@ -32,12 +32,16 @@ def _torch_worker(transport, cfg: TrainConfig, progress: bool, stream: str | Non
     return run_worker(transport, cfg, progress, stream=stream)
 
 
-def _torch_job(cfg: TrainConfig, progress: bool, stream: str | None = None):
+def _torch_job(cfg: TrainConfig, progress: bool, stream: str | None = None, on_end=None):
+    """The workers' results (rank order; None on torchrun ranks other than 0). Under torchrun,
+    ``on_end(exc)`` is called on the liveness monitor's thread when a peer stalls or dies, or the
+    ``--timeout`` passes, and must end this process (default: :func:`_end_rank` without a summary)."""
     from ..comm.launcher import is_torchrun, launch
 
     bandwidth, latency = cfg.shaping()
     if not is_torchrun():
-        limits = dict(latency_s=latency, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout)
+        limits = dict(latency_s=latency, timeout_s=cfg.timeout, stall_timeout_s=cfg.stall_timeout,
+                      collective_timeout_s=cfg.collective_timeout)
         if bandwidth is None:
             return launch(cfg.workers, _torch_worker, cfg, progress, stream, **limits)
         from ..comm.shaping import ShapedNetwork
@@ -48,18 +52,129 @@ def _torch_job(cfg: TrainConfig, progress: bool, stream: str | None = None):
         raise ValueError("shape_bandwidth: under torchrun the workers run on hosts lowbit does not manage; "
                          "shape their links yourself (tc), or launch without torchrun")
     # Under torchrun this process is one worker: run it, collect on rank 0.
-    import torch.distributed as dist
-
     from ..comm.distributed import init_from_env
+    from ..comm.liveness import PeerMonitor, sigterm_as_interrupt, watch_parent
 
-    transport = init_from_env(latency_s=latency)
-    torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
-    res = run_worker(transport, cfg, progress, stream=stream)
-    gathered = [None] * transport.world_size if transport.rank == 0 else None
-    dist.gather_object(res, gathered, dst=0)
-    dist.barrier()  # no rank tears its process group down while another still reads from it
+    rank = os.environ.get("RANK", "?")
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's agent started this process: leave when it is gone
+        watch_parent(os.getppid(), pdeathsig=False, what=f"lowbit rank {rank}")
+    op_timeout = cfg.collective_timeout if cfg.timeout is None else min(cfg.collective_timeout, cfg.timeout)
+    transport = init_from_env(timeout_s=op_timeout, latency_s=latency)
+    monitor = PeerMonitor(transport.rank, transport.world_size, stall_timeout_s=cfg.stall_timeout,
+                          timeout_s=cfg.timeout, on_end=on_end or _end_rank)
+    transport.heartbeat = monitor.beat
+    with monitor, sigterm_as_interrupt(f"torchrun rank {rank}: received signal {{signum}} (SIGTERM)",
+                                       ignore_while=lambda: monitor.ending):
+        try:
+            torch.set_num_threads(max(1, torch.get_num_threads()
+                                      // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))))
+            res = run_worker(transport, cfg, progress, stream=stream)
+            monitor.finish()
+            gathered = _gather_results(cfg, transport, res)
+        except BaseException as e:
+            verdict = monitor.explain(e)  # the run's verdict: another rank's, a peer gone, or this error
+            if verdict is e:
+                raise
+            raise verdict from e
     transport.close()
     return gathered
+
+
+# Under torchrun, rank 0 accepts a rank's result of at most (world size) x (its own result's
+# length) + this: every rank runs the same model, steps and evaluations, and their ledgers differ
+# only in how many peers and records each has.
+RESULT_SLACK_NBYTES = 1 << 20
+
+
+def _gather_results(cfg: TrainConfig, transport, res: WorkerResult) -> list[WorkerResult] | None:
+    """Every rank's result on rank 0 (None elsewhere), as :mod:`lowbit.comm.wire_objects` frames
+    (no pickle): the frames' lengths are all-gathered as an int64 tensor and checked against a
+    bound on every rank (so that all refuse together), the frames gathered as padded uint8
+    tensors, and rank 0 decodes and checks each; anything else is a BadPeerData naming the rank."""
+    import torch.distributed as dist
+
+    from ..comm.wire_objects import BadPeerData, dumps, loads
+
+    n, rank, group = transport.world_size, transport.rank, transport.group
+    dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in transport.backend else torch.device("cpu")
+    payload = dumps(res)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(n)]
+    dist.all_gather(lengths, torch.tensor([len(payload)], dtype=torch.int64, device=dev), group=group)
+    lengths = [int(t.item()) for t in lengths]
+    bound = n * lengths[0] + RESULT_SLACK_NBYTES
+    for r, length in enumerate(lengths):
+        if not 0 < length <= bound:
+            raise BadPeerData(f"rank {r} stated a result of {length} bytes; the ranks accept 1..{bound} "
+                              f"({n} x rank 0's {lengths[0]} + {RESULT_SLACK_NBYTES}): a corrupt or hostile peer")
+    size = max(lengths)
+    buf = torch.zeros(size, dtype=torch.uint8)
+    buf[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    frames = [torch.empty(size, dtype=torch.uint8, device=dev) for _ in range(n)] if rank == 0 else None
+    dist.gather(buf.to(dev), frames, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    results, error = None, None
+    if rank == 0:
+        try:
+            results = [_checked_result(loads(f[:length].cpu().numpy().tobytes(), sender=f"rank {r}",
+                                             max_nbytes=bound), r, cfg, res) for r, (f, length)
+                       in enumerate(zip(frames, lengths))]
+        except BadPeerData as e:
+            error = e
+    dist.barrier(group=group)  # no rank tears its process group down while another still reads from it
+    if error is not None:
+        raise error
+    return results
+
+
+def _checked_result(res, r: int, cfg: TrainConfig, own: WorkerResult) -> WorkerResult:
+    """Rank ``r``'s decoded result, if it is one this run's summary can use (the kinds and sizes
+    of rank 0's own ``own``); BadPeerData naming the rank otherwise."""
+    from ..comm.wire_objects import BadPeerData
+
+    def bad(why: str) -> BadPeerData:
+        return BadPeerData(f"rank {r} sent a result that does not fit this run ({why}); refused: a corrupt or "
+                           f"hostile peer")
+
+    if not isinstance(res, WorkerResult):
+        raise bad(f"a {type(res).__name__}, not a WorkerResult")
+    if res.rank != r:
+        raise bad(f"it says it is rank {res.rank!r}")
+    if not (isinstance(res.params, torch.Tensor) and res.params.dtype == own.params.dtype
+            and res.params.shape == own.params.shape):
+        raise bad(f"params are not a {own.params.dtype} tensor of shape {tuple(own.params.shape)}")
+    if not (isinstance(res.compute_seconds, list) and len(res.compute_seconds) == len(own.compute_seconds)
+            and all(isinstance(c, float) for c in res.compute_seconds)):
+        raise bad(f"compute_seconds is not a list of {len(own.compute_seconds)} floats")
+    if not (isinstance(res.report, dict) and set(res.report) == set(own.report)
+            and all(type(res.report[k]) is type(v) for k, v in own.report.items())):
+        raise bad(f"its report's keys or kinds are not {sorted(own.report)}")
+    if not (isinstance(res.ledger_rows, list) and all(
+            isinstance(row, tuple) and len(row) == 6 and isinstance(row[0], int) and isinstance(row[1], str)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row[2:]) for row in res.ledger_rows)):
+        raise bad("its ledger rows are not (step, op, nbytes, sent_bytes, messages, peers) tuples")
+    if not (isinstance(res.extra_memory_bytes, int) and isinstance(res.nominal_bits_per_element, float)
+            and isinstance(res.evals, list) and len(res.evals) == len(own.evals)
+            and all(isinstance(e, dict) for e in res.evals)):
+        raise bad("its memory, bits or evaluations are not those of this run")
+    return res
+
+
+def _end_rank(e: BaseException, summary_path: Path | None = None, cfg: TrainConfig | None = None) -> None:
+    """End this torchrun rank with the run's verdict ``e`` (on the liveness monitor's thread; the main
+    thread may be blocked in a collective): write ``summary_path`` (rank 0's summary.json) if given,
+    print the one-line error as ``lowbit`` does, and exit with the kind's code."""
+    import sys
+
+    from .errors import EXIT_CODES
+
+    kind, message = classify(e)
+    if summary_path is not None and cfg is not None:
+        try:
+            write_atomic(summary_path, to_json(_failure_summary(cfg, e), indent=2) + "\n")
+        except OSError as w:
+            print(f"lowbit: could not write {summary_path}: {w}", file=sys.stderr)
+    first = (message or str(e) or type(e).__name__).splitlines()[0]
+    print(f"lowbit: error: {first}", file=sys.stderr, flush=True)
+    os._exit(EXIT_CODES.get(kind, 1))
 
 
 @dataclass(frozen=True)
@@ -238,19 +353,48 @@ def prepare_out(out: str | os.PathLike, overwrite: bool = False) -> Path:
     if previous and not overwrite:
         raise OutputExists(f"--out {out} holds a previous run ({', '.join(previous)}); pass --overwrite to "
                            f"replace it, or choose another --out")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".lowbit-write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise PermissionError(f"--out {out} cannot be written ({e.strerror or e}); choose another --out") from None
+    _check_writable(out, "--out")
     return out
 
 
-def write_atomic(path: Path, text: str) -> None:
+# What the write test at the start of a run writes (and removes): a full filesystem refuses it.
+PROBE_NBYTES = 4096
+
+
+def _check_writable(folder: Path, option: str) -> None:
+    """Make ``folder`` (``option``'s) if missing and write, fsync and remove a small file in it;
+    an OSError naming ``option`` and the cause otherwise (read-only, no permission, full)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".lowbit-write-test-{os.getpid()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(bytes(PROBE_NBYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        finally:
+            if probe.exists():
+                probe.unlink()
+    except OSError as e:
+        raise unwritable(option, folder, e) from None
+
+
+def prepare_checkpoint_dir(cfg: TrainConfig) -> Path:
+    """Check the folder of ``--checkpoint-every``'s checkpoints before any training (every
+    torchrun rank checks its own host's): a folder (made if missing) that this process can
+    write, on a filesystem with room; an OSError naming the option otherwise."""
+    folder = Path(cfg.checkpoint_dir)
+    option = "--resume" if cfg.checkpoint_dir == cfg.resume else "--checkpoint-dir"
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(f"{option} {folder} is a file, not a folder; choose a folder name")
+    _check_writable(folder, option)
+    return folder
+
+
+def write_atomic(path: Path, text: str, option: str = "--out") -> None:
     """Write ``text`` to a temporary file beside ``path``, fsync it and rename it onto ``path``:
-    a reader sees the old file or the new one, never a truncated one."""
+    a reader sees the old file or the new one, never a truncated one. A failed write (a full
+    filesystem) is an OSError naming ``path`` and ``option``."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:
@@ -258,6 +402,8 @@ def write_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise unwritable(option, path, e) from None
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -313,12 +459,20 @@ def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool
         if out is None:
             raise ValueError("checkpoint_every needs --checkpoint-dir DIR (or --out, whose checkpoints/ it uses)")
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(out / "checkpoints"))
+    if cfg.checkpoint_every:
+        prepare_checkpoint_dir(cfg)
+    on_end = functools.partial(_end_rank, cfg=cfg, summary_path=out / "summary.json" if out is not None and lead
+                               else None)
     t0 = time.perf_counter()
     try:
-        results = _thread_job(cfg, progress, stream) if cfg.backend == "thread" else _torch_job(cfg, progress, stream)
+        results = _thread_job(cfg, progress, stream) if cfg.backend == "thread" else _torch_job(cfg, progress, stream,
+                                                                                                on_end)
     except BaseException as e:
         if out is not None and lead:
-            write_atomic(out / "summary.json", to_json(_failure_summary(cfg, e), indent=2) + "\n")
+            try:
+                write_atomic(out / "summary.json", to_json(_failure_summary(cfg, e), indent=2) + "\n")
+            except OSError as w:  # e.g. the full filesystem that ended the run: report the run's own error
+                logging.getLogger("lowbit").warning("%s", w)
         raise
     wall = time.perf_counter() - t0
     if results is None:
