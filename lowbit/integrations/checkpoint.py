@@ -184,7 +184,11 @@ def _load(path: str, map_location, hint: str) -> dict:
     try:
         return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - weights_only refuses anything that could run code
-        raise CheckpointError(f"checkpoint {path} holds objects that weights_only=True refuses ({e})") from None
+        # torch's own text around the reason advises weights_only=False: not for a file that fails here
+        parts = [p.strip() for p in str(e).split("\n\n") if p.strip()]
+        why = " ".join(p for p in parts if not p.startswith(("Weights only load failed", "Check the documentation")))
+        raise CheckpointError(f"checkpoint {path} holds objects that weights_only=True refuses "
+                              f"({why or str(e)}); nothing in it was run") from None
 
 
 # The fields of the parts every checkpoint format shares (see check_fields): a key ending in "?"
