@@ -143,11 +143,12 @@ def test_workers_with_different_magnitudes_agree_on_one_floor():
     assert got == [(2.0 ** -23, 2.0 ** -23, 2.0 ** -23)] * n  # 0.8e-7 < 7.5e-8 <= 2^-23 = 1.19e-7
 
 
-def test_quadratic_at_the_defaults_finishes_at_the_floor():
+@pytest.mark.parametrize("algorithm", ["moniqua", "moniqua-d2"])
+def test_quadratic_at_the_defaults_finishes_at_the_floor(algorithm):
     """The quadratic task's workers minimise one function: their models agree to the bit, no block
     is ever wrong, and theta shrinks until the floor holds it (about step 480; issue 28's run took
-    it to 4.9e-18 and failed at step ~1500). Moniqua's defaults, 2 workers, 520 steps."""
-    run = train(TrainConfig(task="quadratic", workers=2, steps=520, seed=0, algorithm="moniqua", backend="thread"))
+    it to 4.9e-18 and failed after step 1475). The defaults, 2 workers, 520 steps."""
+    run = train(TrainConfig(task="quadratic", workers=2, steps=520, seed=0, algorithm=algorithm, backend="thread"))
     s = run.summary
     assert s["steps"] == 520 and math.isfinite(s["final_train_loss"])
     assert s["final_train_loss"] < 1e-12
