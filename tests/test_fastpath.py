@@ -12,6 +12,9 @@ from lowbit.codecs.kernels import codec_path, cpu, fast_backend, kernels_for
 from lowbit.codecs.packing import pack_wide
 from lowbit.codecs.rng import counter_uniforms, draw_key
 
+# the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
+pytestmark = pytest.mark.numba_kernels
+
 
 def test_counter_uniforms_match_the_numba_kernel():
     key = draw_key(shared_generator(1, 2, 3))

@@ -15,6 +15,9 @@ from lowbit.codecs.nested import NestedDitheredCodec
 from lowbit.codecs.quantize import lane_sums_reference
 from lowbit.codecs.qsgd import QSGDCodec
 
+# the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
+pytestmark = pytest.mark.numba_kernels
+
 F64 = torch.float64
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 

@@ -11,6 +11,9 @@ from lowbit.codecs import HalfCodec
 from lowbit.codecs.base import Payload
 from lowbit.codecs.kernels import codec_path, cpu_kernels
 
+# the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
+pytestmark = pytest.mark.numba_kernels
+
 K = cpu_kernels("lowp")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -225,3 +228,26 @@ def test_when_to_stream(monkeypatch):
     assert not K.streams(2**24) and K.streams(2**24 + 1)
     monkeypatch.setattr(K, "last_level_cache_bytes", lambda: None)
     assert not K.streams(2**40)
+
+
+def test_under_another_numba_target_the_codecs_take_the_reference():
+    """``NUMBA_CPU_NAME=generic`` (issue 28: there LLVM crashed compiling the fp16 kernel, and
+    the bf16 one corrupted the heap): the codecs take the reference, with torch's bits."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from lowbit.codecs import HalfCodec\n"
+        "from lowbit.codecs.kernels import fast_backend, native_target\n"
+        "x = torch.randn(100_003, generator=torch.Generator().manual_seed(0)) * 100\n"
+        "assert not native_target() and fast_backend(x) is None\n"
+        "for name, dt in (('fp16', torch.float16), ('bf16', torch.bfloat16)):\n"
+        "    c = HalfCodec(name)\n"
+        "    p = c.encode(x)\n"
+        "    assert torch.equal(c.decode(p), x.to(dt).float())\n"
+        "print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "NUMBA_CPU_NAME": "generic"},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

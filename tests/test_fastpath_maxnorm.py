@@ -15,6 +15,9 @@ from lowbit.codecs.kernels import codec_path, cpu_maxnorm, cpu_randk
 from lowbit.codecs.maxnorm import sum_squares_reference
 from lowbit.codecs.randk import feistel_params, round_keys, select_reference
 
+# the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
+pytestmark = pytest.mark.numba_kernels
+
 pytest.importorskip("numba")
 
 SINGLE = [QSGDMaxNormCodec(bits=2), QSGDMaxNormCodec(bits=3), QSGDMaxNormCodec(bits=8),

@@ -13,6 +13,9 @@ from lowbit.codecs.base import Payload
 from lowbit.codecs.kernels import cpu_kernels, kernels_for
 from lowbit.codecs.quantize import lane_sums_reference
 
+# the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
+pytestmark = pytest.mark.numba_kernels
+
 plain = cpu_kernels("plain")
 
 CASES = [

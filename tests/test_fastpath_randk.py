@@ -9,6 +9,9 @@ from lowbit.codecs import QSGDMaxNormCodec, RandKCodec, shared_generator
 from lowbit.codecs.kernels import codec_path, cpu_kernels
 from lowbit.codecs.randk import feistel_params, round_keys, select_reference
 
+# the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
+pytestmark = pytest.mark.numba_kernels
+
 KR = cpu_kernels("randk")
 KM = cpu_kernels("maxnorm")
 

@@ -11,6 +11,9 @@ import torch
 from lowbit.codecs.kernels import codec_path, cpu_kernels
 from lowbit.codecs.packing import pack_wide, packed_nbytes
 from lowbit.codecs.radix import (MAX_GROUP_BITS, MAX_LEVELS, WORD_BITS, level_bits, levels_nbytes, pack_levels,
+
+# the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
+pytestmark = pytest.mark.numba_kernels
                                  pack_levels_fast, pack_radix, pack_radix_reference, radix_group, radix_nbytes,
                                  unpack_levels, unpack_levels_fast, unpack_radix, unpack_radix_reference)
 

@@ -15,7 +15,8 @@ Every codec has two implementations with one wire format:
 
 :func:`fast_backend` picks the path for a tensor. ``LOWBIT_CODEC_PATH=reference``
 (or the :func:`codec_path` context manager) forces the reference everywhere;
-tensors that are neither plain CPU nor plain CUDA tensors (subclasses, other
+where numba would compile for another CPU than this one (:func:`native_target`) the CPU
+takes the reference; tensors that are neither plain CPU nor plain CUDA tensors (subclasses, other
 devices) take the reference; CUDA without Triton takes the reference.
 """
 
@@ -31,7 +32,8 @@ import threading
 
 import torch
 
-__all__ = ["fast_backend", "kernels_for", "codec_path", "PATHS", "cpu_kernels", "gpu_kernels", "empty_output"]
+__all__ = ["fast_backend", "kernels_for", "codec_path", "PATHS", "cpu_kernels", "gpu_kernels", "empty_output",
+           "native_target"]
 
 PATHS = ("fast", "reference")
 _local = threading.local()
@@ -83,12 +85,32 @@ def gpu_kernels(family: str = "core"):
     return _module("triton", family)
 
 
+@functools.cache
+def native_target() -> bool:
+    """Whether numba compiles for this machine's own CPU (its default). Told to compile for
+    another (``NUMBA_CPU_NAME=generic``, as one sets it for a cache shared between machines,
+    with this CPU's features), LLVM crashed or the compiled kernels corrupted the heap
+    (numba 0.63: an assertion in LLVM for the fp16 cast, ``free(): invalid size`` after the
+    bf16 one, an abort finalising RandK's selection): there the CPU codecs take the
+    reference, the same bytes (issue 28)."""
+    try:
+        from numba.core import config
+    except ImportError:
+        return False
+    if config.CPU_NAME in (None, "host"):
+        return True
+    import llvmlite.binding as llvm
+
+    return config.CPU_NAME == llvm.get_host_cpu_name()
+
+
 def fast_backend(x: torch.Tensor) -> str | None:
-    """``"numba"``, ``"triton"`` or None (the reference) for a tensor ``x``."""
+    """``"numba"``, ``"triton"`` or None (the reference) for a tensor ``x``: on the CPU numba
+    where it compiles for this CPU (:func:`native_target`)."""
     if _current_path() == "reference" or type(x) is not torch.Tensor:
         return None
     if x.device.type == "cpu":
-        return "numba" if cpu_kernels() is not None else None
+        return "numba" if cpu_kernels() is not None and native_target() else None
     if x.device.type == "cuda":
         return "triton" if gpu_kernels() is not None else None
     return None
