@@ -2,7 +2,7 @@
 checksum over missing content, a malicious pickle) is reported by name with the step every rank falls
 back to, or refused with --resume-fallback error; every rank resumes from the same step; a restore that
 fails on one rank fails every rank with the same error; a save killed midway leaves temporaries that the
-next save or load removes. Under ``lowbit train`` (thread backend) and under the wrapper with two torchrun
+next save or resume of that file removes. Under ``lowbit train`` (thread backend) and under the wrapper with two torchrun
 processes."""
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 from lowbit.cli import main
 from lowbit.comm.inprocess import run_threads
 from lowbit.integrations.checkpoint import (MAGIC, VERSION, CheckpointError, CheckpointFallbackWarning, _HEAD,
-                                            load_checkpoint, remove_stale_temporaries, save_checkpoint)
+                                            candidates, load_checkpoint, remove_stale_temporaries,
+                                            save_checkpoint)
 from lowbit.train import train
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import run_worker
@@ -176,8 +177,10 @@ def test_resume_fallback_is_checked_by_name(capsys):
 
 # ---- a save killed midway -----------------------------------------------------------------------
 _KILLED_SAVE = """
-import os, signal, sys, torch
-from lowbit.integrations import checkpoint
+import importlib.util, os, signal, sys, torch
+spec = importlib.util.spec_from_file_location("ck", sys.argv[3])  # the module alone: a quicker start
+checkpoint = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(checkpoint)
 def die(*a, **k):
     os.kill(os.getpid(), signal.SIGKILL)
 if sys.argv[2] == "fsync":
@@ -190,12 +193,12 @@ checkpoint.save_checkpoint({"step": 99, "w": torch.zeros(3)}, sys.argv[1])
 
 
 def _killed_save(path: Path, where: str) -> None:
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path), where], env={**os.environ,
-                          "PYTHONPATH": str(ROOT)}, capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path), where,
+                           str(ROOT / "lowbit" / "integrations" / "checkpoint.py")], capture_output=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
 
 
-def test_a_killed_saves_temporaries_are_removed_at_the_next_save_and_load(tmp_path):
+def test_a_killed_saves_temporaries_are_removed_at_the_next_save_and_resume(tmp_path):
     path = tmp_path / "rank0.pt"
     save_checkpoint({"step": 1, "w": torch.ones(3)}, path)
 
@@ -208,6 +211,7 @@ def test_a_killed_saves_temporaries_are_removed_at_the_next_save_and_load(tmp_pa
     left = temporaries()
     assert first not in left and [n.split(".tmp-")[0] for n in left] == ["rank0.pt.prev", "rank0.pt"], left
     assert load_checkpoint(path)["step"] == 1  # nothing lost
+    assert len(temporaries()) == 2
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait()  # its PID is no longer alive
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -221,7 +225,9 @@ def test_a_killed_saves_temporaries_are_removed_at_the_next_save_and_load(tmp_pa
         assert temporaries() == sorted(keep)
         assert load_checkpoint(path)["step"] == 2 and load_checkpoint(str(path) + ".prev")["step"] == 1
         (tmp_path / f"rank0.pt.prev.tmp-{done.pid}").write_bytes(b"x")
-        assert load_checkpoint(path)["step"] == 2  # a load removes them too
+        assert load_checkpoint(path)["step"] == 2  # a plain read removes nothing (a reader elsewhere
+        assert temporaries() == sorted(keep + [f"rank0.pt.prev.tmp-{done.pid}"])  # cannot see the writer's PID)
+        assert [c.step for c in candidates(path)] == [2, 1]  # a resume of path removes them
         assert temporaries() == sorted(keep)
     finally:
         alive.kill()

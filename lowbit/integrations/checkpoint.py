@@ -11,8 +11,11 @@ checkpoint already at ``PATH`` (if any) as ``PATH.prev`` and renames the new
 file onto ``PATH`` (then fsyncs the folder): a crash at any moment leaves
 either the old or the new checkpoint complete at ``PATH``. A process killed
 during a save leaves its ``PATH.tmp-PID`` (or ``PATH.prev.tmp-PID``) behind:
-the next save or load of ``PATH`` removes those of PIDs no longer alive on
-this machine (:func:`remove_stale_temporaries`).
+the next save of ``PATH``, or resume from it (:func:`candidates`, the wrapper's
+``load_checkpoint``), removes those of PIDs no longer alive on this machine
+(:func:`remove_stale_temporaries`). A plain :func:`load_checkpoint` removes
+nothing: a reader on another machine, where the writer's PID is not visible,
+must not break a save in progress.
 :func:`load_checkpoint` refuses a file whose magic, length or checksum is
 wrong with a :class:`CheckpointError` naming the file (and ``PATH.prev`` when
 that exists); :func:`check_fields` refuses one whose checksum is valid but
@@ -151,11 +154,9 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> str:
 
 def load_checkpoint(path: str | os.PathLike, map_location=None) -> dict:
     """The state :func:`save_checkpoint` wrote to ``path``, checked against its checksum and
-    loaded with ``weights_only=True``; :class:`CheckpointError` otherwise. Removes the
-    temporaries of a save of ``path`` killed midway (:func:`remove_stale_temporaries`)."""
+    loaded with ``weights_only=True``; :class:`CheckpointError` otherwise. Reads only."""
     path = os.fspath(path)
     prev = path + ".prev"
-    remove_stale_temporaries(path)
     return _load(path, map_location, f"; the previous checkpoint {prev} may be used instead"
                  if os.path.isfile(prev) else "")
 
@@ -310,7 +311,8 @@ def candidates(path: str | os.PathLike, fields: dict | None = None) -> list[Cand
     """The current file ``path`` and the previous checkpoint ``path.prev``, each read and
     checked (:func:`load_checkpoint`; a ``step`` >= 0 and :func:`check_fields` of ``fields``);
     a file that is absent is :data:`MISSING`, one that fails a check :data:`REFUSED` with the
-    reason. Removes stale temporaries first (:func:`remove_stale_temporaries`)."""
+    reason. For the process that resumes and then saves ``path``: removes stale temporaries
+    first (:func:`remove_stale_temporaries`)."""
     path = os.fspath(path)
     remove_stale_temporaries(path)
     out = []

@@ -118,7 +118,7 @@ from ..comm.ledger import Ledger
 from ..topology import Topology
 from .checkpoint import (ALGORITHM_STATE_FIELDS, LEDGER_FIELDS, OPTIMIZER_FIELDS, RNG_FIELDS, CheckpointError,
                          agree_outcome, agree_resume, candidates, check_fields, ledger_state, load_checkpoint,
-                         restore_ledger, rng_state, save_checkpoint, set_rng_state)
+                         remove_stale_temporaries, restore_ledger, rng_state, save_checkpoint, set_rng_state)
 from .flat import FlatParams
 
 BUFFER_POLICIES = ("local", "average")
@@ -612,6 +612,7 @@ class DecentralizedDataParallel(nn.Module):
         path = os.fspath(path)
 
         def read() -> dict:
+            remove_stale_temporaries(path)  # this rank saves to path: a killed save's leftovers go
             state = load_checkpoint(path, map_location=self.flat.data.device)
             check_fields(state, _fields(state), path)  # a missing field is named with the file
             return state
