@@ -342,7 +342,8 @@ def tiny_tmpfs(tmp_path):
 
 def test_read_only_and_full_checkpoint_dirs_are_refused_before_training(tmp_path, tiny_tmpfs, capsys):
     (tiny_tmpfs / "fill").write_bytes(b"\0" * (64 * 1024 - 2048))  # what is left is under one write test
-    base = ["train", "--workers", "2", "--steps", "4", "--task", "quadratic", "--no-progress", "--checkpoint-every", "2"]
+    base = ["train", "--workers", "2", "--steps", "4", "--task", "quadratic", "--no-progress",
+            "--checkpoint-every", "2"]
     assert main([*base, "--out", str(tmp_path / "o1"), "--checkpoint-dir", str(tiny_tmpfs / "ck")]) == 4
     err = capsys.readouterr().err
     assert f"--checkpoint-dir: cannot write {tiny_tmpfs / 'ck'}" in err and "filesystem is full" in err
@@ -370,3 +371,21 @@ def test_a_full_filesystem_during_training_names_the_file_and_the_option(tmp_pat
     assert f"--checkpoint-dir: cannot write {out / 'checkpoints' / 'rank'}" in err and "No space left" in err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["error_kind"] == "io" and "--checkpoint-dir" in summary["error"]
+
+
+def test_a_full_filesystem_under_metrics_and_summary_names_the_file_and_out(tmp_path, monkeypatch):
+    from lowbit.train.errors import NoSpace
+    from lowbit.train.loop import _MetricsStream
+    from lowbit.train.run import write_atomic
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    stream = _MetricsStream(str(tmp_path / "metrics.jsonl"), rank=0)
+    monkeypatch.setattr(stream.f, "write", full)
+    with pytest.raises(NoSpace, match=f"--out: cannot write {tmp_path / 'metrics.jsonl'}: No space left"):
+        stream.write({"step": 0})
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(NoSpace, match=f"--out: cannot write {tmp_path / 'summary.json'}: No space left"):
+        write_atomic(tmp_path / "summary.json", "{}")
+    assert not (tmp_path / "summary.json").exists() and not list(tmp_path.glob(".summary.json.tmp-*"))

@@ -204,7 +204,8 @@ def loads(data: bytes | bytearray | memoryview, *, sender: str, max_nbytes: int)
                 return bytes.fromhex(body)
             except ValueError:
                 raise bad("a bytes value is not hex") from None
-        if tag == "C" and len(rest) == 1 and rest[0][0] == "F" and isinstance(body, str) and isinstance(rest[0][1], dict):
+        if tag == "C" and len(rest) == 1 and rest[0][0] == "F" and isinstance(body, str) \
+                and isinstance(rest[0][1], dict):
             cls = _registered(body)
             if cls is None:
                 raise bad(f"it names the type {body[:80]!r}, which is not a registered dataclass")

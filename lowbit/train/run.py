@@ -149,7 +149,8 @@ def _checked_result(res, r: int, cfg: TrainConfig, own: WorkerResult) -> WorkerR
         raise bad(f"its report's keys or kinds are not {sorted(own.report)}")
     if not (isinstance(res.ledger_rows, list) and all(
             isinstance(row, tuple) and len(row) == 6 and isinstance(row[0], int) and isinstance(row[1], str)
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row[2:]) for row in res.ledger_rows)):
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row[2:])
+            for row in res.ledger_rows)):
         raise bad("its ledger rows are not (step, op, nbytes, sent_bytes, messages, peers) tuples")
     if not (isinstance(res.extra_memory_bytes, int) and isinstance(res.nominal_bits_per_element, float)
             and isinstance(res.evals, list) and len(res.evals) == len(own.evals)
