@@ -255,9 +255,7 @@ def test_sigkill_of_the_launcher_ends_its_workers(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert not any(_alive(p) for p in workers), "workers outlived their launcher"
-    rows = len((out / "metrics.jsonl").read_text().splitlines())
-    assert rows == len((out / "metrics.jsonl").read_text().splitlines())  # nobody is left to append
+    assert not any(_alive(p) for p in workers), "workers outlived their launcher"  # nobody left to append
     print(f"SIGKILL of the launcher: both workers gone after {elapsed:.2f} s")
 
 

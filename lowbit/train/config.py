@@ -20,6 +20,7 @@ import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.options import AlgorithmOptions, opt
+from ..comm.liveness import DEFAULT_COLLECTIVE_TIMEOUT_S, DEFAULT_STALL_TIMEOUT_S
 from ..comm.netmodel import NetworkModel
 from ..integrations.checkpoint import RESUME_FALLBACKS
 from ..topology import TOPOLOGIES, WEIGHTINGS, make_topology
@@ -107,10 +108,12 @@ class TrainConfig(AlgorithmOptions):
     tensorboard: str | None = opt(None, "also write the metrics as TensorBoard scalars into this directory "
                                    "(needs: pip install tensorboard)")
     timeout: float | None = opt(None, "torch backend: a limit in seconds on the whole run (default: none)")
-    stall_timeout: float = opt(300.0, "torch backend: end the run when a worker neither starts a step nor "
-                                "communicates for this many seconds (a stopped or hung worker)")
-    collective_timeout: float = opt(600.0, "torch backend: the longest one collective may wait for its peers, in "
-                                     "seconds (torch.distributed's process-group timeout; capped by --timeout)")
+    stall_timeout: float = opt(DEFAULT_STALL_TIMEOUT_S, "torch backend: end the run when a worker neither "
+                                "starts a step nor communicates for this many seconds (a stopped or hung "
+                                "worker)")
+    collective_timeout: float = opt(DEFAULT_COLLECTIVE_TIMEOUT_S, "torch backend: the longest one collective may "
+                                     "wait for its peers, in seconds (torch.distributed's process-group "
+                                     "timeout; capped by --timeout)")
     checkpoint_every: int = opt(0, "save every worker's state every K steps (0: never), atomically and "
                                  "checksummed, into --checkpoint-dir (default OUT/checkpoints)")
     checkpoint_dir: str | None = opt(None, "folder of the --checkpoint-every checkpoints (rank{r}.pt)")
