@@ -71,6 +71,7 @@ import torch
 
 from ..codecs import Codec, IdentityCodec, ModuloCodec
 from ..codecs.rng import derive_seed, shared_generator
+from .faults import check_decoded, received_from
 from .base import GossipAlgorithm, State, transient
 from .moniqua import check_theta
 
@@ -206,10 +207,17 @@ class ADPSGD(GossipAlgorithm):
         payload = state.codec.encode(ref, generator=gen)
         return payload.to_wire(), state.codec.decode(payload, ref=ref).to(x.dtype), ref
 
-    @staticmethod
-    def _decode(state: ADPSGDState, wire: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-        """The other side's model, decoded against ``ref`` (line 5 for Moniqua)."""
-        return state.codec.decode(state.codec.payload_from_wire(wire), ref=ref).to(ref.dtype)
+    def _decode(self, state: ADPSGDState, ctx, sender: int, step: int, wire: torch.Tensor, mine: torch.Tensor,
+                ref: torch.Tensor) -> torch.Tensor:
+        """``sender``'s model, decoded against ``ref`` (line 5 for Moniqua). Its message must be as
+        long as this side's own ``mine`` (one codec, one model size) and decode to the model's
+        size: a :class:`~lowbit.algorithms.faults.PeerPayloadError` naming the sender and the step
+        otherwise, before anything is decoded."""
+        with received_from(self.name, ctx.rank, sender, step, "gossip message"):
+            if wire.numel() != mine.numel():
+                raise ValueError(f"{wire.numel()} bytes, this worker's messages have {mine.numel()}")
+            return check_decoded(state.codec.decode(state.codec.payload_from_wire(wire), ref=ref).to(ref.dtype),
+                                 ref.numel())
 
     def before_update(self, state, ctx, k, x, g, lr):
         """The active side: exchange with the partner of step k, x += mix (x_j - x_i); the lock
@@ -222,13 +230,14 @@ class ADPSGD(GossipAlgorithm):
 
             def request():  # called when the request leaves (in-process: at the exchange's turn)
                 with state.lock:
-                    wire, sent["mine"], sent["ref"] = self._encode(state, ctx, x, k, ctx.rank)
-                return wire
+                    sent["wire"], sent["mine"], sent["ref"] = self._encode(state, ctx, x, k, ctx.rank)
+                return sent["wire"]
 
             reply = ctx.transport.gossip(j, request, k)  # no lock held while waiting
             state.lock.acquire()  # held through the optimizer step, released in after_update
             state.held = True
-            theirs = self._decode(state, reply, sent["ref"])  # against the model as sent (line 5 uses x_{k,i})
+            # against the model as sent (line 5 uses x_{k,i})
+            theirs = self._decode(state, ctx, j, k, reply, sent["wire"], sent["ref"])
             x.add_(theirs - sent["mine"], alpha=self.mix)
             state.exchanges += 1
         else:
@@ -245,7 +254,7 @@ class ADPSGD(GossipAlgorithm):
         x = state.x
         with state.lock:
             wire, mine, ref = self._encode(state, ctx, x, step, src)
-            theirs = self._decode(state, request, ref)
+            theirs = self._decode(state, ctx, src, step, request, wire, ref)
             x.add_(theirs - mine, alpha=self.mix)
             state.answered += 1
         return wire

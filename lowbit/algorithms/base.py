@@ -51,6 +51,7 @@ import torch
 
 from ..comm.base import Transport
 from ..topology import Topology, check_mixing_matrix
+from .faults import StepGuard
 
 __all__ = ["Algorithm", "CentralizedAlgorithm", "Context", "GossipAlgorithm", "State", "Worker", "make_worker",
            "tensors_nbytes", "transient"]
@@ -313,6 +314,8 @@ class Worker:
         self.algorithm = algorithm
         self.ctx = ctx
         self.state: State | None = None
+        # the ranks' agreement on faults and steps (lowbit.algorithms.faults), driven by the loop and the wrapper
+        self.guard = StepGuard(ctx.transport)
 
     # what the loop and the wrapper read
     @property
@@ -332,6 +335,12 @@ class Worker:
         return self.ctx.transport
 
     @property
+    def acts_after_update(self) -> bool:
+        """Whether the algorithm has an ``after_update`` of its own (which may communicate): its
+        drivers agree on faults once more before it (``guard.agree(k, 1)``)."""
+        return type(self.algorithm).after_update is not Algorithm.after_update
+
+    @property
     def rank(self) -> int:
         return self.ctx.rank
 
@@ -345,7 +354,7 @@ class Worker:
 
     def __getattr__(self, name: str) -> Any:
         # the algorithm's options read through the worker (worker.codec, worker.gamma)
-        if name in ("algorithm", "ctx", "state"):
+        if name in ("algorithm", "ctx", "state", "guard"):
             raise AttributeError(name)
         return getattr(self.algorithm, name)
 

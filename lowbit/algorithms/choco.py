@@ -96,7 +96,7 @@ class ChocoSGD(GossipAlgorithm):
 
     def after_update(self, state, ctx, k, x, g, lr):
         # x is x_{t+1/2} here (line 4 was the optimizer step)
-        q_i, q = exchange_compressed(ctx, self.codec, k, x - state.xhat, ctx.neighbors)  # 5
+        q_i, q = exchange_compressed(ctx, self.codec, k, x - state.xhat, ctx.neighbors, self.name)  # 5
         state.xhat.add_(q_i)                                                               # 6-8
         state.consensus.add_(mix(ctx, q_i, q, relative=True))  # e_i += sum_j w_ij (q_j - q_i): one rounding
         x.add_(state.consensus, alpha=self.gamma)                                          # 9

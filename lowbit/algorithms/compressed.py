@@ -45,6 +45,7 @@ from ..codecs.powersgd import times_thin, transpose_times_thin
 from ..codecs.rng import shared_generator
 from ..comm.base import Transport, completed, then
 from .base import CentralizedAlgorithm, State
+from .faults import received_from
 from .feedback import compensate, remember
 
 SERVERS = ("ps", "allgather")
@@ -120,7 +121,18 @@ class GatheredAlgorithm(CentralizedAlgorithm):
 
     def average(self, ctx, k: int, wires: list[torch.Tensor]) -> torch.Tensor:
         """The float64 average of the decoded payloads (rank order; :func:`decode_average`)."""
-        return decode_average(wires, lambda p, w: self.decode(ctx, k, p, w))
+        return decode_average(wires, lambda p, w: self.decode_from(ctx, k, p, w, wires[ctx.rank]))
+
+    def decode_from(self, ctx, k: int, sender: int, wire: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` of ``sender``'s wire, which must be as long as this rank's own ``own`` (every
+        rank's payload has one size) and decode to as many elements as this rank's; a
+        :class:`~lowbit.algorithms.faults.PeerPayloadError` naming the sender and the step otherwise."""
+        if sender == ctx.rank:
+            return self.decode(ctx, k, sender, wire)
+        with received_from(self.name, ctx.rank, sender, k):
+            if wire.numel() != own.numel():
+                raise ValueError(f"{wire.numel()} bytes, this rank's payload has {own.numel()}")
+            return self.decode(ctx, k, sender, wire)
 
     # the exchange ----------------------------------------------------------------------
     def exchange(self, state: State, ctx, k: int, wire: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

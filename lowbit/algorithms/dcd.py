@@ -59,10 +59,10 @@ def check_unbiased(codec: Codec) -> None:
 
 
 def send_difference(ctx: Context, codec: Codec, k: int, x: torch.Tensor, ref: torch.Tensor,
-                    xhat: dict[int, torch.Tensor], peers) -> None:
+                    xhat: dict[int, torch.Tensor], peers, name: str = "dcd") -> None:
     """DCD-PSGD's lines 4-6 towards ``peers``: z = x - ref, send C(z); x <- ref + C(z) (the
     model as the peers know it); xh^(j) <- xh^(j) + C(z^(j)) for every peer j."""
-    cz, received = exchange_compressed(ctx, codec, k, x - ref, peers)   # line 4
+    cz, received = exchange_compressed(ctx, codec, k, x - ref, peers, name)  # line 4
     x.copy_(ref + cz)                                                    # line 5
     for j in peers:                                                      # line 6
         xhat[j].add_(received[j])
@@ -172,7 +172,7 @@ class ECDPSGD(_ReplicaGossip):
         x_t, state.x_t = state.x_t, None
         t = state.t
         z = x_t * (1 - 0.5 * t) + x * (0.5 * t)                             # line 4
-        cz, received = exchange_compressed(ctx, self.codec, k, z, ctx.neighbors)
+        cz, received = exchange_compressed(ctx, self.codec, k, z, ctx.neighbors, self.name)
         a = 2.0 / t
         for j, c in ((ctx.rank, cz), *received.items()):                    # line 5
             state.y[j].mul_(1 - a).add_(c, alpha=a)

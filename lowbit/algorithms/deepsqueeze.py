@@ -73,7 +73,7 @@ class DeepSqueeze(GossipAlgorithm):
 
     def after_update(self, state, ctx, k, x, g, lr):
         v = compensate(x, state.delta)                                            # line 3
-        cv, received = exchange_compressed(ctx, self.codec, k, v, ctx.neighbors)  # line 4
+        cv, received = exchange_compressed(ctx, self.codec, k, v, ctx.neighbors, self.name)  # line 4
         remember(state.delta, v, cv)
         x.add_(mix(ctx, cv, received, w_self=ctx.w_self - 1.0), alpha=self.eta)   # line 5: sum_j (W - I)_ij C(v_j)
         return state

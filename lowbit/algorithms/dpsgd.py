@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from ..codecs import Codec, IdentityCodec, UniformCodec
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm
+from .faults import check_decoded, received_from
 from .gossip import CODEC_OPTIONS, check_codec, mix
 
 
@@ -41,7 +42,9 @@ class QuantizedGossip(GossipAlgorithm):
         for j in ctx.neighbors:
             # a dithered codec's receiver regenerates sender j's dither from the shared seed
             gen_j = shared_generator(ctx.seed, k, j) if self.codec.dither_on_decode else None
-            decoded[j] = self.codec.decode(self.codec.payload_from_wire(received[j]), generator=gen_j).to(x.dtype)
+            with received_from(self.name, ctx.rank, j, k):
+                decoded[j] = check_decoded(self.codec.decode(self.codec.payload_from_wire(received[j]),
+                                                             generator=gen_j).to(x.dtype), x.numel())
         x.copy_(mix(ctx, x, decoded))
         return state
 

@@ -89,6 +89,7 @@ from ..codecs.base import Payload, pack_header, unpack_header
 from ..codecs.dithered import _float32_up
 from ..codecs.quantize import check_int_range
 from ..codecs.rng import shared_generator
+from .faults import received_from
 from .base import State
 from .compressed import GatheredAlgorithm
 
@@ -361,10 +362,20 @@ class NDQSG(DQSG):
         """Algorithm 2's decoder: the average over all workers and, per P2 rank, the noise its
         payload showed."""
         n1 = self.n1(ctx)
-        g_bar = sum(self.decode(ctx, k, p, wires[p]) for p in range(n1)) / n1
+
+        def peer(p, decode):  # a peer's payload that does not decode is named with its sender
+            if p == ctx.rank:
+                return decode()
+            with received_from(self.name, ctx.rank, p, k):
+                return decode()
+
+        g_bar = sum(peer(p, lambda: self.decode(ctx, k, p, wires[p])) for p in range(n1)) / n1
         sigmas = {}
         for i, p in enumerate(range(n1, ctx.world_size)):
-            g_p, sigmas[p] = self.decode_p2(ctx, k, p, wires[p], g_bar)
+            g_p, sigmas[p] = peer(p, lambda: self.decode_p2(ctx, k, p, wires[p], g_bar))
+            with received_from(self.name, ctx.rank, p, k):
+                if g_p.shape != g_bar.shape:
+                    raise ValueError(f"it decodes to {g_p.numel()} elements, the receiver expects {g_bar.numel()}")
             g_bar = (g_bar * (n1 + i) + g_p) / (n1 + i + 1)  # the running average, Algorithm 2
         return g_bar, sigmas
 

@@ -13,6 +13,7 @@ import torch
 from ..codecs import Codec
 from ..codecs.rng import clone_generator, shared_generator
 from .base import Context
+from .faults import check_decoded, received_from
 
 __all__ = ["CODEC_OPTIONS", "REPLICA_CODECS", "check_codec", "check_gamma", "exchange_compressed", "exchange_initial_models", "mix"]
 
@@ -62,10 +63,13 @@ def mix(ctx: Context, x_i: torch.Tensor, received: Mapping[int, torch.Tensor], *
     return out
 
 
-def exchange_compressed(ctx: Context, codec: Codec, k: int, v: torch.Tensor, neighbors) -> tuple[torch.Tensor, dict]:
+def exchange_compressed(ctx: Context, codec: Codec, k: int, v: torch.Tensor, neighbors,
+                        name: str = "gossip") -> tuple[torch.Tensor, dict]:
     """Send C(v) to ``neighbors`` and receive theirs. Returns (C(v) as decoded by
     any receiver, {j: C(v_j)} in ``neighbors`` order), all in v's dtype. Worker p's
-    randomness at step k is ``shared_generator(ctx.seed, k, p)``."""
+    randomness at step k is ``shared_generator(ctx.seed, k, p)``. A payload that does not
+    decode to v's size is a :class:`~lowbit.algorithms.faults.PeerPayloadError` naming
+    the algorithm ``name``, the sender and the step."""
     gen = shared_generator(ctx.seed, k, ctx.rank)
     own_gen = clone_generator(gen) if codec.dither_on_decode else None
     wire = codec.encode(v, generator=gen).to_wire()
@@ -75,7 +79,9 @@ def exchange_compressed(ctx: Context, codec: Codec, k: int, v: torch.Tensor, nei
     out = {}
     for j in neighbors:
         gen_j = shared_generator(ctx.seed, k, j) if codec.dither_on_decode else None
-        out[j] = codec.decode(codec.payload_from_wire(received[j]), generator=gen_j).to(v.dtype)
+        with received_from(name, ctx.rank, j, k):
+            out[j] = check_decoded(codec.decode(codec.payload_from_wire(received[j]), generator=gen_j).to(v.dtype),
+                                   v.numel())
     return own, out
 
 

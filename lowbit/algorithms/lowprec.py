@@ -74,6 +74,7 @@ from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..codecs.quantize import check_rounding
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm, State, transient
+from .faults import check_decoded, received_from
 from .dcd import send_difference
 from .gossip import check_codec, exchange_initial_models, mix
 
@@ -317,28 +318,44 @@ class LowPrecisionDecentralized(GossipAlgorithm):
         for s, e in state.buckets:
             xb = x[s:e]
             if nodes.size == 1:
-                self._ring_step(state, ctx, xb, s, e, gen)
+                self._ring_step(state, ctx, k, xb, s, e, gen)
             elif nodes.is_leader:
                 parts = transport.neighbor_exchange(empty, nodes.members)  # reduce (average)
                 t = xb.detach().clone()
                 for j in nodes.members:
-                    t.add_(parts[j].view(x.dtype).to(x.device))
+                    t.add_(self._raw(ctx, k, j, parts[j], xb))
                 xb.copy_(t.div_(nodes.size))
-                self._ring_step(state, ctx, xb, s, e, gen)
+                self._ring_step(state, ctx, k, xb, s, e, gen)
                 transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), nodes.members)  # broadcast
             else:
                 transport.neighbor_exchange(xb.detach().contiguous().view(torch.uint8), (nodes.leader,))
                 got = transport.neighbor_exchange(empty, (nodes.leader,))[nodes.leader]
-                xb.copy_(got.view(x.dtype).to(x.device))
+                xb.copy_(self._raw(ctx, k, nodes.leader, got, xb))
         return state
 
-    def _decode(self, wire: torch.Tensor, numel: int, dtype) -> torch.Tensor:
+    def _raw(self, ctx, k: int, sender: int, buf: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A bucket ``sender`` sent in ``like``'s dtype (within a node: the reduce and the broadcast),
+        checked to be ``like``'s size."""
+        with received_from(self.name, ctx.rank, sender, k, "bucket"):
+            if buf.numel() != like.numel() * like.element_size():
+                raise ValueError(f"{buf.numel()} bytes, the bucket has {like.numel() * like.element_size()}")
+            return buf.view(like.dtype).to(like.device)
+
+    def _decode(self, wire: torch.Tensor, numel: int, dtype, ctx=None, k: int = 0, sender: int | None = None):
+        """The ``numel`` elements of a bucket's payload; from a peer (``sender``), a malformed one
+        is a :class:`~lowbit.algorithms.faults.PeerPayloadError` naming it and the step."""
+        if sender is None:
+            return self._decode_payload(wire, numel, dtype)
+        with received_from(self.name, ctx.rank, sender, k):
+            return check_decoded(self._decode_payload(wire, numel, dtype), numel)
+
+    def _decode_payload(self, wire: torch.Tensor, numel: int, dtype) -> torch.Tensor:
         payload = self.codec.payload_from_wire(wire)
         if isinstance(self.codec, BaguaMinMaxCodec):
             return self.codec.decode(payload, numel=numel, dtype=dtype)
         return self.codec.decode(payload).to(dtype)
 
-    def _ring_step(self, state: LowPrecisionState, ctx, xb: torch.Tensor, s: int, e: int, gen) -> None:
+    def _ring_step(self, state: LowPrecisionState, ctx, k: int, xb: torch.Tensor, s: int, e: int, gen) -> None:
         """Bagua's kernel on one bucket, on the ring of nodes (this rank a leader)."""
         nodes = state.layout
         w, lw, rw = state.weight[s:e], state.left_peer_weight[s:e], state.right_peer_weight[s:e]
@@ -356,8 +373,8 @@ class LowPrecisionDecentralized(GossipAlgorithm):
             got = ctx.transport.neighbor_exchange(wire, (nodes.left, nodes.right))
             from_left, from_right = got[nodes.left], got[nodes.right]
         n, dt = e - s, xb.dtype
-        lw.add_(self._decode(from_left, n, dt))
-        rw.add_(self._decode(from_right, n, dt))
+        lw.add_(self._decode(from_left, n, dt, ctx, k, None if nodes.nodes == 1 else nodes.left))
+        rw.add_(self._decode(from_right, n, dt, ctx, k, None if nodes.nodes == 1 else nodes.right))
         t = self._decode(wire, n, dt)
         t.add_(w)
         w.copy_(t)
@@ -420,6 +437,6 @@ class ShiftOneLowPrecision(GossipAlgorithm):
     def after_update(self, state, ctx, k, x, g, lr):
         p = shift_one_peer(ctx.rank, ctx.world_size, k + 1)
         m = state.mirror[p]
-        send_difference(ctx, self.codec, k, x, m, state.xhat, (p,))
+        send_difference(ctx, self.codec, k, x, m, state.xhat, (p,), self.name)
         m.copy_(x)
         return state

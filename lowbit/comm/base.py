@@ -272,6 +272,20 @@ def then(fut: torch.futures.Future, fn: Callable) -> torch.futures.Future:
     return fut.then(lambda f: fn(f.value()))
 
 
+def check_equal_sizes(rank: int, sizes: list[int], what: str) -> None:
+    """Rank ``rank``'s check of every rank's byte count ``sizes`` (rank order) of a collective
+    that needs one size on all ranks: the same ValueError on every rank when they differ,
+    naming the rank whose size differs from the most common one (ties: the lowest rank's)."""
+    if len(set(sizes)) <= 1:
+        return
+    common = max(sizes, key=lambda v: (sizes.count(v), -sizes.index(v)))
+    odd = next(r for r, v in enumerate(sizes) if v != common)
+    others = [r for r, v in enumerate(sizes) if v == common]
+    who = f"rank {others[0]} handed" if len(others) == 1 else f"the other ranks ({', '.join(map(str, others))}) handed"
+    raise ValueError(f"rank {rank}: rank {odd} handed {what} of {sizes[odd]} bytes while {who} {common} bytes "
+                     f"(all sizes by rank: {sizes}); every rank must hand in the same size: a corrupt or hostile peer")
+
+
 def _check_u8(buf, what: str) -> None:
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
         got = f"{buf.dtype} {tuple(buf.shape)}" if isinstance(buf, torch.Tensor) else type(buf).__name__

@@ -56,7 +56,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .base import Transport, then
+from .base import Transport, check_equal_sizes, then
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -210,10 +210,25 @@ class TorchDistributedTransport(Transport):
         self._delay(self.world_size - 1)
         return _future(*self._start_gather_all(t, async_op=True))
 
+    def _agree_sizes(self, x: torch.Tensor, what: str) -> None:
+        """Before a collective whose every rank must hand in the same number of bytes (all-gather,
+        gather): all-gather each rank's byte count (one int64; framing, not in the ledger, as a
+        neighbour exchange's length prefix) and raise the same ValueError on every rank, naming
+        the rank whose size differs from the most common one, instead of letting gloo abort the
+        process ("Received data size doesn't match expected size")."""
+        if self.world_size == 1:
+            return
+        mine = torch.tensor([x.numel() * x.element_size()], dtype=torch.int64, device=x.device)
+        sizes = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(sizes, mine, group=self.group)
+        check_equal_sizes(self.rank, [int(v) for v in torch.cat(sizes).tolist()], what)
+
     def _start_gather_all(self, t, async_op: bool):
-        """Issue an all-gather of ``t`` (no delay, no beat): (its work, None when synchronous; a
-        function giving every rank's tensor in rank order on ``t``'s device once it is done)."""
+        """Issue an all-gather of ``t`` (no delay, no beat; the sizes agreed first, synchronously):
+        (its work, None when synchronous; a function giving every rank's tensor in rank order on
+        ``t``'s device once it is done)."""
         x = self._staged(t, copy=False)
+        self._agree_sizes(x, "an all-gather payload")
         outs = [torch.empty_like(x) for _ in range(self.world_size)]
         work = dist.all_gather(outs, x, group=self.group, async_op=async_op)
         return work, lambda: [o.to(t.device) for o in outs]
@@ -235,6 +250,7 @@ class TorchDistributedTransport(Transport):
             parts = _wait(*self._start_gather_all(t, async_op=False))
             return parts if self.rank == dst else None
         x = self._staged(t, copy=False)
+        self._agree_sizes(x, "a gather payload")
         outs = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
         dist.gather(x, outs, dst=self._global(dst), group=self.group)
         return [o.to(t.device) for o in outs] if outs is not None else None

@@ -41,7 +41,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from .base import Transport
+from .base import Transport, check_equal_sizes
 
 T = TypeVar("T")
 
@@ -258,13 +258,16 @@ class ThreadTransport(Transport):
         return acc
 
     def _all_gather(self, t):
-        return self._collect(t)
+        parts = self._collect(t)
+        check_equal_sizes(self.rank, [p.numel() * p.element_size() for p in parts], "an all-gather payload")
+        return parts
 
     def _broadcast(self, t, src):
         return self._collect(t)[src]
 
     def _gather(self, t, dst):
         parts = self._collect(t)
+        check_equal_sizes(self.rank, [p.numel() * p.element_size() for p in parts], "a gather payload")
         return parts if self.rank == dst else None
 
     def _barrier(self):

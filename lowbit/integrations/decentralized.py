@@ -266,10 +266,14 @@ class DecentralizedDataParallel(nn.Module):
         if self._exchange is not None:  # started by the forward: x <- x_{k+1/2}
             self._finish_exchange(check=True)
             self.flat.data.copy_(self._x_half)
+            # the gradient is only applied here: a non-finite one is reported at the next agreement
+            self.algorithm.guard.note(k, "gradient", self.flat.grad)
             self._overlapped = 1
         else:
             _wait_channel(self.transport)
             self.transport.set_step(k)
+            self.algorithm.guard.note(k, "gradient", self.flat.grad)
+            self._agree(k, 0)
             self.algorithm.before_update(k, self.flat.data, self.flat.grad, lr)
             self._overlapped = 0
         self._in_step = (k, lr)
@@ -295,6 +299,7 @@ class DecentralizedDataParallel(nn.Module):
             self._x_half.copy_(self.flat.data)
         _wait_channel(self.transport)
         self.transport.set_step(k)
+        self._agree(k, 0)
         self._exchange = _start_exchange(self.transport, self.algorithm, k, self._x_half, lr, self._versions())
 
     def _versions(self) -> tuple[int, ...]:
@@ -330,6 +335,19 @@ class DecentralizedDataParallel(nn.Module):
                 raise ex.error
         _wait_channel(self.transport)
 
+    def _agree(self, k: int, point: int) -> None:
+        """The ranks agree that none has a non-finite gradient or model and that all are at step
+        ``k``, ``point`` (:mod:`lowbit.algorithms.faults`: one tiny all-gather outside the ledger),
+        or every rank raises the same :class:`~lowbit.algorithms.faults.Diverged`. An asynchronous
+        algorithm has no collective per step: this rank's own fault is raised here, and its
+        gossip tells the others."""
+        guard = self.algorithm.guard
+        guard.note(k, "model", self.flat.data)
+        if self.algorithm.synchronous:
+            guard.agree(k, point, self.flat.data.device)
+        else:
+            guard.check_local()
+
     def _no_exchange(self, what: str) -> None:
         if self._exchange is not None:
             raise RuntimeError(f"{what} between a training forward and optimizer.step(): the exchange of step "
@@ -342,6 +360,8 @@ class DecentralizedDataParallel(nn.Module):
         k, lr = self._in_step
         self._in_step = None
         _wait_channel(self.transport)
+        if self.algorithm.acts_after_update:
+            self._agree(k, 1)
         self.algorithm.after_update(k, self.flat.data, self.flat.grad, lr)
         self.step_count = k + 1
         self._last_stats = self._step_stats(k, lr)
@@ -406,7 +426,13 @@ class DecentralizedDataParallel(nn.Module):
         """End of training: remove the optimizer's step hooks (a later
         ``optimizer.step()`` is a plain local step), ``algorithm.finish()`` (an
         asynchronous algorithm drains its in-flight messages) and, if the wrapper
-        joined the process group itself, leave it. Idempotent."""
+        joined the process group itself, leave it. Idempotent. The ranks first agree
+        that all took the same steps and none has a non-finite model (a rank that
+        skipped or repeated an ``optimizer.step()`` raises the same
+        :class:`~lowbit.algorithms.faults.Diverged` on every rank here)."""
+        self._close(agree=True)
+
+    def _close(self, agree: bool) -> None:
         if self._closed:
             return
         self._closed = True
@@ -414,6 +440,9 @@ class DecentralizedDataParallel(nn.Module):
         try:
             if self._exchange is not None:  # a forward without its step: its result is dropped
                 self._finish_exchange(check=False)
+            if agree:
+                _wait_channel(self.transport)
+                self._agree(self.step_count, 2)
         finally:
             _wait_channel(self.transport)
             self.algorithm.finish()
@@ -425,7 +454,7 @@ class DecentralizedDataParallel(nn.Module):
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self._close(agree=exc[0] is None)  # after an error the ranks may be anywhere: no agreement
 
     @property
     def rank(self) -> int:
@@ -448,6 +477,7 @@ class DecentralizedDataParallel(nn.Module):
         policy. A collective: every rank must call it. Not counted in the ledger.
         Between a training forward and the step it first waits for the exchange in flight."""
         self._wait_exchange()
+        self._agree(self.step_count, 2)  # a rank that skipped or repeated a step is named here
         n = self.transport.world_size
         with self.transport.untracked():
             avg = self.transport.all_reduce(self.flat.data.detach().clone(), "sum") / n

@@ -24,20 +24,9 @@ EXIT_CODES = {
 }
 
 
-class Diverged(ArithmeticError):
-    """A worker saw a non-finite loss, gradient or parameter at ``step``."""
-
-    def __init__(self, step: int, what: str, rank: int | None = None):
-        super().__init__(step, what, rank)
-        self.step, self.what, self.rank = step, what, rank
-
-    def __str__(self) -> str:
-        who = "" if self.rank is None else f" (worker {self.rank})"
-        return (f"diverged at step {self.step}: the {self.what} is not finite{who}; lower --lr (or --theta, "
-                f"--gamma for the quantized algorithms)")
-
-    def __reduce__(self):
-        return (Diverged, (self.step, self.what, self.rank))
+# One class for a divergence, raised alike by the training loop, the wrapper and the ranks'
+# agreement (lowbit.algorithms.faults, below this layer): re-exported here.
+from ..algorithms.faults import Diverged  # noqa: E402,F401
 
 
 class OutputExists(FileExistsError):

@@ -14,6 +14,7 @@ import torch
 
 from ..algorithms import ALGORITHMS
 from ..algorithms.base import Worker, make_worker
+from ..algorithms.faults import PeerPayloadError
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..comm.inprocess import blocking
@@ -272,6 +273,11 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
         else:
             compute, evals, start = _restore(cfg, state, transport, d, flat, opt, algo, data_gen)
     metrics = _MetricsStream(stream, rank, cfg.tensorboard)
+    guard = algo.guard
+
+    def agree(k: int, point: int) -> None:
+        # an asynchronous algorithm has no collective per step: its gossip carries faults
+        guard.agree(k, point, flat.data.device) if algo.synchronous else guard.check_local()
     if bar is not None and start:
         bar.update(start)
     try:
@@ -289,18 +295,27 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
                 group["lr"] = lr
             flat.zero_grad()
             loss = task.loss(model, task.sample(shard, cfg.batch_size, data_gen))
-            if not torch.isfinite(loss.detach()).all():
-                raise Diverged(k, "training loss", rank)
+            guard.note(k, "training loss", loss.detach())
             loss.backward()
             # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
             extra = (slow - 1.0) * (now() - t0)
             if extra > 0:
                 with blocking():  # a thread worker lets another compute meanwhile
                     time.sleep(extra)
+            # A fault on any rank (non-finite loss, gradient or model; a rank at another step) ends
+            # every rank here, with the same Diverged, before anything derived from it is sent.
+            guard.note(k, "gradient", flat.grad)
+            guard.note(k, "model", flat.data)
+            agree(k, 0)
             try:
                 algo.before_update(k, flat.data, flat.grad, lr)
                 opt.step()
+                if algo.acts_after_update:
+                    guard.note(k, "model", flat.data)
+                    agree(k, 1)
                 algo.after_update(k, flat.data, flat.grad, lr)
+            except PeerPayloadError:
+                raise
             except (ValueError, RuntimeError) as e:  # e.g. a codec refusing a non-finite model
                 for what, t in (("gradient", flat.grad), ("model", flat.data)):
                     if not torch.isfinite(t).all():
@@ -319,6 +334,8 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
                 }, checkpoint_path(cfg.checkpoint_dir, rank))
         algo.finish()
         transport.set_step(cfg.steps)
+        guard.note(cfg.steps, "model", flat.data)
+        agree(cfg.steps, 2)
         if evaluate:
             evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
             metrics.write(evals[-1])

@@ -1,0 +1,181 @@
+"""A fault on one rank ends every rank at the same step, with the same error.
+
+Every driver of a :class:`~lowbit.algorithms.Worker` (the training loop, the
+wrapper) checks its own rank's loss, gradient and parameters (:meth:`StepGuard.note`,
+local and cheap) and, before the step's first communication, the ranks *agree*
+(:meth:`StepGuard.agree`): one all-gather, outside the ledger, of four int64 per
+rank (the first fault this rank noted: its kind and step; where this rank is: its
+step and the point in the step). Every rank then reads the same table and raises
+the same :class:`Diverged`, naming the faulty rank and its step:
+
+- a non-finite training loss, gradient or model on rank r at step s:
+  ``diverged at step s: the gradient is not finite (worker r)``;
+- ranks at different steps (a skipped or repeated ``optimizer.step()``, e.g. a
+  ``GradScaler`` that skipped it on one rank): ``ranks out of step at step s:
+  worker r is before the update of step s2 while the others are ...``.
+
+A rank's fault is caught before it sends anything derived from the bad values,
+so a receiver never blames itself for a peer's data. The asynchronous
+algorithms (no collective per step) carry the same information in their gossip
+(:func:`fault_code`, :func:`fault_from_code`): see ``adpsgd``.
+
+:func:`received_from` is the receive path's check: a payload a peer sent that
+its decode refuses becomes a :class:`PeerPayloadError` naming the algorithm,
+the receiver, the sender and the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["Diverged", "PeerPayloadError", "StepGuard", "POINTS", "WHAT", "check_decoded", "received_from",
+           "verdict"]
+
+#: what a rank checks, by its code in the agreement (0: nothing wrong)
+WHAT = {1: "training loss", 2: "gradient", 3: "model"}
+_CODE = {v: k for k, v in WHAT.items()}
+#: where in a step a rank agrees: 0 before the update (before any communication of the step),
+#: 1 after the optimizer's update (before the algorithm's after_update communicates), 2 between
+#: steps (the end of a run, the wrapper's close() and averaged_module())
+POINTS = ("before the update of step {s}", "after the update of step {s}", "between steps, after {s} steps")
+
+
+class Diverged(ArithmeticError):
+    """A non-finite loss, gradient or parameter at ``step`` on worker ``rank``
+    (``what`` says which), or, with ``what="step"``, ranks out of step (``detail``
+    says where each is)."""
+
+    def __init__(self, step: int, what: str, rank: int | None = None, detail: str | None = None):
+        super().__init__(step, what, rank, detail)
+        self.step, self.what, self.rank, self.detail = step, what, rank, detail
+
+    def __str__(self) -> str:
+        if self.what == "step":
+            return (f"ranks out of step at step {self.step}: {self.detail}; every rank must take every step "
+                    f"(one optimizer.step() each: not skipped, as a GradScaler skips it on an inf gradient, "
+                    f"nor repeated)")
+        who = "" if self.rank is None else f" (worker {self.rank})"
+        return (f"diverged at step {self.step}: the {self.what} is not finite{who}; lower --lr (or --theta, "
+                f"--gamma for the quantized algorithms)")
+
+    def __reduce__(self):
+        return (Diverged, (self.step, self.what, self.rank, self.detail))
+
+
+class PeerPayloadError(ValueError):
+    """A payload that worker ``sender`` sent at ``step`` and this rank's decode refused."""
+
+    def __init__(self, message: str, sender: int, step: int):
+        super().__init__(message)
+        self.sender, self.step = sender, step
+
+    def __reduce__(self):
+        return (PeerPayloadError, (str(self), self.sender, self.step))
+
+
+def _where(pos: tuple[int, int]) -> str:
+    step, point = pos
+    return POINTS[point].format(s=step)
+
+
+def verdict(table: list[list[int]]) -> Diverged | None:
+    """The error every rank raises for the agreement ``table`` (row r: rank r's
+    ``[fault code, fault step, step, point]``), or None when all is well. A fault
+    beats a position mismatch; of several faults, the earliest step, then the
+    lowest rank. Out of step: the rank whose position differs from the most common
+    one (ties: the position of the lowest rank among the most common)."""
+    faults = [(row[1], r, row[0]) for r, row in enumerate(table) if row[0] != 0]
+    if faults:
+        step, rank, code = min(faults)
+        return Diverged(step, WHAT.get(code, f"value of kind {code}"), rank)
+    pos = [(row[2], row[3]) for row in table]
+    if len(set(pos)) == 1:
+        return None
+    counts = {p: pos.count(p) for p in pos}
+    top = max(counts.values())
+    ref = next(p for p in pos if counts[p] == top)
+    odd = next(r for r, p in enumerate(pos) if p != ref)
+    others = [r for r, p in enumerate(pos) if p == ref]
+    who = f"worker {others[0]} is" if len(others) == 1 else f"the other workers ({', '.join(map(str, others))}) are"
+    more = sorted({r for r, p in enumerate(pos) if p != ref} - {odd})
+    extra = f" (workers {', '.join(map(str, more))} are elsewhere too)" if more else ""
+    return Diverged(ref[0], "step", odd, f"worker {odd} is {_where(pos[odd])} while {who} {_where(ref)}{extra}")
+
+
+class StepGuard:
+    """One rank's side of the agreement (see the module docstring); held by a
+    :class:`~lowbit.algorithms.Worker`."""
+
+    def __init__(self, transport):
+        self.transport = transport
+        self._pending: list[tuple[int, int, torch.Tensor | bool]] = []  # (code, step, is bad)
+
+    def note(self, k: int, what: str, t: torch.Tensor | None) -> None:
+        """Check this rank's ``what`` (``"training loss"``, ``"gradient"``, ``"model"``) at
+        step ``k`` for non-finite values; reported at the next :meth:`agree`. On the CPU a
+        plain bool; on a GPU a device flag (no host read until the agreement)."""
+        if t is None:
+            return
+        bad = ~torch.isfinite(t).all()
+        self._pending.append((_CODE[what], int(k), bool(bad) if bad.device.type == "cpu" else bad))
+
+    def _row(self, k: int, point: int, device: torch.device) -> torch.Tensor:
+        pending, self._pending = self._pending, []
+        if all(isinstance(b, bool) for _, _, b in pending):
+            code, fstep = next(((c, s) for c, s, b in pending if b), (0, 0))
+            return torch.tensor([code, fstep, k, point], dtype=torch.int64, device=device)
+        bads = torch.stack([torch.as_tensor(b, device=device) for _, _, b in pending])
+        codes = torch.tensor([c for c, _, _ in pending], dtype=torch.int64, device=device)
+        steps = torch.tensor([s for _, s, _ in pending], dtype=torch.int64, device=device)
+        first = bads.to(torch.int8).argmax()  # the first bad one (argmax gives the first maximum)
+        hit = bads.any().to(torch.int64)
+        return torch.stack([codes[first] * hit, steps[first] * hit,
+                            torch.tensor(k, dtype=torch.int64, device=device),
+                            torch.tensor(point, dtype=torch.int64, device=device)])
+
+    def agree(self, k: int, point: int, device: torch.device | str = "cpu") -> None:
+        """Collective (every rank, at the same point of the program): raise the same
+        :class:`Diverged` on every rank if any rank noted a fault or the ranks are at
+        different steps or points. A single rank only reports its own fault. Not counted
+        in the ledger (control traffic, like the evaluation's)."""
+        row = self._row(k, point, torch.device(device))
+        t = self.transport
+        if t.world_size == 1:
+            table = [row.tolist()]
+        else:
+            with t.untracked():
+                table = [r.tolist() for r in t.all_gather(row)]
+        err = verdict(table)
+        if err is not None:
+            raise err
+
+    def check_local(self) -> None:
+        """Raise this rank's own first noted fault, if any (no communication: the
+        asynchronous algorithms' drivers, which have no collective per step)."""
+        err = verdict([self._row(0, 0, torch.device("cpu")).tolist()])
+        if err is not None:
+            raise err
+
+
+def check_decoded(x: torch.Tensor, numel: int) -> torch.Tensor:
+    """``x``, a decoded payload, if it has the ``numel`` elements the receiver expects;
+    a ValueError otherwise (inside :func:`received_from`, it names the sender)."""
+    if x.numel() != numel:
+        raise ValueError(f"it decodes to {x.numel()} elements, the receiver expects {numel}")
+    return x
+
+
+@contextlib.contextmanager
+def received_from(algorithm: str, rank: int, sender: int, step: int, what: str = "payload"):
+    """Around the decoding of what worker ``sender`` sent at ``step``: an error the decode
+    raises on it (a frame check, a size that does not fit) becomes a
+    :class:`PeerPayloadError` naming both ranks and the step."""
+    try:
+        yield
+    except PeerPayloadError:
+        raise
+    except (ValueError, RuntimeError, IndexError, OverflowError) as e:
+        raise PeerPayloadError(f"{algorithm}: worker {rank} got a malformed {what} from worker {sender} at step "
+                               f"{step}: {e}", sender, step) from e
