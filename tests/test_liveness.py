@@ -125,9 +125,9 @@ def test_torchrun_rank0_refuses_a_hostile_result_and_runs_none_of_it(tmp_path):
 
 
 # ---- 3. one liveness story under torchrun ---------------------------------------------------
-def _torchrun_fault(tmp_path, sig, *extra):
-    """Start `lowbit train` under torchrun, wait for its second evaluation, send ``sig`` to rank 1
-    (None: nothing), and return (seconds from the fault until torchrun and both ranks were gone,
+def _torchrun_fault(tmp_path, sig, *extra, victim=1):
+    """Start `lowbit train` under torchrun, wait for its second evaluation, send ``sig`` to rank
+    ``victim`` (None: nothing), and return (seconds from the fault until torchrun and both ranks were gone,
     output, summary)."""
     out = tmp_path / "out"
     cmd = _torchrun("-m", "lowbit", *_train_args(out, "--steps", "1000000", "--eval-every", "20", *extra))
@@ -144,7 +144,7 @@ def _torchrun_fault(tmp_path, sig, *extra):
         assert None not in pids and proc.poll() is None, "the run never got going"
         t0 = time.monotonic()
         if sig is not None:
-            os.kill(pids[1], sig)
+            os.kill(pids[victim], sig)
         output, _ = proc.communicate(timeout=120)
         while any(_alive(p) for p in pids) and time.monotonic() - t0 < 120:
             time.sleep(0.05)
@@ -175,6 +175,15 @@ def test_torchrun_a_killed_rank_leaves_a_summary_naming_it(tmp_path):
     assert "worker rank 1 of 2 died" in summary["error"], summary["error"]
     assert elapsed < 60, elapsed
     print(f"SIGKILL of rank 1: every rank gone after {elapsed:.1f} s")
+
+
+@pytest.mark.slow
+@LINUX
+def test_torchrun_a_killed_rank0_leaves_a_summary_written_by_rank1(tmp_path):
+    elapsed, output, summary = _torchrun_fault(tmp_path, signal.SIGKILL, victim=0)
+    assert summary["status"] == "failed" and "worker rank 0 of 2 died" in summary["error"], summary["error"]
+    assert elapsed < 60, elapsed
+    print(f"SIGKILL of rank 0: every rank gone after {elapsed:.1f} s")
 
 
 @pytest.mark.slow

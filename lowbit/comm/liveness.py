@@ -124,7 +124,9 @@ def stopped_note(pid: int | None) -> str:
 def died_error(who: str, rank: int, world_size: int, how: str, step: int) -> WorkerDied:
     """The one message of a dead worker: how it ended and at which step."""
     where = "before its first step" if step < 0 else f"at step {step}"
-    return WorkerDied(f"{who}: worker rank {rank} of {world_size} {how} {where}, without a result")
+    err = WorkerDied(f"{who}: worker rank {rank} of {world_size} {how} {where}, without a result")
+    err.rank = rank
+    return err
 
 
 # ---- parent death --------------------------------------------------------------------------

@@ -159,16 +159,17 @@ def _checked_result(res, r: int, cfg: TrainConfig, own: WorkerResult) -> WorkerR
     return res
 
 
-def _end_rank(e: BaseException, summary_path: Path | None = None, cfg: TrainConfig | None = None) -> None:
+def _end_rank(e: BaseException, summary_path: Path | None = None, cfg: TrainConfig | None = None,
+              writes=lambda e: True) -> None:
     """End this torchrun rank with the run's verdict ``e`` (on the liveness monitor's thread; the main
-    thread may be blocked in a collective): write ``summary_path`` (rank 0's summary.json) if given,
-    print the one-line error as ``lowbit`` does, and exit with the kind's code."""
+    thread may be blocked in a collective): write ``summary_path`` if given and ``writes(e)``
+    (:func:`_writes_summary`), print the one-line error as ``lowbit`` does, and exit with the kind's code."""
     import sys
 
     from .errors import EXIT_CODES
 
     kind, message = classify(e)
-    if summary_path is not None and cfg is not None:
+    if summary_path is not None and cfg is not None and writes(e):
         try:
             write_atomic(summary_path, to_json(_failure_summary(cfg, e), indent=2) + "\n")
         except OSError as w:
@@ -433,6 +434,19 @@ def _failure_summary(cfg: TrainConfig, e: BaseException) -> dict:
     return out
 
 
+def _writes_summary(lead: bool, out: Path | None, e: BaseException) -> bool:
+    """Whether this process writes the failure summary of ``e`` into ``out``: rank 0 (or the only
+    process); under torchrun rank 1 too when the run's verdict is that rank 0 died, if it sees ``out``."""
+    from ..comm.liveness import WorkerDied
+
+    if out is None:
+        return False
+    if lead:
+        return True
+    return os.environ.get("RANK") == "1" and isinstance(e, WorkerDied) and getattr(e, "rank", None) == 0 \
+        and out.is_dir()
+
+
 def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool = False,
           overwrite: bool = False) -> Run | None:
     """Run ``cfg`` and return its :class:`Run` (None on non-zero torchrun
@@ -462,14 +476,15 @@ def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool
         cfg = dataclasses.replace(cfg, checkpoint_dir=str(out / "checkpoints"))
     if cfg.checkpoint_every:
         prepare_checkpoint_dir(cfg)
-    on_end = functools.partial(_end_rank, cfg=cfg, summary_path=out / "summary.json" if out is not None and lead
-                               else None)
+    writes = functools.partial(_writes_summary, lead, out)
+    on_end = functools.partial(_end_rank, cfg=cfg, summary_path=None if out is None else out / "summary.json",
+                               writes=writes)
     t0 = time.perf_counter()
     try:
         results = _thread_job(cfg, progress, stream) if cfg.backend == "thread" else _torch_job(cfg, progress, stream,
                                                                                                 on_end)
     except BaseException as e:
-        if out is not None and lead:
+        if writes(e):
             try:
                 write_atomic(out / "summary.json", to_json(_failure_summary(cfg, e), indent=2) + "\n")
             except OSError as w:  # e.g. the full filesystem that ended the run: report the run's own error
