@@ -318,6 +318,7 @@ def _a_slow_barrier(transport):
     return transport.rank
 
 
+@pytest.mark.slow
 def test_the_collective_limit_ends_a_wait():
     t0 = time.monotonic()
     with pytest.raises(WorkerFailed, match="rank 0"):
