@@ -133,14 +133,14 @@ class BaguaMinMaxCodec(Codec):
             raise PayloadError(self.name, f"a {BAGUA_BLOCK_BYTES}-byte opening block (Bagua's)",
                                f"{payload.header.numel()} bytes")
         if check_numel_arg(numel) is not None:
-            frame_nbytes(self, payload.data, align32(numel), f"align32({numel}) codes")
+            frame_nbytes(self, payload.data, align32(numel), lambda: f"align32({numel}) codes")
         if numel is None or payload.header.device.type == "cpu":  # a host header: read it
             lo, hi, n = frame_header(self, payload)
             numel = frame_count(self, n, numel)
             if numel and not bool(self.grid_ok(torch.tensor(lo), torch.tensor(hi))):
                 raise PayloadError(self.name, "min <= max giving a finite float32 grid (the codec's range)",
                                    f"[{lo!r}, {hi!r}]")
-            frame_nbytes(self, payload.data, align32(numel), f"align32({numel}) codes")
+            frame_nbytes(self, payload.data, align32(numel), lambda: f"align32({numel}) codes")
         out_dtype = torch.float32 if dtype is None else dtype
         if numel == 0:
             return torch.empty(0, dtype=out_dtype, device=payload.data.device)

@@ -126,11 +126,12 @@ def frame_count(codec, n: int, numel: int | None = None, *, bounded: bool = True
     return n
 
 
-def frame_nbytes(codec, data: torch.Tensor, need: int, what: str) -> torch.Tensor:
-    """``data`` holds exactly ``need`` bytes, the size of ``what`` (e.g. "1000 codes of 2 bits");
-    PayloadError otherwise."""
+def frame_nbytes(codec, data: torch.Tensor, need: int, what) -> torch.Tensor:
+    """``data`` holds exactly ``need`` bytes, the size of ``what`` (e.g. "1000 codes of 2 bits", or
+    a callable returning it: formatted only for the error); PayloadError otherwise."""
     if data.numel() != need:
         name = _codec_name(codec)
+        what = what() if callable(what) else what
         raise PayloadError(name, f"{need} data bytes for {what}", f"{data.numel()}",
                            f"malformed {name} payload: {what} need exactly {need} data bytes, got {data.numel()}")
     return data

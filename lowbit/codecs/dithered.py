@@ -282,8 +282,8 @@ class DitheredCodec(Codec):
         frame_count(self, n, numel)
         frame_scale(self, k1, "scale", self.scale_limit)
         p = min(self.partitions, n)
-        frame_nbytes(self, payload.data, self.data_nbytes(n), f"{max(p - 1, 0)} more scales and {n} codes of "
-                     f"{self.num_codes} levels")
+        frame_nbytes(self, payload.data, self.data_nbytes(n),
+                     lambda: f"{max(p - 1, 0)} more scales and {n} codes of {self.num_codes} levels")
         return n
 
     def _scales_of(self, payload: Payload, n: int) -> tuple[int, torch.Tensor]:

@@ -58,7 +58,7 @@ class IdentityCodec(Codec):
         """The frame: header, count (``numel``), ``4 n`` data bytes (PayloadError)."""
         (n,) = frame_header(self, payload)
         frame_count(self, n, numel)
-        frame_nbytes(self, payload.data, 4 * n, f"{n} float32 values")
+        frame_nbytes(self, payload.data, 4 * n, lambda: f"{n} float32 values")
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

@@ -165,7 +165,7 @@ class HalfCodec(Codec):
         """The frame: header, count (``numel``), ``2 n`` data bytes (PayloadError)."""
         (n,) = frame_header(self, payload)
         frame_count(self, n, numel)
-        frame_nbytes(self, payload.data, 2 * n, f"{n} {self.dtype} values")
+        frame_nbytes(self, payload.data, 2 * n, lambda: f"{n} {self.dtype} values")
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

@@ -264,7 +264,7 @@ def _frame(codec, payload: Payload, numel: int | None, need) -> tuple[int, float
     n, W = frame_header(codec, payload)
     frame_count(codec, n, numel)
     frame_scale(codec, W, "norm W", _F32_MAX)
-    frame_nbytes(codec, payload.data, need(n), f"{n} codes of {codec.bits} bits")
+    frame_nbytes(codec, payload.data, need(n), lambda: f"{n} codes of {codec.bits} bits")
     return n, W
 
 

@@ -109,7 +109,7 @@ class MinMaxCodec(Rounded, Codec):
         frame_count(self, n, numel)
         frame_scale(self, lo, "min", _F32_MAX, -_F32_MAX)
         frame_scale(self, hi, "max", _F32_MAX, lo)
-        frame_nbytes(self, payload.data, packed_nbytes(n, self.bits), f"{n} codes of {self.bits} bits")
+        frame_nbytes(self, payload.data, packed_nbytes(n, self.bits), lambda: f"{n} codes of {self.bits} bits")
         return n, lo, hi
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

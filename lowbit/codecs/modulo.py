@@ -197,7 +197,7 @@ class ModuloCodec(Rounded, Codec):
         (n,) = frame_header(self, payload)
         frame_count(self, n, numel, ref=ref)
         check_ref(ref, n, "ModuloCodec: the receiver's own model y with |x - y| < theta")
-        frame_nbytes(self, payload.data, packed_nbytes(n, self.bits), f"{n} codes of {self.bits} bits")
+        frame_nbytes(self, payload.data, packed_nbytes(n, self.bits), lambda: f"{n} codes of {self.bits} bits")
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

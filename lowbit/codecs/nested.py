@@ -433,7 +433,7 @@ class NestedDitheredCodec(Codec):
         (n,) = frame_header(self, payload)
         frame_count(self, n, numel, ref=ref)
         check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
-        frame_nbytes(self, payload.data, levels_nbytes(n, self.k), f"{n} codes of {self.k} levels")
+        frame_nbytes(self, payload.data, levels_nbytes(n, self.k), lambda: f"{n} codes of {self.k} levels")
         return n
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

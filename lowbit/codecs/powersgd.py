@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, pack_header
@@ -253,21 +254,34 @@ class PowerSGDCodec(Codec):
         (N,) = frame_header(self, payload)
         frame_count(self, N, numel, bounded=False)
         n, m, r = self.matrix_shape(N)
-        frame_nbytes(self, payload.data, 4 * (n + m) * r, f"the float32 factors of {N} elements ({n}x{m}, rank {r})")
+        frame_nbytes(self, payload.data, 4 * (n + m) * r,
+                     lambda: f"the float32 factors of {N} elements ({n}x{m}, rank {r})")
         return N
 
     def factors(self, payload: Payload, numel: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 factors ``(P, Q)`` (``n x r_eff``, ``m x r_eff``) of a payload, its frame
         checked (PayloadError; ``numel``: the count the receiver expects)."""
+        return self._factors(payload, numel)[:2]
+
+    def _factors(self, payload: Payload, numel: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`factors` and the count ``N``."""
         N = self._frame(payload, numel)
         n, m, r = self.matrix_shape(N)
         f = payload.data.clone().view(torch.float32)
         P, Q = f[: n * r].view(n, r), f[n * r:].view(m, r)
-        if N and not bool((P.abs() <= 1 + P_SLACK).all() & (Q.abs() <= self.q_limit(N)).all()):  # NaN fails too
-            raise PayloadError(self.name, f"factors P within 1 + {P_SLACK} (orthonormal columns) and Q within "
-                               f"{self.q_limit(N):.6g}, finite", f"P up to {float(P.abs().max())!r}, "
-                               f"Q up to {float(Q.abs().max())!r}")
-        return P, Q
+        if N:
+            # (n + m) r values: the largest |P| and |Q| (a NaN makes its max NaN), with numpy's small-array
+            # overheads on the CPU, in one host read elsewhere
+            if f.device.type == "cpu":
+                a = np.abs(f.numpy())
+                pmax, qmax = float(a[: n * r].max()), float(a[n * r:].max())
+            else:
+                a = f.abs()
+                pmax, qmax = torch.stack([a[: n * r].max(), a[n * r:].max()]).tolist()
+            if not (pmax <= 1 + P_SLACK and qmax <= self.q_limit(N)):
+                raise PayloadError(self.name, f"factors P within 1 + {P_SLACK} (orthonormal columns) and Q within "
+                                   f"{self.q_limit(N):.6g}, finite", f"P up to {pmax!r}, Q up to {qmax!r}")
+        return P, Q, N
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
@@ -276,8 +290,7 @@ class PowerSGDCodec(Codec):
         path, else the float64 reference."""
         if dtype not in (None, torch.float32) or not _fast_path_on():
             return self.decode_reference(payload, dtype=dtype, numel=numel)
-        P, Q = self.factors(payload, numel)
-        N = frame_header(self, payload)[0]
+        P, Q, N = self._factors(payload, numel)
         out = empty_output(P.shape[0] * Q.shape[0], torch.float32, P.device).view(P.shape[0], Q.shape[0])
         return torch.mm(P, Q.t(), out=out).reshape(-1)[:N]
 
@@ -285,7 +298,6 @@ class PowerSGDCodec(Codec):
                          generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                          numel: int | None = None) -> torch.Tensor:
         """The float64 reference of :meth:`decode`."""
-        P, Q = self.factors(payload, numel)
-        N = frame_header(self, payload)[0]
+        P, Q, N = self._factors(payload, numel)
         x = (P.to(torch.float64) @ Q.to(torch.float64).T).reshape(-1)[:N]
         return x.to(torch.float32 if dtype is None else dtype)

@@ -178,11 +178,11 @@ class QSGDCodec(Codec):
         the data's device, the data's length and the norms checked (PayloadError)."""
         data = payload.data
         if self.bucket is None:
-            frame_nbytes(self, data, levels_nbytes(n, self.num_codes), f"{n} codes of {self.num_codes} levels")
+            frame_nbytes(self, data, levels_nbytes(n, self.num_codes), lambda: f"{n} codes of {self.num_codes} levels")
             return payload.header[4:8].to(data.device).clone().view(torch.float32), data
         k = self._num_buckets(n)
         frame_nbytes(self, data, 4 * k + levels_nbytes(n, self.num_codes),
-                     f"{k} bucket norms and {n} codes of {self.num_codes} levels")
+                     lambda: f"{k} bucket norms and {n} codes of {self.num_codes} levels")
         norms = frame_scales(self, data[: 4 * k].clone().view(torch.float32), "bucket norm", _F32_MAX)
         return norms, data[4 * k:]
 

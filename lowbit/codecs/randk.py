@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import collections
+import functools
 import threading
 import inspect
 from dataclasses import dataclass
@@ -203,6 +204,18 @@ def _check_sent_indices(idx: torch.Tensor, n: int) -> torch.Tensor:
                            f"malformed randk payload: the sent indices must be strictly increasing and below "
                            f"numel={n} (a malformed or corrupted RandK message)")
     return idx
+
+
+@functools.lru_cache(maxsize=256)
+def _accepts_kw_of(fn, name: str) -> bool:
+    return _accepts_kw(fn, name)
+
+
+def _inner_accepts(inner, name: str) -> bool:
+    """Whether ``inner.decode`` takes the keyword ``name`` (its class's function, cached: a
+    signature read costs more than a small decode's checks)."""
+    fn = getattr(type(inner), "decode", None)
+    return _accepts_kw_of(fn, name) if fn is not None else _accepts_kw(inner.decode, name)
 
 
 def _accepts_kw(fn, name: str) -> bool:
@@ -369,8 +382,7 @@ class RandKCodec(SummableCodec):
         ``dither_on_decode`` (a copy of the sender's generator; the seed draw of ``encode``
         is replayed on it first when the codec has no fixed ``seed``)."""
         own = header_size(self._own_header)
-        frame_header(self, payload)  # the whole header's size: own fields and the inner codec's
-        fields = frame_header(self, Payload(header=payload.header[:own], data=payload.data), self._own_header)
+        fields = frame_header(self, payload)[:2 if not self.send_indices else 1]  # own fields and the inner's
         n = frame_count(self, fields[0], numel, bounded=False)
         kk = self.kept(n)
         data = payload.data
@@ -387,8 +399,8 @@ class RandKCodec(SummableCodec):
             idx = None
         inner_p = Payload(header=payload.header[own:], data=data)
         out_dtype = torch.float32 if dtype is None else dtype
-        kw = {"numel": kk} if _accepts_kw(self.inner.decode, "numel") else {}
-        if dtype is not None and _accepts_kw(self.inner.decode, "dtype"):
+        kw = {"numel": kk} if _inner_accepts(self.inner, "numel") else {}
+        if dtype is not None and _inner_accepts(self.inner, "dtype"):
             kw["dtype"] = dtype
         if self.dither_on_decode:
             if generator is not None and self.seed is None:

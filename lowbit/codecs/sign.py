@@ -110,7 +110,7 @@ class SignCodec(Codec):
         fields = frame_header(self, payload)
         n = frame_count(self, fields[0], numel)
         c = 1.0 if self.scale == "none" else frame_scale(self, fields[1], "scale", _F32_MAX)
-        frame_nbytes(self, payload.data, packed_nbytes(n, 1), f"{n} sign bits")
+        frame_nbytes(self, payload.data, packed_nbytes(n, 1), lambda: f"{n} sign bits")
         return n, c
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

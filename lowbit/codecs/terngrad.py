@@ -88,7 +88,7 @@ class TernGradCodec(Codec):
         n, scale = frame_header(self, payload)
         frame_count(self, n, numel)
         frame_scale(self, scale, "scale", _F32_MAX)
-        frame_nbytes(self, payload.data, levels_nbytes(n, 3), f"{n} trits")
+        frame_nbytes(self, payload.data, levels_nbytes(n, 3), lambda: f"{n} trits")
         return n, scale
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,

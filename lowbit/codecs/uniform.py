@@ -112,7 +112,7 @@ class UniformCodec(Rounded, Codec):
             raise PayloadError(self.name, f"codes whose grid points fit float32 (step={self.step})",
                                f"offset {offset} and span {top}")
         L = max(2, top + 1)
-        frame_nbytes(self, payload.data, levels_nbytes(n, L), f"{n} codes of {L} levels")
+        frame_nbytes(self, payload.data, levels_nbytes(n, L), lambda: f"{n} codes of {L} levels")
         return n, offset, top
 
     def _empty(self, x: torch.Tensor) -> Payload:
