@@ -453,11 +453,15 @@ def train(cfg: TrainConfig, out: str | os.PathLike | None = None, progress: bool
     ranks); write ``metrics.jsonl`` and ``summary.json`` into ``out`` if given.
 
     ``out`` is checked before training (:func:`prepare_out`; a previous run there needs
-    ``overwrite``, or ``cfg.resume``). Rank 0 appends each evaluation to
+    ``overwrite``, or ``cfg.resume``), and so is ``cfg.checkpoint_dir`` when checkpoints
+    are saved (:func:`prepare_checkpoint_dir`). Rank 0 appends each evaluation to
     ``metrics.jsonl`` as the run goes; the finished run's rows (with the emulated clock)
     and ``summary.json`` are then written atomically. A run that ends early (divergence,
     a dead or stalled worker, ...) keeps its metrics so far, writes a summary saying why
-    (``status``), and re-raises."""
+    (``status``), and re-raises. Under torchrun, a rank whose peer stalls or dies, or whose
+    ``--timeout`` passes, while it is blocked in a collective is ended from its liveness
+    monitor's thread (:class:`~lowbit.comm.liveness.PeerMonitor`): the summary is written,
+    the one-line error printed and the process exits with the error's code."""
     from ..comm.launcher import is_torchrun
 
     if cfg.backend == "thread" and is_torchrun():
