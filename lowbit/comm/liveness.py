@@ -242,8 +242,9 @@ class PeerMonitor:
         now = time.monotonic()
         with self._lock:
             verdict = json.loads(self.store.get("end")) if self.store.check(["end"]) else None
-            keys = [f"beat/{r}" for r in self.peers]
-            have = [r for r, k in zip(self.peers, keys) if self.store.check([k])]
+            # a beat key, once there, stays: ask the store about the missing ones only (one request
+            # per rank and interval once every rank has beaten)
+            have = [r for r, p in self.peers.items() if p.seq >= 0 or self.store.check([f"beat/{r}"])]
             values = self.store.multi_get([f"beat/{r}" for r in have]) if have else []
             unknown = [r for r in have if self.peers[r].pid is None]
             pids = self.store.multi_get([f"pid/{r}" for r in unknown]) if unknown else []
