@@ -364,3 +364,18 @@ def test_ans_decodes_in_chunks():
     finally:
         ent._ANS_CHUNK = old
     assert entropy_decode(blob) == raw
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("codec,scale_at", [(QSGDCodec(levels=127), 4), (QSGDMaxNormCodec(bits=8), 4)], ids=repr)
+def test_a_code_past_the_top_with_a_scale_near_float32s_limit_is_refused(codec, scale_at, path):
+    """Codes of 255 levels are bit-packed (8 bits): a lying payload can hold the code 255, one
+    level past the top; with a scale near float32's largest value its decode would be inf."""
+    x = _x()
+    with codec_path(path):
+        p = codec.encode(x)
+        near = Payload(header=_with(p.header, scale_at, struct.pack("<f", 0.999 * F32_MAX)), data=p.data)
+        assert bool(torch.isfinite(codec.decode(near)).all())  # codes within their levels: finite
+        past = Payload(header=near.header, data=_with(p.data, 0, b"\xff"))
+        with pytest.raises(PayloadError, match="codes within their levels"):
+            codec.decode(past)

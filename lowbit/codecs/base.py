@@ -145,12 +145,33 @@ def frame_scale(codec, value: float, field: str, limit: float, low: float = 0.0)
     return value
 
 
-def frame_scales(codec, values: torch.Tensor, field: str, limit: float, low: float = 0.0) -> torch.Tensor:
-    """:func:`frame_scale` for a tensor of scales (one reduction; one host read on CUDA)."""
-    if values.numel() and not bool(((values >= low) & (values <= limit)).all()):
+def frame_scales(codec, values: torch.Tensor, field: str, limit: float, low: float = 0.0) -> float:
+    """:func:`frame_scale` for a tensor of scales (one reduction, one host read); returns the
+    largest (0.0 for none). A NaN makes both ends NaN, which fails the check."""
+    if not values.numel():
+        return 0.0
+    lo, hi = torch.aminmax(values.to(torch.float64))
+    lo, hi = float(lo), float(hi)
+    if not (low <= lo and hi <= limit):
         bad = values[~((values >= low) & (values <= limit))][0]
         raise PayloadError(_codec_name(codec), f"every {field} in [{low:.9g}, {limit:.9g}]", f"{float(bad)!r}")
-    return values
+    return hi
+
+
+#: A scale above this (half float32's largest value) gets its decode's output checked: a lying
+#: payload's code a level past the top (bit-packed codes of 127, 255 or > 2^16 levels can hold one)
+#: times such a scale can pass float32's largest value.
+NEAR_F32_MAX = float(torch.finfo(torch.float32).max) / 2
+
+
+def frame_output(codec, out: torch.Tensor, scale_max: float) -> torch.Tensor:
+    """``out``, a decode's output, after checking it is finite when ``scale_max`` (the largest
+    scale the frame carried) is above :data:`NEAR_F32_MAX` (one pass, only then); PayloadError
+    otherwise: codes beyond their levels."""
+    if scale_max > NEAR_F32_MAX and out.numel() and not bool(torch.isfinite(out).all()):
+        raise PayloadError(_codec_name(codec), "codes within their levels (a finite decode)",
+                           f"codes beyond them: a decode past float32 with a scale of {scale_max:.6g}")
+    return out
 
 
 def pack_header(fmt: str, *values, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -89,8 +89,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Codec, CodecKind, Payload, check_flat, frame_count, frame_header, frame_nbytes, frame_scale, \
-    frame_scales, pack_header
+from .base import Codec, CodecKind, Payload, check_flat, frame_count, frame_header, frame_nbytes, frame_output, \
+    frame_scale, frame_scales, pack_header
 from .kernels import kernels_for
 from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .qsgd import exact_ratio, float32_header, round_up_float32, scale_bytes
@@ -275,27 +275,27 @@ class DitheredCodec(Codec):
                 "the sender's (e.g. shared_generator(run_seed, step, sender)), to regenerate the dither"
             )
 
-    def _frame(self, payload: Payload, numel: int | None) -> int:
-        """The payload's count, its header, count, first scale and data length checked
-        (PayloadError)."""
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, float]:
+        """The payload's count and first scale, its header, count, first scale and data length
+        checked (PayloadError)."""
         n, k1 = frame_header(self, payload)
         frame_count(self, n, numel)
         frame_scale(self, k1, "scale", self.scale_limit)
         p = min(self.partitions, n)
         frame_nbytes(self, payload.data, self.data_nbytes(n),
                      lambda: f"{max(p - 1, 0)} more scales and {n} codes of {self.num_codes} levels")
-        return n
+        return n, k1
 
-    def _scales_of(self, payload: Payload, n: int) -> tuple[int, torch.Tensor]:
-        """``(bytes of scales in data, the float32 scales on the data's device)`` of a payload
-        :meth:`_frame` checked, the scales in the data checked too (PayloadError)."""
+    def _scales_of(self, payload: Payload, n: int, k1: float) -> tuple[int, torch.Tensor, float]:
+        """``(bytes of scales in data, the float32 scales on the data's device, the largest)`` of a
+        payload :meth:`_frame` checked (its first scale ``k1``), the scales in the data checked too
+        (PayloadError)."""
         p = min(self.partitions, n)
         extra = 4 * (p - 1)
         raw = torch.cat([payload.header[4:8].to(payload.data.device), payload.data[:extra]])
         k32 = raw.view(torch.float32)
-        if p > 1:
-            frame_scales(self, k32[1:], "scale", self.scale_limit)
-        return extra, k32
+        top = max(k1, frame_scales(self, k32[1:], "scale", self.scale_limit)) if p > 1 else k1
+        return extra, k32, top
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Eq. (2)/(4): scales, then indices ``q = round(x/(kappa Delta) + u/Delta)``."""
@@ -320,16 +320,17 @@ class DitheredCodec(Codec):
         """``kappa (Delta q - u)`` (subtractive; ``generator`` required, same seed and
         kind as the sender's) or ``kappa Delta q`` (half-dithered). ``ref`` is unused."""
         self._need_generator(generator, "decode")
-        n = self._frame(payload, numel)
+        n, k1 = self._frame(payload, numel)
         K = kernels_for(payload.data, "dither")
         if K is None or n == 0:
             return self.decode_reference(payload, generator=generator, dtype=dtype, numel=numel)
-        extra, k32 = self._scales_of(payload, n)
+        extra, k32, top = self._scales_of(payload, n, k1)
         codes = unpack_levels_fast(payload.data[extra:], self.num_codes, n, K.code_dtype(self.code_bits),
                                    codec=self.name)
         key = draw_key(generator) if self.subtractive else 0
-        return K.dithered_decode(codes, k32.to(torch.float64) / self.levels, self.levels, self.subtractive, key,
-                                 torch.float32 if dtype is None else dtype)
+        return frame_output(self, K.dithered_decode(codes, k32.to(torch.float64) / self.levels, self.levels,
+                                                    self.subtractive, key, torch.float32 if dtype is None else dtype),
+                            top)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (same bytes on the CPU)."""
@@ -354,16 +355,16 @@ class DitheredCodec(Codec):
                          numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
         self._need_generator(generator, "decode")
-        n = self._frame(payload, numel)
+        n, k1 = self._frame(payload, numel)
         out_dtype = torch.float32 if dtype is None else dtype
         dev = payload.data.device
         if n == 0:
             return torch.empty(0, dtype=out_dtype, device=dev)
-        extra, k32 = self._scales_of(payload, n)
+        extra, k32, top = self._scales_of(payload, n, k1)
         q = (unpack_levels(payload.data[extra:], self.num_codes, n, codec=self.name) - self.levels).to(torch.float64)
         step = self._expand(k32.to(torch.float64) / self.levels, n)  # kappa Delta
         if self.subtractive:
             xt = step * (q - (_uniforms(n, generator, dev) - 0.5))
         else:
             xt = step * q
-        return xt.to(out_dtype)
+        return frame_output(self, xt.to(out_dtype), top)

@@ -91,6 +91,7 @@ from .base import (
     frame_count,
     frame_header,
     frame_nbytes,
+    frame_output,
     frame_scale,
     pack_header,
 )
@@ -384,7 +385,7 @@ class QSGDMaxNormCodec(SummableCodec):
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, W = self._frame(payload, numel)
         codes = unpack_levels_fast(payload.data, self.num_codes, n, K.code_dtype(self.bits), codec=self.name)
-        return K.qsgd_decode(codes, self.levels, W, self.levels, 1, _out_dtype(dtype))
+        return frame_output(self, K.qsgd_decode(codes, self.levels, W, self.levels, 1, _out_dtype(dtype)), W)
 
     # --- the float64 references -------------------------------------------------------------
 
@@ -421,7 +422,7 @@ class QSGDMaxNormCodec(SummableCodec):
                          numel: int | None = None) -> torch.Tensor:
         n, W = self._frame(payload, numel)
         codes = unpack_levels(payload.data, self.num_codes, n, codec=self.name) - self.levels
-        return self.decode_sum_reference(codes, W, 1, dtype=dtype)
+        return frame_output(self, self.decode_sum_reference(codes, W, 1, dtype=dtype), W)
 
 
 @dataclass(frozen=True)
@@ -597,7 +598,7 @@ class MultiScaleMaxNormCodec(SummableCodec):
         out, flags = K.ms_decode_words(words, self.code_bits, W, self._levels_tensor(words.device), _out_dtype(dtype))
         if int(flags):
             raise self._bad_index()
-        return out
+        return frame_output(self, out, W)
 
     def _bad_index(self) -> PayloadError:
         return PayloadError(self.name, f"scale indices, which must lie in 0..{len(self.scales) - 1}", "a larger one")
@@ -652,4 +653,4 @@ class MultiScaleMaxNormCodec(SummableCodec):
         if n and int((words >> self.code_bits).max()) >= len(self.scales):
             raise self._bad_index()
         codes = (words & ((1 << self.code_bits) - 1)) - self.levels[0]
-        return self.decode_sum_reference(codes, (W, words >> self.code_bits), 1, dtype=dtype)
+        return frame_output(self, self.decode_sum_reference(codes, (W, words >> self.code_bits), 1, dtype=dtype), W)

@@ -240,7 +240,7 @@ class PowerSGDCodec(Codec):
         if float(Q.abs().max()) > self.q_limit(N):
             raise ValueError(f"x is out of the PowerSGD codec's range: the factor Q = M^T P reaches "
                              f"{float(Q.abs().max()):.6g}, beyond {self.q_limit(N):.6g} = float32's largest value / "
-                             f"(rank {r} (1 + {P_SLACK})), where P Q^T could overflow float32 (|x| too large)")
+                             f"(rank {r} (1 + {P_SLACK})): it, or P Q^T, does not fit float32 (|x| too large)")
         Q32 = Q.to(torch.float32)
         data = torch.cat([P32.reshape(-1), Q32.reshape(-1)]).view(torch.uint8)
         return Payload(header=header, data=data), Q32.clone()

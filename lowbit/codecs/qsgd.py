@@ -36,13 +36,14 @@ uniforms' ``2^-24`` of a step.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, frame_scales, \
-    pack_header
+from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_output, frame_scale, \
+    frame_scales, pack_header
 from .kernels import kernels_for
 from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64, lane_sums_reference, round_to_int
@@ -173,18 +174,19 @@ class QSGDCodec(Codec):
             frame_scale(self, fields[1], "norm", _F32_MAX)
         return fields[0]
 
-    def _norms_of(self, payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(float32 norms, packed codes)`` of a payload whose header :meth:`_frame` checked, on
-        the data's device, the data's length and the norms checked (PayloadError)."""
+    def _norms_of(self, payload: Payload, n: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(float32 norms, packed codes, largest norm)`` of a payload whose header :meth:`_frame`
+        checked, on the data's device, the data's length and the norms checked (PayloadError)."""
         data = payload.data
         if self.bucket is None:
             frame_nbytes(self, data, levels_nbytes(n, self.num_codes), lambda: f"{n} codes of {self.num_codes} levels")
-            return payload.header[4:8].to(data.device).clone().view(torch.float32), data
+            norm = payload.header[4:8].to(data.device).clone().view(torch.float32)
+            return norm, data, struct.unpack("<f", payload.header[4:8].cpu().numpy().tobytes())[0]
         k = self._num_buckets(n)
         frame_nbytes(self, data, 4 * k + levels_nbytes(n, self.num_codes),
                      lambda: f"{k} bucket norms and {n} codes of {self.num_codes} levels")
-        norms = frame_scales(self, data[: 4 * k].clone().view(torch.float32), "bucket norm", _F32_MAX)
-        return norms, data[4 * k:]
+        norms = data[: 4 * k].clone().view(torch.float32)
+        return norms, data[4 * k:], frame_scales(self, norms, "bucket norm", _F32_MAX)
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """``Q_s`` of each bucket: norms (rounded up to float32), then the codes."""
@@ -218,10 +220,10 @@ class QSGDCodec(Codec):
         K = kernels_for(payload.data, "dither")
         if K is None or n == 0:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
-        norms32, data = self._norms_of(payload, n)
+        norms32, data, top = self._norms_of(payload, n)
         codes = unpack_levels_fast(data, self.num_codes, n, K.code_dtype(self.code_bits), codec=self.name)
-        return K.qsgd_decode(codes, norms32.to(torch.float64) / self.levels, self._bucket(n), self.levels,
-                             torch.float32 if dtype is None else dtype)
+        return frame_output(self, K.qsgd_decode(codes, norms32.to(torch.float64) / self.levels, self._bucket(n),
+                                                self.levels, torch.float32 if dtype is None else dtype), top)
 
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (same bytes on the CPU)."""
@@ -246,9 +248,9 @@ class QSGDCodec(Codec):
                          numel: int | None = None) -> torch.Tensor:
         """The float64 whole-tensor reference of :meth:`decode`."""
         n = self._frame(payload, numel)
-        norms32, data = self._norms_of(payload, n)
+        norms32, data, top = self._norms_of(payload, n)
         step = (norms32.to(torch.float64) / self.levels).repeat_interleave(self._bucket(n))[:n]
         codes = unpack_levels(data, self.num_codes, n, codec=self.name) if n else \
             torch.empty(0, dtype=torch.int64, device=data.device)
         x = (codes - self.levels).to(torch.float64) * step
-        return x.to(torch.float32 if dtype is None else dtype)
+        return frame_output(self, x.to(torch.float32 if dtype is None else dtype), top)
