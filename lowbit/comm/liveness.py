@@ -109,9 +109,10 @@ class Silence:
 
 
 def stall_error(who: str, world_size: int, stale: list[Silence], stall_timeout_s: float) -> WorkerStalled:
-    """The one message of a stall, whichever launcher found it."""
+    """The one message of a stall, whichever launcher found it: the ranks whose process is not
+    running (a ``note`` says so) first, then the longest silent."""
     parts = [f"rank {s.rank} ({'before its first step' if s.step < 0 else f'last step {s.step}'}, "
-             f"silent {s.silent_s:.0f} s{s.note})" for s in sorted(stale, key=lambda s: -s.silent_s)]
+             f"silent {s.silent_s:.0f} s{s.note})" for s in sorted(stale, key=lambda s: (not s.note, -s.silent_s))]
     return WorkerStalled(f"{who}: no progress from {len(stale)} of {world_size} worker(s) for more than "
                          f"stall_timeout_s={stall_timeout_s:g} s: {'; '.join(parts)}. A worker is stopped, hung, "
                          f"or waiting on one that is (raise --stall-timeout if a step really takes this long)")
@@ -282,18 +283,24 @@ class PeerMonitor:
             return TimeoutError(f"torchrun: rank(s) {left} did not finish within timeout_s={self.timeout_s:g}")
         if self.stall_timeout_s is None:
             return None
-        stale = []
         ranks = [(self.rank, self.step, now - self.last, self.done, self.pid)]
         ranks += [(r, p.step, (now - p.seen_at) + p.age, p.done, p.pid if self._local(r) else None)
                   for r, p in self.peers.items()]
+        silences, over = [], False
         for r, step, silent, done, pid in ranks:
+            if done:
+                continue
             limit = self.stall_timeout_s if step >= 0 else max(self.stall_timeout_s, STARTUP_GRACE_S)
-            if not done and silent > limit:
-                note = stopped_note(pid)
-                if not note and r != self.rank and now - self.peers[r].seen_at > 3 * self.interval_s:
-                    note = ", its process sends no heartbeat (stopped, frozen or gone)"
-                stale.append(Silence(r, step, silent, note))
-        return stall_error("torchrun", self.world_size, stale, self.stall_timeout_s) if stale else None
+            note = stopped_note(pid)
+            if not note and r != self.rank and now - self.peers[r].seen_at > 3 * self.interval_s:
+                note = ", its process sends no heartbeat (stopped, frozen or gone)"
+            over |= silent > limit
+            if silent > limit or note:
+                silences.append(Silence(r, step, silent, note))
+        # A rank waiting in a collective on a stopped one may have been silent longer than it (it
+        # stopped beating when it began to wait): once one is over the limit, every rank whose
+        # process is not running is named too, first.
+        return stall_error("torchrun", self.world_size, silences, self.stall_timeout_s) if over else None
 
     def _publish_end(self, exc: BaseException, own: bool) -> BaseException:
         """Publish ``exc`` as the run's verdict unless another rank was first; the verdict every rank reports."""
