@@ -63,6 +63,7 @@ exchange a worker holds its encoded payload and the decoded vectors
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from dataclasses import dataclass
@@ -71,7 +72,8 @@ import torch
 
 from ..codecs import Codec, IdentityCodec, ModuloCodec
 from ..codecs.rng import derive_seed, shared_generator
-from .faults import check_decoded, received_from
+from ..comm.base import GossipFault
+from .faults import check_decoded, fault_from_code, received_from
 from .base import GossipAlgorithm, State, transient
 from .moniqua import check_theta
 
@@ -233,7 +235,8 @@ class ADPSGD(GossipAlgorithm):
                     sent["wire"], sent["mine"], sent["ref"] = self._encode(state, ctx, x, k, ctx.rank)
                 return sent["wire"]
 
-            reply = ctx.transport.gossip(j, request, k)  # no lock held while waiting
+            with _faults(ctx):
+                reply = ctx.transport.gossip(j, request, k)  # no lock held while waiting
             state.lock.acquire()  # held through the optimizer step, released in after_update
             state.held = True
             # against the model as sent (line 5 uses x_{k,i})
@@ -264,8 +267,19 @@ class ADPSGD(GossipAlgorithm):
         _release(state)
         if state.open:
             state.open = False
-            ctx.transport.gossip_close()
+            with _faults(ctx):
+                ctx.transport.gossip_close()
         return state
+
+
+@contextlib.contextmanager
+def _faults(ctx):
+    """A fault another rank sent through the gossip (it stopped at a non-finite value) is raised
+    here as the same :class:`~lowbit.algorithms.faults.Diverged` it raised."""
+    try:
+        yield
+    except GossipFault as e:
+        raise fault_from_code(e.word, e.step, ctx.world_size, e.src) from None
 
 
 def _release(state: ADPSGDState) -> None:

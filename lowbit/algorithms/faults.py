@@ -3,21 +3,33 @@
 Every driver of a :class:`~lowbit.algorithms.Worker` (the training loop, the
 wrapper) checks its own rank's loss, gradient and parameters (:meth:`StepGuard.note`,
 local and cheap) and, before the step's first communication, the ranks *agree*
-(:meth:`StepGuard.agree`): one all-gather, outside the ledger, of four int64 per
+(:meth:`StepGuard.agree`): one all-gather, outside the ledger, of five int64 per
 rank (the first fault this rank noted: its kind and step; where this rank is: its
-step and the point in the step). Every rank then reads the same table and raises
-the same :class:`Diverged`, naming the faulty rank and its step:
+step and the point in the step; how many training backward passes it has run,
+:attr:`StepGuard.passes`, which the wrapper counts). Every rank then reads the same
+table and raises the same :class:`Diverged`, naming the faulty rank and its step:
 
 - a non-finite training loss, gradient or model on rank r at step s:
   ``diverged at step s: the gradient is not finite (worker r)``;
 - ranks at different steps (a skipped or repeated ``optimizer.step()``, e.g. a
   ``GradScaler`` that skipped it on one rank): ``ranks out of step at step s:
-  worker r is before the update of step s2 while the others are ...``.
+  worker r is before the update of step s2 while the others are ...``. The step
+  counters alone catch it only at the end: the agreements pair up in program
+  order, so the skipping rank's next agreement is the others' agreement of the
+  same step. The backward passes catch it at the next step: at step s the rank
+  that skipped has run one more (``worker r has run b backward passes before the
+  update of step s while the others ... have run b2``).
 
 A rank's fault is caught before it sends anything derived from the bad values,
 so a receiver never blames itself for a peer's data. The asynchronous
-algorithms (no collective per step) carry the same information in their gossip
-(:func:`fault_code`, :func:`fault_from_code`): see ``adpsgd``.
+algorithms (no collective per step) carry the same information in their gossip:
+:meth:`StepGuard.check_local` sends this rank's fault as one int64 word
+(:func:`fault_code`: the rank and what) and its step in a FAULT header of the
+gossip framing (``Transport.gossip_fault``; forwarded from neighbour to
+neighbour, so every rank that gossips hears it), and every rank that hears it
+raises the same :class:`Diverged` (:func:`fault_from_code`, in ``adpsgd``) at
+its next exchange or when it closes its gossip. A fault-free run sends the same
+bytes as before (the header is framing, outside the ledger).
 
 :func:`received_from` is the receive path's check: a payload a peer sent that
 its decode refuses becomes a :class:`PeerPayloadError` naming the algorithm,
@@ -30,8 +42,8 @@ import contextlib
 
 import torch
 
-__all__ = ["Diverged", "PeerPayloadError", "StepGuard", "POINTS", "WHAT", "check_decoded", "received_from",
-           "verdict"]
+__all__ = ["Diverged", "PeerPayloadError", "StepGuard", "POINTS", "WHAT", "check_decoded", "fault_code",
+           "fault_from_code", "received_from", "verdict"]
 
 #: what a rank checks, by its code in the agreement (0: nothing wrong)
 WHAT = {1: "training loss", 2: "gradient", 3: "model"}
@@ -80,28 +92,48 @@ def _where(pos: tuple[int, int]) -> str:
     return POINTS[point].format(s=step)
 
 
+def _odd_one(values: list) -> tuple[object, int, list[int], list[int]]:
+    """(the most common value, the first rank with another one, the ranks with the most common
+    one, the other ranks that differ); ties: the value of the lowest rank among the most common."""
+    counts = {v: values.count(v) for v in values}
+    top = max(counts.values())
+    ref = next(v for v in values if counts[v] == top)
+    odd = next(r for r, v in enumerate(values) if v != ref)
+    others = [r for r, v in enumerate(values) if v == ref]
+    more = sorted({r for r, v in enumerate(values) if v != ref} - {odd})
+    return ref, odd, others, more
+
+
+def _who(others: list[int], more: list[int], verb: str) -> tuple[str, str]:
+    plural = {"is": "are", "has": "have"}[verb]
+    who = f"worker {others[0]} {verb}" if len(others) == 1 else \
+        f"the other workers ({', '.join(map(str, others))}) {plural}"
+    return who, f" (workers {', '.join(map(str, more))} differ too)" if more else ""
+
+
 def verdict(table: list[list[int]]) -> Diverged | None:
     """The error every rank raises for the agreement ``table`` (row r: rank r's
-    ``[fault code, fault step, step, point]``), or None when all is well. A fault
-    beats a position mismatch; of several faults, the earliest step, then the
-    lowest rank. Out of step: the rank whose position differs from the most common
-    one (ties: the position of the lowest rank among the most common)."""
+    ``[fault code, fault step, step, point, backward passes]``; a row of four: no count),
+    or None when all is well. A fault beats a position mismatch, which beats a count
+    mismatch; of several faults, the earliest step, then the lowest rank. Out of step:
+    the rank whose position (or count) differs from the most common one (ties: that of
+    the lowest rank among the most common)."""
     faults = [(row[1], r, row[0]) for r, row in enumerate(table) if row[0] != 0]
     if faults:
         step, rank, code = min(faults)
         return Diverged(step, WHAT.get(code, f"value of kind {code}"), rank)
     pos = [(row[2], row[3]) for row in table]
-    if len(set(pos)) == 1:
+    if len(set(pos)) != 1:
+        ref, odd, others, more = _odd_one(pos)
+        who, extra = _who(others, more, "is")
+        return Diverged(ref[0], "step", odd, f"worker {odd} is {_where(pos[odd])} while {who} {_where(ref)}{extra}")
+    passes = [row[4] if len(row) > 4 else 0 for row in table]
+    if len(set(passes)) == 1:
         return None
-    counts = {p: pos.count(p) for p in pos}
-    top = max(counts.values())
-    ref = next(p for p in pos if counts[p] == top)
-    odd = next(r for r, p in enumerate(pos) if p != ref)
-    others = [r for r, p in enumerate(pos) if p == ref]
-    who = f"worker {others[0]} is" if len(others) == 1 else f"the other workers ({', '.join(map(str, others))}) are"
-    more = sorted({r for r, p in enumerate(pos) if p != ref} - {odd})
-    extra = f" (workers {', '.join(map(str, more))} are elsewhere too)" if more else ""
-    return Diverged(ref[0], "step", odd, f"worker {odd} is {_where(pos[odd])} while {who} {_where(ref)}{extra}")
+    ref, odd, others, more = _odd_one(passes)
+    who, extra = _who(others, more, "has")
+    return Diverged(pos[0][0], "step", odd, f"worker {odd} has run {passes[odd]} training backward passes "
+                    f"{_where(pos[0])} while {who} run {ref}{extra}")
 
 
 class StepGuard:
@@ -111,6 +143,9 @@ class StepGuard:
     def __init__(self, transport):
         self.transport = transport
         self._pending: list[tuple[int, int, torch.Tensor | bool]] = []  # (code, step, is bad)
+        #: training backward passes this rank has run (the wrapper counts them; equal on every
+        #: rank, whatever the accumulation, unless one skipped or repeated an optimizer.step())
+        self.passes = 0
 
     def note(self, k: int, what: str, t: torch.Tensor | None) -> None:
         """Check this rank's ``what`` (``"training loss"``, ``"gradient"``, ``"model"``) at
@@ -125,7 +160,7 @@ class StepGuard:
         pending, self._pending = self._pending, []
         if all(isinstance(b, bool) for _, _, b in pending):
             code, fstep = next(((c, s) for c, s, b in pending if b), (0, 0))
-            return torch.tensor([code, fstep, k, point], dtype=torch.int64, device=device)
+            return torch.tensor([code, fstep, k, point, self.passes], dtype=torch.int64, device=device)
         bads = torch.stack([torch.as_tensor(b, device=device) for _, _, b in pending])
         codes = torch.tensor([c for c, _, _ in pending], dtype=torch.int64, device=device)
         steps = torch.tensor([s for _, s, _ in pending], dtype=torch.int64, device=device)
@@ -133,7 +168,8 @@ class StepGuard:
         hit = bads.any().to(torch.int64)
         return torch.stack([codes[first] * hit, steps[first] * hit,
                             torch.tensor(k, dtype=torch.int64, device=device),
-                            torch.tensor(point, dtype=torch.int64, device=device)])
+                            torch.tensor(point, dtype=torch.int64, device=device),
+                            torch.tensor(self.passes, dtype=torch.int64, device=device)])
 
     def agree(self, k: int, point: int, device: torch.device | str = "cpu") -> None:
         """Collective (every rank, at the same point of the program): raise the same
@@ -152,11 +188,33 @@ class StepGuard:
             raise err
 
     def check_local(self) -> None:
-        """Raise this rank's own first noted fault, if any (no communication: the
-        asynchronous algorithms' drivers, which have no collective per step)."""
-        err = verdict([self._row(0, 0, torch.device("cpu")).tolist()])
-        if err is not None:
+        """Raise this rank's own first noted fault, if any: the asynchronous algorithms'
+        drivers, which have no collective per step. The gossip's neighbours are told first
+        (``Transport.gossip_fault``: they raise the same :class:`Diverged`)."""
+        code, step = self._row(0, 0, torch.device("cpu")).tolist()[:2]
+        if code:
+            err = Diverged(step, WHAT[code], self.transport.rank)
+            self.transport.gossip_fault(fault_code(err), step)
             raise err
+
+
+def fault_code(err: Diverged) -> int:
+    """The word a gossip carries for ``err`` (a non-finite value on a rank): ``4 * rank + code``
+    (code: :data:`WHAT`'s key of ``err.what``)."""
+    if err.what not in _CODE or err.rank is None or err.rank < 0:
+        raise ValueError(f"fault_code needs a non-finite {sorted(_CODE)} on a rank, got {err!r}")
+    return 4 * err.rank + _CODE[err.what]
+
+
+def fault_from_code(word: int, step: int, world_size: int, sender: int) -> Diverged:
+    """The :class:`Diverged` of a fault word (:func:`fault_code`) and step that worker ``sender``
+    passed on; a word naming no rank of ``world_size`` or no kind is a :class:`PeerPayloadError`
+    naming the sender."""
+    rank, code = divmod(int(word), 4)
+    if code not in WHAT or not 0 <= rank < world_size or step < 0:
+        raise PeerPayloadError(f"worker {sender} passed on a gossip fault word {word} at step {step}: it names no "
+                               f"worker in [0, {world_size - 1}] or no kind in {sorted(WHAT)}", sender, step)
+    return Diverged(int(step), WHAT[code], rank)
 
 
 def check_decoded(x: torch.Tensor, numel: int) -> torch.Tensor:

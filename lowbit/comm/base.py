@@ -146,6 +146,11 @@ class Transport(ABC):
     # Ledger: the active side counts its request and the passive side its reply,
     # each as a one-peer "neighbor" message at its own current step; the small
     # fixed header (kind, length, step) is framing and is not counted.
+    # Faults: ``gossip_fault(word, step)`` tells the others that this rank stops
+    # (``word``: lowbit.algorithms.faults.fault_code); every rank that hears it
+    # (directly, forwarded, or in a reply) raises :class:`GossipFault` at its next
+    # gossip, or in ``gossip_close``; a message kind of the header, so a fault-free
+    # run sends the same bytes as before.
     def gossip_open(self, neighbors: Sequence[int], handler: GossipHandler, *,
                     clock: GossipClock | None = None) -> None:
         """Start answering gossip requests from ``neighbors`` with
@@ -201,9 +206,22 @@ class Transport(ABC):
 
         return self._gossip(peer, make, step)
 
+    def gossip_fault(self, word: int, step: int) -> None:
+        """This rank stops at ``step`` with the fault ``word`` (an int64): tell every gossip
+        neighbour (each forwards it to its own, so it reaches every rank that gossips), who
+        then raise :class:`GossipFault`; this rank's own ``gossip_close`` then returns
+        without waiting on the others. No-op when the gossip is not open."""
+        if getattr(self, "_gossip_peers", None) is None:
+            return
+        if not (isinstance(word, int) and isinstance(step, int) and 0 <= word < 1 << 62 and 0 <= step < 1 << 62):
+            raise ValueError(f"word and step must be ints in [0, 2^62), got {word!r}, {step!r}")
+        self._gossip_fault(word, step)
+
     def gossip_close(self) -> None:
         """This rank sends no more requests; keep answering until every
-        neighbour has closed too, then stop answering (idempotent)."""
+        neighbour has closed too, then stop answering (idempotent). After a fault
+        (:meth:`gossip_fault`, or one heard and not yet raised here): raises that
+        :class:`GossipFault` unless this rank has already raised it or sent it."""
         if getattr(self, "_gossip_peers", None) is None:
             return
         try:
@@ -219,6 +237,9 @@ class Transport(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support asynchronous gossip")
 
     def _gossip_close(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support asynchronous gossip")
+
+    def _gossip_fault(self, word: int, step: int) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support asynchronous gossip")
 
     # ---- what a runtime implements ----------------------------------------
@@ -250,6 +271,19 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release runtime resources (no-op by default)."""
+
+
+class GossipFault(Exception):
+    """A rank that gossips stopped on a fault: ``word`` (what
+    :meth:`Transport.gossip_fault` was given; :func:`lowbit.algorithms.faults.fault_from_code`
+    reads it) at ``step``, heard from neighbour ``src``."""
+
+    def __init__(self, word: int, step: int, src: int):
+        super().__init__(word, step, src)
+        self.word, self.step, self.src = word, step, src
+
+    def __str__(self) -> str:
+        return f"a gossip fault (word {self.word}, step {self.step}) heard from rank {self.src}"
 
 
 def completed(value) -> torch.futures.Future:

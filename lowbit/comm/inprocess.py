@@ -41,7 +41,7 @@ from typing import Callable, TypeVar
 
 import torch
 
-from .base import Transport, check_equal_sizes
+from .base import GossipFault, Transport, check_equal_sizes
 
 T = TypeVar("T")
 
@@ -190,7 +190,9 @@ class GossipBoard:
     key moves to its next step and it is no longer parked (it updates its own
     model and computes its next gradient meanwhile). A rank's close waits
     until all its neighbours have closed: until then they may still gossip
-    with it.
+    with it. A fault (``gossip_fault``) is kept as ``(word, step, rank)``: every
+    rank waiting on the board, or reaching it, then raises it (as
+    :class:`~lowbit.comm.base.GossipFault`), except the rank that sent it.
     """
 
     def __init__(self, world_size: int):
@@ -204,6 +206,7 @@ class GossipBoard:
         self.parked = [False] * n
         self.closed = [False] * n
         self.log: list[tuple[float, int, int, int]] = []  # (time, active, step, passive), in order
+        self.fault: tuple[int, int, int] | None = None  # (word, step, rank): the first fault sent
 
     def next_key(self) -> tuple[float, int] | None:
         keys = [k for k, c in zip(self.key, self.closed) if not c and k is not None]
@@ -217,6 +220,7 @@ class ThreadTransport(Transport):
     def __init__(self, world: ThreadWorld, rank: int):
         super().__init__(rank, world.world_size)
         self.world = world
+        self._fault_known = False  # the board's fault was sent or raised by this rank
 
     def _sync(self) -> None:
         with _waiting(self.world, self.rank):
@@ -279,12 +283,28 @@ class ThreadTransport(Transport):
         b = self.world.board
         deadline = time.monotonic() + _TIMEOUT_S
         while not ready():
+            self._raise_fault()
             if self.world.aborted.is_set():
                 raise _Aborted(f"rank {self.rank}: another worker failed") from None
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"rank {self.rank} waited {_TIMEOUT_S}s for {what}")
             b.cond.wait(left)
+
+    def _raise_fault(self) -> None:
+        """Raise the board's fault as a GossipFault (board lock held), once per rank."""
+        fault = self.world.board.fault
+        if fault is not None and not self._fault_known:
+            self._fault_known = True
+            raise GossipFault(*fault)
+
+    def _gossip_fault(self, word, step):
+        b = self.world.board
+        with b.cond:
+            self._fault_known = True
+            if b.fault is None:
+                b.fault = (word, step, self.rank)
+            b.cond.notify_all()
 
     def _time(self, step: int) -> float:
         t = float(self.world.board.clocks[self.rank](step))
@@ -311,6 +331,7 @@ class ThreadTransport(Transport):
     def _gossip_turn(self, peer, make, step):
         b, me = self.world.board, self.rank
         with b.cond:
+            self._raise_fault()
             key = (self._time(step), me)
             prev = b.key[me]
             if prev is not None and key < prev:
@@ -340,7 +361,9 @@ class ThreadTransport(Transport):
             b.key[me] = None
             b.parked[me] = True
             b.cond.notify_all()
-            self._wait(lambda: all(b.closed[j] for j in b.neighbors[me]), "its neighbours to finish gossiping")
+            self._raise_fault()
+            if b.fault is None:  # after a fault, the others stop without closing
+                self._wait(lambda: all(b.closed[j] for j in b.neighbors[me]), "its neighbours to finish gossiping")
 
 
 @contextlib.contextmanager

@@ -223,6 +223,10 @@ class DecentralizedDataParallel(nn.Module):
         self._x_half: torch.Tensor | None = None  # where it writes x_{k+1/2}
         self._overlapped = 0  # whether the step in progress was overlapped (stats)
         self._hooks = _attach_hooks(optimizer, self)
+        # the training backward passes, counted for the agreement: a rank that skips or repeats an
+        # optimizer.step() (a GradScaler skips it on an inf gradient) is found at the next step
+        self._pass_hook = torch.autograd.graph.register_multi_grad_hook(
+            self.flat.params, _CountPasses(self.algorithm.guard), mode="any")
         if self.overlap:
             self._hooks += (module.register_forward_pre_hook(_ForwardHook(self)),)
 
@@ -437,6 +441,7 @@ class DecentralizedDataParallel(nn.Module):
             return
         self._closed = True
         _detach_hooks(self.optimizer, self._hooks)
+        self._pass_hook.remove()
         try:
             if self._exchange is not None:  # a forward without its step: its result is dropped
                 self._finish_exchange(check=False)
@@ -746,6 +751,17 @@ def _detach_hooks(optimizer: torch.optim.Optimizer, handles: tuple) -> None:
         for h in handles:
             h.remove()
         _HOOKED.pop(optimizer, None)
+
+
+class _CountPasses:
+    """A backward pass that reaches the communicated parameters: one more for the agreement
+    (:attr:`~lowbit.algorithms.faults.StepGuard.passes`)."""
+
+    def __init__(self, guard):
+        self.guard = guard
+
+    def __call__(self, grad) -> None:
+        self.guard.passes += 1
 
 
 class _ForwardHook:
