@@ -244,29 +244,26 @@ def _stats(x):
 @_jit
 def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes):
     """Codes ``Q((x / B) mod 1) * levels mod levels`` (see ModuloCodec; ``levels`` a
-    power of two); returns 1 when an element is not finite, else 2 when one is out of the
-    codec's range (``|x| / B > 2^53 / levels - 1``: :func:`lowbit.codecs.modulo.modulo_range`),
-    else 0."""
+    power of two); returns True when an element is not finite or out of the codec's range
+    (``|x| > (2^53 / levels - 1) B``: :func:`lowbit.codecs.modulo.modulo_limit`), one comparison
+    per element for both (the caller tells them apart on that error path)."""
     L = float(levels)
-    lim = MODULO_GRID_LIMIT / L - 1.0
+    lim = (MODULO_GRID_LIMIT / L - 1.0) / inv_B
     mask = levels - 1
     bad = False
-    far = False
     if stochastic:
         for i in range(x.shape[0]):
             xv = np.float64(x[i])
-            bad |= nonfinite(xv)
-            far |= abs(xv) * inv_B > lim
+            bad |= not abs(xv) <= lim  # NaN fails it too
             c = round_stochastic(centered_mod(xv * inv_B, 1.0, 1.0) * L, k0, k1, i)
             codes[i] = np.uint8(np.int64(c) & mask)
     else:
         for i in range(x.shape[0]):
             xv = np.float64(x[i])
-            bad |= nonfinite(xv)
-            far |= abs(xv) * inv_B > lim
+            bad |= not abs(xv) <= lim
             c = rint(centered_mod(xv * inv_B, 1.0, 1.0) * L)
             codes[i] = np.uint8(np.int64(c) & mask)
-    return 1 if bad else (2 if far else 0)
+    return bad
 
 
 @_jit
@@ -275,11 +272,11 @@ def _modulo_decode(codes, B, levels, y, out):
     an element of ``y`` is out of the codec's range (as :func:`_modulo_encode`'s flag 2)."""
     step = B / float(levels)
     inv_B = 1.0 / B
-    lim = MODULO_GRID_LIMIT / float(levels) - 1.0
+    lim = (MODULO_GRID_LIMIT / float(levels) - 1.0) * B  # |y| beyond: out of range
     far = False
     for i in range(codes.shape[0]):
         yv = np.float64(y[i])
-        far |= abs(yv) * inv_B > lim
+        far |= abs(yv) > lim
         out[i] = centered_mod(float(codes[i]) * step - yv, B, inv_B) + yv
     return far
 
@@ -332,10 +329,9 @@ def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key:
     ``key`` or to nearest."""
     codes = torch.empty(x.numel(), dtype=torch.uint8)
     k0, k1 = keys(key)
-    flag = _modulo_encode(as_numba(x), 1.0 / B, levels, stochastic, k0, k1, codes.numpy())
-    if flag == 1:
-        raise nonfinite_error("modulo")
-    if flag == 2:
+    if _modulo_encode(as_numba(x), 1.0 / B, levels, stochastic, k0, k1, codes.numpy()):
+        if not bool(torch.isfinite(x).all()):
+            raise nonfinite_error("modulo")
         raise modulo_range_error("x", float(x.detach().abs().max()), B, levels)
     return codes
 
@@ -476,7 +472,7 @@ def _moniqua_send(x, inv_B, B, levels, stochastic, k0, k1, bits, block, codes, x
     ``x`` into ``xhat`` with the block hashes, written ``<u2`` at ``msg[hash_at:]``. Returns
     (non-finite flag, largest ``levels |k|``)."""
     n = x.shape[0]
-    bad = _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes) == 1  # out of range: the reach below
+    bad = _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes)  # non-finite or out of range
     nbytes = (n * bits + 7) // 8
     _pack(codes, bits, msg[:nbytes])
     m = np.empty(n, dtype=np.int64)
@@ -520,7 +516,7 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
     m[-1] = ctrl
     bad, reach = _moniqua_send(np_view(x), 1.0 / B, float(B), levels, stochastic, k0, k1, bits, block, codes,
                                xhat.numpy(), hashes, m, hash_at)
-    if bad:
+    if bad and not bool(torch.isfinite(x).all()):  # else out of range: the reach says so below
         raise nonfinite_error("modulo")
     check_grid_reach(reach, B, levels)
 
