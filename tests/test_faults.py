@@ -190,6 +190,10 @@ def test_malformed_payload_names_the_sender_and_step(name, cut):
     step = AT
     assert victim.sender == BAD and victim.step == step
     assert f"worker {1 - BAD} got a malformed" in str(victim) and f"from worker {BAD} at step {step}" in str(victim)
+    # the sender, released from its wait, raises the victim's refusal (posted), not a bare abort
+    sender = outcomes[BAD]
+    assert isinstance(sender, PeerPayloadError) and (sender.sender, sender.step) == (BAD, step), outcomes
+    assert str(sender).startswith(str(victim)) and f"(worker {BAD} stopped too" in str(sender)
 
 
 def _torchrun(nproc, *args, timeout=240):
@@ -233,6 +237,10 @@ def test_torchrun_faults_end_every_rank_with_one_error():
 
 def test_torchrun_malformed_payload_is_named():
     proc, cases, wall = _torchrun(2, "payload", timeout=120)
-    victim = cases["payload/naive"][1 - BAD]["error"]
+    ranks = cases["payload/naive"]
+    victim = ranks[1 - BAD]["error"]
     assert victim.startswith("PeerPayloadError: naive: worker 0 got a malformed payload from worker 1 at step 2"), \
         victim
+    # the sender learns the refusal (the store) when its next collective fails: every rank within seconds
+    assert ranks[BAD]["error"].startswith(victim + " (worker 1 stopped too"), ranks[BAD]["error"]
+    assert max(_exit_seconds(ranks).values()) < 30, ranks

@@ -33,17 +33,23 @@ bytes as before (the header is framing, outside the ledger).
 
 :func:`received_from` is the receive path's check: a payload a peer sent that
 its decode refuses becomes a :class:`PeerPayloadError` naming the algorithm,
-the receiver, the sender and the step.
+the receiver, the sender and the step. The receiver ends there, out of step with
+the others, so it posts its refusal (:func:`refusal_text`,
+``Transport.post_refusal``: the store of the default group, no collective) and the
+others, whose next communication with it fails, raise the same refusal
+(:func:`refusal_error`) instead of a bare "connection closed" (the wrapper does
+both; under ``lowbit train`` the liveness monitor's verdict carries it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 
 import torch
 
 __all__ = ["Diverged", "PeerPayloadError", "StepGuard", "POINTS", "WHAT", "check_decoded", "fault_code",
-           "fault_from_code", "received_from", "verdict"]
+           "fault_from_code", "received_from", "refusal_error", "refusal_text", "verdict"]
 
 #: what a rank checks, by its code in the agreement (0: nothing wrong)
 WHAT = {1: "training loss", 2: "gradient", 3: "model"}
@@ -237,3 +243,24 @@ def received_from(algorithm: str, rank: int, sender: int, step: int, what: str =
     except (ValueError, RuntimeError, IndexError, OverflowError) as e:
         raise PeerPayloadError(f"{algorithm}: worker {rank} got a malformed {what} from worker {sender} at step "
                                f"{step}: {e}", sender, step) from e
+
+
+def refusal_text(err: PeerPayloadError) -> str:
+    """``err`` as the text ``Transport.post_refusal`` posts (JSON: sender, step, message)."""
+    return json.dumps({"sender": err.sender, "step": err.step, "message": str(err)})
+
+
+def refusal_error(text: str | None, world_size: int, rank: int, cause: BaseException) -> PeerPayloadError | None:
+    """The :class:`PeerPayloadError` that worker ``rank`` raises for a refusal another rank posted
+    (:func:`refusal_text`) when its own communication failed with ``cause``; None when nothing
+    (or nothing well formed: a sender outside ``world_size``, a negative step) was posted."""
+    try:
+        rec = json.loads(text) if text else None
+        sender, step, message = rec["sender"], rec["step"], rec["message"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if not (isinstance(sender, int) and 0 <= sender < world_size and isinstance(step, int) and step >= 0
+            and isinstance(message, str)):
+        return None
+    why = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
+    return PeerPayloadError(f"{message} (worker {rank} stopped too: its communication failed: {why})", sender, step)

@@ -206,6 +206,28 @@ class Transport(ABC):
 
         return self._gossip(peer, make, step)
 
+    # ---- a refusal that ends the run ---------------------------------------
+    #: the longest refusal text :meth:`post_refusal` keeps and :meth:`posted_refusal` reads
+    MAX_REFUSAL_CHARS = 4096
+
+    def post_refusal(self, text: str) -> None:
+        """Leave ``text`` (a rank's refusal of a peer's payload, which ends this rank) where every
+        rank can read it without a matching collective: the others' communication then fails
+        (this rank is gone, or out of step) and :meth:`posted_refusal` tells them why. The first
+        text posted wins. In-process: the world's memory; torch: the default group's store."""
+        self._post_refusal(str(text)[:self.MAX_REFUSAL_CHARS])
+
+    def posted_refusal(self) -> str | None:
+        """The refusal some rank posted (:meth:`post_refusal`), or None."""
+        text = self._posted_refusal()
+        return None if text is None else str(text)[:self.MAX_REFUSAL_CHARS]
+
+    def _post_refusal(self, text: str) -> None:
+        self._refusal = getattr(self, "_refusal", None) or text  # a lone transport: only this rank reads it
+
+    def _posted_refusal(self) -> str | None:
+        return getattr(self, "_refusal", None)
+
     def gossip_fault(self, word: int, step: int) -> None:
         """This rank stops at ``step`` with the fault ``word`` (an int64): tell every gossip
         neighbour (each forwards it to its own, so it reaches every rank that gossips), who

@@ -70,6 +70,8 @@ _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Asynchronous gossip: message tags on the gossip group, and header kinds.
 _TAG_REQ, _TAG_REQ_DATA, _TAG_REP, _TAG_REP_DATA = 701, 702, 703, 704
 _KIND_REQUEST, _KIND_DONE, _KIND_FAULT, _KIND_REPLY = 1, 2, 3, 4
+# the store key of Transport.post_refusal
+_REFUSAL_KEY = "lowbit/refusal"
 
 
 class TorchDistributedTransport(Transport):
@@ -272,6 +274,33 @@ class TorchDistributedTransport(Transport):
     def _global(self, rank: int) -> int:
         """The global rank of group rank ``rank`` (a root of broadcast and gather)."""
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
+
+    # ---- a refusal that ends the run: the default group's store ---------------
+    def _store(self):
+        try:
+            return dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError, AttributeError):  # no store this rank can reach
+            return None
+
+    def _post_refusal(self, text):
+        store = self._store()
+        if store is None:
+            return super()._post_refusal(text)
+        try:
+            store.compare_set(_REFUSAL_KEY, "", text)
+        except RuntimeError:  # the store is gone: the others learn it from their failure alone
+            pass
+
+    def _posted_refusal(self):
+        store = self._store()
+        if store is None:
+            return super()._posted_refusal()
+        try:
+            if not store.check([_REFUSAL_KEY]):  # (get would wait for the key)
+                return None
+            return store.get(_REFUSAL_KEY)[:self.MAX_REFUSAL_CHARS].decode("utf-8", "replace") or None
+        except RuntimeError:
+            return None
 
     # ---- asynchronous gossip ----------------------------------------------
     def _gossip_open(self, neighbors, handler, clock):

@@ -139,6 +139,8 @@ class ThreadWorld:
         self.aborted = threading.Event()
         self.run_slots = RunSlots(min(max_running, world_size), self.aborted)
         self.board = GossipBoard(world_size)
+        self.refusal: str | None = None  # Transport.post_refusal: the first posted
+        self._refusal_lock = threading.Lock()
 
     def transport(self, rank: int) -> "ThreadTransport":
         return ThreadTransport(self, rank)
@@ -290,6 +292,13 @@ class ThreadTransport(Transport):
             if left <= 0:
                 raise TimeoutError(f"rank {self.rank} waited {_TIMEOUT_S}s for {what}")
             b.cond.wait(left)
+
+    def _post_refusal(self, text):
+        with self.world._refusal_lock:
+            self.world.refusal = self.world.refusal or text
+
+    def _posted_refusal(self):
+        return self.world.refusal
 
     def _raise_fault(self) -> None:
         """Raise the board's fault as a GossipFault (board lock held), once per rank."""

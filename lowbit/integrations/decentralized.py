@@ -112,6 +112,7 @@ import torch
 from torch import nn
 
 from ..algorithms import Algorithm, Worker, build_worker
+from ..algorithms.faults import PeerPayloadError, refusal_error, refusal_text
 from ..comm.base import Transport
 from ..comm.inprocess import blocking
 from ..comm.ledger import Ledger
@@ -256,8 +257,29 @@ class DecentralizedDataParallel(nn.Module):
 
     optimizer_step = step
 
+    @contextlib.contextmanager
+    def _refusals(self):
+        """Around the wrapper's communication: a payload this rank refuses ends it, out of step
+        with the others, so it posts the refusal first (``Transport.post_refusal``); a rank whose
+        communication then fails raises that refusal, naming the sender, instead of its own
+        "connection closed" (:mod:`lowbit.algorithms.faults`)."""
+        try:
+            yield
+        except PeerPayloadError as e:
+            self.transport.post_refusal(refusal_text(e))
+            raise
+        except (RuntimeError, threading.BrokenBarrierError) as e:  # a communication failure
+            err = refusal_error(self.transport.posted_refusal(), self.world_size, self.rank, e)
+            if err is None:
+                raise
+            raise err from e
+
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """The optimizer's step pre-hook: set_step(k), before_update."""
+        with self._refusals():
+            self._pre_step_body(optimizer, args, kwargs)
+
+    def _pre_step_body(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         rest = args[1:] if args and args[0] is optimizer else args
         if (rest and rest[0] is not None) or kwargs.get("closure") is not None:
             raise ValueError("optimizer.step(closure) is not supported under DecentralizedDataParallel: the closure "
@@ -286,6 +308,10 @@ class DecentralizedDataParallel(nn.Module):
     def _forward_pre(self, module: nn.Module, args: tuple) -> None:
         """The module's forward pre-hook: start step k's exchange on a copy of x_k (training
         forwards only; a second forward before the step reuses the exchange in flight)."""
+        with self._refusals():
+            self._forward_pre_body(module, args)
+
+    def _forward_pre_body(self, module: nn.Module, args: tuple) -> None:
         if not (module.training and torch.is_grad_enabled()) or self._closed:
             return
         ex = self._exchange
@@ -359,6 +385,10 @@ class DecentralizedDataParallel(nn.Module):
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """The optimizer's step post-hook: after_update, the step counter, stats, ``on_step``."""
+        with self._refusals():
+            self._post_step_body(optimizer, args, kwargs)
+
+    def _post_step_body(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         if self._in_step is None:
             raise RuntimeError("the optimizer's step post-hook ran without its pre-hook")
         k, lr = self._in_step
@@ -447,7 +477,8 @@ class DecentralizedDataParallel(nn.Module):
                 self._finish_exchange(check=False)
             if agree:
                 _wait_channel(self.transport)
-                self._agree(self.step_count, 2)
+                with self._refusals():
+                    self._agree(self.step_count, 2)
         finally:
             _wait_channel(self.transport)
             self.algorithm.finish()
