@@ -4,10 +4,22 @@ marked ``numba_kernels`` call the CPU kernels themselves: they are skipped where
 compiles for another CPU than this one (``NUMBA_CPU_NAME``), where the codecs do not use
 the kernels (:func:`lowbit.codecs.kernels.native_target`)."""
 
+import os
+
 import pytest
 import torch
 
 from lowbit.codecs.kernels import native_target
+
+# Under pytest-xdist (``-n N``) each of the N test processes gets its share of the cores for
+# torch's intra-op threads (and the OpenMP threads of the subprocesses it starts), not all of
+# them: N processes of 16 threads each on 16 cores made the suite and the GPU tests run side by
+# side time out (issue 28).
+_XDIST = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _XDIST > 1:
+    _SHARE = str(max(1, (os.cpu_count() or 1) // _XDIST))
+    os.environ.setdefault("OMP_NUM_THREADS", _SHARE)
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,38 +1,50 @@
-"""Behaviour pinned bit for bit (issue 12: "the trained parameters of every algorithm on
-digits-mlp ... are bit-identical before and after the redesign", "the ledgers are identical").
+"""Behaviour pinned: bit for bit on the build that recorded it, closely on every other.
 
 Every algorithm ``lowbit train`` offers, and its main variants, runs on digits-mlp with the
 thread backend, 4 workers, 50 steps and seed 0, in this process, through
-:func:`lowbit.train.train` (the function ``lowbit train`` calls). Each case is compared
-exactly with its record in ``tests/data/behaviour_pinned.json``:
+:func:`lowbit.train.train` (the function ``lowbit train`` calls). Each case is compared with
+its record in ``tests/data/behaviour_pinned.json`` twice over:
 
-- ``params_sha256``: per rank, the sha256 of the worker's final flat parameters as bytes
-  (``model.parameters()`` order, float32); digits-mlp has no buffers
-  (:func:`test_the_pinned_model_has_no_buffers`), so this is the whole model state;
-- ``ledger``: per rank, bytes sent, messages and the sha256 of the ledger's rows
-  (step, op, buffer bytes, bytes sent, messages, peers), in step order;
-- ``bytes_sent``, ``messages_sent`` and ``wire_bits_per_element``: the run summary's.
+- **exactly** (``test_behaviour_is_pinned``), where this build is the record's: per rank the
+  sha256 of the worker's final flat parameters (``params_sha256``; digits-mlp has no buffers,
+  :func:`test_the_pinned_model_has_no_buffers`), the ledger (bytes sent, messages and the
+  sha256 of its rows), and the summary's ``bytes_sent``, ``messages_sent`` and
+  ``wire_bits_per_element``. Floating-point results are reproducible only where everything
+  that decides their bits is the same: :func:`build` lists it (the versions of torch, numpy,
+  numba, llvmlite and scikit-learn; torch's CPU capability, as ``ATEN_CPU_CAPABILITY`` sets
+  it; the BLAS and the CPU's vector instruction sets it dispatches on; numba's target CPU).
+  Elsewhere the exact test SKIPS, naming what differs (issue 28: the record of another CPU
+  failed 88 tests on an AVX-512 machine, even for D-PSGD and AllReduce, which run no numba
+  kernel: torch's dispatch level is not the only input to the bits);
+- **portably** (``test_behaviour_is_close``), on every machine: the ledger exactly where it
+  does not depend on the values (the record's ``ledger_portable``: write mode runs the case
+  with seed 1 too and finds the same ledger), and the parameters' block statistics
+  (:func:`params_summary`) within the case's ``params_tolerance`` of the record's: four times
+  the largest relative distance write mode measured between this build and the same machine
+  under other capability levels (:data:`OTHER_BUILDS`: ``ATEN_CPU_CAPABILITY=avx2`` and
+  ``default``, ``NUMBA_CPU_NAME=generic``, MKL's ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and
+  ``MKL_CBWR=COMPATIBLE``), at least :data:`MIN_TOLERANCE`. A case whose parameters move
+  by more than :data:`MAX_TOLERANCE` under another rounding alone (its record says
+  ``params_tolerance: null``, with the spread) pins its ledger only; one with neither skips,
+  saying why. :func:`test_the_portable_check_catches_another_run` shows the tolerance is
+  tight enough to see a run with another seed.
 
 A case whose run is not the same from one run to the next pins only what is (its
-``pinned`` field in the record says which: ``all``, or ``ledger`` for the parts above
-without the parameters). Write mode runs every case twice and refuses to write a record
-that claims more than the two runs agree on. Today every case pins ``all``: the thread
-runtime adds in rank order, and it runs the asynchronous algorithms (adpsgd,
-moniqua-async) on a seeded virtual-time schedule (:mod:`lowbit.comm.inprocess`), so they
-too repeat bit for bit, in one process and across processes.
+``pinned`` field: ``all``, or ``ledger`` for the parts above without the parameters). Write
+mode runs every case twice and refuses to write a record that claims more than the two runs
+agree on. Today every case pins ``all``: the thread runtime adds in rank order, and it runs
+the asynchronous algorithms (adpsgd, moniqua-async) on a seeded virtual-time schedule
+(:mod:`lowbit.comm.inprocess`), so they too repeat bit for bit.
 
-Floating-point results are reproducible only on the build that made them: the tests
-SKIP, with the reason, where ``torch.__version__`` or ``platform.machine()`` differs
-from the record's.
-
-Regenerate the record (every case, twice: 166 s on the loaded 2-core machine where it was
-made) after a change of behaviour that is meant, saying which cases changed and why::
+Regenerate the record after a change of behaviour that is meant, saying which cases changed
+and why (every case twice, once with seed 1, and five more times in subprocesses under
+other capability levels: 13 minutes on the loaded 2-core machine that wrote it with three; the machine that writes it is the one whose CI checks it bit for
+bit)::
 
     LOWBIT_PIN_BEHAVIOUR=write python -m pytest tests/test_behaviour_pinned.py
 
-One case per algorithm is the default subset (``-m "not slow"``: 36 s there); the other
-cases are marked ``slow`` (``python -m pytest tests/test_behaviour_pinned.py``, all 89
-cases: 89-107 s there).
+One case per algorithm is the default subset (``-m "not slow"``); the other cases are marked
+``slow``.
 """
 
 from __future__ import annotations
@@ -41,6 +53,9 @@ import hashlib
 import json
 import os
 import platform
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -150,17 +165,49 @@ CASES: list[Case] = [
 ]
 
 
+# The portable parameter check: block statistics of each rank's parameters, and the bounds on
+# the relative distance allowed between them and the record's (see the module docstring).
+BLOCKS = 16
+MIN_TOLERANCE = 1e-5
+MAX_TOLERANCE = 0.05
+TOLERANCE_FACTOR = 4.0
+# The other capability levels write mode measures the spread under, on the recording machine.
+# MKL's own dispatch (which no ATEN_CPU_CAPABILITY changes) is what moved AllReduce's parameters on another CPU.
+OTHER_BUILDS = ({"ATEN_CPU_CAPABILITY": "avx2"}, {"ATEN_CPU_CAPABILITY": "default"}, {"NUMBA_CPU_NAME": "generic"},
+                {"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, {"MKL_CBWR": "COMPATIBLE"})
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def observe(case: Case) -> dict:
-    """Run ``case`` in-process as ``lowbit train`` runs it; what the record pins of it."""
-    run = train(case.config())
+def params_summary(params: torch.Tensor) -> list[float]:
+    """The sum and the L2 norm of each of :data:`BLOCKS` contiguous blocks of a flat parameter
+    vector, in float64: what the portable check compares."""
+    out = []
+    for block in torch.tensor_split(params.detach().cpu().double().flatten(), BLOCKS):
+        out += [float(block.sum()), float(block.norm())]
+    return out
+
+
+def summary_distance(got: list[list[float]], want: list[list[float]]) -> float:
+    """The relative L2 distance between two runs' summaries (all ranks together)."""
+    g, w = torch.tensor(got, dtype=torch.float64), torch.tensor(want, dtype=torch.float64)
+    return float((g - w).norm() / w.norm())
+
+
+def observe(case: Case, **override) -> dict:
+    """Run ``case`` in-process as ``lowbit train`` runs it (``override``: TrainConfig fields on
+    top of it); what the record pins of it."""
+    cfg = case.config()
+    if override:
+        cfg = TrainConfig(**{**FIXED, **case.options, **override})
+    run = train(cfg)
     workers = sorted(run.workers, key=lambda w: w.rank)
     return {
         "parameters": run.summary["parameters"],
         "params_sha256": [_sha256(w.params.detach().cpu().contiguous().numpy().tobytes()) for w in workers],
+        "params_summary": [params_summary(w.params) for w in workers],
         "ledger": {
             "bytes_sent": [sum(row[3] for row in w.ledger_rows) for w in workers],
             "messages": [sum(row[4] for row in w.ledger_rows) for w in workers],
@@ -172,40 +219,112 @@ def observe(case: Case) -> dict:
     }
 
 
-def _build() -> dict:
-    return {"torch": torch.__version__, "machine": platform.machine()}
+_OBSERVED: dict[str, dict] = {}
+
+
+def observed(case: Case) -> dict:
+    """:func:`observe` once per case and session: the exact and the portable test share the run."""
+    if case.id not in _OBSERVED:
+        _OBSERVED[case.id] = observe(case)
+    return _OBSERVED[case.id]
+
+
+def _cpu_isa() -> str:
+    """The CPU's vector instruction sets (what BLAS, oneDNN and torch's kernels dispatch on)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith(("flags", "Features"))), [])
+    except OSError:
+        flags = []
+    keep = sorted(f for f in flags if f.startswith(("sse4", "avx", "amx", "fma", "f16c", "asimd", "sve", "sme")))
+    return " ".join(keep) or platform.processor() or "unknown"
+
+
+def build() -> dict:
+    """Everything known to decide the bits of a pinned run on this machine."""
+    import llvmlite
+    import llvmlite.binding as llvm
+    import numba
+    import numba.core.config as numba_config
+    import numpy
+    import sklearn
+
+    config = torch.__config__.show()
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    mkl = re.search(r"Math Kernel Library Version ([\w.-]+)", config)
+    features = numba_config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return {
+        "torch": torch.__version__, "numpy": numpy.__version__, "numba": numba.__version__,
+        "llvmlite": llvmlite.__version__, "scikit-learn": sklearn.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "blas": " ".join(filter(None, (blas and blas.group(1), mkl and mkl.group(1),
+                                       *(f"{k}={os.environ[k]}" for k in ("MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR",
+                                                                          "OPENBLAS_CORETYPE") if k in os.environ)))),
+        "cpu_isa": _cpu_isa(),
+        "numba_target": f"{numba_config.CPU_NAME or llvm.get_host_cpu_name()} features "
+                        f"{_sha256(features.encode())[:16]}",
+    }
 
 
 _WRITTEN: dict[str, dict] = {}
 
 
+def _spreads() -> dict[str, float]:
+    """Write mode: per case, the largest relative distance of its parameter summary between
+    this build and the same machine under each of :data:`OTHER_BUILDS` (a subprocess each)."""
+    spreads = {c.id: 0.0 for c in CASES}
+    for env in OTHER_BUILDS:
+        proc = subprocess.run([sys.executable, __file__, "--summaries"], env={**os.environ, **env, MODE_VAR: ""},
+                              capture_output=True, text=True, timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the run under {env} failed; nothing was written:\n{proc.stderr[-3000:]}")
+        other = json.loads(proc.stdout.strip().splitlines()[-1])
+        for c in CASES:
+            spreads[c.id] = max(spreads[c.id], summary_distance(other[c.id], _WRITTEN[c.id]["params_summary"]))
+    return spreads
+
+
+def _write_record() -> None:
+    missing = [c.id for c in CASES if c.id not in _WRITTEN]
+    if missing:
+        raise RuntimeError(f"{MODE_VAR}=write needs every case in one run (no -m or -k); these did not run: "
+                           f"{', '.join(missing)}. Nothing was written.")
+    for cid, spread in _spreads().items():
+        tolerance = max(MIN_TOLERANCE, TOLERANCE_FACTOR * spread)
+        _WRITTEN[cid]["params_spread"] = spread
+        _WRITTEN[cid]["params_tolerance"] = tolerance if tolerance <= MAX_TOLERANCE else None
+    RECORD.parent.mkdir(parents=True, exist_ok=True)
+    head = {"about": f"tests/test_behaviour_pinned.py's record; regenerate with: {REGENERATE}",
+            "build": build(), "fixed": FIXED}
+    cases = ",\n".join(f"  {json.dumps(c.id)}: {json.dumps(_WRITTEN[c.id])}" for c in CASES)  # a case a line
+    RECORD.write_text(json.dumps(head, indent=1)[:-2] + ',\n "cases": {\n' + cases + "\n }\n}\n")
+
+
 @pytest.fixture(scope="module")
 def record():
-    """The stored record (compare mode), or the dict write mode fills and writes at the end."""
+    """The stored record (compare mode), or None while write mode fills it (written at the end)."""
     if WRITE:
         yield None
-        missing = [c.id for c in CASES if c.id not in _WRITTEN]
-        if missing:
-            raise RuntimeError(f"{MODE_VAR}=write needs every case in one run (no -m or -k); these did not run: "
-                               f"{', '.join(missing)}. Nothing was written.")
-        RECORD.parent.mkdir(parents=True, exist_ok=True)
-        head = {"about": f"tests/test_behaviour_pinned.py's record; regenerate with: {REGENERATE}",
-                **_build(), "fixed": FIXED}
-        cases = ",\n".join(f"  {json.dumps(c.id)}: {json.dumps(_WRITTEN[c.id])}" for c in CASES)  # a case a line
-        RECORD.write_text(json.dumps(head, indent=1)[:-2] + ',\n "cases": {\n' + cases + "\n }\n}\n")
+        _write_record()
         return
     if not RECORD.exists():
         pytest.fail(f"{RECORD} is missing; write it with: {REGENERATE}")
     data = json.loads(RECORD.read_text())
-    differ = {k: (data.get(k), v) for k, v in _build().items() if data.get(k) != v}
-    if differ:
-        pytest.skip("the record was made on another build (floating-point results are reproducible only on the "
-                    "same one): " + ", ".join(f"{k} {a!r} there, {b!r} here" for k, (a, b) in differ.items())
-                    + f"; regenerate with {REGENERATE} on a build that behaves as the record's")
     if data.get("fixed") != FIXED:
         pytest.fail(f"the record's fixed settings {data.get('fixed')} are not this file's {FIXED}; "
                     f"regenerate with: {REGENERATE}")
     yield data
+
+
+def _stored(record: dict, case: Case) -> dict:
+    stored = record["cases"].get(case.id)
+    if stored is None:
+        pytest.fail(f"case {case.id} has no record; regenerate with: {REGENERATE}")
+    assert stored["options"] == case.options and stored["pinned"] == case.pinned, (
+        f"case {case.id} is defined as {case.options} (pinned={case.pinned!r}) but recorded as "
+        f"{stored['options']} (pinned={stored['pinned']!r}); regenerate with: {REGENERATE}")
+    return stored
 
 
 def _pinned(obs: dict, pinned: str) -> dict:
@@ -220,19 +339,79 @@ def test_behaviour_is_pinned(case: Case, record):
         if differ:
             pytest.fail(f"{case.id}: two runs differ in {', '.join(differ)}, which pinned={case.pinned!r} claims; "
                         f"pin less of this case (pinned={LEDGER!r}) and say why")
-        _WRITTEN[case.id] = {"options": case.options, "pinned": case.pinned, **_pinned(first, case.pinned)}
+        other_seed = observe(case, seed=FIXED["seed"] + 1)
+        _WRITTEN[case.id] = {"options": case.options, "pinned": case.pinned, **_pinned(first, case.pinned),
+                             "params_summary": first["params_summary"],
+                             "ledger_portable": other_seed["ledger"] == first["ledger"]}
         return
-    stored = record["cases"].get(case.id)
-    if stored is None:
-        pytest.fail(f"case {case.id} has no record; regenerate with: {REGENERATE}")
-    assert stored["options"] == case.options and stored["pinned"] == case.pinned, (
-        f"case {case.id} is defined as {case.options} (pinned={case.pinned!r}) but recorded as "
-        f"{stored['options']} (pinned={stored['pinned']!r}); regenerate with: {REGENERATE}")
-    got = _pinned(observe(case), case.pinned)
+    stored = _stored(record, case)
+    differ = {k: (v, record.get("build", {}).get(k)) for k, v in build().items() if record.get("build", {}).get(k) != v}
+    if differ:
+        pytest.skip("bit-exact pins hold only on the build that recorded them (test_behaviour_is_close still "
+                    "runs); this one differs in " + "; ".join(f"{k}: {b!r} here, {a!r} there"
+                                                             for k, (b, a) in differ.items()))
+    got = _pinned(observed(case), case.pinned)
     want = {k: stored[k] for k in FIELDS[case.pinned]}
     differ = sorted(k for k in want if got[k] != want[k])
     assert not differ, (f"{case.id}: behaviour changed in {', '.join(differ)}:\n"
                         + "\n".join(f"  {k}: recorded {want[k]}, now {got[k]}" for k in differ))
+
+
+@pytest.mark.parametrize("case", [c.param() for c in CASES])
+def test_behaviour_is_close(case: Case, record):
+    """The portable pin: on any machine, the ledger exactly where it does not depend on the
+    values, and the parameters within the case's tolerance."""
+    if WRITE:
+        pytest.skip("write mode records what this test compares")
+    stored = _stored(record, case)
+    tolerance = stored["params_tolerance"] if case.pinned == ALL else None
+    if not stored["ledger_portable"] and tolerance is None:
+        pytest.skip(f"{case.id}: its ledger depends on the values (seed 1 sends other bytes) and its parameters "
+                    f"move by {stored['params_spread']:.2g} under another rounding alone (over {MAX_TOLERANCE}): "
+                    f"only the bit-exact test pins it, on the recording build")
+    got = observed(case)
+    if stored["ledger_portable"]:
+        want = {k: stored[k] for k in LEDGER_FIELDS}
+        differ = sorted(k for k in want if got[k] != want[k])
+        assert not differ, (f"{case.id}: the ledger changed in {', '.join(differ)}:\n"
+                            + "\n".join(f"  {k}: recorded {want[k]}, now {got[k]}" for k in differ))
+    if tolerance is not None:
+        distance = summary_distance(got["params_summary"], stored["params_summary"])
+        assert distance <= tolerance, (
+            f"{case.id}: the parameters moved by {distance:.3g} (relative, block statistics) from the record's; "
+            f"allowed {tolerance:.3g} (4x the {stored['params_spread']:.3g} that other roundings moved them on the "
+            f"recording machine)")
+
+
+@pytest.mark.parametrize("case_id", ["allreduce", "dpsgd", "moniqua", "qsgd"])
+def test_the_portable_check_catches_another_run(case_id, record):
+    """The tolerance is tight enough to tell a run with another seed from the record's."""
+    if WRITE:
+        pytest.skip("write mode records what this test compares")
+    case = next(c for c in CASES if c.id == case_id)
+    stored = _stored(record, case)
+    assert stored["params_tolerance"] is not None, f"{case_id} was meant to have a portable parameter pin"
+    other = observe(case, seed=FIXED["seed"] + 1)
+    assert summary_distance(other["params_summary"], stored["params_summary"]) > 10 * stored["params_tolerance"]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ATEN_CPU_CAPABILITY=avx2 is an x86 level")
+@pytest.mark.parametrize("env", [{"ATEN_CPU_CAPABILITY": "avx2"}, {"NUMBA_CPU_NAME": "generic"}],
+                         ids=["aten-avx2", "numba-generic"])
+def test_under_another_capability_the_exact_pins_skip_or_pass(env):
+    """Issue 28: under another capability level (on the recording machine: another build) the
+    exact pins skip, naming what differs, or pass; the portable ones pass; nothing fails."""
+    if WRITE:
+        pytest.skip("write mode records what this test compares")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", __file__,
+           "-k", "test_behaviour_is and allreduce"]
+    proc = subprocess.run(cmd, env={**os.environ, **env, MODE_VAR: ""}, capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
+    assert re.search(r"PASSED .*test_behaviour_is_close\[allreduce\]", out), out[-3000:]
+    exact = re.findall(r"(PASSED|SKIPPED).*test_behaviour_is_pinned\[allreduce\]|"
+                       r"SKIPPED \[\d+\] .*bit-exact pins hold only on the build", out)
+    assert exact, out[-3000:]
 
 
 def test_every_algorithm_and_codec_has_a_case():
@@ -258,3 +437,8 @@ def test_the_pinned_model_has_no_buffers():
     """The record hashes parameters only: that is the whole state of digits-mlp's model."""
     model = make_task(FIXED["task"]).make_model()
     assert list(model.buffers()) == [], "digits-mlp's model has buffers now: hash them too"
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--summaries"]:
+    # write mode's subprocess (:func:`_spreads`): every case's parameter summary, as one JSON line
+    print(json.dumps({c.id: observe(c)["params_summary"] for c in CASES}))
