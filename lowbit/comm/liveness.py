@@ -234,30 +234,47 @@ class PeerMonitor:
     # -- the store ---------------------------------------------------------------------------
     def _publish(self) -> None:
         self.seq += 1
+        last, step = self.last, self.step  # the main thread may beat meanwhile: read it once, then the clock
+        age = max(0.0, time.monotonic() - last)
         with self._lock:
-            self.store.set(f"beat/{self.rank}",
-                           f"{self.seq} {self.step} {time.monotonic() - self.last:.3f} {int(self.done)}")
+            self.store.set(f"beat/{self.rank}", f"{self.seq} {step} {age:.3f} {int(self.done)}")
 
     def _read(self) -> dict | None:
         """Update the peers from their beats; return the published verdict, if any."""
         now = time.monotonic()
         with self._lock:
-            verdict = json.loads(self.store.get("end")) if self.store.check(["end"]) else None
+            verdict = self.store.get("end") if self.store.check(["end"]) else None
             # a beat key, once there, stays: ask the store about the missing ones only (one request
             # per rank and interval once every rank has beaten)
             have = [r for r, p in self.peers.items() if p.seq >= 0 or self.store.check([f"beat/{r}"])]
             values = self.store.multi_get([f"beat/{r}" for r in have]) if have else []
             unknown = [r for r in have if self.peers[r].pid is None]
             pids = self.store.multi_get([f"pid/{r}" for r in unknown]) if unknown else []
+        from .wire_objects import BadPeerData
+
         for r, v in zip(unknown, pids):
-            pid, _, host = v.decode().partition(" ")
-            self.peers[r].pid, self.peers[r].host = int(pid), host
+            try:
+                pid, _, host = v.decode().partition(" ")
+                self.peers[r].pid, self.peers[r].host = int(pid), host
+            except (UnicodeDecodeError, ValueError):
+                raise BadPeerData(f"rank {r} published a malformed process id {bytes(v[:40])!r}") from None
         for r, v in zip(have, values):
-            seq, step, age, done = v.decode().split()
+            try:
+                seq, step, age, done = v.decode().split()
+                seq, step, age = int(seq), int(step), float(age)
+                if done not in ("0", "1") or not age >= 0:
+                    raise ValueError
+            except (UnicodeDecodeError, ValueError):
+                raise BadPeerData(f"rank {r} published a malformed heartbeat {bytes(v[:40])!r}") from None
             p = self.peers[r]
-            if int(seq) != p.seq:
-                p.seq, p.seen_at, p.step, p.age, p.done = int(seq), now, int(step), float(age), done == "1"
-        return verdict
+            if seq != p.seq:
+                p.seq, p.seen_at, p.step, p.age, p.done = seq, now, step, age, done == "1"
+        if verdict is None:
+            return None
+        try:
+            return json.loads(verdict)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise BadPeerData(f"the run's verdict in the store is not JSON: {bytes(verdict[:40])!r}") from None
 
     # -- verdicts ----------------------------------------------------------------------------
     def _local(self, r: int) -> bool:
@@ -303,37 +320,41 @@ class PeerMonitor:
         return stall_error("torchrun", self.world_size, silences, self.stall_timeout_s) if over else None
 
     def _publish_end(self, exc: BaseException, own: bool) -> BaseException:
-        """Publish ``exc`` as the run's verdict unless another rank was first; the verdict every rank reports."""
+        """Publish ``exc`` as the run's verdict unless another rank was first; the verdict every rank
+        reports. Called by the one thread that holds ``_ending`` (the main thread's :meth:`explain`
+        or the monitor's :meth:`_run`)."""
         from .wire_objects import exception_record
 
-        rec = json.dumps({"rank": self.rank, "own": own, "error": exception_record(exc)})
-        try:
-            with self._lock:
-                first = self.store.compare_set("end", "", rec)
-        except Exception:  # noqa: BLE001 - the store is gone too: report what this rank knows
+        rec = json.dumps({"rank": self.rank, "own": own, "error": exception_record(exc)}).encode()
+        for _ in range(3):  # a store request interrupted by a signal (torchrun's SIGTERM) is asked again
+            try:
+                with self._lock:
+                    first = self.store.compare_set("end", "", rec)
+                break
+            except Exception:  # noqa: BLE001
+                first = None
+        if first is None or first == rec:  # ours (or the store is gone: report what this rank knows)
             return exc
-        return self._rebuild(json.loads(first), exc)
+        return self._rebuild(first)
 
-    def _rebuild(self, rec: dict, mine: BaseException | None = None) -> BaseException:
+    def _rebuild(self, raw) -> BaseException:
+        """The verdict a rank published (``raw``: its JSON, or the parsed record)."""
         from .wire_objects import BadPeerData, rebuild_exception
 
         try:
+            rec = raw if isinstance(raw, dict) else json.loads(raw)
             rank = int(rec["rank"])
-            if rank == self.rank and mine is not None:
-                return mine
             err = rebuild_exception(rec["error"], sender=f"rank {rank}")
-            if rec.get("own"):  # that rank's own failure: as lowbit's launcher reports a worker's
+            if rec.get("own") and rank != self.rank:  # that rank's own failure, as lowbit's launcher reports one
                 return WorkerFailed(f"torchrun: worker rank {rank} of {self.world_size} failed:\n"
                                     f"{rec['error'].get('traceback', '')}", rank, str(rec["error"].get("summary")),
                                     err)
             return err
-        except (BadPeerData, KeyError, TypeError, ValueError) as e:
-            return e if isinstance(e, BadPeerData) else BadPeerData(f"the run's verdict is malformed: {e}")
+        except (BadPeerData, KeyError, TypeError, ValueError, RecursionError) as e:
+            return e if isinstance(e, BadPeerData) else BadPeerData(f"the run's verdict is malformed: {e!r}"[:300])
 
     def _end(self, exc: BaseException) -> None:
-        """On the monitor's thread: end this rank with ``exc`` (unless its main thread is already ending it)."""
-        if not self._ending.acquire(blocking=False):
-            return
+        """On the monitor's thread, holding ``_ending``: end this rank with ``exc``."""
         for r, p in self.peers.items():  # a stopped rank of this host wakes to read the verdict and leave
             if self._local(r) and os_state(p.pid) == "T":
                 with contextlib.suppress(OSError):
@@ -344,44 +365,54 @@ class PeerMonitor:
             os._exit(1)
 
     def _run(self) -> None:
+        from .wire_objects import BadPeerData
+
+        failing_since = None
         while not self._stop.wait(self.interval_s):
+            rec, verdict = None, None
             try:
                 self._publish()
                 rec = self._read()
-            except Exception as e:  # noqa: BLE001 - the store's host (torchrun's agent, or rank 0) is gone
-                self._end(WorkerDied(f"torchrun: rank {self.rank} lost the rendezvous store ({type(e).__name__}: "
+                failing_since = None
+            except BadPeerData as e:
+                verdict = e
+            except Exception as e:  # noqa: BLE001 - the store's host (torchrun's agent, or rank 0) may be gone
+                failing_since = failing_since or time.monotonic()
+                if time.monotonic() - failing_since < DIAGNOSE_S:  # or a request interrupted by a signal
+                    continue
+                verdict = WorkerDied(f"torchrun: rank {self.rank} lost the rendezvous store ({type(e).__name__}: "
                                      f"{str(e).splitlines()[0] if str(e) else ''}): torchrun's agent or the "
-                                     f"store's host is gone"))
-                return
+                                     f"store's host is gone")
             now = time.monotonic()
-            if rec is not None:
-                self._end(self._rebuild(rec))
+            if rec is None and verdict is None:
+                verdict = self._dead(now, None) or self._stalled(now)
+                if verdict is None:
+                    continue
+            if not self._ending.acquire(blocking=False):  # the main thread is ending this rank
                 return
-            verdict = self._dead(now, None) or self._stalled(now)
-            if verdict is not None:
-                self._end(self._publish_end(verdict, own=False))
-                return
+            self._end(self._rebuild(rec) if rec is not None else self._publish_end(verdict, own=False))
+            return
 
     def explain(self, e: BaseException) -> BaseException:
         """The error this rank reports for the exception ``e`` of its main thread: the run's verdict.
         A communication failure or a termination signal (a peer's death shows so) is diagnosed for up
-        to :data:`DIAGNOSE_S`: a verdict another rank published, or a peer found gone, wins."""
+        to :data:`DIAGNOSE_S`: a verdict another rank published (or this rank's monitor, just before),
+        or a peer found gone, wins."""
         if not self._ending.acquire(blocking=False):  # the monitor thread is ending this rank: it exits
             threading.Event().wait()
         if _is_comm_failure(e):
             deadline = time.monotonic() + DIAGNOSE_S
-            while True:
+            while time.monotonic() <= deadline:
                 try:
                     rec = self._read()
-                except Exception:  # noqa: BLE001 - no store: report this rank's own error
-                    return e
-                if rec is not None:
-                    return self._rebuild(rec, e)
-                verdict = self._dead(time.monotonic(), 3 * self.interval_s)
-                if verdict is not None:
-                    return self._publish_end(verdict, own=False)
-                if time.monotonic() > deadline:
-                    break
+                except Exception:  # noqa: BLE001 - a request interrupted by a signal, or no store: ask again
+                    rec = None
+                else:
+                    if rec is not None:
+                        return self._rebuild(rec)
+                    verdict = self._dead(time.monotonic(), 3 * self.interval_s)
+                    if verdict is not None:
+                        return self._publish_end(verdict, own=False)
                 self._stop.wait(self.interval_s / 2)
         return self._publish_end(e, own=True)
 
