@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from .base import GossipFault, Transport, check_equal_sizes, then
+from .liveness import DIAGNOSE_S
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -402,16 +403,24 @@ class TorchDistributedTransport(Transport):
 
     def _gossip(self, peer, make, step):
         self._beat()
+        self._raise_fault()  # a fault first: the responder may have failed on the faulty rank's exit
         self._check_responder()
-        self._raise_fault()
         g = self._g_group
         buf = make()
         send = buf.detach().cpu().contiguous()
-        dist.send(torch.tensor([_KIND_REQUEST, send.numel(), step], dtype=torch.int64), dst=peer, group=g, tag=_TAG_REQ)
-        if send.numel():
-            dist.send(send, dst=peer, group=g, tag=_TAG_REQ_DATA)
-        hdr = torch.empty(3, dtype=torch.int64)
-        dist.recv(hdr, src=peer, group=g, tag=_TAG_REP)
+        try:
+            dist.send(torch.tensor([_KIND_REQUEST, send.numel(), step], dtype=torch.int64), dst=peer, group=g,
+                      tag=_TAG_REQ)
+            if send.numel():
+                dist.send(send, dst=peer, group=g, tag=_TAG_REQ_DATA)
+            hdr = torch.empty(3, dtype=torch.int64)
+            dist.recv(hdr, src=peer, group=g, tag=_TAG_REP)
+        except RuntimeError:
+            # the partner is gone: if it (or a rank before it) stopped on a fault, its FAULT header
+            # came first; give this rank's responder up to DIAGNOSE_S to take it, then raise that
+            self._g_thread.join(DIAGNOSE_S)
+            self._raise_fault()
+            raise
         kind, n, fstep = (int(v) for v in hdr.tolist())
         if kind == _KIND_FAULT:  # the partner stopped: its fault
             self._heard_fault(n, fstep, peer)
@@ -434,8 +443,8 @@ class TorchDistributedTransport(Transport):
         for w in self._g_sends:  # forwards went out before DONE: the neighbours' responders take them
             w.wait()
         self._g_sends = []
-        self._check_responder()
         self._raise_fault()
+        self._check_responder()
 
     def close(self) -> None:
         """Destroy the process group if this transport created it (idempotent)."""
