@@ -217,12 +217,14 @@ def _to_fake(x: torch.Tensor) -> torch.Tensor:
 
 # torch's autograd records each graph input's device stream (InputMetadata), which
 # needs a CUDA device guard: a CPU build aborts the whole process (std::terminate),
-# so refuse first. Functions that build no graph node are let through.
+# so refuse first. Functions that build no graph node are let through (``register_hook``:
+# a hook on a leaf, as the wrapper's count of backward passes registers; it runs only in a
+# backward pass, which stays refused).
 _NO_AUTOGRAD = ("fake_cuda: autograd through fake-cuda tensors is not supported (torch's autograd needs a CUDA "
                 "device guard, which the CPU build lacks); use torch.no_grad() or compute gradients on the CPU")
 _NO_NODE = {"__get__", "__set__", "detach", "detach_", "requires_grad_", "size", "dim", "numel", "stride",
             "element_size", "is_floating_point", "is_contiguous", "__repr__", "__format__", "__len__", "data_ptr",
-            "__hash__", "zero_", "untyped_storage"}
+            "__hash__", "zero_", "untyped_storage", "register_hook"}
 
 
 def _check_no_autograd(func, args, kwargs) -> None:

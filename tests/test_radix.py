@@ -11,11 +11,11 @@ import torch
 from lowbit.codecs.kernels import codec_path, cpu_kernels
 from lowbit.codecs.packing import pack_wide, packed_nbytes
 from lowbit.codecs.radix import (MAX_GROUP_BITS, MAX_LEVELS, WORD_BITS, level_bits, levels_nbytes, pack_levels,
+                                 pack_levels_fast, pack_radix, pack_radix_reference, radix_group, radix_nbytes,
+                                 unpack_levels, unpack_levels_fast, unpack_radix, unpack_radix_reference)
 
 # the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
 pytestmark = pytest.mark.numba_kernels
-                                 pack_levels_fast, pack_radix, pack_radix_reference, radix_group, radix_nbytes,
-                                 unpack_levels, unpack_levels_fast, unpack_radix, unpack_radix_reference)
 
 ALL_LEVELS = range(2, 256)
 # above 255 levels: around powers of two, the widest group (16416 levels: 113 bits), the top of the range
