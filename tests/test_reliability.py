@@ -233,21 +233,26 @@ def test_lowbit_train_resume_is_bit_identical(tmp_path):
 # ---- Moniqua's verification ---------------------------------------------------------------
 @pytest.mark.parametrize("path", ["fast", "reference"])
 def test_grid_integers_boundary(path):
-    """Verification hashes grid integers up to 2^53 (exact in float64) and refuses beyond."""
+    """Verification hashes grid integers up to 2^53 (exact in float64) and refuses beyond; the
+    encode refuses an x whose grid integer, rounded up, could pass 2^53 (issue 32: the codec's
+    range is enforced on encode, so a value is never sent that the receiver decodes wrong)."""
     from lowbit.codecs import ModuloCodec
     from lowbit.codecs.kernels import codec_path
 
     codec = ModuloCodec(bits=2, theta=0.375, rounding="nearest")  # B_theta = 1: grid integers 4 k
     with codec_path(path):
+        p = codec.encode(torch.zeros(1, dtype=torch.float64))  # the code of every integer k
         for k, ok in ((2 ** 51, True), (-(2 ** 51), True), (2 ** 51 + 1, False)):
-            x = torch.tensor([float(k)], dtype=torch.float64)
-            p = codec.encode(x)
+            ref = torch.tensor([float(k)], dtype=torch.float64)
             if ok:
-                x_hat, _ = codec.decode_hashed(p, ref=x, block=1)
-                assert torch.equal(x_hat, x)
+                x_hat, _ = codec.decode_hashed(p, ref=ref, block=1)
+                assert torch.equal(x_hat, ref)
             else:
                 with pytest.raises(OverflowError, match="beyond 2\\^53"):
-                    codec.decode_hashed(p, ref=x, block=1)
+                    codec.decode_hashed(p, ref=ref, block=1)
+        assert codec.encode(torch.tensor([2.0 ** 51 - 1], dtype=torch.float64)).data.numel() == 1
+        with pytest.raises(ValueError, match="x is out of the modulo codec's range"):
+            codec.encode(torch.tensor([2.0 ** 51], dtype=torch.float64))
 
 
 def test_a_theta_whose_grid_overflows_is_an_error_not_a_silent_bypass():

@@ -119,6 +119,8 @@ def stall_error(who: str, world_size: int, stale: list[Silence], stall_timeout_s
 
 
 def stopped_note(pid: int | None) -> str:
+    """The clause a stall message adds for a worker whose process the OS reports stopped
+    (SIGSTOP, state ``T``); empty otherwise or without a pid."""
     return ", process stopped (SIGSTOP?)" if pid is not None and os_state(pid) == "T" else ""
 
 
