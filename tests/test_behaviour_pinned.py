@@ -367,8 +367,8 @@ def test_behaviour_is_close(case: Case, record):
     tolerance = stored["params_tolerance"] if case.pinned == ALL else None
     if not stored["ledger_portable"] and tolerance is None:
         pytest.skip(f"{case.id}: its ledger depends on the values (seed 1 sends other bytes) and its parameters "
-                    f"move by {stored['params_spread']:.2g} under another rounding alone (over {MAX_TOLERANCE}): "
-                    f"only the bit-exact test pins it, on the recording build")
+                    f"move by {stored['params_spread']:.2g} under another rounding alone ({TOLERANCE_FACTOR:g}x that "
+                    f"is over {MAX_TOLERANCE}): only the bit-exact test pins it, on the recording build")
     got = observed(case)
     if stored["ledger_portable"]:
         want = {k: stored[k] for k in LEDGER_FIELDS}
