@@ -337,7 +337,9 @@ class Worker:
     @property
     def acts_after_update(self) -> bool:
         """Whether the algorithm has an ``after_update`` of its own (which may communicate): its
-        drivers agree on faults once more before it (``guard.agree(k, 1)``)."""
+        drivers agree on faults before it (``guard.agree(k, 1)``); the training loop agrees
+        before the update too only where the algorithm has a ``before_update`` of its own, the
+        wrapper always."""
         return type(self.algorithm).after_update is not Algorithm.after_update
 
     @property
