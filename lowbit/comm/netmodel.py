@@ -167,3 +167,48 @@ class NetworkModel:
             return 0.0
         m = sizes.pop()
         return self.exchange_seconds(m, m, n)
+
+
+def overlap_backward(backward: float, buckets) -> tuple[float, float]:
+    """DDP's overlap of gradient communication with backward, bucket by bucket.
+
+    ``backward``: seconds of backward alone (no hook). ``buckets``: in the order DDP calls its
+    hook, ``(ready, compute, sync, comm)``: ``ready`` the second of backward (alone) at which
+    the bucket's gradients are all computed; ``compute`` the hook's own compute (encode and
+    decode, on the thread or stream that runs backward); ``sync`` the seconds of the rounds the
+    hook waits for before it can encode (e.g. a norm's MAX all-reduce); ``comm`` the seconds of
+    what it then issues asynchronously (one or more collectives, one after another).
+
+    One network and one compute stream, each doing one thing at a time. At bucket ``i``,
+    backward has been delayed by ``D`` (the compute and waiting of the hooks before it), so the
+    hook starts at ``ready_i + D``; its synchronous rounds start when the network is free
+    (after the previous bucket's communication, as a process group runs its collectives in
+    order) and backward waits for them; then the hook computes, and its asynchronous
+    communication starts when issued and the network is free. Returns ``(backward end,
+    communication end)``, seconds from the start of backward; the step's backward part is their
+    maximum (DDP waits for every bucket before the optimizer)."""
+    delay, net, last_ready = 0.0, 0.0, 0.0
+    for i, b in enumerate(buckets):
+        if len(b) != 4:
+            raise ValueError(f"buckets[{i}] must be (ready, compute, sync, comm), got {b!r}")
+        ready, compute, sync, comm = (float(v) for v in b)
+        if not all(math.isfinite(v) and v >= 0 for v in (ready, compute, sync, comm)):
+            raise ValueError(f"buckets[{i}]: times must be finite and >= 0, got {b!r}")
+        if ready < last_ready:
+            raise ValueError(f"buckets[{i}]: ready={ready} is before the previous bucket's {last_ready}; "
+                             "give the buckets in the order they become ready")
+        last_ready = ready
+        t = ready + delay
+        if sync > 0:
+            start = max(t, net)
+            net = start + sync
+            delay += net - t
+            t = net
+        t += compute
+        delay += compute
+        if comm > 0:
+            net = max(t, net) + comm
+    if not (math.isfinite(backward) and backward >= last_ready):
+        raise ValueError(f"backward={backward} must be finite and no earlier than the last bucket's ready time "
+                         f"{last_ready}")
+    return backward + delay, net
