@@ -130,6 +130,66 @@ def _plot(args) -> int:
     return 0
 
 
+def _add_plan(sub) -> None:
+    from .plan import DEFAULT_BANDWIDTHS, DEFAULT_LATENCY, DEFAULT_WORKERS, METHODS
+    from .plan_models import PLAN_MODELS
+
+    p = sub.add_parser("plan", help="will compression pay for my model on my cluster? predicted step times",
+                       description="Measure one worker's step of a model on this device (forward, backward, when "
+                                   "each DDP bucket is ready, each method's encode/decode or hook time on those "
+                                   "buckets) and predict each method's step time and speedup against torch DDP fp32 "
+                                   "for each number of workers, bandwidth and latency (lowbit's network model).")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--task", default=None, help=f"a model: {', '.join(PLAN_MODELS)} (synthetic inputs) or a "
+                      "lowbit train task (e.g. fashion-lenet-tf)")
+    what.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                      help="a function returning (model, batch, loss_fn): an nn.Module, one worker's minibatch (a "
+                           "tensor or a tuple/list/dict of tensors) and loss_fn(model, batch) -> scalar loss; called "
+                           "with batch_size=B when --batch-size is given")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
+    p.add_argument("--workers", default=",".join(map(str, DEFAULT_WORKERS)),
+                   help="comma-separated numbers of workers (default %(default)s)")
+    p.add_argument("--bandwidth", default=",".join(DEFAULT_BANDWIDTHS),
+                   help="comma-separated link bandwidths, e.g. 1Gbit,10Gbit (default %(default)s)")
+    p.add_argument("--latency", default=DEFAULT_LATENCY,
+                   help="comma-separated latencies per message, e.g. 50us,1ms (default %(default)s, an assumption)")
+    p.add_argument("--batch-size", type=int, default=None, help="minibatch per worker (default: the model's)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (gpt2-small only; default 1024)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps (and hook rounds); medians over them")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--methods", default=None, help=f"comma-separated methods (default all: {', '.join(METHODS)})")
+    p.add_argument("--min-speedup", type=float, default=1.1,
+                   help="recommend a method only when predicted this many times faster than DDP fp32")
+    p.add_argument("--json", default=None, help="also write the report to this JSON file")
+    p.add_argument("--plot", default=None, help="PNG path: one plot per bandwidth and latency (default: beside "
+                   "--json, when given)")
+
+
+def _plan(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .plan import METHODS, format_plan_report, plan, plot_plan
+
+    report = plan(task=args.task, model=args.model, device=args.device, workers=args.workers,
+                  bandwidths=args.bandwidth, latencies=args.latency, batch_size=args.batch_size,
+                  repeats=args.repeats, warmup=args.warmup, threads=args.threads,
+                  methods=METHODS if args.methods is None else args.methods, min_speedup=args.min_speedup,
+                  seq_len=args.seq_len)
+    print(format_plan_report(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot:
+        for path in plot_plan(report, plot):
+            print(f"wrote {path}")
+    return 0
+
+
 def _add_repro(sub) -> None:
     from .repro import EXPERIMENTS
 
@@ -245,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     _add_plot(sub)
     _add_repro(sub)
+    _add_plan(sub)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -254,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plot(args)
         if args.command == "repro":
             return _repro(args)
+        if args.command == "plan":
+            return _plan(args)
         return _train(args) if args.command == "train" else _bench(args)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - expected failures: one line and an exit code
         from .train.errors import EXIT_CODES, classify
