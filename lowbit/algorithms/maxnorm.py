@@ -10,12 +10,16 @@ lines 6-7)::
     6: s*,m   = per-coordinate scale index (eq. 11)
     7: s*     = MIN all-reduce of s*,m                           (uint8 per coordinate)
     8: zeta_m = sign(g_m) s* xi(g_m, ||w||, s*)                  (integer codes)
-    9: zeta   = SUM all-reduce of zeta_m                         (in codec.sum_dtype(M))
+    9: zeta   = SUM all-reduce of zeta_m          (packed lanes, or codec.sum_dtype(M))
    10: g^     = ||w|| zeta / (M s*)                              (one reconstruction)
 
-The integer codes travel in the narrowest integer dtype whose sum over ``M``
-workers cannot overflow (``codec.sum_dtype(M)``, int8 for 2-bit codes up to
-127 workers), or in ``sum_dtype`` if given (ValueError when it is too narrow).
+The integer codes travel packed in summable lanes (``codec.sum_lanes(M)``,
+:mod:`lowbit.codecs.lanes`: ``log2(2 M s + 1)`` bits per code in int64 words that
+the SUM adds lane by lane without a carry) wherever those send fewer bytes than
+the narrowest integer dtype whose sum over ``M`` workers cannot overflow
+(``codec.sum_dtype(M)``, int8 for 2-bit codes up to 127 workers), which they
+take otherwise; or in ``sum_dtype`` if given (unpacked; ValueError when it is
+too narrow).
 The stochastic rounding of worker ``m`` draws from ``shared_generator(seed,
 t, m)``.
 
@@ -52,6 +56,7 @@ import torch
 
 from ..codecs import MultiScaleMaxNormCodec, QSGDMaxNormCodec, RandKCodec, global_index_seed
 from ..codecs.base import SUM_DTYPES, SummableCodec
+from ..codecs.lanes import Lanes
 from ..codecs.rng import shared_generator
 from ..comm.base import Transport, then
 from .base import CentralizedAlgorithm, State, transient
@@ -107,27 +112,40 @@ def agree_scale_by(codec: SummableCodec, x: torch.Tensor, reduce: Callable[[torc
 
 
 def maxnorm_exchange(t: Transport, codec: SummableCodec, x: torch.Tensor, generator: torch.Generator | None,
-                     sum_dtype: torch.dtype, dtype: torch.dtype, reduce: Callable | None = None):
+                     sum_dtype: torch.dtype, dtype: torch.dtype, reduce: Callable | None = None,
+                     lanes: Lanes | None = None):
     """Lines 5-10 over the transport ``t``: the shared scale (:func:`agree_scale_by`, by ``reduce``,
     default ``t.all_reduce``; synchronous, as the codes need it), this rank's integer codes
-    drawn from ``generator``, their SUM all-reduce in ``sum_dtype`` (asynchronous) and one
-    reconstruction in ``dtype``. Returns ``(future of the average, own)``, ``own()`` this rank's
-    own decoded contribution (float64). Shared by :class:`MaxNormSGD` and the DDP hook."""
+    drawn from ``generator``, their SUM all-reduce (asynchronous) and one reconstruction in
+    ``dtype``. The sum travels as ``lanes`` (``codec.sum_lanes(...)``: int64 words of packed
+    codes) where they send fewer bytes than ``sum_dtype`` for this many codes
+    (:meth:`~lowbit.codecs.lanes.Lanes.pays`), else in ``sum_dtype``. Returns ``(future of
+    the average, own)``, ``own()`` this rank's own decoded contribution (float64). Shared by
+    :class:`MaxNormSGD` and the DDP hook."""
     scale = agree_scale_by(codec, x, t.all_reduce if reduce is None else reduce)  # lines 5 and 7
-    zeta = codec.encode_int(x, scale, generator, sum_dtype)  # line 8, in line 9's overflow-safe dtype
     d, n = x.numel(), t.world_size
+    count = codec.kept(d) if isinstance(codec, RandKCodec) else d
+    if lanes is not None and not lanes.pays(sum_dtype, count):
+        lanes = None
+    zeta = codec.encode_int(x, scale, generator, sum_dtype if lanes is None else lanes.code_dtype)  # line 8
     own = lambda: codec.decode_sum(zeta, scale, 1, numel=d, dtype=torch.float64)  # noqa: E731
-    fut = t.all_reduce_async(zeta, "sum")  # line 9
-    return then(fut, lambda total: codec.decode_sum(total, scale, n, numel=d, dtype=dtype)), own  # line 10
+    if lanes is None:  # line 9 in the overflow-safe dtype
+        return then(t.all_reduce_async(zeta, "sum"),
+                    lambda total: codec.decode_sum(total, scale, n, numel=d, dtype=dtype)), own  # line 10
+    fut = t.all_reduce_async(lanes.pack(zeta), "sum", inplace=True)  # line 9 in packed lanes
+    return then(fut, lambda words: codec.decode_sum(lanes.unpack(words, count), scale, n, numel=d,
+                                                    dtype=dtype)), own  # line 10
 
 
 @dataclass
 class MaxNormState(State):
-    """Nothing is remembered between steps: the vector's length ``d`` and the integer dtype of
-    the code sum, fixed at setup, are kept as a cache (not checkpointed)."""
+    """Nothing is remembered between steps: the vector's length ``d``, the integer dtype of
+    the code sum and its summable lanes (None where they do not pay), fixed at setup, are
+    kept as a cache (not checkpointed)."""
 
     d: int = transient(default=0)
     sum_dtype: torch.dtype | None = transient(default=None)
+    lanes: Lanes | None = transient(default=None)
 
 
 @dataclass(frozen=True)
@@ -193,7 +211,9 @@ class MaxNormSGD(CentralizedAlgorithm):
 
     def init(self, x, ctx):
         # a ValueError when sum_dtype cannot hold the sum of world_size codes
-        return MaxNormState(x.numel(), self.inner.sum_dtype(ctx.world_size, self.sum_dtype))
+        inner = self.inner
+        return MaxNormState(x.numel(), inner.sum_dtype(ctx.world_size, self.sum_dtype),
+                            inner.sum_lanes(ctx.world_size, self.sum_dtype))
 
     def codec_at(self, ctx, step: int, d: int) -> SummableCodec:
         """The codec of step ``step`` for ``d`` elements (GlobalRandK: that step's shared
@@ -212,7 +232,8 @@ class MaxNormSGD(CentralizedAlgorithm):
 
     def before_update(self, state, ctx, k, x, g, lr):
         fut, _ = maxnorm_exchange(ctx.transport, self.codec_at(ctx, k, state.d), g,
-                                  shared_generator(ctx.seed, k, ctx.rank), state.sum_dtype, g.dtype)
+                                  shared_generator(ctx.seed, k, ctx.rank), state.sum_dtype, g.dtype,
+                                  lanes=state.lanes)
         g.copy_(fut.wait())
         return state
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .lanes import Lanes
 from .rng import clone_generator
 
 
@@ -375,6 +376,22 @@ class SummableCodec(Codec):
             f"bits={self.bits} with world_size={m}: the sum of codes can reach {need}, which does not "
             f"fit int64 (max {torch.iinfo(torch.int64).max}); use fewer bits or fewer workers"
         )
+
+
+    def sum_lanes(self, world_size: int, dtype: torch.dtype | None = None, *,
+                  plain: torch.dtype | None = None) -> Lanes | None:
+        """The summable lanes (:class:`~lowbit.codecs.lanes.Lanes`: the codes of ``world_size``
+        workers packed into int64 words that one SUM all-reduce adds exactly) when they take
+        fewer bits per element than the plain sum, else None. ``dtype``: a sum dtype the
+        caller asked for (checked as :meth:`sum_dtype` does); then the codes travel in it,
+        unpacked, and this is None. ``plain``: the dtype the codes would otherwise be summed
+        in (default ``sum_dtype(world_size)``; a transport without int16 widens it). Whether
+        the lanes pay for a given number of codes: :meth:`Lanes.pays` ``(plain, numel)``."""
+        narrowest = self.sum_dtype(world_size, dtype)
+        if dtype is not None or 2 * world_size * self.max_code + 1 > torch.iinfo(torch.int64).max:
+            return None
+        lanes = Lanes(self.max_code, world_size)
+        return lanes if lanes.pays(narrowest if plain is None else plain) else None
 
 
 def _narrowest_holding(need: int) -> str:

@@ -60,12 +60,14 @@ def _min_by_bitplanes(t, idx: torch.Tensor, planes: int) -> torch.Tensor:
 
 def int_allreduce(state, t, codec: SummableCodec, x, gen):
     """Lines 5-10 of the max-norm algorithms over the transport ``t``
-    (:func:`~lowbit.algorithms.maxnorm.maxnorm_exchange`), the codes in the sum dtype (int16
-    widened to int32: no backend reduces int16)."""
+    (:func:`~lowbit.algorithms.maxnorm.maxnorm_exchange`), the codes packed in summable lanes
+    where those send fewer bytes, else in the sum dtype (int16 widened to int32: no backend
+    reduces int16); an explicit ``state.sum_dtype``: in it, unpacked."""
     dtype = codec.sum_dtype(t.world_size, state.sum_dtype)
     if dtype == torch.int16:
         dtype = torch.int32
-    return maxnorm_exchange(t, codec, x, gen, dtype, x.dtype, _scale_reduce(t, codec))
+    lanes = codec.sum_lanes(t.world_size, state.sum_dtype, plain=dtype)
+    return maxnorm_exchange(t, codec, x, gen, dtype, x.dtype, _scale_reduce(t, codec), lanes=lanes)
 
 
 def randk_allreduce(state, t, codec: RandKCodec, x, bidx, gen):
