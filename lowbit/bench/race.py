@@ -1,0 +1,376 @@
+"""``lowbit bench race``: time to a target accuracy, real processes on real shaped links, torch's own
+``DistributedDataParallel`` as the anchor.
+
+For each network of the race (:data:`NETWORKS`: ``100Mbit``, ``1Gbit``, ``loopback``) one launch of
+``workers`` real processes (:func:`lowbit.comm.launch`, ``backend`` gloo on the CPU, NCCL where
+chosen) runs every method (:data:`METHODS`) one after the other in the same processes
+(:mod:`lowbit.bench.race_worker`). On a shaped network each rank sits in its own network namespace
+behind a ``tc tbf`` link of the network's rate (:class:`~lowbit.comm.shaping.ShapedNetwork`, the
+machinery of ``lowbit train --shape-bandwidth``); ``loopback`` is unshaped. No latency is added in
+user space (``latency_ms`` 0 for every contender: torch's DDP issues its collectives in C++, where
+no per-message delay can be added without a hook that would change the anchor); the links' own
+delay is what the kernel's veth, bridge and tbf queue give.
+
+Same conditions for every method: the same initial model (``torch.manual_seed(seed)``), the same
+minibatches on each rank (a generator seeded by ``seed`` and the rank, over the rank's iid shard),
+SGD with ``momentum`` at a constant learning rate (``lr``; a method's own where :data:`METHODS`
+gives one, reported as ``lr``), ``steps`` steps of ``batch`` samples per rank.
+
+Measured per method and network (JSON keys):
+
+- ``seconds_to_target`` / ``steps_to_target``: the training wall-clock seconds and the steps at the
+  first evaluation (every ``eval_every`` steps) where rank 0's accuracy on ``eval_samples`` fixed
+  test images reaches ``target``; ``null`` when it never does (:func:`time_to_target`). The clock
+  is rank 0's and stops during evaluation (the ranks meet at a barrier, the clock stops, rank 0
+  evaluates, the ranks meet again, the clock restarts); a decentralized method is evaluated on the
+  average of the workers' models (``averaged_module``, outside the ledger and the clock).
+- ``final_accuracy``: the final model's accuracy on the whole test set.
+- ``bytes_per_step``: what one rank sends per step. lowbit's methods: the ledger (the hook state's
+  ``bytes_sent``, the wrapper's ``stats()``); torch's hooks: every ``torch.distributed.all_reduce``
+  their hook issues, counted by a wrapper around that function while the method trains; torch's
+  DDP without a hook: one all-reduce of each of DDP's buckets (their sizes from DDP's logging
+  data). Every all-reduce of ``m`` bytes counts as the ring's ``2(n-1)/n * m``, as lowbit's ledger
+  counts (:func:`lowbit.comm.netmodel.op_messages_and_bytes`).
+- ``step_seconds``: the median wall time of a step (end to end, the first ``warmup`` steps left
+  out), the slowest rank's; and its split: ``compute_seconds``, the median step of the plain
+  module with no communication (forward, backward, optimizer step; timed on every rank at once
+  after the method's run); ``encode_decode_seconds``, the process CPU seconds per race step beyond
+  the compute-only step's (encoding, decoding, casts, error memory, the backend's copies: CPU work
+  the method adds, in any thread); ``comm_wait_seconds``, the rest of the step (waiting for the
+  network, and for the CPU where ranks outnumber cores). The split is an estimate from two
+  clocks, not a trace.
+
+A method that fails (its launch dies) is reported with ``failed`` (the reason) and ``null``
+figures; the methods after it run in a new launch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from .timing import check_positive_int
+
+#: network name -> link rate in bits/s (None: unshaped loopback)
+NETWORKS: dict[str, float | None] = {"100Mbit": 100e6, "1Gbit": 1e9, "loopback": None}
+
+
+@dataclass(frozen=True)
+class RaceMethod:
+    """A contender: ``kind`` ``torch`` (torch DDP, ``hook`` one of torch's hooks or None),
+    ``hook`` (torch DDP with lowbit's hook ``hook`` of :func:`~lowbit.integrations.ddp_hooks.make_hook`)
+    or ``decentralized`` (:class:`~lowbit.integrations.DecentralizedDataParallel` running
+    ``algorithm``, ring); ``options`` go to the hook or the algorithm; ``lr``: the method's own
+    learning rate (None: the race's)."""
+
+    kind: str
+    description: str
+    hook: str | None = None
+    algorithm: str | None = None
+    options: dict = field(default_factory=dict)
+    lr: float | None = None
+
+
+#: the race's contenders, by the names ``lowbit plan`` uses too
+METHODS: dict[str, RaceMethod] = {
+    "torch-ddp-fp32": RaceMethod("torch", "torch DDP, fp32, default buckets and overlap, no hook (the anchor)"),
+    "torch-fp16": RaceMethod("torch", "torch DDP + fp16_compress_hook", hook="fp16"),
+    "torch-powersgd": RaceMethod("torch", "torch DDP + powerSGD_hook (error feedback, warm start)", hook="powersgd"),
+    "lowbit-qsgd-maxnorm-2": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 2 bits", hook="qsgd_maxnorm",
+                                        options={"bits": 2}),
+    "lowbit-qsgd-maxnorm-4": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 4 bits", hook="qsgd_maxnorm",
+                                        options={"bits": 4}),
+    "lowbit-multiscale": RaceMethod("hook", "DDP + lowbit multi-scale max-norm hook (scales 2, 6)",
+                                    hook="qsgd_maxnorm_multiscale"),
+    "lowbit-fp16": RaceMethod("hook", "DDP + lowbit fp16 hook", hook="fp16"),
+    "lowbit-powersgd": RaceMethod("hook", "DDP + lowbit PowerSGD hook (error feedback)", hook="powersgd"),
+    "moniqua-2": RaceMethod("decentralized", "Moniqua, 2 bits, ring (DecentralizedDataParallel)",
+                            algorithm="moniqua", options={"bits": 2}),
+    "lowprec": RaceMethod("decentralized", "Bagua's low-precision decentralized SGD, ring (DecentralizedDataParallel)",
+                          algorithm="lowprec-decentralized"),
+    "choco": RaceMethod("decentralized", "CHOCO-SGD, ring (DecentralizedDataParallel)", algorithm="choco"),
+}
+
+#: untimed steps each method first runs on a throwaway model (kernel compilation, first calls)
+JIT_STEPS = 3
+
+#: the settings of the full race and of ``--quick``
+FULL = dict(task="fashion-lenet-tf", workers=4, steps=600, eval_every=50, target=0.85, batch=32, lr=0.05,
+            eval_samples=2000)
+QUICK = dict(task="digits-mlp", workers=2, steps=60, eval_every=10, target=0.9, batch=32, lr=0.1, eval_samples=1000,
+             task_options={"hidden": 1024})
+
+
+def time_to_target(curve, target: float) -> tuple[float | None, int | None]:
+    """``(seconds, steps)`` at the first point ``(step, seconds, accuracy)`` of ``curve`` (in
+    step order) whose accuracy is at least ``target``; ``(None, None)`` when none is. Points whose
+    accuracy is None (not evaluated) are skipped."""
+    if not (isinstance(target, (int, float)) and not isinstance(target, bool) and 0 < target <= 1):
+        raise ValueError(f"target must be an accuracy in (0, 1], got {target!r}")
+    prev = -1
+    for step, seconds, acc in curve:
+        if step < prev:
+            raise ValueError(f"curve must be in step order, got step {step} after {prev}")
+        prev = step
+        if acc is not None and acc >= target:
+            return float(seconds), int(step)
+    return None, None
+
+
+def _names(value, known, what: str) -> list[str]:
+    if value is None or value == "all":
+        return list(known)
+    items = value.split(",") if isinstance(value, str) else list(value)
+    names = [str(v).strip() for v in items if str(v).strip()]
+    bad = [v for v in names if v not in known]
+    if bad or not names:
+        raise ValueError(f"{what} must be 'all' or comma-separated names from {', '.join(known)}; got {value!r}")
+    return list(dict.fromkeys(names))
+
+
+def _check_lr(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+def bench_race(task: str | None = None, workers: int | None = None, networks=None, methods=None,
+               steps: int | None = None, eval_every: int | None = None, target: float | None = None,
+               batch: int | None = None, lr: float | None = None, momentum: float = 0.9, quick: bool = False,
+               backend: str = "gloo", seed: int = 0, warmup: int = 5, compute_steps: int = 5,
+               eval_samples: int | None = None, plot_dir: str | None = None, progress=print) -> dict:
+    """Run the race (module doc) and return its report: ``{"networks": {NETWORK: {METHOD: {...}}},
+    "settings": {...}, "methods": {...}, "shaping": ...}``. Unset arguments take the full race's
+    settings (:data:`FULL`), or ``--quick``'s (:data:`QUICK`) with ``quick``. ``plot_dir``: write
+    ``race-NETWORK.png`` (accuracy against training seconds) there. ``progress``: a callable taking
+    one line of text (None: silent)."""
+    base = dict(QUICK if quick else FULL)
+    task_options = dict(base.pop("task_options", {}))
+    given = dict(task=task, workers=workers, steps=steps, eval_every=eval_every, target=target, batch=batch, lr=lr,
+                 eval_samples=eval_samples)
+    if task is not None and task != base["task"]:
+        task_options = {}
+    s = {k: (v if v is not None else base[k]) for k, v in given.items()}
+    from ..train.tasks import TASKS
+
+    if s["task"] not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {s['task']!r}")
+    if not getattr(TASKS[s["task"]], "classification", False):
+        raise ValueError(f"task must be a classification task (the race times an accuracy), got {s['task']!r}")
+    check_positive_int(s["workers"], "workers", 2)
+    check_positive_int(s["steps"], "steps", 2)
+    check_positive_int(s["eval_every"], "eval_every")
+    check_positive_int(s["batch"], "batch")
+    check_positive_int(s["eval_samples"], "eval_samples")
+    check_positive_int(compute_steps, "compute_steps", 2)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < s["steps"]:
+        raise ValueError(f"warmup must be an integer in [0, steps) = [0, {s['steps']}), got {warmup!r}")
+    time_to_target([], s["target"])  # checks target
+    _check_lr(s["lr"], "lr")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+        raise ValueError(f"momentum must be a number in [0, 1), got {momentum!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    nets = _names(networks, list(NETWORKS), "networks")
+    chosen = _names(methods, list(METHODS), "methods")
+    say = progress or (lambda line: None)
+
+    from ..comm.shaping import shaping_unavailable_reason
+
+    why = shaping_unavailable_reason() if any(NETWORKS[n] is not None for n in nets) else None
+    if why is not None:
+        say(f"race: real shaping is unavailable ({why}): the shaped networks are SKIPPED, only loopback runs")
+    specs = {}
+    for name in chosen:
+        m = METHODS[name]
+        specs[name] = {"kind": m.kind, "hook": m.hook, "algorithm": m.algorithm, "options": dict(m.options),
+                       "lr": float(m.lr if m.lr is not None else s["lr"])}
+    cfg = dict(task=s["task"], task_options=task_options, steps=s["steps"], eval_every=s["eval_every"],
+               batch=s["batch"], momentum=float(momentum), seed=seed, warmup=warmup, compute_steps=compute_steps,
+               eval_samples=s["eval_samples"], powersgd_rank=2, powersgd_start=2, jit_steps=JIT_STEPS)
+    report = {"benchmark": "race", "settings": {**s, "task_options": task_options, "momentum": momentum,
+                                                "backend": backend, "seed": seed, "warmup": warmup,
+                                                "compute_steps": compute_steps, "latency_ms": 0.0, "untimed_warmup_steps": JIT_STEPS,
+                                                "powersgd_rank": 2, "torch_powersgd_start_iter": 2,
+                                                "schedule": "constant learning rate", "optimizer": "SGD + momentum",
+                                                "quick": quick, "cpu_count": os.cpu_count(),
+                                                "loadavg_start": _loadavg()},
+              "methods": {n: {"description": METHODS[n].description, "lr": specs[n]["lr"]} for n in chosen},
+              "shaping": why or "tc tbf per rank (network namespaces)", "networks": {}, "skipped_networks": {}}
+    for net in nets:
+        rate = NETWORKS[net]
+        if rate is not None and why is not None:
+            report["skipped_networks"][net] = f"real shaping unavailable: {why}"
+            continue
+        t0 = time.perf_counter()
+        say(f"race: {net}: {len(chosen)} methods on {s['workers']} {backend} processes ...")
+        records = _race_network(rate, s["workers"], backend, cfg, specs, say)
+        report["networks"][net] = {name: _summarise(records[name], s["target"]) for name in chosen}
+        report["networks"][net]["_wall_seconds"] = time.perf_counter() - t0
+        if plot_dir is not None:
+            report.setdefault("plots", {})[net] = str(plot_race(report, net, plot_dir))
+    report["settings"]["loadavg_end"] = _loadavg()
+    return report
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _race_network(rate, workers: int, backend: str, cfg: dict, specs: dict, say) -> dict:
+    """Every method's per-rank records on one network: launches until every method has a
+    record or a failure (a failed method is recorded with the launch's reason; the rest
+    run in a new launch)."""
+    from ..comm import launch
+    from ..comm.liveness import WorkerDied, WorkerFailed, WorkerStalled
+
+    records: dict[str, dict] = {}
+    remaining = list(specs)
+    while remaining:
+        tmp = tempfile.mkdtemp(prefix="lowbit-race-")
+        try:
+            run_cfg = {**cfg, "methods": {n: specs[n] for n in remaining}, "record_dir": tmp}
+            failure = None
+            try:
+                if rate is None:
+                    launch(workers, _worker_entry, run_cfg, backend=backend)
+                else:
+                    from ..comm.shaping import ShapedNetwork
+
+                    with ShapedNetwork(workers, rate) as net:
+                        launch(workers, _worker_entry, run_cfg, backend=backend, network=net)
+            except (WorkerFailed, WorkerDied, WorkerStalled) as e:
+                failure = e
+            for name in list(remaining):
+                per_rank = _read_records(tmp, name, workers)
+                if per_rank is not None:
+                    records[name] = {"ranks": per_rank}
+                    remaining.remove(name)
+                    say(f"  {name}: done")
+            if failure is not None:
+                if not remaining:
+                    raise failure
+                started = [n for n in remaining if any(
+                    os.path.exists(os.path.join(tmp, f"{n}.rank{r}.started")) for r in range(workers))]
+                if not started:  # the launch failed before any method: nothing to blame on a method
+                    raise failure
+                bad = started[0]
+                reason = _first_line(failure)
+                records[bad] = {"failed": reason}
+                remaining.remove(bad)
+                say(f"  {bad}: FAILED: {reason}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return records
+
+
+def _first_line(e: BaseException) -> str:
+    cause = getattr(e, "cause", None) or e.__cause__
+    summary = getattr(e, "summary", "") or ""
+    text = summary or str(cause or e)
+    return text.strip().splitlines()[-1][:500] if text.strip() else type(e).__name__
+
+
+def _worker_entry(transport, cfg):
+    from .race_worker import race_worker
+
+    return race_worker(transport, cfg)
+
+
+def _read_records(folder: str, name: str, workers: int) -> list[dict] | None:
+    """The per-rank JSON records of ``name`` (written by this race's own workers), or None."""
+    out = []
+    for r in range(workers):
+        path = os.path.join(folder, f"{name}.rank{r}.json")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _summarise(rec: dict, target: float) -> dict:
+    """One method's row on one network from its per-rank records."""
+    if "failed" in rec:
+        return {"seconds_to_target": None, "steps_to_target": None, "final_accuracy": None, "bytes_per_step": None,
+                "step_seconds": None, "failed": rec["failed"]}
+    ranks = rec["ranks"]
+    r0 = ranks[0]
+    secs, steps = time_to_target(r0["curve"], target)
+    step_s = max(r["step_seconds"] for r in ranks)
+    compute = max(r["compute_seconds"] for r in ranks)
+    codec = max(max(r["cpu_seconds_per_step"] - r["compute_cpu_seconds"], 0.0) for r in ranks)
+    codec = min(codec, max(step_s - compute, 0.0))
+    out = {"seconds_to_target": secs, "steps_to_target": steps, "final_accuracy": r0["final_accuracy"],
+           "bytes_per_step": statistics.mean(r["bytes_per_step"] for r in ranks), "step_seconds": step_s,
+           "compute_seconds": compute, "encode_decode_seconds": codec,
+           "comm_wait_seconds": max(step_s - compute - codec, 0.0),
+           "train_seconds": r0["train_seconds"], "lr": r0["lr"],
+           "curve": [{"step": k, "seconds": t, "accuracy": a} for k, t, a in r0["curve"]]}
+    for extra in ("fp32_bytes_per_step", "bucket_bytes"):
+        if extra in r0:
+            out[extra] = r0[extra]
+    return out
+
+
+def plot_race(report: dict, network: str, folder: str):
+    """``folder/race-NETWORK.png``: each method's accuracy against training wall-clock seconds on
+    ``network``, the target as a dashed line. Returns the path."""
+    from ..plot import plot_series
+
+    rows = report["networks"][network]
+    series = [(m, [p["seconds"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]])
+              for m, r in rows.items() if isinstance(r, dict) and r.get("curve")]
+    st = report["settings"]
+    return plot_series(series, "training wall-clock seconds (evaluation excluded)", "test accuracy",
+                       os.path.join(folder, f"race-{network}.png"),
+                       hlines=[(f"target {st['target']:g}", float(st["target"]))],
+                       title=f"{st['task']}, {st['workers']} workers, {network}")
+
+
+def _fmt(v, spec: str, none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+def format_race_report(report: dict) -> str:
+    """The report of :func:`bench_race` as the table ``lowbit bench race`` prints."""
+    st = report["settings"]
+    lines = [f"race: {st['task']}, {st['workers']} {st['backend']} processes, {st['steps']} steps of batch "
+             f"{st['batch']} per rank, SGD momentum {st['momentum']}, constant lr; target accuracy {st['target']} "
+             f"(evaluated every {st['eval_every']} steps on {st['eval_samples']} test images; final accuracy on the "
+             f"whole test set); latency added: {st['latency_ms']} ms; shaping: {report['shaping']}; "
+             f"load average at start {st['loadavg_start']}, at end {st.get('loadavg_end')} on {st['cpu_count']} CPUs"]
+    for net, rows in report["networks"].items():
+        anchor = rows.get("torch-ddp-fp32", {}).get("seconds_to_target")
+        lines.append(f"\n{net}" + ("" if anchor is None else f"  (torch-ddp-fp32 reaches the target in {anchor:.1f} s)"))
+        lines.append(f"{'method':<24} {'lr':>6} {'s to target':>11} {'x ddp':>6} {'steps':>6} {'final acc':>9} "
+                     f"{'MB/step':>9} {'step ms':>8} {'compute':>8} {'enc/dec':>8} {'comm wait':>9}")
+        for m, r in rows.items():
+            if m.startswith("_"):
+                continue
+            if r.get("failed"):
+                lines.append(f"{m:<24} FAILED: {r['failed']}")
+                continue
+            x = None if anchor is None or r["seconds_to_target"] is None else anchor / r["seconds_to_target"]
+            ms = lambda v: _fmt(None if v is None else 1e3 * v, ".1f")  # noqa: E731
+            lines.append(f"{m:<24} {r['lr']:>6g} {_fmt(r['seconds_to_target'], '.1f', 'never'):>11} "
+                         f"{_fmt(x, '.2f'):>6} {_fmt(r['steps_to_target'], 'd'):>6} {_fmt(r['final_accuracy'], '.4f'):>9} "
+                         f"{r['bytes_per_step'] / 1e6:>9.3f} {ms(r['step_seconds']):>8} {ms(r['compute_seconds']):>8} "
+                         f"{ms(r['encode_decode_seconds']):>8} {ms(r['comm_wait_seconds']):>9}")
+    for net, why in report.get("skipped_networks", {}).items():
+        lines.append(f"{net}: SKIPPED ({why})")
+    lines.append("x ddp: torch-ddp-fp32's seconds to target / the method's (above 1: sooner). step ms: median step, "
+                 "slowest rank; compute: the same step with no communication; enc/dec: CPU seconds per step beyond "
+                 "compute's; comm wait: the rest.")
+    return "\n".join(lines)
