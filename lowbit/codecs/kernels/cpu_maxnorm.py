@@ -157,6 +157,53 @@ def _qsgd_decode(codes, offset, f, m, out):
         out[i] = (float(np.int64(codes[i]) - offset) * f) / m
 
 
+# --- QSGDMaxNorm in buckets (one shared norm per bucket of ``bucket`` consecutive elements) -------
+
+@_jit
+def _bucket_norms(x, bucket, linf, out):
+    """``out[j]`` = bucket ``j``'s norm: ``max |x_i|`` (``linf``) or ``max(sqrt(sum x_i^2), max |x_i|)``,
+    each bucket's sum in :func:`_norm_stats`'s fixed lane order counted from the bucket's start;
+    returns the non-finite flag."""
+    n = x.shape[0]
+    bad = False
+    for j in range(out.shape[0]):
+        start = j * bucket
+        stop = min(n, start + bucket)
+        amax, sq, nonfinite = _norm_stats(x[start:stop])
+        bad |= nonfinite
+        r = np.sqrt(sq)
+        out[j] = amax if (linf or amax > r) else r
+    return bad
+
+
+@_jit
+def _qsgd_encode_buckets(x, W, Wdiv, bucket, s, offset, k0, k1, codes):
+    """:func:`_qsgd_encode` with bucket ``j``'s own norm ``W[j]`` (``Wdiv[j]``: ``W[j]``, 1 where it
+    is 0); the uniforms are indexed by the element's position in ``x``, as there."""
+    S = float(s)
+    n = x.shape[0]
+    flags = 0
+    for j in range(W.shape[0]):
+        Wj = W[j]
+        Dj = Wdiv[j]
+        for i in range(j * bucket, min(n, (j + 1) * bucket)):
+            v, a, f = _checked(x[i], Wj)
+            flags |= f
+            mag = np.int64(round_stochastic((a / Dj) * S, k0, k1, i))
+            codes[i] = (-mag if v < 0.0 else mag) + offset
+    return flags
+
+
+@_jit
+def _qsgd_decode_buckets(codes, offset, f, bucket, m, out):
+    """``out[i] = (codes[i] - offset) * f[j] / m`` for ``i`` in bucket ``j`` (``f[j] = W[j] / s``)."""
+    n = codes.shape[0]
+    for j in range(f.shape[0]):
+        fj = f[j]
+        for i in range(j * bucket, min(n, (j + 1) * bucket)):
+            out[i] = (float(np.int64(codes[i]) - offset) * fj) / m
+
+
 # --- multi-scale ------------------------------------------------------------------------------
 
 @_inline
@@ -378,6 +425,34 @@ def qsgd_decode(codes: torch.Tensor, offset: int, W, levels: int, m: int, dtype:
     direct = dtype in (torch.float32, torch.float64)
     out = empty_output(codes.numel(), dtype if direct else torch.float64)
     _qsgd_decode(np_view(codes), offset, float(W) / levels, float(m), out.numpy())
+    return out if direct else out.to(dtype)
+
+
+def bucket_norms(x: torch.Tensor, bucket: int, linf: bool) -> tuple[torch.Tensor, bool]:
+    """``(float64 norm of each bucket of bucket elements, all finite)``; one zero for an empty x."""
+    out = torch.empty(max(1, -(-x.numel() // bucket)), dtype=torch.float64)
+    bad = _bucket_norms(as_numba(x), bucket, linf, out.numpy())
+    return out, not bad
+
+
+def qsgd_encode_buckets(x: torch.Tensor, W: torch.Tensor, bucket: int, levels: int, offset: int, key: int,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """``(codes, flags)``: :func:`qsgd_encode` with bucket ``j``'s norm ``W[j]`` (float64)."""
+    W = W.to(torch.float64).contiguous()
+    Wdiv = torch.where(W > 0, W, torch.ones_like(W))
+    codes = torch.empty(x.numel(), dtype=dtype)
+    k0, k1 = keys(key)
+    flags = _qsgd_encode_buckets(as_numba(x), W.numpy(), Wdiv.numpy(), bucket, levels, offset, k0, k1, codes.numpy())
+    return codes, flags
+
+
+def qsgd_decode_buckets(codes: torch.Tensor, offset: int, W: torch.Tensor, bucket: int, levels: int, m: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """:func:`qsgd_decode` with bucket ``j``'s norm ``W[j]`` (float64)."""
+    direct = dtype in (torch.float32, torch.float64)
+    out = empty_output(codes.numel(), dtype if direct else torch.float64)
+    f = (W.to(torch.float64) / levels).contiguous()
+    _qsgd_decode_buckets(np_view(codes), offset, f.numpy(), bucket, float(m), out.numpy())
     return out if direct else out.to(dtype)
 
 
