@@ -5,8 +5,12 @@ Reduce Communication in Distributed Deep Learning", NeurIPS 2017), eq. (2):
     b_i ~ Bernoulli(|g_i| / s_t),
 
 so ``E[tern(g)] = g``. The paper's layer-wise scaling corresponds to one
-codec call per layer; its gradient clipping (Section 3.3) changes the
-gradient, not the wire format, and belongs to the training algorithm.
+codec call per layer (the DDP hook does this: one message per parameter of a bucket).
+Its gradient clipping (Section 3.3, ``c = 2.5``) is ``TernGradCodec(clip=c)``: every
+``|g_i|`` above ``c sigma`` (``sigma`` the standard deviation of ``g``'s elements) becomes
+``c sigma``, i.e. the scale is ``s_t = min(max |g|, c sigma)`` and a larger ``|g_i|`` is
+sent as ``sign(g_i) s_t``. The wire format is the same; the code is then biased (by the
+clipping only), and ``s_t`` no longer follows one outlier.
 
 Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`: one
 statistics pass for ``max |g|`` and the finiteness check, then one pass that draws
@@ -19,6 +23,7 @@ is float32 (relative error <= 2^-22), so ``E[tern(g)]_i`` is ``g_i`` up to
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,16 +58,47 @@ class TernGradCodec(Codec):
     finite ``x`` with ``max |x|`` within float32; the decode is ``0`` or ``+-scale``). A
     payload whose scale is not finite, negative or beyond float32, or whose data length
     is not ``ceil(numel / 5)`` bytes, is a PayloadError.
+
+    ``clip``: None (no clipping, the default: unbiased), or the paper's ``c`` (a finite number
+    > 0; the paper uses 2.5, the DDP hooks' default
+    :data:`~lowbit.integrations.ddp_hooks.HOOK_CLIP`): ``scale = min(max |x|, c sigma)``
+    rounded up to float32, ``sigma`` the population standard deviation of ``x``'s elements
+    (computed in float32 from ``x``, the same value on both paths), and elements beyond it
+    coded as ``+-scale``. Where ``c sigma`` is 0 (a constant ``x``, one element) nothing is
+    clipped.
     """
+
+    clip: float | None = None
 
     name = "terngrad"
     kind = CodecKind.PLAIN
-    unbiased = True
     header_format = "if"
+
+    def __post_init__(self) -> None:
+        c = self.clip
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c <= 0:
+                raise ValueError(f"clip (TernGrad's clipping factor c: |g_i| beyond c * std(g) is clipped) must be a "
+                                 f"finite number > 0 or None, got {c!r}")
+            object.__setattr__(self, "clip", float(c))
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """True without clipping (eq. 2 is unbiased); clipping biases the large elements."""
+        return self.clip is None
 
     @property
     def bits(self) -> float:
         return level_bits(3)
+
+    def _limit(self, x: torch.Tensor, max_abs: float) -> float:
+        """``max |x|``, or ``min(max |x|, c sigma)`` with clipping (``c sigma > 0``)."""
+        if self.clip is None or x.numel() < 2:
+            return max_abs
+        xf = x.detach().reshape(-1)
+        xf = xf if xf.dtype in (torch.float32, torch.float64) else xf.float()
+        bound = self.clip * float(torch.std(xf, correction=0))
+        return min(max_abs, bound) if bound > 0 else max_abs
 
     @staticmethod
     def _scale(max_abs: float) -> float:
@@ -79,7 +115,7 @@ class TernGradCodec(Codec):
             max_abs, finite = K.terngrad_max_abs(x)
             if not finite:
                 raise ValueError("x must be finite for the TernGrad codec")
-            scale = self._scale(max_abs)
+            scale = self._scale(self._limit(x, max_abs))
         data = K.terngrad_encode(x, scale, draw_key(generator))
         return Payload(header=pack_header(self.header_format, n, scale, device=x.device), data=data)
 
@@ -108,7 +144,7 @@ class TernGradCodec(Codec):
     def encode_reference(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """The float64 whole-tensor reference of :meth:`encode` (the same bytes)."""
         n, x64 = finite_float64(x, "TernGrad")
-        scale = self._scale(float(x64.abs().max())) if n else 0.0
+        scale = self._scale(self._limit(x, float(x64.abs().max()))) if n else 0.0
         ratio = (x64.abs() / scale).clamp_(max=1.0) if scale > 0 else torch.zeros_like(x64)
         b = round_to_int(ratio, "stochastic", generator).clamp_(0, 1)
         codes = (torch.where(x64 < 0, -b, b) + 1).to(torch.int64)

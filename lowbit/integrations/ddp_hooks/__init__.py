@@ -156,15 +156,18 @@ Layout: one module per wire family, as torch's ``ddp_comm_hooks``: ``floats``
 """
 
 from .hook import lowbit_hook
-from .names import HOOKS, algorithm_codec, centralized_names, hook_algorithm, hook_table, make_hook
+from .names import HOOKS, algorithm_codec, centralized_names, hook_algorithm, hook_codec, hook_table, make_hook
 from .powersgd import POWERSGD_STREAM
-from .state import HOOK_STREAM, NONFINITE, WIRE_METHODS, LowbitHookState, wire_method
+from .state import HOOK_BUCKET, HOOK_CLIP, HOOK_STREAM, NONFINITE, WIRE_METHODS, LowbitHookState, wire_method
 
 __all__ = [
     "HOOKS",
     "algorithm_codec",
     "centralized_names",
     "hook_algorithm",
+    "hook_codec",
+    "HOOK_BUCKET",
+    "HOOK_CLIP",
     "HOOK_STREAM",
     "POWERSGD_STREAM",
     "WIRE_METHODS",

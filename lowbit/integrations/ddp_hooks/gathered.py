@@ -2,7 +2,14 @@
 payloads, every rank decodes all of them (method ``allgather``): the exchange of
 :class:`~lowbit.algorithms.compressed.GatheredAlgorithm`,
 :func:`~lowbit.algorithms.compressed.gathered_exchange` with
-:func:`~lowbit.algorithms.compressed.decode_average`."""
+:func:`~lowbit.algorithms.compressed.decode_average`.
+
+Per layer (``LowbitHookState(per_layer=True)``, TernGrad's default: the paper scales each
+layer by its own ``max |g|``): each parameter's gradient in the bucket is one message of the
+codec, the messages of a bucket are concatenated into the one wire buffer that is gathered,
+and a receiver splits a sender's buffer at this rank's own message lengths (the same on every
+rank: the bucket layout is, and these codecs' message lengths depend on the count only),
+decoding each message with its parameter's count checked."""
 
 from __future__ import annotations
 
@@ -13,22 +20,42 @@ from ...codecs.rng import shared_generator
 from .state import HOOK_STREAM
 
 
-def allgather(state, t, codec, x, bidx):
+def allgather(state, t, codec, x, bidx, sizes: list[int] | None = None):
     """All-gather of the packed payloads (header included) over the transport ``t``; every rank
     decodes all of them (a dithered codec with each sender's regenerated generator) and
     averages in rank order: (future of the float64 average, this rank's own decoded payload,
-    float32)."""
+    float32). ``sizes``: the element counts of consecutive segments of ``x`` (its layers), one
+    message each (a codec without decode-side dither), or None for one message."""
     rank, step, seed = t.rank, state.step, state.seed
-    payload = codec.encode(x, generator=state._generator(rank, bidx))
+    gen = state._generator(rank, bidx)
     needs_gen = codec.dither_on_decode
     decoded: dict[int, torch.Tensor] = {}
+    if sizes is None:
+        wire = codec.encode(x, generator=gen).to_wire()
 
-    def decode(sender: int, wire: torch.Tensor) -> torch.Tensor:
-        gen = shared_generator(seed, step, sender, HOOK_STREAM + bidx) if needs_gen else None
-        d = codec.decode(codec.payload_from_wire(wire), generator=gen)
+        def decode_one(sender: int, w: torch.Tensor) -> torch.Tensor:
+            g = shared_generator(seed, step, sender, HOOK_STREAM + bidx) if needs_gen else None
+            return codec.decode(codec.payload_from_wire(w), generator=g)
+    else:
+        wires, offset = [], 0
+        for size in sizes:  # every draw from the one generator, in layer order
+            wires.append(codec.encode(x[offset:offset + size], generator=gen).to_wire())
+            offset += size
+        lengths = [w.numel() for w in wires]
+        wire = torch.cat(wires)
+
+        def decode_one(sender: int, w: torch.Tensor) -> torch.Tensor:
+            parts, at = [], 0
+            for size, length in zip(sizes, lengths):
+                parts.append(codec.decode(codec.payload_from_wire(w[at:at + length]), numel=size))
+                at += length
+            return torch.cat(parts)
+
+    def decode(sender: int, w: torch.Tensor) -> torch.Tensor:
+        d = decode_one(sender, w)
         if sender == rank:
             decoded["own"] = d
         return d
 
-    fut = gathered_exchange(t, payload.to_wire(), lambda wires: decode_average(wires, decode))
+    fut = gathered_exchange(t, wire, lambda wires: decode_average(wires, decode))
     return fut, lambda: decoded["own"]

@@ -13,7 +13,7 @@ from .floats import float_allreduce, write_average
 from .gathered import allgather
 from .maxnorm import int_allreduce, randk_allreduce
 from .powersgd import powersgd_step
-from .state import LowbitHookState, _offsets, _signature
+from .state import LowbitHookState, _layer_sizes, _offsets, _signature
 
 
 def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
@@ -49,7 +49,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
         elif state.method == "allreduce-randk":
             fut, own = randk_allreduce(state, t, codec, x, bidx, state._generator(rank, bidx))
         elif state.method == "allgather":
-            fut, own = allgather(state, t, codec, x, bidx)
+            fut, own = allgather(state, t, codec, x, bidx, _layer_sizes(bucket, x.numel()) if state.per_layer else None)
         elif state.method == "algorithm":
             fut, own = algorithm_step(state, t, codec, x, bidx, sig, buf.dtype)
         else:

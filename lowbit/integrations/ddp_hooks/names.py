@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ...algorithms import ALGORITHMS, from_options
@@ -17,10 +18,12 @@ from ...codecs.dithered import DitheredCodec
 from ...codecs.identity import IdentityCodec
 from ...codecs.lowp import HalfCodec
 from ...codecs.maxnorm import MultiScaleMaxNormCodec, QSGDMaxNormCodec
+from ...codecs.qsgd import QSGDCodec
 from ...codecs.randk import RandKCodec
 from ...codecs.sign import SignCodec
+from ...codecs.terngrad import TernGradCodec
 from .hook import lowbit_hook
-from .state import LowbitHookState, wire_method
+from .state import HOOK_BUCKET, HOOK_CLIP, LowbitHookState, wire_method
 
 HOOKS: dict[str, tuple[Any, str]] = {  # codec hooks: name -> (codec factory, description)
     "fp32": (lambda: IdentityCodec(), "plain fp32 all-reduce average (exact reference)"),
@@ -46,7 +49,35 @@ HOOKS: dict[str, tuple[Any, str]] = {  # codec hooks: name -> (codec factory, de
                  "DQSG: all-gather, decode with each sender's regenerated dither"),
 }
 
-_STATE_OPTIONS = ("process_group", "seed", "error_feedback", "model", "nonfinite")
+_STATE_OPTIONS = ("process_group", "seed", "error_feedback", "model", "nonfinite", "per_layer")
+_UNSET = object()
+
+
+def hook_codec(codec, bucket=_UNSET, clip=_UNSET):
+    """The codec as :func:`make_hook` sends it, with the papers' quantization: ``bucket``
+    (default :data:`HOOK_BUCKET` = 512, None for one norm per DDP bucket) for the QSGD codec and
+    the single-scale max-norm codec (also inside a global random-k), one norm per bucket of that
+    many coordinates; ``clip`` (default :data:`HOOK_CLIP` = 2.5, None for none) for TernGrad,
+    its clipping factor. ValueError for an option the codec does not take, or out of range
+    (``bucket`` an integer in 1..2^31 - 1, ``clip`` a finite number > 0)."""
+    if isinstance(codec, RandKCodec):
+        inner = hook_codec(codec.inner, bucket, _UNSET) if isinstance(codec.inner, QSGDMaxNormCodec) else None
+        if inner is None and bucket is not _UNSET:
+            raise ValueError(f"bucket: the codec {type(codec.inner).__name__} inside RandK has no buckets (bucket is "
+                             f"for qsgd and the single-scale max-norm codecs)")
+        if clip is not _UNSET:
+            raise ValueError("clip is for TernGrad (its clipping factor), not a RandK codec")
+        return codec if inner is None else dataclasses.replace(codec, inner=inner)
+    if bucket is not _UNSET and not isinstance(codec, (QSGDCodec, QSGDMaxNormCodec)):
+        raise ValueError(f"bucket (coordinates per shared norm) is for qsgd and the single-scale max-norm codecs, "
+                         f"not {type(codec).__name__}")
+    if clip is not _UNSET and not isinstance(codec, TernGradCodec):
+        raise ValueError(f"clip (TernGrad's clipping factor) is for TernGrad, not {type(codec).__name__}")
+    if isinstance(codec, (QSGDCodec, QSGDMaxNormCodec)):
+        return dataclasses.replace(codec, bucket=HOOK_BUCKET if bucket is _UNSET else bucket)
+    if isinstance(codec, TernGradCodec):
+        return dataclasses.replace(codec, clip=HOOK_CLIP if clip is _UNSET else clip)
+    return codec
 
 
 def centralized_names() -> list[str]:
@@ -90,12 +121,23 @@ def make_hook(name: str, **options) -> tuple[LowbitHookState, Any]:
     (:func:`centralized_names`, e.g. ``make_hook("qsgd", bits=4, seed=1)``, its options named
     as the CLI names them: ``bits``, ``k``, ``scales``, ``powersgd_rank``, ``levels``,
     ``sum_dtype``...), or a codec hook of :data:`HOOKS` (e.g. ``make_hook("qsgd_maxnorm",
-    bits=4)``, the options of its codec). ``process_group``, ``seed``, ``error_feedback`` and
-    ``model`` go to :class:`LowbitHookState`."""
+    bits=4)``, the options of its codec). ``process_group``, ``seed``, ``error_feedback``,
+    ``model``, ``nonfinite`` and ``per_layer`` go to :class:`LowbitHookState`.
+
+    The quantizers get the papers' practice (:func:`hook_codec`): QSGD and single-scale
+    QSGDMaxNorm (``qsgd``, ``maxnorm``, ``grandk-maxnorm``, ``qsgd_maxnorm``, ``grandk_maxnorm``)
+    one norm per ``bucket`` = 512 coordinates, TernGrad one scale per layer (``per_layer``) with
+    its gradient clipped at ``clip`` = 2.5 standard deviations; ``bucket=None`` / ``clip=None``
+    / ``per_layer=False`` send the algorithm's codec as ``lowbit train`` does."""
+    quant = {k: options.pop(k) for k in ("bucket", "clip") if k in options}
     state_kw = {k: options.pop(k) for k in _STATE_OPTIONS if k in options}
     if name in ALGORITHMS and ALGORITHMS[name].family == "centralized":
         codec, kw = algorithm_codec(hook_algorithm(name, **options))
-        return LowbitHookState(codec, **state_kw, **kw), lowbit_hook
+        if not isinstance(codec, Codec):
+            if quant:
+                raise ValueError(f"{', '.join(quant)}: algorithm {name!r} runs as itself in the hook, without them")
+            return LowbitHookState(codec, **state_kw, **kw), lowbit_hook
+        return LowbitHookState(hook_codec(codec, **quant), **state_kw, **kw), lowbit_hook
     if name not in HOOKS:
         raise ValueError(f"name must be one of {sorted(set(HOOKS) | set(centralized_names()))}, got {name!r}")
     factory = HOOKS[name][0]
@@ -103,7 +145,7 @@ def make_hook(name: str, **options) -> tuple[LowbitHookState, Any]:
         codec = factory(**options)
     except TypeError as e:
         raise ValueError(f"bad options for hook {name!r}: {e}") from None
-    return LowbitHookState(codec, **state_kw), lowbit_hook
+    return LowbitHookState(hook_codec(codec, **quant), **state_kw), lowbit_hook
 
 
 def hook_table() -> list[tuple[str, str, str]]:
@@ -113,5 +155,5 @@ def hook_table() -> list[tuple[str, str, str]]:
     for name in centralized_names():
         cls = ALGORITHMS[name]
         codec, _ = algorithm_codec(hook_algorithm(name, **({"k": 1} if "k" in cls.options else {})))
-        rows.append((name, wire_method(codec), first_sentence(cls)))
+        rows.append((name, wire_method(codec), first_sentence(cls)))  # wire_method: the same with hook_codec
     return rows + [(name, wire_method(factory()), desc) for name, (factory, desc) in HOOKS.items()]

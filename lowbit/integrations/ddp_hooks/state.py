@@ -24,6 +24,16 @@ from ...codecs.uniform import UniformCodec
 #: ``stream`` of :func:`derive_seed` for the hooks' per-rank randomness (plus the bucket index).
 HOOK_STREAM = 0x484F4F4B << 20  # "HOOK"
 
+#: :func:`make_hook`'s default ``bucket``: the QSGD codec and the single-scale max-norm codec
+#: quantize buckets of this many consecutive coordinates with one norm each (the QSGD paper's
+#: d = 512; one norm for a whole DDP bucket of n coordinates gives a variance ~ sqrt(n) / s times
+#: the gradient's, which stalled training at 4 bits)
+HOOK_BUCKET = 512
+
+#: :func:`make_hook`'s default ``clip`` for TernGrad: each layer's gradient is clipped at
+#: ``2.5`` standard deviations before it is ternarized (the TernGrad paper's c = 2.5, section 3.3)
+HOOK_CLIP = 2.5
+
 #: ``LowbitHookState(nonfinite=...)``: what the half-precision hooks do with an inf, NaN or overflow
 NONFINITE = ("raise", "propagate")
 
@@ -107,13 +117,25 @@ class LowbitHookState:
     scale (no check, hence no host read on CUDA either). Only the float hooks (fp32, fp16,
     bf16), without error memory, can propagate: a quantized code has no inf or NaN, and error
     memory would keep one for good. The fp32 hook sends what it is given either way.
+
+    ``per_layer``: the all-gathered codecs code each parameter's gradient in a bucket as its
+    own message (its own scale: TernGrad's layer-wise scaling). None picks the default: True
+    for TernGrad, False otherwise; True needs an all-gathered codec without decode-side dither
+    (not RandK, not subtractive dither).
     """
 
     def __init__(self, codec: Codec | Algorithm, process_group=None, seed: int = 0,
                  error_feedback: bool | None = None, model: torch.nn.Module | None = None, *,
                  sum_dtype: torch.dtype | None = None, kept: float | None = None,
-                 nonfinite: str = "raise") -> None:
+                 nonfinite: str = "raise", per_layer: bool | None = None) -> None:
         self.method = wire_method(codec)
+        if per_layer is None:
+            per_layer = isinstance(codec, TernGradCodec)
+        if not isinstance(per_layer, bool):
+            raise ValueError(f"per_layer must be a bool or None, got {per_layer!r}")
+        if per_layer and (self.method != "allgather" or isinstance(codec, RandKCodec) or codec.dither_on_decode):
+            raise ValueError(f"per_layer=True is for the all-gathered codecs without decode-side dither (terngrad, "
+                             f"qsgd, sign, min-max, uniform), got {type(codec).__name__} ({self.method})")
         if self.method == "algorithm" and error_feedback:
             raise ValueError(f"error_feedback: algorithm {codec.name!r} keeps its own memory, if any")
         if kept is not None:
@@ -137,6 +159,7 @@ class LowbitHookState:
         self.seed = seed
         self.error_feedback = error_feedback
         self.nonfinite = nonfinite
+        self.per_layer = per_layer
         self.step = 0
         self.bytes_sent = 0
         self.messages = 0
@@ -181,6 +204,7 @@ class LowbitHookState:
 
     def __setstate__(self, d: dict) -> None:
         d.setdefault("nonfinite", "raise")  # a state pickled before the option
+        d.setdefault("per_layer", False)
         self.__dict__.update(d)
 
     # --- helpers used by the hook ---------------------------------------------------------
@@ -269,3 +293,18 @@ def _offsets(bucket) -> list[tuple[int, int]]:
     for g in bucket.gradients():
         out.append(((g.data_ptr() - base) // size, g.numel()))
     return out
+
+
+def _layer_sizes(bucket, n: int) -> list[int]:
+    """The element counts of the bucket's parameters' gradients in buffer order, which tile the
+    bucket's ``n`` elements (ValueError otherwise: no layer-wise coding of a gapped bucket)."""
+    spans = sorted(_offsets(bucket))
+    at = 0
+    for off, size in spans:
+        if off != at:
+            raise ValueError(f"per_layer: the bucket's gradients do not tile its buffer (a gradient at {off}, "
+                             f"expected {at}); use per_layer=False")
+        at += size
+    if at != n:
+        raise ValueError(f"per_layer: the bucket's gradients cover {at} of its {n} elements; use per_layer=False")
+    return [size for _, size in spans]
