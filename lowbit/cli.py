@@ -104,6 +104,38 @@ def _add_bench(sub) -> None:
     o.add_argument("--bandwidth-mbit", type=float, default=None,
                    help="shape each rank's link to this rate (needs Linux, root, ip and tc; default: loopback)")
     o.add_argument("--json", default=None, help="also write the report to this JSON file")
+    _add_race(what)
+
+
+def _add_race(what) -> None:
+    """``lowbit bench race``: its options default to the full race's (lowbit.bench.race.FULL)."""
+    from .bench.race import FULL, METHODS, NETWORKS, QUICK
+
+    r = what.add_parser("race", help="time to a target accuracy on real shaped links, against torch's DDP",
+                        description="Every method trains the same model from the same start on the same batches, "
+                                    "in real processes, each behind a tc tbf link (100Mbit, 1Gbit) or on loopback; "
+                                    "reports seconds and steps to the target accuracy, final accuracy, bytes per "
+                                    "step and each step's split, and plots accuracy against wall-clock. Defaults: "
+                                    f"{FULL['task']}, {FULL['workers']} workers, {FULL['steps']} steps, target "
+                                    f"{FULL['target']}; --quick: {QUICK['task']} (hidden "
+                                    f"{QUICK['task_options']['hidden']}), {QUICK['workers']} workers, "
+                                    f"{QUICK['steps']} steps, target {QUICK['target']}.")
+    r.add_argument("--quick", action="store_true", help="the CI-sized race (minutes, 2 workers, still shaped)")
+    r.add_argument("--task", default=None, help="a classification task of lowbit train")
+    r.add_argument("--workers", type=int, default=None, help="processes")
+    r.add_argument("--networks", default=None, help=f"comma-separated, from {', '.join(NETWORKS)} (default all)")
+    r.add_argument("--methods", default=None, help=f"comma-separated, from {', '.join(METHODS)} (default all)")
+    r.add_argument("--steps", type=int, default=None, help="training steps of every method")
+    r.add_argument("--eval-every", type=int, default=None, help="steps between two evaluations")
+    r.add_argument("--target", type=float, default=None, help="target test accuracy in (0, 1]")
+    r.add_argument("--batch", type=int, default=None, help="batch size per worker")
+    r.add_argument("--lr", type=float, default=None, help="learning rate of the methods that have none of their own")
+    r.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    r.add_argument("--eval-samples", type=int, default=None, help="test images of the evaluations during training")
+    r.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (one GPU per worker)")
+    r.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and the codecs")
+    r.add_argument("--plot-dir", default=None, help="write race-NETWORK.png there (default: beside --json)")
+    r.add_argument("--json", default=None, help="also write the report to this JSON file")
 
 
 def _add_plot(sub) -> None:
@@ -246,13 +278,27 @@ def _bench(args) -> int:
         report = bench_hooks(size=args.size, rounds=args.rounds, hooks=args.hooks, rank=args.rank,
                              min_run_time=args.min_run_time, device=args.device)
         print(format_hooks_report(report))
+    elif args.bench_what == "race":
+        import os
+
+        from .bench.race import bench_race, format_race_report
+
+        plot_dir = args.plot_dir or (os.path.dirname(os.path.abspath(args.json)) if args.json else None)
+        report = bench_race(task=args.task, workers=args.workers, networks=args.networks, methods=args.methods,
+                            steps=args.steps, eval_every=args.eval_every, target=args.target, batch=args.batch,
+                            lr=args.lr, momentum=args.momentum, quick=args.quick, backend=args.backend,
+                            seed=args.seed, eval_samples=args.eval_samples, plot_dir=plot_dir,
+                            progress=lambda line: print(line, file=sys.stderr, flush=True))
+        print(format_race_report(report))
+        for net, path in report.get("plots", {}).items():
+            print(f"wrote {path}")
     elif args.bench_what == "step":
         report = bench_step(task=args.task, workers=args.workers, steps=args.steps, warmup=args.warmup,
                             rounds=args.rounds, device=args.device, algorithms=args.algorithms)
         print(format_step_report(report))
     else:
         print("lowbit: error: choose what to benchmark: lowbit bench codecs | lowbit bench step | "
-              "lowbit bench hooks | lowbit bench overlap", file=sys.stderr)
+              "lowbit bench hooks | lowbit bench overlap | lowbit bench race", file=sys.stderr)
         return 2
     if args.json:
         with open(args.json, "w") as f:

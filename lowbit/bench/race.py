@@ -1,15 +1,20 @@
 """``lowbit bench race``: time to a target accuracy, real processes on real shaped links, torch's own
 ``DistributedDataParallel`` as the anchor.
 
-For each network of the race (:data:`NETWORKS`: ``100Mbit``, ``1Gbit``, ``loopback``) one launch of
-``workers`` real processes (:func:`lowbit.comm.launch`, ``backend`` gloo on the CPU, NCCL where
-chosen) runs every method (:data:`METHODS`) one after the other in the same processes
-(:mod:`lowbit.bench.race_worker`). On a shaped network each rank sits in its own network namespace
-behind a ``tc tbf`` link of the network's rate (:class:`~lowbit.comm.shaping.ShapedNetwork`, the
-machinery of ``lowbit train --shape-bandwidth``); ``loopback`` is unshaped. No latency is added in
-user space (``latency_ms`` 0 for every contender: torch's DDP issues its collectives in C++, where
-no per-message delay can be added without a hook that would change the anchor); the links' own
-delay is what the kernel's veth, bridge and tbf queue give.
+One launch of ``workers`` real processes (:func:`lowbit.comm.launch`, ``backend`` gloo on the CPU,
+NCCL where chosen) runs every method (:data:`METHODS`) on every network (:data:`NETWORKS`:
+``100Mbit``, ``1Gbit``, ``loopback``) one after the other in the same processes
+(:mod:`lowbit.bench.race_worker`), so a process's start-up is paid once. When a shaped network is
+in the race each rank sits in its own network namespace behind a ``tc tbf`` link
+(:class:`~lowbit.comm.shaping.ShapedNetwork`, the machinery of ``lowbit train --shape-bandwidth``),
+and each rank sets its own link to the next network's rate when the network changes
+(:func:`~lowbit.bench.race_worker.set_link`); ``loopback`` is then the same links with the tbf taken
+off (a veth pair and a bridge in one kernel), and the real loopback interface when no shaped
+network runs. Where shaping is unavailable (not root, no ``ip``/``tc``) the shaped networks are
+skipped, and said so. No latency is added in user space (``latency_ms`` 0 for every contender:
+torch's DDP issues its collectives in C++, where no per-message delay can be added without a hook
+that would change the anchor); the links' own delay is what the kernel's veth, bridge and tbf
+queue give.
 
 Same conditions for every method: the same initial model (``torch.manual_seed(seed)``), the same
 minibatches on each rank (a generator seeded by ``seed`` and the rank, over the rank's iid shard),
@@ -81,7 +86,9 @@ class RaceMethod:
 METHODS: dict[str, RaceMethod] = {
     "torch-ddp-fp32": RaceMethod("torch", "torch DDP, fp32, default buckets and overlap, no hook (the anchor)"),
     "torch-fp16": RaceMethod("torch", "torch DDP + fp16_compress_hook", hook="fp16"),
-    "torch-powersgd": RaceMethod("torch", "torch DDP + powerSGD_hook (error feedback, warm start)", hook="powersgd"),
+    "torch-powersgd": RaceMethod("torch", "torch DDP + powerSGD_hook (error feedback, warm start; on gloo each "
+                                 "bucket's future awaited in the hook, see race_worker.powersgd_hook_in_order)",
+                                 hook="powersgd"),
     "lowbit-qsgd-maxnorm-2": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 2 bits", hook="qsgd_maxnorm",
                                         options={"bits": 2}),
     "lowbit-qsgd-maxnorm-4": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 4 bits", hook="qsgd_maxnorm",
@@ -205,16 +212,21 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
                                                 "loadavg_start": _loadavg()},
               "methods": {n: {"description": METHODS[n].description, "lr": specs[n]["lr"]} for n in chosen},
               "shaping": why or "tc tbf per rank (network namespaces)", "networks": {}, "skipped_networks": {}}
+    runnable = []
     for net in nets:
-        rate = NETWORKS[net]
-        if rate is not None and why is not None:
+        if NETWORKS[net] is not None and why is not None:
             report["skipped_networks"][net] = f"real shaping unavailable: {why}"
-            continue
-        t0 = time.perf_counter()
-        say(f"race: {net}: {len(chosen)} methods on {s['workers']} {backend} processes ...")
-        records = _race_network(rate, s["workers"], backend, cfg, specs, say)
-        report["networks"][net] = {name: _summarise(records[name], s["target"]) for name in chosen}
-        report["networks"][net]["_wall_seconds"] = time.perf_counter() - t0
+        else:
+            runnable.append(net)
+    shaped = any(NETWORKS[n] is not None for n in runnable)
+    if shaped and "loopback" in runnable:
+        report["shaping"] += "; loopback: the same links with the tbf taken off"
+    t0 = time.perf_counter()
+    say(f"race: {', '.join(runnable)}: {len(chosen)} methods on {s['workers']} {backend} processes ...")
+    records = _race(runnable, s["workers"], backend, cfg, specs, shaped, say)
+    report["wall_seconds"] = time.perf_counter() - t0
+    for net in runnable:
+        report["networks"][net] = {name: _summarise(records[net, name], s["target"]) for name in chosen}
         if plot_dir is not None:
             report.setdefault("plots", {})[net] = str(plot_race(report, net, plot_dir))
     report["settings"]["loadavg_end"] = _loadavg()
@@ -228,48 +240,48 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def _race_network(rate, workers: int, backend: str, cfg: dict, specs: dict, say) -> dict:
-    """Every method's per-rank records on one network: launches until every method has a
-    record or a failure (a failed method is recorded with the launch's reason; the rest
-    run in a new launch)."""
+def _race(nets: list[str], workers: int, backend: str, cfg: dict, specs: dict, shaped: bool, say) -> dict:
+    """Every ``(network, method)``'s per-rank records, from one launch (shaped: each rank in its
+    namespace, its link set to each network's rate in turn), or more when a method fails: a
+    failed method is recorded with the launch's reason and the runs after it go on in a new
+    launch."""
     from ..comm import launch
     from ..comm.liveness import WorkerDied, WorkerFailed, WorkerStalled
 
-    records: dict[str, dict] = {}
-    remaining = list(specs)
+    records: dict[tuple[str, str], dict] = {}
+    remaining = [(net, name) for net in nets for name in specs]
     while remaining:
         tmp = tempfile.mkdtemp(prefix="lowbit-race-")
         try:
-            run_cfg = {**cfg, "methods": {n: specs[n] for n in remaining}, "record_dir": tmp}
+            run_cfg = {**cfg, "methods": specs, "record_dir": tmp, "shaped": shaped,
+                       "runs": [(net, NETWORKS[net], name) for net, name in remaining]}
             failure = None
             try:
-                if rate is None:
+                if not shaped:
                     launch(workers, _worker_entry, run_cfg, backend=backend)
                 else:
                     from ..comm.shaping import ShapedNetwork
 
-                    with ShapedNetwork(workers, rate) as net:
+                    first = next((NETWORKS[n] for n, _ in remaining if NETWORKS[n] is not None), 1e9)
+                    with ShapedNetwork(workers, first) as net:
                         launch(workers, _worker_entry, run_cfg, backend=backend, network=net)
             except (WorkerFailed, WorkerDied, WorkerStalled) as e:
                 failure = e
-            for name in list(remaining):
-                per_rank = _read_records(tmp, name, workers)
+            for key in list(remaining):
+                per_rank = _read_records(tmp, f"{key[0]}.{key[1]}", workers)
                 if per_rank is not None:
-                    records[name] = {"ranks": per_rank}
-                    remaining.remove(name)
-                    say(f"  {name}: done")
+                    records[key] = {"ranks": per_rank}
+                    remaining.remove(key)
             if failure is not None:
-                if not remaining:
-                    raise failure
-                started = [n for n in remaining if any(
-                    os.path.exists(os.path.join(tmp, f"{n}.rank{r}.started")) for r in range(workers))]
+                started = [k for k in remaining if any(
+                    os.path.exists(os.path.join(tmp, f"{k[0]}.{k[1]}.rank{r}.started")) for r in range(workers))]
                 if not started:  # the launch failed before any method: nothing to blame on a method
                     raise failure
                 bad = started[0]
                 reason = _first_line(failure)
                 records[bad] = {"failed": reason}
                 remaining.remove(bad)
-                say(f"  {bad}: FAILED: {reason}")
+                say(f"  {bad[0]} {bad[1]}: FAILED: {reason}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return records
@@ -318,7 +330,7 @@ def _summarise(rec: dict, target: float) -> dict:
            "comm_wait_seconds": max(step_s - compute - codec, 0.0),
            "train_seconds": r0["train_seconds"], "lr": r0["lr"],
            "curve": [{"step": k, "seconds": t, "accuracy": a} for k, t, a in r0["curve"]]}
-    for extra in ("fp32_bytes_per_step", "bucket_bytes"):
+    for extra in ("fp32_bytes_per_step",):
         if extra in r0:
             out[extra] = r0[extra]
     return out
@@ -331,7 +343,7 @@ def plot_race(report: dict, network: str, folder: str):
 
     rows = report["networks"][network]
     series = [(m, [p["seconds"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]])
-              for m, r in rows.items() if isinstance(r, dict) and r.get("curve")]
+              for m, r in rows.items() if r.get("curve")]
     st = report["settings"]
     return plot_series(series, "training wall-clock seconds (evaluation excluded)", "test accuracy",
                        os.path.join(folder, f"race-{network}.png"),
@@ -357,8 +369,6 @@ def format_race_report(report: dict) -> str:
         lines.append(f"{'method':<24} {'lr':>6} {'s to target':>11} {'x ddp':>6} {'steps':>6} {'final acc':>9} "
                      f"{'MB/step':>9} {'step ms':>8} {'compute':>8} {'enc/dec':>8} {'comm wait':>9}")
         for m, r in rows.items():
-            if m.startswith("_"):
-                continue
             if r.get("failed"):
                 lines.append(f"{m:<24} FAILED: {r['failed']}")
                 continue

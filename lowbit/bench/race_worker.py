@@ -23,6 +23,7 @@ import copy
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -70,20 +71,12 @@ class _CountAllReduce:
         dist.all_reduce = self._orig
 
 
-def _anchor_bytes(ddp, world_size: int) -> tuple[int, list[int]]:
-    """Ring bytes one rank sends per step under DDP's built-in all-reduce (no hook): one
-    all-reduce of every bucket, the bucket sizes as DDP reports them (its logging data), else
-    the gradients' bytes."""
-    sizes: list[int] = []
-    try:
-        data = ddp._get_ddp_logging_data()
-        sizes = [int(s) for s in str(data.get("bucket_sizes", "")).split(",") if s.strip()]
-    except Exception:  # noqa: BLE001 - a private API: fall back to the gradients' bytes
-        sizes = []
+def _anchor_bytes(ddp, world_size: int) -> int:
+    """Ring bytes one rank sends per step under DDP's built-in all-reduce (no hook): every
+    gradient travels once a step, in one all-reduce per bucket, so the buckets add up to the
+    gradients' bytes (the ring's bytes are linear in the size: the split does not change them)."""
     grad_bytes = sum(p.numel() * p.element_size() for p in ddp.module.parameters() if p.requires_grad)
-    if sum(sizes) != grad_bytes:
-        sizes = [grad_bytes]
-    return sum(op_messages_and_bytes("all_reduce", s, world_size)[1] for s in sizes), sizes
+    return op_messages_and_bytes("all_reduce", grad_bytes, world_size)[1]
 
 
 def _torch_hook(name: str, cfg: dict):
@@ -95,7 +88,28 @@ def _torch_hook(name: str, cfg: dict):
     state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=cfg["powersgd_rank"],
                              start_powerSGD_iter=cfg["powersgd_start"], use_error_feedback=True, warm_start=True,
                              random_seed=cfg["seed"])
-    return state, ph.powerSGD_hook
+    if dist.get_backend() != "gloo":
+        return state, ph.powerSGD_hook
+    return state, powersgd_hook_in_order
+
+
+def powersgd_hook_in_order(state, bucket):
+    """torch's ``powerSGD_hook``, its future awaited before the hook returns: the form in which
+    it runs on gloo with more than one bucket.
+
+    The hook all-reduces ``P`` and issues the second all-reduce (``Q``) from that future's callback.
+    On gloo the callback runs in a backend thread when ``P`` arrives, while the main thread goes on
+    with backward and issues the next bucket's ``P``: the two ranks can issue the two collectives
+    in different orders, and gloo then matches messages of different sizes (``op.preamble.length
+    <= op.nbytes ... Received data size doesn't match expected size``, a SIGABRT of one rank and
+    "Connection reset by peer" on the other). Waiting here makes every rank issue one bucket's
+    collectives before the next bucket's; it costs the overlap of this bucket's communication with
+    the rest of backward. (NCCL runs the callbacks when the work is enqueued, in order.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+
+    fut = ph.powerSGD_hook(state, bucket)
+    fut.wait()
+    return fut
 
 
 class _Method:
@@ -156,9 +170,7 @@ class _Method:
             return self.state.bytes_sent / max(self.state.step, 1)
         if self.counter is not None:
             return self.counter.bytes / max(self.steps, 1)
-        b, sizes = _anchor_bytes(self.model, self.n)
-        self.extra["bucket_bytes"] = sizes
-        return float(b)
+        return float(_anchor_bytes(self.model, self.n))
 
     def close(self) -> None:
         if self.kind == "decentralized":
@@ -254,9 +266,29 @@ def _run(name: str, spec: dict, task, shard, transport, cfg: dict, Xe, ye) -> di
             "bytes_per_step": float(bytes_per_step), "final_accuracy": final, "lr": lr, **method.extra}
 
 
+def set_link(rate_bps: float | None) -> None:
+    """Shape this process's link (the shaped network's interface, in the namespace this rank
+    runs in) to ``rate_bps`` bits/s with the token bucket :class:`~lowbit.comm.shaping.ShapedNetwork`
+    builds, or take the shaping off (None). Each rank changes its own link only."""
+    import subprocess
+
+    from ..comm.shaping import IFNAME, TBF_BURST
+
+    if rate_bps is None:
+        cmd = ["tc", "qdisc", "del", "dev", IFNAME, "root"]
+    else:
+        cmd = ["tc", "qdisc", "replace", "dev", IFNAME, "root", "tbf", "rate", f"{int(round(rate_bps))}bit",
+               "burst", TBF_BURST, "latency", "200ms"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0 and not (rate_bps is None and "No such file" in res.stderr + res.stdout):
+        raise RuntimeError(f"race: `{' '.join(cmd)}` failed ({res.returncode}): {res.stderr.strip()}")
+
+
 def race_worker(transport, cfg: dict) -> dict:
-    """Run every method of ``cfg["methods"]`` (name -> spec) on this rank; see the module doc.
-    Returns ``{method: record}``, each record also written to ``cfg["record_dir"]``."""
+    """Run every ``(network, rate, method)`` of ``cfg["runs"]`` in order on this rank (see the
+    module doc); on a shaped launch (``cfg["shaped"]``) each rank first sets its link to the
+    network's rate (:func:`set_link`) whenever the network changes. Each record is written to
+    ``cfg["record_dir"]`` as ``NETWORK.METHOD.rankR.json``."""
     from ..train.tasks import make_task
 
     torch.manual_seed(cfg["seed"])
@@ -265,19 +297,25 @@ def race_worker(transport, cfg: dict) -> dict:
     ne = min(cfg["eval_samples"], len(task.y_test))
     idx = torch.randperm(len(task.y_test), generator=torch.Generator().manual_seed(54321))[:ne]
     Xe, ye = task.X_test[idx], task.y_test[idx]
-    out = {}
-    for name, spec in cfg["methods"].items():
-        stem = os.path.join(cfg["record_dir"], f"{name}.rank{transport.rank}")
+    done, network = [], object()
+    for net, rate, name in cfg["runs"]:
+        stem = os.path.join(cfg["record_dir"], f"{net}.{name}.rank{transport.rank}")
         with open(stem + ".started", "w") as f:
             f.write(name)
+        if net != network and cfg["shaped"]:
+            set_link(rate)
+        network = net
         with transport.untracked():
             transport.barrier()
+        t0 = time.perf_counter()
         try:
-            rec = _run(name, spec, task, shard, transport, cfg, Xe, ye)
+            rec = _run(name, cfg["methods"][name], task, shard, transport, cfg, Xe, ye)
         except Exception as e:
-            raise RuntimeError(f"race method {name}: {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"race method {name} on {net}: {type(e).__name__}: {e}") from e
         with open(stem + ".json.tmp", "w") as f:
             json.dump(rec, f)
         os.replace(stem + ".json.tmp", stem + ".json")
-        out[name] = rec
-    return {"done": sorted(out)}
+        if transport.rank == 0:
+            print(f"  {net} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        done.append(f"{net}.{name}")
+    return {"done": done}
