@@ -99,11 +99,15 @@ def modulo_range_error(arg: str, amax: float, B: float, levels: int) -> Arithmet
 
 
 def _check_range(t: torch.Tensor, arg: str, B: float, levels: int) -> None:
-    """The range check of the paths without a kernel flag (the reference; CUDA): one reduction."""
+    """The range check of the paths without a kernel flag (the reference; CUDA): one reduction
+    (a second only where its max is beyond the range or a NaN, which would hide a value beyond it)."""
     if t.numel():
-        amax = float(t.detach().abs().max())
-        if amax * (1.0 / B) > GRID_LIMIT / levels - 1.0:
-            raise modulo_range_error(arg, amax, B, levels)
+        lim = modulo_limit(B, levels)  # the CPU decode kernel's bound, to the bit
+        if not float(t.detach().abs().max()) <= lim:
+            a = t.detach().abs().to(torch.float64)
+            far = a > lim  # a NaN is not beyond it
+            if bool(far.any()):
+                raise modulo_range_error(arg, float(a[far].max()), B, levels)
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, pack_header
-from .kernels import empty_output, fast_backend
+from .kernels import cpu_kernels, empty_output, fast_backend
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64
 
 __all__ = ["PowerSGDCodec", "matrix_shape", "times_thin", "transpose_times_thin"]
@@ -249,39 +248,49 @@ class PowerSGDCodec(Codec):
         """A cold-start step: ``Q0`` is drawn from ``generator``."""
         return self.encode_with_state(x, None, generator=generator)[0]
 
-    def _frame(self, payload: Payload, numel: int | None) -> int:
-        """The payload's count, its header, count and data length checked (PayloadError)."""
+    def _frame(self, payload: Payload, numel: int | None) -> tuple[int, int, int, int]:
+        """``(N, n, m, r_eff)``: the payload's count and matrix shape, its header, count and data
+        length checked (PayloadError)."""
         (N,) = frame_header(self, payload)
         frame_count(self, N, numel, bounded=False)
         n, m, r = self.matrix_shape(N)
         frame_nbytes(self, payload.data, 4 * (n + m) * r,
                      lambda: f"the float32 factors of {N} elements ({n}x{m}, rank {r})")
-        return N
+        return N, n, m, r
 
     def factors(self, payload: Payload, numel: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 factors ``(P, Q)`` (``n x r_eff``, ``m x r_eff``) of a payload, its frame
         checked (PayloadError; ``numel``: the count the receiver expects)."""
         return self._factors(payload, numel)[:2]
 
-    def _factors(self, payload: Payload, numel: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """:meth:`factors` and the count ``N``."""
-        N = self._frame(payload, numel)
-        n, m, r = self.matrix_shape(N)
+    def _factors(self, payload: Payload, numel: int | None, K=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """:meth:`factors` and the count ``N``; ``K``: the CPU kernels where the fast path runs."""
+        N, n, m, r = self._frame(payload, numel)
         f = payload.data.clone().view(torch.float32)
-        P, Q = f[: n * r].view(n, r), f[n * r:].view(m, r)
+        nr = n * r
         if N:
-            # (n + m) r values: the largest |P| and |Q| (a NaN makes its max NaN), with numpy's small-array
-            # overheads on the CPU, in one host read elsewhere
-            if f.device.type == "cpu":
-                a = np.abs(f.numpy())
-                pmax, qmax = float(a[: n * r].max()), float(a[n * r:].max())
+            # (n + m) r values within P's and Q's bounds, compared as float64 (a NaN fails every
+            # comparison): on the CPU's fast path one kernel call (about a microsecond), else four
+            # numpy reductions (a few; torch's small-tensor calls cost several times more), on
+            # other devices one host read
+            p_lim, q_lim = 1 + P_SLACK, _F32_MAX / (r * (1 + P_SLACK))  # q_lim: q_limit(N)
+            if f.device.type == "cpu" and K is not None:
+                ok = K.within(f, nr, p_lim, q_lim)
+            elif f.device.type == "cpu":
+                a = f.numpy()
+                p, q = a[:nr], a[nr:]
+                ok = (float(p.max()) <= p_lim and -p_lim <= float(p.min()) and float(q.max()) <= q_lim
+                      and -q_lim <= float(q.min()))
             else:
                 a = f.abs()
-                pmax, qmax = torch.stack([a[: n * r].max(), a[n * r:].max()]).tolist()
-            if not (pmax <= 1 + P_SLACK and qmax <= self.q_limit(N)):
+                pmax, qmax = torch.stack([a[:nr].max(), a[nr:].max()]).tolist()
+                ok = pmax <= p_lim and qmax <= q_lim
+            if not ok:
+                a = f.abs()
+                pmax, qmax = float(a[:nr].max()), float(a[nr:].max())
                 raise PayloadError(self.name, f"factors P within 1 + {P_SLACK} (orthonormal columns) and Q within "
-                                   f"{self.q_limit(N):.6g}, finite", f"P up to {pmax!r}, Q up to {qmax!r}")
-        return P, Q, N
+                                   f"{q_lim:.6g}, finite", f"P up to {pmax!r}, Q up to {qmax!r}")
+        return f[:nr].view(n, r), f[nr:].view(m, r), N
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
@@ -290,7 +299,7 @@ class PowerSGDCodec(Codec):
         path, else the float64 reference."""
         if dtype not in (None, torch.float32) or not _fast_path_on():
             return self.decode_reference(payload, dtype=dtype, numel=numel)
-        P, Q, N = self._factors(payload, numel)
+        P, Q, N = self._factors(payload, numel, cpu_kernels())
         out = empty_output(P.shape[0] * Q.shape[0], torch.float32, P.device).view(P.shape[0], Q.shape[0])
         return torch.mm(P, Q.t(), out=out).reshape(-1)[:N]
 
