@@ -66,7 +66,8 @@ from .comm.netmodel import NetworkModel, overlap_backward, parse_bandwidth, pars
 
 __all__ = ["METHODS", "DDP_METHODS", "GOSSIP_METHODS", "BASELINE", "DEFAULT_WORKERS", "DEFAULT_BANDWIDTHS",
            "DEFAULT_LATENCY", "Workload", "load_workload", "load_model_function", "MirrorTransport", "Profile",
-           "measure", "predict", "plan", "format_plan_report", "plot_plan", "torch_powersgd_ops"]
+           "measure", "predict", "plan", "format_plan_report", "plot_plan", "torch_powersgd_ops",
+           "compare_with_race"]
 
 #: the DDP anchor (``lowbit bench race``'s name)
 BASELINE = "torch-ddp-fp32"
@@ -83,6 +84,8 @@ DDP_METHODS = {
     "lowbit-fp16": "torch DDP with lowbit's fp16 hook",
     "lowbit-powersgd": f"torch DDP with lowbit's powersgd hook (rank {POWERSGD_RANK})",
 }
+#: the DDP methods that are lowbit's hooks
+LOWBIT_HOOK_METHODS = tuple(m for m in DDP_METHODS if m.startswith("lowbit-"))
 #: decentralized methods through lowbit's wrapper: name -> (algorithm, options, what it is)
 GOSSIP_METHODS = {
     "moniqua-2": ("moniqua", {"bits": 2}, "lowbit's wrapper, Moniqua 2 bits, ring"),
@@ -185,7 +188,7 @@ def load_model_function(spec: str) -> Callable:
 
 
 def load_workload(task: str | None = None, model: str | None = None, batch_size: int | None = None,
-                  seq_len: int | None = None) -> Workload:
+                  seq_len: int | None = None, task_options: dict | None = None) -> Workload:
     """The step to plan: a ``task`` (a name of :data:`lowbit.plan_models.PLAN_MODELS` or a
     ``lowbit train`` task) or ``model``, ``'module:function'``.
 
@@ -193,7 +196,8 @@ def load_workload(task: str | None = None, model: str | None = None, batch_size:
     is given; it must then take that keyword), it returns ``(model, batch, loss_fn)``: an
     ``nn.Module``, one worker's minibatch (a tensor, or a tuple/list/dict of tensors; moved
     to the device with the model) and ``loss_fn(model, batch)``, the scalar loss whose
-    backward gives the gradient DDP averages."""
+    backward gives the gradient DDP averages. ``task_options``: keyword arguments of a ``lowbit
+    train`` task (e.g. ``{"hidden": 1024}`` for digits-mlp)."""
     from .plan_models import PLAN_MODELS
 
     if (task is None) == (model is None):
@@ -216,9 +220,11 @@ def load_workload(task: str | None = None, model: str | None = None, batch_size:
         return Workload(task, net, batch, loss_fn, b, what)
     from .train.tasks import TASKS, make_task
 
+    if task_options and task not in TASKS:
+        raise ValueError("task_options are for the lowbit train tasks")
     if task not in TASKS:
         raise ValueError(f"task={task!r} is unknown; choose one of: {', '.join([*PLAN_MODELS, *TASKS])}")
-    t = make_task(task)
+    t = make_task(task, **(task_options or {}))
     b = 32 if batch_size is None else batch_size
     torch.manual_seed(0)
     net = t.make_model()
@@ -456,9 +462,8 @@ class Profile:
     backward_seconds: float
     optimizer_seconds: float
     buckets: list[Bucket]
-    hook_seconds: dict  # method -> {signature key: [seconds per bucket]}
-    hook_ops: dict  # method -> {workers: [[(kind, CommRecord), ...] per bucket]}
-    hook_key: dict  # method -> {workers: signature key}
+    hook_seconds: dict  # DDP method -> [seconds of its hook per bucket]
+    hook_ops: dict  # DDP method -> {workers: [[(kind, CommRecord), ...] per bucket]}
     gossip: dict  # method -> {"overhead_seconds", "records": [[CommRecord...] per step], "world"}
 
     def to_json(self) -> dict:
@@ -469,8 +474,7 @@ class Profile:
                 "backward_seconds": self.backward_seconds, "optimizer_seconds": self.optimizer_seconds,
                 "buckets": [{"index": b.index, "numel": b.numel, "bytes": b.numel * b.grad.element_size(),
                              "tensors": len(b.params), "ready_seconds": b.ready_seconds} for b in self.buckets],
-                "hook_compute_seconds": {m: {str(n): sum(self.hook_seconds[m][k]) for n, k in self.hook_key[m].items()}
-                                         for m in self.hook_key},
+                "hook_seconds": {m: v for m, v in self.hook_seconds.items()},
                 "gossip_overhead_seconds": {m: g["overhead_seconds"] for m, g in self.gossip.items()}}
 
 
@@ -540,8 +544,10 @@ class _HookBucket:
         return self._views
 
 
-def _ddp_contender(name: str, n: int):
-    """(hook, state, mirror or None) of DDP method ``name`` for ``n`` workers."""
+def _ddp_contender(name: str, n: int | None = None):
+    """(hook, state, mirror or None) of DDP method ``name``: on the process group (``n`` None:
+    what is timed) or, for lowbit's hooks, on a :class:`MirrorTransport` of ``n`` ranks (what
+    records the ops ``n`` workers send)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
@@ -555,12 +561,15 @@ def _ddp_contender(name: str, n: int):
         return ph.powerSGD_hook, state, None
     from .integrations.ddp_hooks import make_hook
 
-    hook_name, opts = {"lowbit-qsgd-maxnorm-2": ("qsgd_maxnorm", {"bits": 2}),
-                       "lowbit-qsgd-maxnorm-4": ("qsgd_maxnorm", {"bits": 4}),
-                       "lowbit-multiscale": ("qsgd_maxnorm_multiscale", {}),
-                       "lowbit-fp16": ("fp16", {}),
-                       "lowbit-powersgd": ("powersgd", {"powersgd_rank": POWERSGD_RANK})}[name]
+    if name.startswith("lowbit-qsgd-maxnorm-"):  # any bits (repro throughput-model times 2, 4 and 8)
+        hook_name, opts = "qsgd_maxnorm", {"bits": int(name.rsplit("-", 1)[1])}
+    else:
+        hook_name, opts = {"lowbit-multiscale": ("qsgd_maxnorm_multiscale", {}),
+                           "lowbit-fp16": ("fp16", {}),
+                           "lowbit-powersgd": ("powersgd", {"powersgd_rank": POWERSGD_RANK})}[name]
     state, hook = make_hook(hook_name, **opts)
+    if n is None:
+        return hook, state, None
     mirror = MirrorTransport(n, group=state.process_group)
     state._transport = mirror  # the hook's collectives go to n mirrored ranks (LowbitHookState._comm keeps it)
     return hook, state, mirror
@@ -575,8 +584,9 @@ def _torch_ops(name: str, b: Bucket, n: int) -> list[tuple[str, CommRecord]]:
     return torch_powersgd_ops(b.params, n, element_size=es)
 
 
-def _run_pass(hook, state, mirror, buckets: list[_HookBucket], dev, clock: bool):
-    """One iteration's hook calls, bucket by bucket: (seconds per bucket, ops per bucket)."""
+def _run_pass(hook, state, mirror, buckets: list[_HookBucket], dev):
+    """One iteration's hook calls, bucket by bucket, each run to its result: (seconds per
+    bucket, ops per bucket as the mirror recorded them, or None)."""
     secs, ops = [], []
     for hb in buckets:
         hb.refill()
@@ -591,39 +601,33 @@ def _run_pass(hook, state, mirror, buckets: list[_HookBucket], dev, clock: bool)
     return secs, ops
 
 
-def _signature(ops) -> tuple:
-    return tuple(tuple((k, r.op, r.nbytes) for k, r in b) for b in ops)
+def _hook_ops(name: str, buckets: list[Bucket], n: int, dev) -> list[list[tuple[str, CommRecord]]]:
+    """What DDP method ``name`` sends for each bucket on ``n`` workers: lowbit's hooks run on a
+    mirror of ``n`` ranks (the codes in the width ``n`` workers need, as the hook packs them);
+    torch's hooks as torch's code issues them (:func:`torch_powersgd_ops`)."""
+    if not name.startswith("lowbit-"):
+        return [_torch_ops(name, b, n) for b in buckets]
+    hook, state, mirror = _ddp_contender(name, n)
+    hbs = [_HookBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
+    return _run_pass(hook, state, mirror, hbs, dev)[1]
 
 
-def _time_hooks(buckets: list[Bucket], workers: Sequence[int], methods: Sequence[str], dev, rounds: int):
-    """Per DDP method: the hook's compute per bucket (medians over ``rounds`` interleaved rounds)
-    for each distinct set of ops its ``workers`` need, and the ops for each worker count."""
-    hook_ops: dict = {}
-    hook_key: dict = {}
-    contenders: dict = {}  # (method, key) -> (hook, state, mirror, hbs)
+def _time_hooks(buckets: list[Bucket], methods: Sequence[str], dev, rounds: int, warm: int = 3) -> dict:
+    """Per DDP method: the hook's time per bucket on the one-process group (the collective a
+    local copy), medians over ``rounds`` rounds that interleave the methods, after ``warm``
+    untimed passes (3: torch's PowerSGD compresses from its third)."""
+    contenders = {}
     for m in methods:
-        hook_ops[m], hook_key[m] = {}, {}
-        for n in workers:
-            hook, state, mirror = _ddp_contender(m, n)
-            hbs = [_HookBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
-            for _ in range(3):  # torch's PowerSGD runs plain all-reduces before start_powerSGD_iter=2
-                _, ops = _run_pass(hook, state, mirror, hbs, dev, clock=False)
-            if mirror is None:
-                ops = [_torch_ops(m, b, n) for b in buckets]
-                key = "all"
-            else:
-                key = _signature(ops)
-            hook_ops[m][n] = ops
-            hook_key[m][n] = key
-            contenders.setdefault((m, key), (hook, state, mirror, hbs))
-    times: dict = {k: [] for k in contenders}
+        hook, state, _ = _ddp_contender(m)
+        hbs = [_HookBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
+        for _ in range(warm):
+            _run_pass(hook, state, None, hbs, dev)
+        contenders[m] = (hook, state, hbs)
+    runs: dict = {m: [] for m in methods}
     for _ in range(rounds):
-        for k, (hook, state, mirror, hbs) in contenders.items():
-            times[k].append(_run_pass(hook, state, mirror, hbs, dev, clock=True)[0])
-    hook_seconds: dict = {m: {} for m in methods}
-    for (m, key), runs in times.items():
-        hook_seconds[m][key] = [statistics.median(r[i] for r in runs) for i in range(len(buckets))]
-    return hook_seconds, hook_ops, hook_key
+        for m, (hook, state, hbs) in contenders.items():
+            runs[m].append(_run_pass(hook, state, None, hbs, dev)[0])
+    return {m: [statistics.median(r[i] for r in runs[m]) for i in range(len(buckets))] for m in methods}
 
 
 def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[str], dev, repeats: int,
@@ -731,13 +735,14 @@ def measure(workload: Workload, device: str | torch.device = "cpu", workers: Seq
             buckets[j].ready_seconds = max(buckets[j].ready_seconds, buckets[j - 1].ready_seconds)
         backward = max(statistics.median(bwd), buckets[-1].ready_seconds)
         ddp_methods = [m for m in methods if m in DDP_METHODS]
-        hook_seconds, hook_ops, hook_key = _time_hooks(buckets, workers, ddp_methods, dev, repeats)
+        hook_seconds = _time_hooks(buckets, ddp_methods, dev, repeats)
+        hook_ops = {m: {n: _hook_ops(m, buckets, n, dev) for n in workers} for m in ddp_methods}
         del ddp
     gossip = _time_gossip(workload, model, batch, [m for m in methods if m in GOSSIP_METHODS], dev, repeats, warmup)
     return Profile(workload.name, workload.description, sum(p.numel() for p in model.parameters()),
                    workload.batch_size, str(dev) if dev.type == "cpu" else f"{dev} ({torch.cuda.get_device_name(dev)})",
                    torch.get_num_threads(), repeats, warmup, statistics.median(fwd), backward,
-                   statistics.median(opt_t), buckets, hook_seconds, hook_ops, hook_key, gossip)
+                   statistics.median(opt_t), buckets, hook_seconds, hook_ops, gossip)
 
 
 def _check_workers(workers) -> tuple[int, ...]:
@@ -769,7 +774,7 @@ def _check_methods(methods) -> tuple[str, ...]:
 
 def _ddp_prediction(p: Profile, m: str, n: int, net: NetworkModel) -> dict:
     ops = p.hook_ops[m][n]
-    compute = p.hook_seconds[m][p.hook_key[m][n]]
+    compute = p.hook_seconds[m]
     rows, sent, comm_total = [], 0, 0.0
     for b, c, bops in zip(p.buckets, compute, ops):
         sync = math.fsum(net.op_seconds(r, n) for k, r in bops if k == "sync")
@@ -806,8 +811,8 @@ def predict(p: Profile, workers: Sequence[int], bandwidths: Sequence, latencies:
     if not (isinstance(min_speedup, (int, float)) and math.isfinite(min_speedup) and min_speedup >= 1):
         raise ValueError(f"min_speedup must be a number >= 1, got {min_speedup!r}")
     workers = _check_workers(workers)
-    methods = [m for m in METHODS if m in p.hook_key or m in p.gossip]
-    missing = [n for n in workers if any(n not in p.hook_key[m] for m in p.hook_key)]
+    methods = [m for m in METHODS if m in p.hook_ops or m in p.gossip]
+    missing = [n for n in workers if any(n not in p.hook_ops[m] for m in p.hook_ops)]
     if missing:
         raise ValueError(f"workers {missing} were not measured (measure with them: the integer width depends on them)")
     rows = []
@@ -859,7 +864,7 @@ def plan(task: str | None = None, model: str | None = None, device: str = "cpu",
             "bandwidths": [str(b) for b in bandwidths], "latencies_s": [parse_latency(x) for x in latencies],
             "min_speedup": min_speedup,
             "methods": {m: (DDP_METHODS[m] if m in DDP_METHODS else GOSSIP_METHODS[m][2])
-                        for m in METHODS if m in prof.hook_key or m in prof.gossip},
+                        for m in METHODS if m in prof.hook_ops or m in prof.gossip},
             "settings": settings, "assumptions": assumptions,
             "not_modelled": ["contention between communication and compute (gloo reduces on the CPU)",
                              "the transport's own CPU time", "stragglers", "tree or hierarchical collectives",
@@ -917,3 +922,58 @@ def plot_plan(report: dict, out) -> list:
                                  hlines=[(BASELINE, 1.0)],
                                  title=f"{report['measured']['workload']}: {bw}, {lat * 1e6:g} us"))
     return paths
+
+
+def compare_with_race(race: dict | None = None, quick: bool = True, networks=("100Mbit", "1Gbit"),
+                      latency: str = "0s", repeats: int = 5, progress=print) -> dict:
+    """The plan's predicted step time against ``lowbit bench race``'s measured one, for every
+    contender on each shaped network: ``{"errors": {"NETWORK/METHOD": (predicted - measured) /
+    measured}, "race": ..., "plan": ...}``. ``race``: a race report (``bench race --json``),
+    or None to run the race here (``quick``: its CI-sized settings). The plan measures the
+    race's model, batch and workers with one torch thread, as each race worker runs; ``latency``:
+    the race adds none (its links' own delay only), hence 0 by default."""
+    if race is None:
+        from .bench.race import bench_race
+
+        race = bench_race(quick=quick, networks=list(networks), progress=progress)
+    st = race["settings"]
+    nets = [n for n in networks if n in race["networks"]]
+    if not nets:
+        raise ValueError(f"the race has none of the networks {list(networks)} (skipped: "
+                         f"{race.get('skipped_networks')})")
+    from .bench.race import NETWORKS
+
+    w = load_workload(task=st["task"], batch_size=st["batch"], task_options=st.get("task_options") or None)
+    methods = [m for m in METHODS if any(m in race["networks"][n] for n in nets)]
+    prof = measure(w, "cpu", [st["workers"]], methods, repeats=repeats, warmup=2, threads=1)
+    rows = predict(prof, [st["workers"]], [NETWORKS[n] for n in nets], [latency])
+    errors, table = {}, []
+    for net, row in zip(nets, rows):
+        for m in methods:
+            got = race["networks"][net].get(m) or {}
+            measured = got.get("step_seconds")
+            pred = row["methods"][m]["step_seconds"]
+            err = None if not measured else (pred - measured) / measured
+            if err is not None:
+                errors[f"{net}/{m}"] = err
+            table.append({"network": net, "method": m, "predicted_step_seconds": pred,
+                          "measured_step_seconds": measured, "relative_error": err,
+                          "predicted_bytes_per_step": row["methods"][m]["bytes_per_step"],
+                          "measured_bytes_per_step": got.get("bytes_per_step"),
+                          "measured_compute_seconds": got.get("compute_seconds"), "failed": got.get("failed")})
+    return {"errors": errors, "rows": table, "plan": prof.to_json(), "race_settings": st}
+
+
+def format_race_comparison(cmp: dict) -> str:
+    """The table of :func:`compare_with_race`: predicted and measured step and bytes per method."""
+    lines = [f"{'network':<8} {'method':<24} {'plan ms':>9} {'race ms':>9} {'error':>7} {'plan B/step':>12} "
+             f"{'race B/step':>12}"]
+    for r in cmp["rows"]:
+        meas = r["measured_step_seconds"]
+        err = r["relative_error"]
+        lines.append(f"{r['network']:<8} {r['method']:<24} {r['predicted_step_seconds'] * 1e3:>9.2f} "
+                     f"{'-' if meas is None else f'{meas * 1e3:.2f}':>9} {'-' if err is None else f'{err:+.0%}':>7} "
+                     f"{r['predicted_bytes_per_step']:>12.0f} "
+                     f"{'-' if r['measured_bytes_per_step'] is None else round(r['measured_bytes_per_step']):>12}"
+                     + (f"  race FAILED: {r['failed']}" if r["failed"] else ""))
+    return "\n".join(lines)

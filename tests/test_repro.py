@@ -58,8 +58,8 @@ def test_throughput_cell_equals_hand_computation():
     s = math.ceil(d * 2 / 8) + 4  # codes and the fp32 norm
     intra = 2 * (g - 1) * 10e-6 + 2 * (g - 1) / g * s * 8 / 200e9
     inter = 2 * (n - 1) * 50e-6 + 2 * (n - 1) / n * s * 8 / 1e9
-    t = 0.035 + intra + inter
-    vgg = next(m for m in tp.MODELS if m.name == "VGG-16")
+    t = 0.035 + 0.002 + intra + inter
+    vgg = tp.Model("VGG-16", d, 0.035, {2: 0.002, None: 0.0}, {2: 10_000_000, None: 4 * d})
     r = tp.iteration(vgg, 2, 1)
     assert r["message_bytes"] == s == 3_682_071
     assert r["iteration_seconds"] == pytest.approx(t, rel=1e-12)
@@ -67,30 +67,56 @@ def test_throughput_cell_equals_hand_computation():
     fp32 = tp.iteration(vgg, None, 1)
     assert fp32["message_bytes"] == 4 * d
     assert fp32["images_per_second"] < r["images_per_second"]
+    w = tp.iteration(vgg, 2, 1, wire=True)  # what lowbit sends instead of the nominal size
+    assert w["message_bytes"] == 10_000_000 and w["images_per_second"] < r["images_per_second"]
 
 
-def test_throughput_quick_writes_files_and_table(tmp_path):
+def _hand_models():
+    return tuple(tp.Model(name, d, c, {2: 0.001, 4: 0.001, 8: 0.001, None: 0.0},
+                          {2: d, 4: 2 * d, 8: 3 * d, None: 4 * d}) for name, d, c in
+                 (("ResNet-50", 23_520_842, 0.111), ("VGG-16", 14_728_266, 0.035)))
+
+
+def test_throughput_table_and_speedups(tmp_path):
+    res = tp.run(tmp_path, models=_hand_models())
+    assert len(res["rows"]) == 2 * 2 * 2 * 4  # models x bandwidths x (nominal, wire) x (2, 4, 8 bits, fp32)
+    for r in res["rows"]:
+        if r["bits"] is None:
+            assert r["speedup_vs_fp32"] == 1.0
+        else:  # fewer bytes, faster, and more so on the slower network
+            assert r["speedup_vs_fp32"] > 1.0
+    by = {(r["model"], r["ethernet_gbps"], r["bits"], r["wire"]): r["speedup_vs_fp32"] for r in res["rows"]}
+    assert by[("VGG-16", 1, 2, False)] > by[("VGG-16", 10, 2, False)]
+    assert by[("ResNet-50", 1, 2, False)] > by[("ResNet-50", 1, 8, False)]
+    assert by[("VGG-16", 1, 2, False)] > by[("VGG-16", 1, 2, True)]  # the wire holds more than b bits
+
+
+@pytest.mark.slow  # measures ResNet-50 and VGG-16 on the CPU: tens of seconds idle, minutes loaded
+def test_throughput_quick_measures_and_writes_files(tmp_path):
     res = run_experiment("throughput-model", tmp_path, quick=True)
-    assert len(res["rows"]) == 2 * 2 * 4  # models x bandwidths x (2, 4, 8 bits, fp32)
+    assert len(res["rows"]) == 2 * 2 * 2 * 4
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["rows"] == res["rows"]
     table = (tmp_path / "table.md").read_text()
     assert "23520842" in table and "14728266" in table and "compute per iteration" in table
-    for r in res["rows"]:
-        if r["bits"] is None:
-            assert r["speedup_vs_fp32"] == 1.0
-        else:  # fewer bits, faster, and more so on the slower network
-            assert r["speedup_vs_fp32"] > 1.0
-    by = {(r["model"], r["ethernet_gbps"], r["bits"]): r["speedup_vs_fp32"] for r in res["rows"]}
-    assert by[("VGG-16", 1, 2)] > by[("VGG-16", 10, 2)] and by[("ResNet-50", 1, 2)] > by[("ResNet-50", 1, 8)]
+    assert "measured by lowbit plan" in table
+    for m in res["inputs"]["models"]:
+        assert m["compute_seconds"] > 0 and all(v > 0 for v in m["encode_seconds"].values())
+        d = m["parameters"]
+        # 128 workers' sum of 2-bit codes (in [-1, 1]) takes at least log2(257) bits per element
+        assert m["wire_bytes"]["2"] >= d * math.log2(2 * 128 + 1) / 8
+        assert m["wire_bytes"]["None"] == 4 * d
     assert {f.name for f in _pngs(tmp_path)} == {"throughput_resnet50.png", "throughput_vgg16.png"}
 
 
 def test_throughput_rejects_bad_input():
     with pytest.raises(ValueError, match="bits"):
         tp.message_bytes(10, 0)
+    m = _hand_models()[0]
     with pytest.raises(ValueError, match="ethernet_gbps"):
-        tp.iteration(tp.MODELS[0], 2, 0)
+        tp.iteration(m, 2, 0)
+    with pytest.raises(ValueError, match="wire"):
+        tp.iteration(tp.Model("x", 10, 1.0), 2, 1, wire=True)
 
 
 def test_unknown_name_exits_2_naming_the_known_ones(tmp_path, capsys):
