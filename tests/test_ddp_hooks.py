@@ -240,6 +240,16 @@ def _ring(m: int, n: int) -> int:
     return 2 * (n - 1) * m // n
 
 
+def _code_sum_bytes(n: int, s: int, world: int) -> int:
+    """The all-reduce buffer of n codes in -s..s summed over world ranks: int8 (n * s * world
+    <= 127 here), or the summable lanes where those are smaller: balanced radix-(2 world s + 1)
+    digits, k of them per int64 word, k the largest with (2 world s + 1)^k < 2^64."""
+    R, k = 2 * world * s + 1, 0
+    while R ** (k + 1) < 2**64:
+        k += 1
+    return min(n, 8 * math.ceil(n / k))
+
+
 def _expected_bucket_bytes(name: str, n: int, world: int) -> int:
     """Wire bytes of one bucket of n gradient elements, from the formats (independent of the hook code)."""
     gather = (world - 1)
@@ -248,14 +258,14 @@ def _expected_bucket_bytes(name: str, n: int, world: int) -> int:
         return _ring(4 * n, world)
     if name in ("fp16", "bf16"):
         return _ring(2 * n, world)
-    if name == "qsgd_maxnorm":  # bits 4: codes -7..7, sums fit int8 up to 18 ranks
-        return _ring(4, world) + _ring(n, world)
-    if name == "qsgd_maxnorm_multiscale":  # (2, 6): norm, 1-bit index plane, int8 codes
-        return _ring(4, world) + _ring(math.ceil(n / 8), world) + _ring(n, world)
+    if name == "qsgd_maxnorm":  # bits 4: codes -7..7 (int8 sums up to 18 ranks), in lanes where smaller
+        return _ring(4, world) + _ring(_code_sum_bytes(n, 7, world), world)
+    if name == "qsgd_maxnorm_multiscale":  # (2, 6): norm, 1-bit index plane, codes -3..3
+        return _ring(4, world) + _ring(math.ceil(n / 8), world) + _ring(_code_sum_bytes(n, 3, world), world)
     if name == "grandk_maxnorm":
-        return _ring(4, world) + _ring(kk, world)
+        return _ring(4, world) + _ring(_code_sum_bytes(kk, 7, world), world)
     if name == "grandk_maxnorm_multiscale":
-        return _ring(4, world) + _ring(math.ceil(kk / 8), world) + _ring(kk, world)
+        return _ring(4, world) + _ring(math.ceil(kk / 8), world) + _ring(_code_sum_bytes(kk, 3, world), world)
     if name == "grandk_fp32":
         return _ring(4 * kk, world)
     if name == "qsgd":  # bits 2 (lowbit train's default): s = 1, 3 codes in mixed radix, header numel + norm
