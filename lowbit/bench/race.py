@@ -150,19 +150,24 @@ def _check_lr(value, name: str) -> float:
 def bench_race(task: str | None = None, workers: int | None = None, networks=None, methods=None,
                steps: int | None = None, eval_every: int | None = None, target: float | None = None,
                batch: int | None = None, lr: float | None = None, momentum: float = 0.9, quick: bool = False,
-               backend: str = "gloo", seed: int = 0, warmup: int = 5, compute_steps: int = 5,
-               eval_samples: int | None = None, plot_dir: str | None = None, progress=print) -> dict:
+               backend: str = "gloo", seed: int = 0, warmup: int | None = None, compute_steps: int = 5,
+               eval_samples: int | None = None, task_options: dict | None = None, plot_dir: str | None = None,
+               progress=print) -> dict:
     """Run the race (module doc) and return its report: ``{"networks": {NETWORK: {METHOD: {...}}},
     "settings": {...}, "methods": {...}, "shaping": ...}``. Unset arguments take the full race's
     settings (:data:`FULL`), or ``--quick``'s (:data:`QUICK`) with ``quick``. ``plot_dir``: write
     ``race-NETWORK.png`` (accuracy against training seconds) there. ``progress``: a callable taking
-    one line of text (None: silent)."""
+    one line of text (None: silent). ``warmup``: the first steps left out of ``step_seconds``
+    (default ``min(5, steps // 4)``). ``task_options``: keyword arguments of the task (default: the
+    preset's, e.g. ``--quick``'s MLP width, when its task is the preset's)."""
     base = dict(QUICK if quick else FULL)
-    task_options = dict(base.pop("task_options", {}))
+    preset_options = dict(base.pop("task_options", {}))
     given = dict(task=task, workers=workers, steps=steps, eval_every=eval_every, target=target, batch=batch, lr=lr,
                  eval_samples=eval_samples)
-    if task is not None and task != base["task"]:
-        task_options = {}
+    if task_options is None:  # the preset's options go with the preset's task only
+        task_options = preset_options if task in (None, base["task"]) else {}
+    if not isinstance(task_options, dict):
+        raise ValueError(f"task_options must be a dict of the task's keyword arguments, got {task_options!r}")
     s = {k: (v if v is not None else base[k]) for k, v in given.items()}
     from ..train.tasks import TASKS
 
@@ -176,6 +181,8 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
     check_positive_int(s["batch"], "batch")
     check_positive_int(s["eval_samples"], "eval_samples")
     check_positive_int(compute_steps, "compute_steps", 2)
+    if warmup is None:
+        warmup = min(5, s["steps"] // 4)
     if isinstance(warmup, bool) or not isinstance(warmup, int) or not 0 <= warmup < s["steps"]:
         raise ValueError(f"warmup must be an integer in [0, steps) = [0, {s['steps']}), got {warmup!r}")
     time_to_target([], s["target"])  # checks target
@@ -289,8 +296,7 @@ def _race(nets: list[str], workers: int, backend: str, cfg: dict, specs: dict, s
 
 def _first_line(e: BaseException) -> str:
     cause = getattr(e, "cause", None) or e.__cause__
-    summary = getattr(e, "summary", "") or ""
-    text = summary or str(cause or e)
+    text = str(cause) if cause is not None else (getattr(e, "error", "") or str(e))
     return text.strip().splitlines()[-1][:500] if text.strip() else type(e).__name__
 
 
