@@ -81,12 +81,13 @@ def _column(rows: list[dict], key: str, run_dir) -> list[float]:
 
 def plot_series(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], xlabel: str, ylabel: str,
                 out: str | os.PathLike, logy: bool = False, hlines: Sequence[tuple[str, float]] | None = None,
-                title: str | None = None) -> Path:
+                title: str | None = None, styles: Sequence[Mapping] | None = None) -> Path:
     """Draw the curves ``(label, xs, ys)`` on one axis and save the figure to ``out``.
 
     ``hlines`` are ``(label, y)`` pairs drawn as dashed horizontal lines (e.g. a
     theoretical floor). The format follows the suffix of ``out`` (.png, .pdf,
-    .svg, ...); missing parent directories are created. Returns ``out`` as a Path.
+    .svg, ...); missing parent directories are created. ``styles``: one mapping of matplotlib
+    line options (``linestyle``, ``color``...) per curve, in order. Returns ``out`` as a Path.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -114,9 +115,12 @@ def plot_series(series: Sequence[tuple[str, Sequence[float], Sequence[float]]], 
         raise ValueError(f"out={str(out)!r}: unknown image format {fmt or '(no suffix)'!r}; use one of: "
                          f"{', '.join(sorted(canvas.get_supported_filetypes()))}")
     ax = fig.add_subplot()
-    for label, xs, ys in series:
+    if styles is not None and len(styles) != len(series):
+        raise ValueError(f"styles must hold one mapping per curve ({len(series)}), got {len(styles)}")
+    for i, (label, xs, ys) in enumerate(series):
         ys = [float("nan") if y is None else y for y in ys]
-        ax.plot(xs, ys, marker="o" if len(xs) <= 30 else None, markersize=3, label=label)
+        ax.plot(xs, ys, **{"marker": "o" if len(xs) <= 30 else None, "markersize": 3, "label": label,
+                           **(styles[i] if styles is not None else {})})
     for label, y in hlines:
         ax.axhline(y, linestyle="--", linewidth=1, color="gray")
         ax.annotate(label, xy=(0.01, y), xycoords=("axes fraction", "data"), va="bottom", fontsize=8,

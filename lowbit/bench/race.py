@@ -348,13 +348,18 @@ def plot_race(report: dict, network: str, folder: str):
     from ..plot import plot_series
 
     rows = report["networks"][network]
-    series = [(m, [p["seconds"] for p in r["curve"]], [p["accuracy"] for p in r["curve"]])
-              for m, r in rows.items() if r.get("curve")]
+    shown = [m for m, r in rows.items() if r.get("curve")]
+    series = [(m, [p["seconds"] for p in rows[m]["curve"]], [p["accuracy"] for p in rows[m]["curve"]])
+              for m in shown]
+    # torch's contenders dashed, lowbit's hooks solid, the decentralized methods dotted; the anchor black
+    dash = {"torch": "--", "hook": "-", "decentralized": ":"}
+    styles = [{"linestyle": dash.get(METHODS[m].kind, "-") if m in METHODS else "-",
+               **({"color": "black"} if m == "torch-ddp-fp32" else {})} for m in shown]
     st = report["settings"]
     return plot_series(series, "training wall-clock seconds (evaluation excluded)", "test accuracy",
                        os.path.join(folder, f"race-{network}.png"),
                        hlines=[(f"target {st['target']:g}", float(st["target"]))],
-                       title=f"{st['task']}, {st['workers']} workers, {network}")
+                       title=f"{st['task']}, {st['workers']} workers, {network}", styles=styles)
 
 
 def _fmt(v, spec: str, none: str = "-") -> str:
