@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lowbit.codecs import ModuloCodec, QSGDCodec, QSGDMaxNormCodec, RandKCodec
+from lowbit.codecs import ModuloCodec, QSGDCodec, QSGDMaxNormCodec, RandKCodec, TernGradCodec
 from lowbit.codecs.radix import radix_nbytes
 from lowbit.comm import launch
 from lowbit.integrations.ddp_hooks import (HOOKS, LowbitHookState, centralized_names, hook_table, lowbit_hook,
@@ -270,7 +270,10 @@ def _expected_bucket_bytes(name: str, n: int, world: int) -> int:
         return _ring(4 * kk, world)
     if name == "qsgd":  # bits 2 (lowbit train's default): s = 1, 3 codes in mixed radix, header numel + norm
         return gather * (8 + radix_nbytes(n, 3))
-    if name in ("terngrad", "dithered"):  # 3 codes (dithered levels 1) in mixed radix: 5 per byte
+    if name == "terngrad":  # per layer (make_hook's default): header (numel, scale) and 5 trits a byte each
+        layers = {164: (128, 4, 32), 512: (512,)}[n]
+        return gather * sum(8 + radix_nbytes(m, 3) for m in layers)
+    if name == "dithered":  # 3 codes (levels 1) in mixed radix: 5 per byte
         return gather * (8 + radix_nbytes(n, 3))
     if name == "sign":
         return gather * (8 + math.ceil(n / 8))
@@ -498,7 +501,7 @@ def test_hooks_on_a_process_group(two):
 def test_make_hook_and_table():
     state, hook = make_hook("grandk_maxnorm", k=10, bits=3, seed=4)
     assert hook is lowbit_hook and state.seed == 4 and state.error_feedback is False
-    assert isinstance(state.codec, RandKCodec) and state.codec.inner == QSGDMaxNormCodec(bits=3)
+    assert isinstance(state.codec, RandKCodec) and state.codec.inner == QSGDMaxNormCodec(bits=3, bucket=512)
     assert make_hook("sign")[0].error_feedback and make_hook("powersgd")[0].error_feedback
     assert make_hook("sign", error_feedback=False)[0].error_feedback is False
     methods = {name: method for name, method, _ in hook_table()}
@@ -507,8 +510,15 @@ def test_make_hook_and_table():
     assert methods["grandk-maxnorm"] == "allreduce-randk" and methods["ndqsg"] == "algorithm"
     assert methods["allreduce"] == "allreduce-float" and methods["dqsg"] == methods["onebit-ef"] == "allgather"
     # the algorithm's codec and defaults: one name, one default per concept
-    assert make_hook("qsgd", bits=4)[0].codec == QSGDCodec(levels=7)
-    assert make_hook("maxnorm")[0].codec == QSGDMaxNormCodec(bits=3)  # lowbit train's bits=2: p = 2
+    # ... quantized as the papers do (make_hook's bucket=512, TernGrad per layer, clip=2.5); None: as lowbit train
+    assert make_hook("qsgd", bits=4)[0].codec == QSGDCodec(levels=7, bucket=512)
+    assert make_hook("qsgd", bits=4, bucket=None)[0].codec == QSGDCodec(levels=7)
+    assert make_hook("maxnorm")[0].codec == QSGDMaxNormCodec(bits=3, bucket=512)  # lowbit train's bits=2: p = 2
+    assert make_hook("maxnorm", bucket=None)[0].codec == QSGDMaxNormCodec(bits=3)
+    tern = make_hook("terngrad")[0]
+    assert tern.codec == TernGradCodec(clip=2.5) and tern.per_layer
+    tern = make_hook("terngrad", clip=None, per_layer=False)[0]
+    assert tern.codec == TernGradCodec() and not tern.per_layer
     assert make_hook("powersgd")[0].codec.rank == 2 and make_hook("onebit-ef")[0].error_feedback
     st = make_hook("grandk-maxnorm", k=0.25, sum_dtype="int32")[0]
     assert st.kept == 0.25 and st.sum_dtype == torch.int32
