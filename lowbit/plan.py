@@ -22,8 +22,9 @@ What it measures, on the current device, for one model and one batch:
      or asynchronously (overlapped) is read from the transport call.
    - Decentralized methods: lowbit's wrapper
      (:class:`~lowbit.integrations.decentralized.DecentralizedDataParallel`, as the race
-     runs them) on a ring of 3 (two neighbours) over a :class:`MirrorTransport`: its step
-     time minus a plain step's (interleaved), and every message it sends, from its ledger.
+     runs them) on a ring of 3 (two neighbours, as on any larger ring; a ring of 2, one
+     neighbour, for 2 workers) over a :class:`MirrorTransport`: its step time minus a plain
+     step's (interleaved), and every message it sends, from its ledger.
 
 What it models, with lowbit's network model (:mod:`lowbit.comm.netmodel`; every link the
 same bandwidth and latency): ring all-reduce, all-gather, neighbour exchange (ring topology,
@@ -67,7 +68,7 @@ from .comm.netmodel import NetworkModel, overlap_backward, parse_bandwidth, pars
 __all__ = ["METHODS", "DDP_METHODS", "GOSSIP_METHODS", "BASELINE", "DEFAULT_WORKERS", "DEFAULT_BANDWIDTHS",
            "DEFAULT_LATENCY", "Workload", "load_workload", "load_model_function", "MirrorTransport", "Profile",
            "measure", "predict", "plan", "format_plan_report", "plot_plan", "torch_powersgd_ops",
-           "compare_with_race"]
+           "compare_with_race", "measure_latency", "format_race_comparison"]
 
 #: the DDP anchor (``lowbit bench race``'s name)
 BASELINE = "torch-ddp-fp32"
@@ -464,7 +465,7 @@ class Profile:
     buckets: list[Bucket]
     hook_seconds: dict  # DDP method -> [seconds of its hook per bucket]
     hook_ops: dict  # DDP method -> {workers: [[(kind, CommRecord), ...] per bucket]}
-    gossip: dict  # method -> {"overhead_seconds", "records": [[CommRecord...] per step], "world"}
+    gossip: dict  # method -> {ring size: {"overhead_seconds", "records": [[CommRecord...] per step], "world"}}
 
     def to_json(self) -> dict:
         """The measurements as plain JSON values."""
@@ -475,7 +476,8 @@ class Profile:
                 "buckets": [{"index": b.index, "numel": b.numel, "bytes": b.numel * b.grad.element_size(),
                              "tensors": len(b.params), "ready_seconds": b.ready_seconds} for b in self.buckets],
                 "hook_seconds": {m: v for m, v in self.hook_seconds.items()},
-                "gossip_overhead_seconds": {m: g["overhead_seconds"] for m, g in self.gossip.items()}}
+                "gossip_overhead_seconds": {m: {str(w): v["overhead_seconds"] for w, v in g.items()}
+                                            for m, g in self.gossip.items()}}
 
 
 def _rec(op: str, nbytes: int, n: int, peers: int = 1) -> CommRecord:
@@ -612,10 +614,17 @@ def _hook_ops(name: str, buckets: list[Bucket], n: int, dev) -> list[list[tuple[
     return _run_pass(hook, state, mirror, hbs, dev)[1]
 
 
-def _time_hooks(buckets: list[Bucket], methods: Sequence[str], dev, rounds: int, warm: int = 3) -> dict:
+def _time_hooks(buckets: list[Bucket], methods: Sequence[str], dev, rounds: int, warm: int = 3,
+                min_run_time: float = 0.02) -> dict:
     """Per DDP method: the hook's time per bucket on the one-process group (the collective a
-    local copy), medians over ``rounds`` rounds that interleave the methods, after ``warm``
-    untimed passes (3: torch's PowerSGD compresses from its third)."""
+    local copy): each round times, for every method and bucket, the refill of the bucket and
+    the refill plus the hook run to its result (``torch.utils.benchmark``'s blocked_autorange,
+    ``min_run_time`` seconds each; the hook's time is the difference), and the figures are
+    medians over ``rounds`` rounds that interleave the methods, after ``warm`` untimed passes
+    (3: torch's PowerSGD compresses from its third)."""
+    from .bench.timing import measure as timed
+
+    threads = torch.get_num_threads()
     contenders = {}
     for m in methods:
         hook, state, _ = _ddp_contender(m)
@@ -626,15 +635,20 @@ def _time_hooks(buckets: list[Bucket], methods: Sequence[str], dev, rounds: int,
     runs: dict = {m: [] for m in methods}
     for _ in range(rounds):
         for m, (hook, state, hbs) in contenders.items():
-            runs[m].append(_run_pass(hook, state, None, hbs, dev)[0])
+            row = []
+            for hb in hbs:
+                refill = timed(hb.refill, dev, min_run_time, threads, "wall")
+                call = timed(lambda hb=hb: (hb.refill(), hook(state, hb).wait()), dev, min_run_time, threads, "wall")
+                row.append(max(call - refill, 0.0))
+            runs[m].append(row)
     return {m: [statistics.median(r[i] for r in runs[m]) for i in range(len(buckets))] for m in methods}
 
 
 def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[str], dev, repeats: int,
-                 warmup: int) -> dict:
+                 warmup: int, world: int = GOSSIP_RING) -> dict:
     """Per decentralized method: the wrapper's step time minus a plain step's (medians of
-    interleaved steps) and the ledger of every step, on a ring of :data:`GOSSIP_RING` mirrored
-    ranks."""
+    interleaved steps) and the ledger of every step, on a ring of ``world`` mirrored ranks (3:
+    two neighbours, as on any larger ring; 2: the one neighbour of a ring of two)."""
     import copy
 
     from .integrations.decentralized import DecentralizedDataParallel
@@ -646,7 +660,7 @@ def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[
         plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
         net = copy.deepcopy(model)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        mirror = MirrorTransport(GOSSIP_RING)
+        mirror = MirrorTransport(world)
         wrapped = DecentralizedDataParallel(net, opt, algorithm=algo, topology="ring", transport=mirror,
                                             sync_initial=False, **opts)
         try:
@@ -671,8 +685,7 @@ def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[
             records = [list(mirror.ledger.records.get(k, [])) for k in steps]
         finally:
             wrapped.close()
-        out[m] = {"overhead_seconds": max(0.0, statistics.median(diffs)), "records": records,
-                  "world": GOSSIP_RING}
+        out[m] = {"overhead_seconds": max(0.0, statistics.median(diffs)), "records": records, "world": world}
     return out
 
 
@@ -738,7 +751,11 @@ def measure(workload: Workload, device: str | torch.device = "cpu", workers: Seq
         hook_seconds = _time_hooks(buckets, ddp_methods, dev, repeats)
         hook_ops = {m: {n: _hook_ops(m, buckets, n, dev) for n in workers} for m in ddp_methods}
         del ddp
-    gossip = _time_gossip(workload, model, batch, [m for m in methods if m in GOSSIP_METHODS], dev, repeats, warmup)
+    gossip_methods = [m for m in methods if m in GOSSIP_METHODS]
+    gossip = {}
+    for world in sorted({min(n, GOSSIP_RING) for n in workers}) if gossip_methods else ():
+        gossip[world] = _time_gossip(workload, model, batch, gossip_methods, dev, repeats, warmup, world)
+    gossip = {m: {w: g[m] for w, g in gossip.items()} for m in gossip_methods}
     return Profile(workload.name, workload.description, sum(p.numel() for p in model.parameters()),
                    workload.batch_size, str(dev) if dev.type == "cpu" else f"{dev} ({torch.cuda.get_device_name(dev)})",
                    torch.get_num_threads(), repeats, warmup, statistics.median(fwd), backward,
@@ -791,7 +808,7 @@ def _ddp_prediction(p: Profile, m: str, n: int, net: NetworkModel) -> dict:
 
 
 def _gossip_prediction(p: Profile, m: str, n: int, net: NetworkModel) -> dict:
-    g = p.gossip[m]
+    g = p.gossip[m][min(n, GOSSIP_RING)]
     steps = g["records"]
     comm = statistics.fmean(net.step_seconds(r, n) for r in steps) if steps else 0.0
     sent = statistics.fmean(sum(_rec(r.op, r.nbytes, n, r.peers).sent_bytes for r in recs) for recs in steps) \
@@ -924,14 +941,47 @@ def plot_plan(report: dict, out) -> list:
     return paths
 
 
+def _ping(transport, samples: int) -> float:
+    """Median seconds of a 4-byte SUM all-reduce on this launch's process group."""
+    import torch.distributed as dist
+
+    x = torch.zeros(1)
+    times = []
+    for i in range(10 + samples):
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_latency(workers: int, rate: float | None, samples: int = 50) -> float:
+    """The effective latency of one message between ``workers`` gloo processes, each behind a
+    ``tc tbf`` link of ``rate`` bits/s (None: unshaped loopback), as the race runs them: the
+    median time of a 4-byte ring all-reduce divided by its ``2 (n - 1)`` messages. It holds the
+    links' own delay and gloo's fixed cost per message, and on a loaded machine the wait for the
+    peer process to be scheduled."""
+    from .comm import launch
+
+    if rate is None:
+        t = launch(workers, _ping, samples)
+    else:
+        from .comm.shaping import ShapedNetwork
+
+        with ShapedNetwork(workers, rate) as net:
+            t = launch(workers, _ping, samples, network=net)
+    return max(t) / (2 * (workers - 1))
+
+
 def compare_with_race(race: dict | None = None, quick: bool = True, networks=("100Mbit", "1Gbit"),
-                      latency: str = "0s", repeats: int = 5, progress=print) -> dict:
+                      latency: str | None = None, repeats: int = 5, progress=print) -> dict:
     """The plan's predicted step time against ``lowbit bench race``'s measured one, for every
     contender on each shaped network: ``{"errors": {"NETWORK/METHOD": (predicted - measured) /
-    measured}, "race": ..., "plan": ...}``. ``race``: a race report (``bench race --json``),
-    or None to run the race here (``quick``: its CI-sized settings). The plan measures the
-    race's model, batch and workers with one torch thread, as each race worker runs; ``latency``:
-    the race adds none (its links' own delay only), hence 0 by default."""
+    measured}, "rows": [...], "plan": ..., "latency_s": {NETWORK: seconds}}``. ``race``: a race
+    report (``bench race --json``), or None to run the race here (``quick``: its CI-sized
+    settings). The plan measures the race's model, batch and workers with one torch thread, as
+    each race worker runs. ``latency``: per message; None measures it on each network
+    (:func:`measure_latency`: the race adds none, its links and gloo have their own)."""
     if race is None:
         from .bench.race import bench_race
 
@@ -946,7 +996,9 @@ def compare_with_race(race: dict | None = None, quick: bool = True, networks=("1
     w = load_workload(task=st["task"], batch_size=st["batch"], task_options=st.get("task_options") or None)
     methods = [m for m in METHODS if any(m in race["networks"][n] for n in nets)]
     prof = measure(w, "cpu", [st["workers"]], methods, repeats=repeats, warmup=2, threads=1)
-    rows = predict(prof, [st["workers"]], [NETWORKS[n] for n in nets], [latency])
+    lat = {net: (parse_latency(latency) if latency is not None else measure_latency(st["workers"], NETWORKS[net]))
+           for net in nets}
+    rows = [predict(prof, [st["workers"]], [NETWORKS[net]], [lat[net]])[0] for net in nets]
     errors, table = {}, []
     for net, row in zip(nets, rows):
         for m in methods:
@@ -961,12 +1013,13 @@ def compare_with_race(race: dict | None = None, quick: bool = True, networks=("1
                           "predicted_bytes_per_step": row["methods"][m]["bytes_per_step"],
                           "measured_bytes_per_step": got.get("bytes_per_step"),
                           "measured_compute_seconds": got.get("compute_seconds"), "failed": got.get("failed")})
-    return {"errors": errors, "rows": table, "plan": prof.to_json(), "race_settings": st}
+    return {"errors": errors, "rows": table, "plan": prof.to_json(), "race_settings": st, "latency_s": lat}
 
 
 def format_race_comparison(cmp: dict) -> str:
     """The table of :func:`compare_with_race`: predicted and measured step and bytes per method."""
-    lines = [f"{'network':<8} {'method':<24} {'plan ms':>9} {'race ms':>9} {'error':>7} {'plan B/step':>12} "
+    lines = [f"latency per message (measured): " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in cmp["latency_s"].items()),
+             f"{'network':<8} {'method':<24} {'plan ms':>9} {'race ms':>9} {'error':>7} {'plan B/step':>12} "
              f"{'race B/step':>12}"]
     for r in cmp["rows"]:
         meas = r["measured_step_seconds"]

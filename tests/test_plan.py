@@ -69,7 +69,7 @@ def test_predict_ddp_step_by_hand():
 
 def test_gossip_prediction_by_hand():
     recs = [[CommRecord("neighbor", 1000, 2000, 2, 2), CommRecord("all_reduce", 8, 8, 2, 1)]] * 3
-    p = _profile(gossip={"choco": {"overhead_seconds": 0.004, "records": recs, "world": 3}})
+    p = _profile(gossip={"choco": {3: {"overhead_seconds": 0.004, "records": recs, "world": 3}}})
     row = predict(p, [8], ["8Mbit"], ["1ms"])[0]
     g = row["methods"]["choco"]
     # one message to each neighbour in parallel: 1 ms + 1000 B at 1 MB/s = 2 ms; the 8-byte ring
