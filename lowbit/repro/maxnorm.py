@@ -43,8 +43,9 @@ def run(out: Path, quick: bool = False) -> dict:
             r["wire_bits_per_element"]] for r in rows])],
         notes=f"digits-mlp, {workers} workers, {steps} steps, cosine step size from lr 0.1, momentum 0.9, seed 0. "
               "Nominal bits are the paper's count of code bits per element; wire bits are 8 x bytes a worker "
-              "really sent per step / d, with the ring all-reduce of the narrowest integer dtype whose sum "
-              "cannot overflow (int8 at least: the framework has no narrower tensors, as paper 004 notes).")
+              "really sent per step / d, with the ring all-reduce of the codes packed in summable lanes "
+              "(log2(2 M s + 1) bits a lane in int64 words), or of the narrowest integer dtype whose sum "
+              "cannot overflow where that is smaller.")
     from ..plot import plot_series
 
     plot_series([(r["label"], r["steps"], r["train_loss"]) for r in rows], "step", "train loss",

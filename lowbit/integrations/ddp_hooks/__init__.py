@@ -41,16 +41,19 @@ How each codec travels (``WIRE_METHODS``):
 * ``allreduce-int`` -- summable codecs (QSGDMaxNorm, multi-scale, GlobalRandK around
   them): the max-norm algorithm's exchange; the codec's scale rounds (MAX all-reduce of the float32 norm; for the
   multi-scale codec a MIN of the per-coordinate scale indices), then one SUM
-  all-reduce of the integer codes in ``codec.sum_dtype(world_size)`` (int16 is
-  widened to int32: neither gloo nor NCCL reduces int16), then ``decode_sum``.
+  all-reduce of the integer codes, packed in summable lanes (:mod:`lowbit.codecs.lanes`:
+  int64 words of ``log2(2 N s + 1)``-bit lanes that the SUM adds without a carry)
+  wherever those are smaller than ``codec.sum_dtype(world_size)`` (int16 is
+  widened to int32: neither gloo nor NCCL reduces int16), else in it, then ``decode_sum``.
   The MIN of the scale indices travels as ``N - 1`` packed bit-planes (plane ``p``
   holds ``index >= p``) combined by bitwise AND, which is exactly the MIN, when
   that is narrower than one uint8 per coordinate (``N <= 8`` scales; for the
   paper's two scales one bit per coordinate, its ``ceil(log2 N)``) and the backend
-  has a bitwise AND (gloo; NCCL has none); otherwise a uint8 MIN all-reduce. Integers on the wire take whole bytes (the paper's
-  section on framework support): ``bits=4`` (codes -7..7) sums in int8 up to 18
-  ranks; ``bits=8`` already needs int16 for 2 ranks, sent as int32, i.e. no saving
-  over fp32 -- hence ``make_hook``'s default ``bits=4``.
+  has a bitwise AND (gloo; NCCL has none); otherwise a uint8 MIN all-reduce. Unpacked,
+  integers on the wire take whole bytes (the paper's section on framework support):
+  ``bits=4`` (codes -7..7) would sum in int8 up to 18 ranks and ``bits=8`` in int32;
+  in lanes ``bits=2`` takes 2.37/3.2/4.27/5.33 bits per element on 2/4/8/16 ranks,
+  ``bits=4`` 4.92/6.4/7.11 on 2/4/8 (int8 from 16 on), ``bits=8`` 9.14 on 2.
 * ``allreduce-randk`` -- :class:`RandKCodec` with ``send_indices=False``: every
   rank keeps the same ``k`` coordinates of a bucket, chosen from the seed
   ``derive_seed(seed, step, bucket_index, GLOBAL_RANDK_STREAM)`` (the codec's own
