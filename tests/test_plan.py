@@ -342,3 +342,26 @@ def test_method_names_match_the_race():
     if names is None:
         pytest.skip("lowbit.bench.race has no METHODS")
     assert set(names) == set(METHODS)
+
+
+def test_compare_with_a_given_race_report():
+    """The comparison's plumbing on a race report given by hand (no launch): the race's task,
+    batch and workers are planned, every measured contender gets its relative error, a failed
+    one is reported without one."""
+    from lowbit.plan import compare_with_race, format_race_comparison
+
+    race = {"settings": {"task": "digits-mlp", "task_options": {"hidden": 32}, "batch": 8, "workers": 2},
+            "networks": {"100Mbit": {"torch-ddp-fp32": {"step_seconds": 0.01, "bytes_per_step": 1000},
+                                     "torch-fp16": {"step_seconds": None, "failed": "it crashed"}}}}
+    cmp = compare_with_race(race, latency="0s", repeats=1, networks=("100Mbit", "1Gbit"))
+    d = cmp["plan"]["parameters"]
+    assert d == 64 * 32 + 32 + 32 * 10 + 10
+    assert set(cmp["errors"]) == {"100Mbit/torch-ddp-fp32"}
+    rows = {r["method"]: r for r in cmp["rows"]}
+    fp32 = rows["torch-ddp-fp32"]
+    assert fp32["relative_error"] == pytest.approx((fp32["predicted_step_seconds"] - 0.01) / 0.01)
+    assert fp32["predicted_bytes_per_step"] == 4 * d  # a ring of 2 sends each bucket once
+    assert rows["torch-fp16"]["relative_error"] is None and rows["torch-fp16"]["failed"] == "it crashed"
+    assert "race FAILED: it crashed" in format_race_comparison(cmp)
+    with pytest.raises(ValueError, match="none of the networks"):
+        compare_with_race(race, latency="0s", networks=("1Gbit",))
