@@ -337,10 +337,16 @@ class Worker:
     @property
     def acts_after_update(self) -> bool:
         """Whether the algorithm has an ``after_update`` of its own (which may communicate): its
-        drivers agree on faults before it (``guard.agree(k, 1)``); the training loop agrees
-        before the update too only where the algorithm has a ``before_update`` of its own, the
-        wrapper always."""
+        drivers agree on faults before it (``guard.agree(k, 1)``)."""
         return type(self.algorithm).after_update is not Algorithm.after_update
+
+    @property
+    def agrees_before_update(self) -> bool:
+        """Whether the drivers agree on faults before the update too (``guard.agree(k, 0)``):
+        where the algorithm has a ``before_update`` of its own, or no ``after_update`` (then
+        that is the step's only agreement). One agreement per step otherwise: before the step's
+        first communication."""
+        return type(self.algorithm).before_update is not Algorithm.before_update or not self.acts_after_update
 
     @property
     def rank(self) -> int:

@@ -134,7 +134,9 @@ class ThreadWorld:
             raise ValueError(f"max_running must be an int >= 1 (workers computing at once), got {max_running!r}")
         self.world_size = world_size
         self.mailboxes = [_Mailbox() for _ in range(world_size)]
-        self.slots: list[torch.Tensor | None] = [None] * world_size
+        # two tables of collective slots, used in turn (see ThreadTransport._collect)
+        self.slots: tuple[list, list] = ([None] * world_size, [None] * world_size)
+        self.collectives = [0] * world_size  # per rank: collectives entered (picks the table)
         self.barrier_ = threading.Barrier(world_size, timeout=_TIMEOUT_S)
         self.aborted = threading.Event()
         self.run_slots = RunSlots(min(max_running, world_size), self.aborted)
@@ -228,14 +230,19 @@ class ThreadTransport(Transport):
         with _waiting(self.world, self.rank):
             self.world.barrier_.wait()
 
-    def _collect(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Publish ``t``, wait for all, copy out everyone's, wait again."""
+    def _collect(self, t: torch.Tensor, copy: bool = True) -> list[torch.Tensor]:
+        """Publish a copy of ``t``, wait for all, return everyone's (copies again unless
+        ``copy=False``: then the caller must not write them, the other ranks read the same).
+        One barrier: collective c uses slot table c % 2, and a rank writes that table again only
+        at collective c + 2, past collective c + 1's barrier, which every rank reaches after it
+        has read collective c's. The published copy leaves the caller free to write ``t`` as
+        soon as this returns."""
         w = self.world
-        w.slots[self.rank] = t
+        table = w.slots[w.collectives[self.rank] % 2]
+        w.collectives[self.rank] += 1
+        table[self.rank] = t.clone()
         self._sync()
-        got = [s.clone() for s in w.slots]
-        self._sync()
-        return got
+        return [s.clone() for s in table] if copy else list(table)
 
     def _neighbor_exchange(self, buf, neighbors):
         w, me = self.world, self.rank
@@ -250,7 +257,7 @@ class ThreadTransport(Transport):
             return {j: box.take(j, me, w.aborted) for j in neighbors}
 
     def _all_reduce(self, t, op):
-        parts = self._collect(t)
+        parts = self._collect(t, copy=False)  # read only: the sum is a new tensor
         acc = parts[0].clone()
         for p in parts[1:]:
             if op == "sum":
@@ -269,7 +276,7 @@ class ThreadTransport(Transport):
         return parts
 
     def _broadcast(self, t, src):
-        return self._collect(t)[src]
+        return self._collect(t, copy=False)[src].clone()
 
     def _gather(self, t, dst):
         parts = self._collect(t)

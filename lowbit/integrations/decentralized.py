@@ -299,7 +299,8 @@ class DecentralizedDataParallel(nn.Module):
             _wait_channel(self.transport)
             self.transport.set_step(k)
             self.algorithm.guard.note(k, "gradient", self.flat.grad)
-            self._agree(k, 0)
+            if self.algorithm.agrees_before_update:  # else before after_update, in the post-hook
+                self._agree(k, 0)
             self.algorithm.before_update(k, self.flat.data, self.flat.grad, lr)
             self._overlapped = 0
         self._in_step = (k, lr)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..algorithms import ALGORITHMS
-from ..algorithms.base import Algorithm, Worker, make_worker
+from ..algorithms.base import Worker, make_worker
 from ..algorithms.faults import PeerPayloadError
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
@@ -275,10 +275,7 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
     metrics = _MetricsStream(stream, rank, cfg.tensorboard)
     guard = algo.guard
 
-    # One agreement per step, before the step's first communication: before the update where the
-    # algorithm communicates there (or has no after_update), else before its after_update.
-    # An algorithm that acts at both points agrees at both.
-    at_start = type(algo.algorithm).before_update is not Algorithm.before_update or not algo.acts_after_update
+    at_start = algo.agrees_before_update  # else the step's one agreement is before after_update
 
     def agree(k: int, point: int) -> None:
         # an asynchronous algorithm has no collective per step: its gossip carries faults
