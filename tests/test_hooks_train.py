@@ -19,6 +19,7 @@ slow one trains longer and also runs the hooks as they were (``bucket=None``, ``
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -28,8 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lowbit.codecs import QSGDCodec, QSGDMaxNormCodec, TernGradCodec
+from lowbit.codecs.base import Payload, PayloadError
 from lowbit.comm import launch
-from lowbit.integrations.ddp_hooks import make_hook
+from lowbit.integrations.ddp_hooks import HOOK_BUCKET, HOOK_CLIP, make_hook
 
 WORLD = 2
 BATCH = 32  # per rank
@@ -136,3 +139,169 @@ def test_hooks_train_within_a_point_of_ddp_long_and_not_as_before():
     ref = r0[DDP_FP32[0]]["accuracy"]
     for label, _, _ in AS_BEFORE:  # the control: one scale per DDP bucket does not train as well
         assert r0[label]["accuracy"] < ref - 0.01, (label, r0[label]["accuracy"], ref)
+
+
+# --- the quantizers the hooks now use ---------------------------------------------------------
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _grad_like(n: int, seed: int = 0) -> torch.Tensor:
+    """A gradient-like vector: layers of very different scales, heavy-tailed."""
+    g = torch.randn(n, generator=_gen(seed)) * torch.distributions.StudentT(3.0).sample((n,))
+    return g * torch.logspace(-3, 0, n).flip(0)
+
+
+@pytest.mark.parametrize("n", [0, 1, 511, 512, 1000, 4097])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_bucketed_maxnorm_fast_path_is_the_reference(n, dtype):
+    c = QSGDMaxNormCodec(bits=4, bucket=512)
+    x = _grad_like(n).to(dtype)
+    W = c.shared_scale(x)
+    assert W.dtype == torch.float32 and W.numel() == max(1, math.ceil(n / 512)) == c.num_buckets(n)
+    assert torch.equal(W, c.shared_scale_reference(x))
+    assert c.scale_nbytes(n) == 4 * W.numel()
+    other = c.shared_scale(_grad_like(n, 1).to(dtype))
+    Wmax = torch.maximum(W, other)  # the MAX all-reduce of two workers
+    codes = c.encode_int(x, Wmax, _gen(3), torch.int8)
+    assert codes.dtype == torch.int8 and int(codes.abs().max() if n else 0) <= 7
+    assert torch.equal(codes.long(), c.encode_int_reference(x, Wmax, _gen(3)))
+    assert torch.equal(c.decode_sum(codes, Wmax, 2), c.decode_sum_reference(codes, Wmax, 2))
+    p, q = c.encode(x, generator=_gen(4)), c.encode_reference(x, generator=_gen(4))
+    assert torch.equal(p.header, q.header) and torch.equal(p.data, q.data)
+    assert torch.equal(c.decode(p), c.decode_reference(p))
+
+
+def test_bucketed_maxnorm_with_equal_norms_codes_as_one_norm():
+    x = _grad_like(3000)
+    one = QSGDMaxNormCodec(bits=4)
+    W = float(one.shared_scale(x))
+    bucketed = QSGDMaxNormCodec(bits=4, bucket=512)
+    same = torch.full((bucketed.num_buckets(3000),), W)
+    assert torch.equal(one.encode_int(x, W, _gen(5)), bucketed.encode_int(x, same, _gen(5)))
+    # a number is one bucket's norm only
+    with pytest.raises(ValueError, match="scale must hold 6 floating-point norms"):
+        bucketed.encode_int(x, W, _gen(5))
+
+
+def test_bucketed_maxnorm_sum_is_the_average_within_a_step_per_bucket():
+    c = QSGDMaxNormCodec(bits=4, bucket=256)
+    xs = [_grad_like(1000, r) for r in range(3)]
+    W = torch.stack([c.shared_scale(x) for x in xs]).amax(0)
+    total = sum(c.encode_int(x, W, _gen(10 + r), torch.int16).long() for r, x in enumerate(xs))
+    avg = c.decode_sum(total, W, 3)
+    step = (W / 7).repeat_interleave(256)[:1000]
+    err = (avg.double() - torch.stack(xs).double().mean(0)).abs()
+    assert bool((err <= step.double() + 1e-9).all())  # every code is one of the two levels around x_i
+
+
+def test_bucketed_maxnorm_is_unbiased_and_within_lemma_1_per_bucket():
+    c = QSGDMaxNormCodec(bits=4, bucket=512)
+    x = _grad_like(2000)
+    W = c.shared_scale(x)
+    draws = torch.stack([c.decode_sum(c.encode_int(x, W, _gen(t)), W, 1, dtype=torch.float64) for t in range(400)])
+    mse = float(((draws - x.double()) ** 2).sum(1).mean())
+    assert mse <= c.variance_bound(2000, W)
+    assert float((draws.mean(0) - x.double()).norm()) ** 2 <= 4 * mse / 400  # bias: only the mean's noise
+
+
+def test_buckets_cut_the_variance_that_stalled_training():
+    """One norm for a 79k-coordinate DDP bucket: ~sqrt(n) / s times ||x||^2 of noise; buckets of 512: a few times."""
+    x = _grad_like(79102)
+    rel = {}
+    for bucket in (None, HOOK_BUCKET):
+        c = QSGDMaxNormCodec(bits=4, bucket=bucket)
+        W = c.shared_scale(x)
+        rel[bucket] = float(((c.decode_sum(c.encode_int(x, W, _gen(1)), W, 1, dtype=torch.float64) - x.double())
+                             ** 2).sum() / (x.double() ** 2).sum())
+        q = QSGDCodec(levels=7, bucket=bucket)
+        rel[("qsgd", bucket)] = float(((q.decode(q.encode(x, generator=_gen(2)), dtype=torch.float64) - x.double())
+                                       ** 2).sum() / (x.double() ** 2).sum())
+    assert rel[None] > 10 * rel[HOOK_BUCKET] and rel[("qsgd", None)] > 10 * rel[("qsgd", HOOK_BUCKET)], rel
+
+
+def test_bucketed_maxnorm_bad_input():
+    c = QSGDMaxNormCodec(bits=4, bucket=512)
+    x = _grad_like(1024)
+    W = c.shared_scale(x)
+    with pytest.raises(ValueError, match="bucket must be an int in 1..2147483647"):
+        QSGDMaxNormCodec(bits=4, bucket=0)
+    low = torch.stack([W[0], x[512:].abs().max() / 2])  # bucket 1's norm below its largest |x_i|
+    with pytest.raises(ValueError, match=r"scale\[1\]=.* smaller than this worker's max \|x_i\|.*bucket 1"):
+        c.encode_int(x, low, _gen(0))
+    with pytest.raises(ValueError, match=r"scale\[1\]=.* smaller"):
+        c.encode_int_reference(x, low, _gen(0))
+    with pytest.raises(ValueError, match="scale must hold 2 floating-point norms"):
+        c.encode_int(x, W[:1], _gen(0))
+    with pytest.raises(ValueError, match="finite, >= 0"):
+        c.decode_sum(torch.zeros(1024, dtype=torch.int32), torch.tensor([1.0, float("nan")]), 2)
+    bad = x.clone()
+    bad[700] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        c.shared_scale(bad)
+
+
+def test_bucketed_maxnorm_refuses_a_malformed_message():
+    c = QSGDMaxNormCodec(bits=4, bucket=512)
+    p = c.encode(_grad_like(1024), generator=_gen(0))
+    assert p.header.numel() == 4 and p.data.numel() == 8 + (p.data.numel() - 8)
+    with pytest.raises(PayloadError):
+        c.decode(Payload(header=p.header, data=p.data[:-1]))
+    for value in (-1.0, float("nan"), float("inf")):
+        data = p.data.clone()
+        data[4:8] = torch.tensor([value], dtype=torch.float32).view(torch.uint8)
+        with pytest.raises(PayloadError, match="bucket norm"):
+            c.decode(Payload(header=p.header, data=data))
+    with pytest.raises(PayloadError):
+        c.decode(p, numel=1000)
+
+
+def test_terngrad_clips_at_c_standard_deviations():
+    x = _grad_like(5000)
+    x[17] = 50.0  # one outlier: without clipping it sets the scale
+    plain, clipped = TernGradCodec(), TernGradCodec(clip=HOOK_CLIP)
+    assert plain.unbiased and not clipped.unbiased and HOOK_CLIP == 2.5
+    p, q = clipped.encode(x, generator=_gen(1)), clipped.encode_reference(x, generator=_gen(1))
+    assert torch.equal(p.header, q.header) and torch.equal(p.data, q.data)
+    d = clipped.decode(p)
+    scale = float(d.abs().max())
+    sigma = float(torch.std(x, correction=0))
+    assert scale == float(torch.tensor(2.5 * sigma, dtype=torch.float64).float()) or \
+        0 <= scale - 2.5 * sigma <= 2.5 * sigma * 2**-23
+    beyond = x.abs() > scale
+    assert bool(beyond.any()) and torch.equal(d[beyond], torch.sign(x[beyond]) * scale)  # clipped: +-scale
+    err = {c: float(((c.decode(c.encode(x, generator=_gen(2))) - x) ** 2).sum()) for c in (plain, clipped)}
+    assert err[clipped] < err[plain] / 5
+    small = torch.full((10,), 0.25)  # a constant vector: sigma = 0, nothing clipped
+    assert torch.equal(clipped.decode(clipped.encode(small, generator=_gen(0))), small)
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "2.5"):
+        with pytest.raises(ValueError, match="clip"):
+            TernGradCodec(clip=bad)
+
+
+def test_make_hook_quantization_options():
+    st = make_hook("qsgd_maxnorm", bits=4)[0]
+    assert st.codec == QSGDMaxNormCodec(bits=4, bucket=HOOK_BUCKET)
+    assert make_hook("qsgd_maxnorm", bits=4, bucket=64)[0].codec.bucket == 64
+    assert make_hook("grandk_maxnorm", k=100, bucket=None)[0].codec.inner == QSGDMaxNormCodec(bits=4)
+    assert make_hook("qsgd", bits=4, bucket=1000)[0].codec == QSGDCodec(levels=7, bucket=1000)
+    assert make_hook("terngrad", clip=1.5)[0].codec == TernGradCodec(clip=1.5)
+    assert make_hook("qsgd", bits=4, per_layer=True)[0].per_layer
+    assert not make_hook("qsgd", bits=4)[0].per_layer
+    with pytest.raises(ValueError, match="bucket must be an int in 1..2147483647"):
+        make_hook("qsgd", bits=4, bucket=0)
+    with pytest.raises(ValueError, match="bucket .* is for qsgd and the single-scale max-norm codecs"):
+        make_hook("fp16", bucket=512)
+    with pytest.raises(ValueError, match="bucket .* is for qsgd and the single-scale max-norm codecs"):
+        make_hook("qsgd_maxnorm_multiscale", bucket=512)
+    with pytest.raises(ValueError, match="clip .* is for TernGrad"):
+        make_hook("qsgd", clip=2.5)
+    with pytest.raises(ValueError, match="clip"):
+        make_hook("terngrad", clip=0)
+    with pytest.raises(ValueError, match="per_layer=True is for the all-gathered codecs"):
+        make_hook("qsgd_maxnorm", per_layer=True)
+    with pytest.raises(ValueError, match="per_layer must be a bool"):
+        make_hook("terngrad", per_layer="yes")
+    with pytest.raises(ValueError, match="bucket: algorithm 'ndqsg' runs as itself"):
+        make_hook("ndqsg", bucket=512)
