@@ -72,29 +72,23 @@ __all__ = ["METHODS", "DDP_METHODS", "GOSSIP_METHODS", "BASELINE", "DEFAULT_WORK
 
 #: the DDP anchor (``lowbit bench race``'s name)
 BASELINE = "torch-ddp-fp32"
-#: PowerSGD's rank, torch's hook and lowbit's alike
+#: PowerSGD's rank, torch's hook and lowbit's alike (the race's; torch's hook also starts
+#: compressing at its second iteration, as the race configures it)
 POWERSGD_RANK = 2
-#: DDP methods: name -> what it is
-DDP_METHODS = {
-    "torch-ddp-fp32": "torch DDP, fp32, its built-in all-reduce (compute timed as torch's allreduce_hook)",
-    "torch-fp16": "torch DDP with torch's fp16_compress_hook",
-    "torch-powersgd": f"torch DDP with torch's powerSGD_hook (rank {POWERSGD_RANK}, error feedback, warm start)",
-    "lowbit-qsgd-maxnorm-2": "torch DDP with lowbit's qsgd_maxnorm hook, 2 bits",
-    "lowbit-qsgd-maxnorm-4": "torch DDP with lowbit's qsgd_maxnorm hook, 4 bits",
-    "lowbit-multiscale": "torch DDP with lowbit's qsgd_maxnorm_multiscale hook, scales (2, 6)",
-    "lowbit-fp16": "torch DDP with lowbit's fp16 hook",
-    "lowbit-powersgd": f"torch DDP with lowbit's powersgd hook (rank {POWERSGD_RANK})",
-}
-#: the DDP methods that are lowbit's hooks
-LOWBIT_HOOK_METHODS = tuple(m for m in DDP_METHODS if m.startswith("lowbit-"))
-#: decentralized methods through lowbit's wrapper: name -> (algorithm, options, what it is)
-GOSSIP_METHODS = {
-    "moniqua-2": ("moniqua", {"bits": 2}, "lowbit's wrapper, Moniqua 2 bits, ring"),
-    "lowprec": ("lowprec-decentralized", {}, "lowbit's wrapper, Bagua's low-precision decentralized SGD, ring"),
-    "choco": ("choco", {}, "lowbit's wrapper, CHOCO-SGD, ring"),
-}
-#: every method, in the race's order
-METHODS = (*DDP_METHODS, *GOSSIP_METHODS)
+
+
+def _race_methods() -> dict:
+    from .bench.race import METHODS as RACE_METHODS
+
+    return RACE_METHODS
+
+
+#: DDP methods (torch DDP with or without a hook): name -> what it is; the race's contenders
+DDP_METHODS = {m: r.description for m, r in _race_methods().items() if r.kind in ("torch", "hook")}
+#: decentralized methods through lowbit's wrapper: name -> what it is
+GOSSIP_METHODS = {m: r.description for m, r in _race_methods().items() if r.kind == "decentralized"}
+#: every method, in the race's order (``lowbit bench race``'s :data:`~lowbit.bench.race.METHODS`)
+METHODS = tuple(_race_methods())
 DEFAULT_WORKERS = (8, 64, 512, 1024)
 DEFAULT_BANDWIDTHS = ("1Gbit", "10Gbit", "25Gbit", "100Gbit")
 #: assumed when none is given: a typical one-hop datacenter Ethernet latency (an assumption)
@@ -546,30 +540,36 @@ class _HookBucket:
         return self._views
 
 
-def _ddp_contender(name: str, n: int | None = None):
+def _ddp_contender(name: str, n: int | None = None, model: nn.Module | None = None):
     """(hook, state, mirror or None) of DDP method ``name``: on the process group (``n`` None:
     what is timed) or, for lowbit's hooks, on a :class:`MirrorTransport` of ``n`` ranks (what
-    records the ops ``n`` workers send)."""
+    records the ops ``n`` workers send). ``model``: lowbit's hook state keys its error memory
+    by the model's parameter names, as the race binds it."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
 
-    if name == "torch-ddp-fp32":
-        return dh.allreduce_hook, None, None
-    if name == "torch-fp16":
-        return dh.fp16_compress_hook, None, None
-    if name == "torch-powersgd":
+    from .integrations.ddp_hooks import make_hook
+
+    race = _race_methods().get(name)
+    if race is not None and race.kind == "torch":
+        if race.hook is None:
+            return dh.allreduce_hook, None, None
+        if race.hook == "fp16":
+            return dh.fp16_compress_hook, None, None
+        if race.hook != "powersgd":
+            raise ValueError(f"method {name!r}: torch hook {race.hook!r} is not planned")
         state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK, start_powerSGD_iter=2,
                                  use_error_feedback=True, warm_start=True)
         return ph.powerSGD_hook, state, None
-    from .integrations.ddp_hooks import make_hook
-
-    if name.startswith("lowbit-qsgd-maxnorm-"):  # any bits (repro throughput-model times 2, 4 and 8)
+    if race is not None:
+        hook_name, opts = race.hook, dict(race.options)
+    elif name.startswith("lowbit-qsgd-maxnorm-"):  # any bits (repro throughput-model times 2, 4 and 8)
         hook_name, opts = "qsgd_maxnorm", {"bits": int(name.rsplit("-", 1)[1])}
     else:
-        hook_name, opts = {"lowbit-multiscale": ("qsgd_maxnorm_multiscale", {}),
-                           "lowbit-fp16": ("fp16", {}),
-                           "lowbit-powersgd": ("powersgd", {"powersgd_rank": POWERSGD_RANK})}[name]
-    state, hook = make_hook(hook_name, **opts)
+        raise ValueError(f"method {name!r} is not a DDP method of the race")
+    if hook_name == "powersgd":
+        opts.setdefault("powersgd_rank", POWERSGD_RANK)
+    state, hook = make_hook(hook_name, **opts, **({} if model is None else {"model": model}))
     if n is None:
         return hook, state, None
     mirror = MirrorTransport(n, group=state.process_group)
@@ -579,9 +579,10 @@ def _ddp_contender(name: str, n: int | None = None):
 
 def _torch_ops(name: str, b: Bucket, n: int) -> list[tuple[str, CommRecord]]:
     es = b.grad.element_size()
-    if name == "torch-ddp-fp32":
+    hook = _race_methods()[name].hook
+    if hook is None:  # DDP's own all-reduce of the bucket
         return [("async", _rec("all_reduce", b.numel * es, n))]
-    if name == "torch-fp16":
+    if hook == "fp16":
         return [("async", _rec("all_reduce", b.numel * 2, n))]
     return torch_powersgd_ops(b.params, n, element_size=es)
 
@@ -615,7 +616,7 @@ def _hook_ops(name: str, buckets: list[Bucket], n: int, dev) -> list[list[tuple[
 
 
 def _time_hooks(buckets: list[Bucket], methods: Sequence[str], dev, rounds: int, warm: int = 3,
-                min_run_time: float = 0.02) -> dict:
+                min_run_time: float = 0.02, model: nn.Module | None = None) -> dict:
     """Per DDP method: the hook's time per bucket on the one-process group (the collective a
     local copy): each round times, for every method and bucket, the refill of the bucket and
     the refill plus the hook run to its result (``torch.utils.benchmark``'s blocked_autorange,
@@ -627,7 +628,7 @@ def _time_hooks(buckets: list[Bucket], methods: Sequence[str], dev, rounds: int,
     threads = torch.get_num_threads()
     contenders = {}
     for m in methods:
-        hook, state, _ = _ddp_contender(m)
+        hook, state, _ = _ddp_contender(m, model=model)
         hbs = [_HookBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
         for _ in range(warm):
             _run_pass(hook, state, None, hbs, dev)
@@ -655,7 +656,8 @@ def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[
 
     out = {}
     for m in methods:
-        algo, opts, _ = GOSSIP_METHODS[m]
+        r = _race_methods()[m]
+        algo, opts = r.algorithm, dict(r.options)
         plain = copy.deepcopy(model)
         plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
         net = copy.deepcopy(model)
@@ -748,7 +750,7 @@ def measure(workload: Workload, device: str | torch.device = "cpu", workers: Seq
             buckets[j].ready_seconds = max(buckets[j].ready_seconds, buckets[j - 1].ready_seconds)
         backward = max(statistics.median(bwd), buckets[-1].ready_seconds)
         ddp_methods = [m for m in methods if m in DDP_METHODS]
-        hook_seconds = _time_hooks(buckets, ddp_methods, dev, repeats)
+        hook_seconds = _time_hooks(buckets, ddp_methods, dev, repeats, model=model)
         hook_ops = {m: {n: _hook_ops(m, buckets, n, dev) for n in workers} for m in ddp_methods}
         del ddp
     gossip_methods = [m for m in methods if m in GOSSIP_METHODS]
@@ -880,7 +882,7 @@ def plan(task: str | None = None, model: str | None = None, device: str = "cpu",
     return {"plan": "lowbit plan", "measured": prof.to_json(), "workers": list(workers),
             "bandwidths": [str(b) for b in bandwidths], "latencies_s": [parse_latency(x) for x in latencies],
             "min_speedup": min_speedup,
-            "methods": {m: (DDP_METHODS[m] if m in DDP_METHODS else GOSSIP_METHODS[m][2])
+            "methods": {m: (DDP_METHODS[m] if m in DDP_METHODS else GOSSIP_METHODS[m])
                         for m in METHODS if m in prof.hook_ops or m in prof.gossip},
             "settings": settings, "assumptions": assumptions,
             "not_modelled": ["contention between communication and compute (gloo reduces on the CPU)",
