@@ -165,3 +165,27 @@ def test_max_abs_is_torchs_abs_max():
         x[9] = math.nan
         assert math.isnan(K.max_abs(x))
     assert K.max_abs(torch.empty(0)) == 0.0
+
+
+def test_bagua_grid_ok_host_agrees_with_the_tensor_check():
+    """The host check of Bagua's min/max (numpy float32 scalars) decides as the 0-d tensor one, over
+    ordinary, extreme and out-of-order ranges, ranges at the edge of float32 and non-finite ends."""
+    from lowbit.codecs import BaguaMinMaxCodec
+
+    f32 = np.finfo(np.float32)
+    edge = [0.0, -0.0, 1e-45, 1e-38, 1e-7, 0.5, 1.0, 3.0, 1e10, 9.9e27, 1e28, 1.1e28, 1e30, 1e36, 1.3e36, 1.4e36,
+            1e37, 1e38, 1.7e38, 3e38, float(f32.max), math.inf, math.nan]
+    vals = sorted({v for e in edge for v in (e, -e)}, key=lambda v: (math.isnan(v), v))
+    g = np.random.default_rng(0)
+    pairs = [(a, b) for a in vals for b in vals]
+    for _ in range(3000):  # near the largest grids that still fit: both ends scaled by one random factor
+        e = float(g.uniform(27, 38.6))
+        a, b = np.clip(sorted(g.uniform(-1, 1, 2) * 10.0 ** e), -f32.max, f32.max)
+        pairs.append((float(np.float32(a)), float(np.float32(b))))
+    disagree = [(lo, hi) for lo, hi in pairs
+                if BaguaMinMaxCodec.grid_ok_host(lo, hi)
+                != bool(BaguaMinMaxCodec.grid_ok(torch.tensor(lo, dtype=torch.float32),
+                                                 torch.tensor(hi, dtype=torch.float32)))]
+    assert not disagree, disagree[:5]
+    assert sum(BaguaMinMaxCodec.grid_ok_host(lo, hi) for lo, hi in pairs) > 100  # both answers are exercised
+    assert sum(not BaguaMinMaxCodec.grid_ok_host(lo, hi) for lo, hi in pairs) > 100
