@@ -177,6 +177,10 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
         raise ValueError(f"task must be one of {', '.join(TASKS)}, got {s['task']!r}")
     if not getattr(TASKS[s["task"]], "classification", False):
         raise ValueError(f"task must be a classification task (the race times an accuracy), got {s['task']!r}")
+    if isinstance(getattr(TASKS[s["task"]], "dataset", None), str):  # a data set on disk: say so before starting
+        from ..data import find_dataset_dir
+
+        find_dataset_dir(TASKS[s["task"]].dataset, (task_options or {}).get("data_dir"))
     check_positive_int(s["workers"], "workers", 2)
     check_positive_int(s["steps"], "steps", 2)
     check_positive_int(s["eval_every"], "eval_every")
