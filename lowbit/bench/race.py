@@ -43,7 +43,8 @@ Measured per method and network (JSON keys):
   the compute-only step's (encoding, decoding, casts, error memory, the backend's copies: CPU work
   the method adds, in any thread); ``comm_wait_seconds``, the rest of the step (waiting for the
   network, and for the CPU where ranks outnumber cores). The split is an estimate from two
-  clocks, not a trace.
+  clocks, not a trace. ``compute_cpu_seconds``, the compute-only step's CPU seconds, shows how
+  much of ``compute_seconds`` was waiting for a core (on a loaded machine, most of it).
 
 A method that fails (its launch dies) is reported with ``failed`` (the reason) and ``null``
 figures; the methods after it run in a new launch.
@@ -340,7 +341,8 @@ def _summarise(rec: dict, target: float) -> dict:
     codec = min(codec, max(step_s - compute, 0.0))
     out = {"seconds_to_target": secs, "steps_to_target": steps, "final_accuracy": r0["final_accuracy"],
            "bytes_per_step": statistics.mean(r["bytes_per_step"] for r in ranks), "step_seconds": step_s,
-           "compute_seconds": compute, "encode_decode_seconds": codec,
+           "compute_seconds": compute, "compute_cpu_seconds": max(r["compute_cpu_seconds"] for r in ranks),
+           "encode_decode_seconds": codec,
            "comm_wait_seconds": max(step_s - compute - codec, 0.0),
            "train_seconds": r0["train_seconds"], "lr": r0["lr"],
            "curve": [{"step": k, "seconds": t, "accuracy": a} for k, t, a in r0["curve"]]}
