@@ -96,19 +96,19 @@ def test_worst_case_top_and_bottom_codes(path, s, n):
     """Every worker sends +s everywhere (the largest word), or -s everywhere, or the extremes
     mixed: each lane's sum is exact, no carry, no int64 overflow at any partial sum."""
     lanes = Lanes(s, n)
-    d = 3 * lanes.per_word + 2  # a last partial word too
-    top = torch.full((d,), s, dtype=torch.int8 if s <= 127 else torch.int64)
-    alt = torch.tensor([s if i % 2 else -s for i in range(d)], dtype=top.dtype)
-    with codec_path(path):
-        for per_worker in ([top] * n, [-top] * n, [alt if m % 2 else -alt for m in range(n)],
-                           [top] * (n - 1) + [-top]):
-            words = [lanes.pack(c) for c in per_worker]
-            assert words[0].dtype == torch.int64 and words[0].numel() == lanes.words(d)
-            if per_worker[0] is top:
-                assert int(words[0][0]) * n == lanes.half_range  # the top word: n of them fill int64's range
-            got = lanes.unpack(_sum_words(words), d)
-            assert torch.equal(got.to(torch.int64), torch.stack(per_worker).to(torch.int64).sum(0))
-            assert got.dtype == lanes.sum_dtype
+    for d in (3 * lanes.per_word, 3 * lanes.per_word + 2):  # whole words; digits past the codes too
+        top = torch.full((d,), s, dtype=torch.int8 if s <= 127 else torch.int64)
+        alt = torch.tensor([s if i % 2 else -s for i in range(d)], dtype=top.dtype)
+        with codec_path(path):
+            for per_worker in ([top] * n, [-top] * n, [alt if m % 2 else -alt for m in range(n)],
+                               [top] * (n - 1) + [-top]):
+                words = [lanes.pack(c) for c in per_worker]
+                assert words[0].dtype == torch.int64 and words[0].numel() == lanes.words(d)
+                if per_worker[0] is top and d % lanes.per_word == 0:
+                    assert words[0].tolist() == [lanes.half_range // n] * 3  # n top words fill int64's range
+                got = lanes.unpack(_sum_words(words), d)
+                assert torch.equal(got.to(torch.int64), torch.stack(per_worker).to(torch.int64).sum(0))
+                assert got.dtype == lanes.sum_dtype
 
 
 def test_one_more_worker_would_carry():
@@ -170,7 +170,12 @@ def test_fast_path_matches_the_reference(s, n):
 @pytest.mark.parametrize("path", PATHS)
 def test_hostile_sums_are_refused(path):
     lanes = Lanes(1, 4)
-    d = 2 * lanes.per_word - 1  # one padding digit in the last word
+    for d in (2 * lanes.per_word - 1, SPECIALISE_FROM + 1):  # the last word's top digit past the codes
+        assert lanes.per_word * lanes.words(d) > d
+        _check_refused(lanes, d, path)
+
+
+def _check_refused(lanes, d, path):
     with codec_path(path):
         good = lanes.pack(torch.ones(d, dtype=torch.int8))
         for bad_word in (lanes.half_range + 1, -lanes.half_range - 1, 2**63 - 1, -(2**63)):

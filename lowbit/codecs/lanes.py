@@ -17,6 +17,11 @@ partial sum of ``j <= n`` workers' words (a ring's, a tree's, in any order) is a
 ``j s (R^k - 1) / (R - 1) <= (R^k - 1) / 2 <= 2^63 - 1`` in magnitude: it never
 overflows int64, on either backend.
 
+Layout: ``n`` codes take ``m = ceil(n / k)`` words, code ``t`` is digit ``t // m`` of word
+``t mod m`` (the codes as a ``k x m`` table, row ``i`` the digits ``i`` of all words:
+every step of the kernels is a loop over contiguous memory); the digits past the last
+code are 0.
+
 A lane is ``log2 R`` bits wide, not rounded up to a whole bit: ``64 / k`` bits per
 element, e.g. ternary codes (``s = 1``, codec ``bits = 2``) of 2/4/8/16 workers take
 2.37/3.2/4.27/5.33 bits (an int8 sum takes 8). :meth:`Lanes.pays` says whether the lanes
@@ -140,7 +145,7 @@ class Lanes:
     def pack(self, codes: torch.Tensor) -> torch.Tensor:
         """The int64 words of ``codes`` (a 1-D integer tensor of values in ``[-s, s]``: this
         worker's own codes, trusted; a code outside gives words that :meth:`unpack` refuses
-        after the sum). Missing digits of the last word are 0."""
+        after the sum), in the module's layout (digits past the last code are 0)."""
         _check_codes(codes)
         K = _kernels(codes)
         if K is None:
@@ -193,14 +198,15 @@ def _kernels(t: torch.Tensor):
 
 def pack_lanes_reference(codes: torch.Tensor, lanes: Lanes) -> torch.Tensor:
     """:meth:`Lanes.pack` in whole-tensor torch ops (any device): the codes padded with
-    zeros to ``k`` per word, each row's dot product with ``R^0..R^(k-1)`` in int64 (every
-    partial sum at most ``s (R^k - 1) / (R - 1) < 2^63``: exact)."""
+    zeros to ``k m`` as a ``k x m`` table (row ``i``: digit ``i`` of every word), each
+    column's dot product with ``R^0..R^(k-1)`` in int64 (every partial sum at most
+    ``s (R^k - 1) / (R - 1) < 2^63``: exact)."""
     _check_codes(codes)
     n, k = codes.numel(), lanes.per_word
     m = lanes.words(n)
     c = torch.zeros(m * k, dtype=torch.int64, device=codes.device)
     c[:n] = codes
-    return (c.view(m, k) * _powers(lanes.radix, k, codes.device)).sum(1)
+    return (c.view(k, m) * _powers(lanes.radix, k, codes.device).view(k, 1)).sum(0)
 
 
 def unpack_lanes_reference(words: torch.Tensor, lanes: Lanes, numel: int,
@@ -215,13 +221,13 @@ def unpack_lanes_reference(words: torch.Tensor, lanes: Lanes, numel: int,
                          f"got {words.dtype} {tuple(words.shape)}")
     lim = lanes.half_range
     bad = int(((words > lim) | (words < -lim)).sum())
-    P = _powers(R, k, words.device)
-    V = words.view(-1, 1)
+    P = _powers(R, k, words.device).view(k, 1)
+    V = words.view(1, -1)
     q = torch.div(V, P, rounding_mode="floor")
-    T = q + ((V - q * P) > (P - 1) // 2).to(torch.int64)
+    T = q + ((V - q * P) > (P - 1) // 2).to(torch.int64)  # row i: T_i of every word
     C = T.clone()
-    C[:, :-1] -= R * T[:, 1:]
-    C = C.reshape(-1)
+    C[:-1] -= R * T[1:]
+    C = C.reshape(-1)  # code t = i m + j: digit i of word j
     if not bad:
         bad = int((C[numel:] != 0).any())
     if bad:
