@@ -976,7 +976,7 @@ def measure_latency(workers: int, rate: float | None, samples: int = 50) -> floa
 
 
 def compare_with_race(race: dict | None = None, quick: bool = True, networks=("100Mbit", "1Gbit"),
-                      latency: str | None = None, repeats: int = 5, progress=print) -> dict:
+                      latency: str | None = None, repeats: int = 20, progress=print) -> dict:
     """The plan's predicted step time against ``lowbit bench race``'s measured one, for every
     contender on each shaped network: ``{"errors": {"NETWORK/METHOD": (predicted - measured) /
     measured}, "rows": [...], "plan": ..., "latency_s": {NETWORK: seconds}}``. ``race``: a race
