@@ -20,7 +20,9 @@ Two kinds of kernels with one result: :func:`pack_words` / :func:`unpack_words` 
 the packer's multiplication by ``R`` vectorises, and the unpacker first splits each
 word into 32-bit limbs of ``G`` digits (``R^G <= 2^32``; a division by a constant per
 limb), then takes the digits of each limb row by row in 32-bit arithmetic, where the
-division by the constant ``R`` is a vectorised multiply-high.
+division by the constant ``R`` is a vectorised multiply-high. At 1e6 codes, one thread,
+here: pack ~0.1 ms, unpack 0.17-0.31 ms (``python benchmarks/lanes_cost.py`` times them
+with the encode and decode around them).
 """
 
 from __future__ import annotations
