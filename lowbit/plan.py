@@ -11,15 +11,18 @@ What it measures, on the current device, for one model and one batch:
    as it is: a one-process average) reads the time of each call from the start of backward
    (CUDA: events on the current stream), and the bucket's parameters.
 3. **Each method's own compute** (:data:`METHODS`, the names of ``lowbit bench race``):
-   - DDP methods: the method's hook run on buckets holding the real gradients, with the
-     bucket's real parameters (PowerSGD factorises each of them), one bucket after another
-     as DDP calls them, medians over rounds that interleave the methods. torch's hooks run
-     on the one-process group; lowbit's hooks run on a :class:`MirrorTransport` of ``n``
-     ranks, so that their codes take the integer width ``n`` workers need and their
-     collectives are recorded op by op (a mirror's collectives return what ``n`` equal ranks
-     would: the sum is ``n`` times the tensor). Whether an op is issued synchronously (inside
-     the hook, blocking backward: the scale rounds of the max-norm codecs, PowerSGD's ``P``)
-     or asynchronously (overlapped) is read from the transport call.
+   - DDP methods: the method's hook (torch's or lowbit's, as the race configures it) run
+     to its result on the one-process group, on each bucket holding the real gradients and
+     the bucket's real parameters (PowerSGD factorises each of them), the bucket's refill
+     subtracted, medians over rounds that interleave the methods (:func:`_time_hooks`).
+   - What a DDP method sends for ``n`` workers: torch's hooks as torch's code issues their
+     collectives (:func:`torch_powersgd_ops`); lowbit's hooks run once more on a
+     :class:`MirrorTransport` of ``n`` ranks, so that their codes take the integer width
+     ``n`` workers need (packed sums included) and their collectives are recorded op by op
+     (a mirror's collectives return what ``n`` equal ranks would: the sum is ``n`` times the
+     tensor). Whether an op is issued synchronously (inside the hook, blocking backward: the
+     scale rounds of the max-norm codecs, PowerSGD's ``P``) or asynchronously (overlapped)
+     is read from the transport call.
    - Decentralized methods: lowbit's wrapper
      (:class:`~lowbit.integrations.decentralized.DecentralizedDataParallel`, as the race
      runs them) on a ring of 3 (two neighbours, as on any larger ring; a ring of 2, one
