@@ -12,6 +12,9 @@ median milliseconds, and the added milliseconds (encode + decode, median over ro
 against the wire time the lanes save in a ring all-reduce at 1 Gbit/s (each rank sends
 ``2 (n - 1) / n`` times the buffer).
 
+First it prints the bits per element of the code sum's all-reduce buffer that the DDP
+hooks' exchange sends for 2 and 4 bits on 2-16 thread workers (from the ledger).
+
 Run: ``python benchmarks/lanes_cost.py`` (``--rounds 7 --numel 1000000``).
 """
 
@@ -68,6 +71,29 @@ def _case(bits: int, n: int, numel: int, rounds: int, min_run: float) -> dict:
             "added_ms": 1e3 * added, "saved_ms_1gbit": 1e3 * saved * 8 / GBIT}
 
 
+def ledger_bits(numel: int = 100_000) -> dict:
+    """Bits per element of the code sum's all-reduce buffer as the DDP hooks' exchange
+    (``int_allreduce``) sends it on the thread runtime, from the ledger: ``{(bits, n): bits}``."""
+    import types
+
+    from lowbit.comm import run_threads
+    from lowbit.integrations.ddp_hooks.maxnorm import int_allreduce
+
+    out = {}
+    for bits in (2, 4):
+        codec = QSGDMaxNormCodec(bits=bits)
+        for n in (2, 4, 8, 16):
+            def worker(t):
+                x = torch.randn(numel, generator=torch.Generator().manual_seed(t.rank))
+                fut, _ = int_allreduce(types.SimpleNamespace(sum_dtype=None), t, codec, x,
+                                       shared_generator(0, 0, t.rank))
+                fut.wait()
+                return [r.nbytes for r in t.ledger.records[0] if r.op == "all_reduce"][-1]  # the code sum
+
+            out[bits, n] = 8 * run_threads(n, worker)[0] / numel
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -75,6 +101,10 @@ def main() -> None:
     ap.add_argument("--min-run", type=float, default=0.2, help="seconds per blocked_autorange")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    lb = ledger_bits()
+    print("code-sum all-reduce buffer, bits per element (the hook's exchange, ledger, 1e5 elements):")
+    for bits in (2, 4):
+        print(f"  codec bits={bits}: " + ", ".join(f"n={n} {lb[bits, n]:.3f}" for n in (2, 4, 8, 16)))
     print(f"numel={a.numel}, one thread, {a.rounds} interleaved rounds; load average {os.getloadavg()}")
     print("bits  n  sum  lane bits | encode ms int8 / lanes  ratio [min, max] | decode ms int8 / lanes  "
           "ratio [min, max] | added ms  saved ms at 1 Gbit/s")
