@@ -165,11 +165,17 @@ def _check_batch(batch, what: str) -> None:
 
 
 def load_model_function(spec: str) -> Callable:
-    """The function ``module:function`` names (``module`` importable, e.g. ``mypkg.models``;
-    a dotted attribute path after the colon is allowed). ValueError naming what is wrong."""
+    """The function ``module:function`` names (``module`` importable, e.g. ``mypkg.models``,
+    from ``sys.path`` or the current directory, as ``python -m`` finds it; a dotted attribute
+    path after the colon is allowed). ValueError naming what is wrong."""
+    import os
+    import sys
+
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ValueError(f"model must be 'module:function' (e.g. mypkg.nets:build), got {spec!r}")
     mod_name, attr = spec.split(":")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
