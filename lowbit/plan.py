@@ -931,7 +931,7 @@ def format_plan_report(report: dict) -> str:
 
 def plot_plan(report: dict, out) -> list:
     """One PNG per bandwidth and latency: each method's predicted speedup against fp32 DDP over
-    the number of workers (log x), fp32 DDP as the dashed line at 1. ``out``: a file name; the
+    the number of workers (log y), fp32 DDP as the dashed line at 1. ``out``: a file name; the
     setting is added to its stem (``plan.png`` -> ``plan_1Gbit_50us.png``). Returns the paths."""
     from pathlib import Path
 
