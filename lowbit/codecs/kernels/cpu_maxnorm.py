@@ -186,11 +186,13 @@ def _qsgd_encode_buckets(x, W, Wdiv, bucket, s, offset, k0, k1, codes):
     for j in range(W.shape[0]):
         Wj = W[j]
         Dj = Wdiv[j]
-        for i in range(j * bucket, min(n, (j + 1) * bucket)):
-            v, a, f = _checked(x[i], Wj)
+        start = j * bucket
+        xs, cs = x[start:min(n, start + bucket)], codes[start:min(n, start + bucket)]
+        for i in range(xs.shape[0]):  # one contiguous slice per bucket: the loop vectorises
+            v, a, f = _checked(xs[i], Wj)
             flags |= f
-            mag = np.int64(round_stochastic((a / Dj) * S, k0, k1, i))
-            codes[i] = (-mag if v < 0.0 else mag) + offset
+            mag = np.int64(round_stochastic((a / Dj) * S, k0, k1, start + i))
+            cs[i] = (-mag if v < 0.0 else mag) + offset
     return flags
 
 
@@ -200,8 +202,10 @@ def _qsgd_decode_buckets(codes, offset, f, bucket, m, out):
     n = codes.shape[0]
     for j in range(f.shape[0]):
         fj = f[j]
-        for i in range(j * bucket, min(n, (j + 1) * bucket)):
-            out[i] = (float(np.int64(codes[i]) - offset) * fj) / m
+        start = j * bucket
+        cs, os = codes[start:min(n, start + bucket)], out[start:min(n, start + bucket)]
+        for i in range(cs.shape[0]):
+            os[i] = (float(np.int64(cs[i]) - offset) * fj) / m
 
 
 # --- multi-scale ------------------------------------------------------------------------------
