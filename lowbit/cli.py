@@ -129,7 +129,8 @@ def _add_race(what) -> None:
     r.add_argument("--eval-every", type=int, default=None, help="steps between two evaluations")
     r.add_argument("--target", type=float, default=None, help="target test accuracy in (0, 1]")
     r.add_argument("--batch", type=int, default=None, help="batch size per worker")
-    r.add_argument("--lr", type=float, default=None, help="learning rate of the methods that have none of their own")
+    r.add_argument("--lr", type=float, default=None, help="learning rate of every method (default: the race's, and a method's own where it "
+                   "was tuned for the task: lowbit.bench.race.METHODS)")
     r.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
     r.add_argument("--eval-samples", type=int, default=None, help="test images of the evaluations during training")
     r.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (one GPU per worker)")

@@ -18,8 +18,8 @@ queue give.
 
 Same conditions for every method: the same initial model (``torch.manual_seed(seed)``), the same
 minibatches on each rank (a generator seeded by ``seed`` and the rank, over the rank's iid shard),
-SGD with ``momentum`` at a constant learning rate (``lr``; a method's own where :data:`METHODS`
-gives one, reported as ``lr``), ``steps`` steps of ``batch`` samples per rank.
+SGD with ``momentum`` at a constant learning rate (``lr`` when given, for every method; else the
+race's, or a method's own where :data:`METHODS` gives one for the task; reported as ``lr``), ``steps`` steps of ``batch`` samples per rank.
 
 Measured per method and network (JSON keys):
 
@@ -73,14 +73,14 @@ class RaceMethod:
     ``hook`` (torch DDP with lowbit's hook ``hook`` of :func:`~lowbit.integrations.ddp_hooks.make_hook`)
     or ``decentralized`` (:class:`~lowbit.integrations.DecentralizedDataParallel` running
     ``algorithm``, ring); ``options`` go to the hook or the algorithm; ``lr``: the method's own
-    learning rate (None: the race's)."""
+    learning rate on the tasks it was tuned for (task name -> lr; the race's elsewhere)."""
 
     kind: str
     description: str
     hook: str | None = None
     algorithm: str | None = None
     options: dict = field(default_factory=dict)
-    lr: float | None = None
+    lr: dict = field(default_factory=dict)
 
 
 #: the race's contenders, by the names ``lowbit plan`` uses too
@@ -93,7 +93,7 @@ METHODS: dict[str, RaceMethod] = {
     # lr tuned on the full race's task, loopback, 150 steps (2026-11-27): 0.05 (the race's) fell to
     # chance, 0.01 reached 0.80 at step 120 (0.826 at 150), 0.003 reached 0.754 at 150
     "lowbit-qsgd-maxnorm-2": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 2 bits", hook="qsgd_maxnorm",
-                                        options={"bits": 2}, lr=0.01),
+                                        options={"bits": 2}, lr={"fashion-lenet-tf": 0.01}),
     "lowbit-qsgd-maxnorm-4": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 4 bits", hook="qsgd_maxnorm",
                                         options={"bits": 4}),
     "lowbit-multiscale": RaceMethod("hook", "DDP + lowbit multi-scale max-norm hook (scales 2, 6)",
@@ -213,7 +213,7 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
     for name in chosen:
         m = METHODS[name]
         specs[name] = {"kind": m.kind, "hook": m.hook, "algorithm": m.algorithm, "options": dict(m.options),
-                       "lr": float(m.lr if m.lr is not None else s["lr"])}
+                       "lr": float(m.lr.get(s["task"], s["lr"]) if lr is None else s["lr"])}
     cfg = dict(task=s["task"], task_options=task_options, steps=s["steps"], eval_every=s["eval_every"],
                batch=s["batch"], momentum=float(momentum), seed=seed, warmup=warmup, compute_steps=compute_steps,
                eval_samples=s["eval_samples"], powersgd_rank=2, powersgd_start=2, jit_steps=JIT_STEPS)
