@@ -63,7 +63,8 @@ class TernGradCodec(Codec):
     > 0; the paper uses 2.5, the DDP hooks' default
     :data:`~lowbit.integrations.ddp_hooks.HOOK_CLIP`): ``scale = min(max |x|, c sigma)``
     rounded up to float32, ``sigma`` the population standard deviation of ``x``'s elements
-    (computed in float32 from ``x``, the same value on both paths), and elements beyond it
+    (``sqrt(||x||^2 / n - mean^2)`` from torch's reductions of ``x`` in its dtype, float32 for
+    16-bit input: the same value on both paths), and elements beyond it
     coded as ``+-scale``. Where ``c sigma`` is 0 (a constant ``x``, one element) nothing is
     clipped.
     """
@@ -97,7 +98,10 @@ class TernGradCodec(Codec):
             return max_abs
         xf = x.detach().reshape(-1)
         xf = xf if xf.dtype in (torch.float32, torch.float64) else xf.float()
-        bound = self.clip * float(torch.std(xf, correction=0))
+        n = xf.numel()  # sigma^2 = ||x||^2 / n - mean^2: two fast reductions (torch.std took 6x as long)
+        mean = float(xf.sum()) / n
+        sigma = math.sqrt(max(0.0, float(torch.linalg.vector_norm(xf)) ** 2 / n - mean * mean))
+        bound = self.clip * sigma
         return min(max_abs, bound) if bound > 0 else max_abs
 
     @staticmethod

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ...algorithms.compressed import decode_average, gathered_exchange
+from ...codecs.kernels import empty_output
 from ...codecs.rng import shared_generator
 from .state import HOOK_STREAM
 
@@ -28,34 +29,43 @@ def allgather(state, t, codec, x, bidx, sizes: list[int] | None = None):
     message each (a codec without decode-side dither), or None for one message."""
     rank, step, seed = t.rank, state.step, state.seed
     gen = state._generator(rank, bidx)
-    needs_gen = codec.dither_on_decode
     decoded: dict[int, torch.Tensor] = {}
     if sizes is None:
-        wire = codec.encode(x, generator=gen).to_wire()
+        needs_gen = codec.dither_on_decode
 
-        def decode_one(sender: int, w: torch.Tensor) -> torch.Tensor:
+        def decode(sender: int, w: torch.Tensor) -> torch.Tensor:
             g = shared_generator(seed, step, sender, HOOK_STREAM + bidx) if needs_gen else None
-            return codec.decode(codec.payload_from_wire(w), generator=g)
-    else:
-        wires, offset = [], 0
-        for size in sizes:  # every draw from the one generator, in layer order
-            wires.append(codec.encode(x[offset:offset + size], generator=gen).to_wire())
-            offset += size
-        lengths = [w.numel() for w in wires]
-        wire = torch.cat(wires)
+            d = codec.decode(codec.payload_from_wire(w), generator=g)
+            if sender == rank:
+                decoded["own"] = d
+            return d
 
-        def decode_one(sender: int, w: torch.Tensor) -> torch.Tensor:
-            parts, at = [], 0
+        fut = gathered_exchange(t, codec.encode(x, generator=gen).to_wire(), lambda ws: decode_average(ws, decode))
+        return fut, lambda: decoded["own"]
+    wires, offset = [], 0
+    for size in sizes:  # every draw from the one generator, in layer order
+        wires.append(codec.encode(x[offset:offset + size], generator=gen).to_wire())
+        offset += size
+    lengths = [w.numel() for w in wires]
+
+    def average(ws: list[torch.Tensor]) -> torch.Tensor:
+        """The float64 average in rank order, each message added into its layer's slice (no
+        concatenation of the decoded layers); this rank's own messages kept for its memory."""
+        acc = empty_output(x.numel(), torch.float64, x.device)
+        for sender, w in enumerate(ws):
+            at = offset = 0
+            own = [] if sender == rank else None
             for size, length in zip(sizes, lengths):
-                parts.append(codec.decode(codec.payload_from_wire(w[at:at + length]), numel=size))
+                d = codec.decode(codec.payload_from_wire(w[at:at + length]), numel=size)
+                part = acc[offset:offset + size]
+                part.copy_(d) if sender == 0 else part.add_(d)
+                if own is not None:
+                    own.append(d)
                 at += length
-            return torch.cat(parts)
+                offset += size
+            if own is not None:
+                decoded["own"] = own
+        return acc.div_(len(ws))
 
-    def decode(sender: int, w: torch.Tensor) -> torch.Tensor:
-        d = decode_one(sender, w)
-        if sender == rank:
-            decoded["own"] = d
-        return d
-
-    fut = gathered_exchange(t, wire, lambda wires: decode_average(wires, decode))
-    return fut, lambda: decoded["own"]
+    fut = gathered_exchange(t, torch.cat(wires), average)
+    return fut, lambda: torch.cat(decoded["own"])
