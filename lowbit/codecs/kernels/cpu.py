@@ -259,14 +259,23 @@ def within(a: torch.Tensor, split: int, head_lim: float, tail_lim: float) -> boo
 
 
 @_jit
-def _top_bits(bits, mask):
-    """The largest ``bits[i] & mask``: with ``bits`` a float array's bits as integers of its width
-    and ``mask`` its magnitude's bits, the bits of the largest ``|x|`` (a NaN's are above every
-    other value's). An integer max vectorises; a float one does not."""
+def _as_float(top, bits, like):
+    """The float of ``like``'s dtype whose bits are the integer ``top`` (of ``bits``' dtype)."""
+    one = np.empty(1, dtype=bits.dtype)
+    one[0] = top
+    return one.view(like.dtype)[0]
+
+
+@_jit
+def _top_bits(bits, mask, like):
+    """The largest ``|x|`` of the float array ``like`` whose bits, as integers of its width, are
+    ``bits`` (``mask``: its magnitude's bits): the largest ``bits[i] & mask`` as a float (a NaN's
+    bits are above every other value's: NaN when there is one). An integer max vectorises; a
+    float one does not."""
     top = mask & 0
     for i in range(bits.shape[0]):
         top = max(top, bits[i] & mask)
-    return top
+    return _as_float(top, bits, like)
 
 
 #: numpy float dtype -> (the integer dtype of its width, the mask of its magnitude's bits)
@@ -279,17 +288,12 @@ def _as_magnitude_float(a: np.ndarray) -> np.ndarray:
     return a if a.dtype in _MAGNITUDE_MASK else a.astype(np.float64)
 
 
-def _top_value(top, a: np.ndarray) -> float:
-    """The float whose magnitude bits :func:`_top_bits` returned for ``a``."""
-    return float(np.array(top, dtype=_MAGNITUDE_MASK[a.dtype][0]).view(a.dtype))
-
-
 def max_abs(x: torch.Tensor) -> float:
     """``max |x|`` of a CPU float tensor as a float, NaN when ``x`` holds a NaN (as torch's
     ``x.abs().max()``), 0.0 when empty: one vectorised pass, no temporary."""
     a = _as_magnitude_float(as_numba(x))
     itype, mask = _MAGNITUDE_MASK[a.dtype]
-    return _top_value(_top_bits(a.view(itype), mask), a)
+    return float(_top_bits(a.view(itype), mask, a))
 
 
 # --- Moniqua's modulo codec ------------------------------------------------------------------
@@ -322,8 +326,8 @@ def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes):
 @_jit
 def _modulo_decode(codes, B, levels, y, ybits, mask, out):
     """Eq. (5): ``(q B/levels - y) mod B + y``, into ``out`` (``y``'s dtype). ``ybits``: ``y``'s
-    bits as integers of its width, ``mask`` the bits of its magnitude. Returns the largest
-    ``ybits & mask`` (:func:`_top_bits` of ``y``, in the same pass) for the caller's range check:
+    bits as integers of its width, ``mask`` the bits of its magnitude. Returns the largest ``|y|``
+    (:func:`_top_bits` of ``y``, in the same pass; NaN if ``y`` holds one) for the caller's range check:
     an integer max costs about half what a float compare per element did (``|y| > limit`` or-ed
     into a flag: 9% of the kernel's time here, this 4%); a float max does not vectorise."""
     step = B / float(levels)
@@ -333,7 +337,7 @@ def _modulo_decode(codes, B, levels, y, ybits, mask, out):
         yv = np.float64(y[i])
         top = max(top, ybits[i] & mask)
         out[i] = centered_mod(float(codes[i]) * step - yv, B, inv_B) + yv
-    return top
+    return _as_float(top, ybits, y)
 
 
 # --- torch-level API (the same names and signatures as the Triton module) --------------------
@@ -401,7 +405,7 @@ def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor)
     top = _modulo_decode(np_view(codes), float(B), levels, yn, yn.view(itype), mask, out.numpy())
     # the largest |y| (a NaN if one is there: its bits hide the rest), beyond the limit: the exact check
     lim = modulo_limit(float(B), levels)
-    if not _top_value(top, yn) <= lim:
+    if not float(top) <= lim:
         a = y.abs().to(torch.float64)
         far = a > lim  # a NaN is not beyond it
         if bool(far.any()):
