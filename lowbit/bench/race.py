@@ -102,8 +102,11 @@ METHODS: dict[str, RaceMethod] = {
     "lowbit-powersgd": RaceMethod("hook", "DDP + lowbit PowerSGD hook (error feedback)", hook="powersgd"),
     "moniqua-2": RaceMethod("decentralized", "Moniqua, 2 bits, ring (DecentralizedDataParallel)",
                             algorithm="moniqua", options={"bits": 2}),
-    "lowprec": RaceMethod("decentralized", "Bagua's low-precision decentralized SGD, ring (DecentralizedDataParallel)",
-                          algorithm="lowprec-decentralized"),
+    # not hierarchical: every rank is a host behind its own link (Bagua's default, hierarchical,
+    # would average all the ranks of this one machine in fp32 first: DDP's bytes exactly)
+    "lowprec": RaceMethod("decentralized", "Bagua's low-precision decentralized SGD (8-bit min-max), ring, "
+                          "each rank its own node (DecentralizedDataParallel)", algorithm="lowprec-decentralized",
+                          options={"hierarchical": False}),
     "choco": RaceMethod("decentralized", "CHOCO-SGD, ring (DecentralizedDataParallel)", algorithm="choco"),
 }
 
