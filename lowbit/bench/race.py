@@ -44,7 +44,8 @@ Measured per method and network (JSON keys):
   the method adds, in any thread); ``comm_wait_seconds``, the rest of the step (waiting for the
   network, and for the CPU where ranks outnumber cores). The split is an estimate from two
   clocks, not a trace. ``compute_cpu_seconds``, the compute-only step's CPU seconds, shows how
-  much of ``compute_seconds`` was waiting for a core (on a loaded machine, most of it).
+  much of ``compute_seconds`` was waiting for a core (on a loaded machine, most of it);
+  ``loadavg``, the machine's 1-minute load average when the method started and ended.
 
 A method that fails (its launch dies) is reported with ``failed`` (the reason) and ``null``
 figures; the methods after it run in a new launch.
@@ -349,7 +350,7 @@ def _summarise(rec: dict, target: float) -> dict:
            "comm_wait_seconds": max(step_s - compute - codec, 0.0),
            "train_seconds": r0["train_seconds"], "lr": r0["lr"],
            "curve": [{"step": k, "seconds": t, "accuracy": a} for k, t, a in r0["curve"]]}
-    for extra in ("fp32_bytes_per_step",):
+    for extra in ("fp32_bytes_per_step", "loadavg"):
         if extra in r0:
             out[extra] = r0[extra]
     return out

@@ -266,6 +266,13 @@ def _run(name: str, spec: dict, task, shard, transport, cfg: dict, Xe, ye) -> di
             "bytes_per_step": float(bytes_per_step), "final_accuracy": final, "lr": lr, **method.extra}
 
 
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def set_link(rate_bps: float | None) -> None:
     """Shape this process's link (the shaped network's interface, in the namespace this rank
     runs in) to ``rate_bps`` bits/s with the token bucket :class:`~lowbit.comm.shaping.ShapedNetwork`
@@ -307,9 +314,10 @@ def race_worker(transport, cfg: dict) -> dict:
         network = net
         with transport.untracked():
             transport.barrier()
-        t0 = time.perf_counter()
+        t0, load0 = time.perf_counter(), _loadavg()
         try:
             rec = _run(name, cfg["methods"][name], task, shard, transport, cfg, Xe, ye)
+            rec["loadavg"] = [load0, _loadavg()]  # the machine's 1-minute load at the start and the end
         except Exception as e:
             raise RuntimeError(f"race method {name} on {net}: {type(e).__name__}: {e}") from e
         with open(stem + ".json.tmp", "w") as f:
