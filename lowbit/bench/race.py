@@ -392,7 +392,7 @@ def format_race_report(report: dict) -> str:
         anchor = rows.get("torch-ddp-fp32", {}).get("seconds_to_target")
         lines.append(f"\n{net}" + ("" if anchor is None else f"  (torch-ddp-fp32 reaches the target in {anchor:.1f} s)"))
         lines.append(f"{'method':<24} {'lr':>6} {'s to target':>11} {'x ddp':>6} {'steps':>6} {'final acc':>9} "
-                     f"{'MB/step':>9} {'step ms':>8} {'compute':>8} {'enc/dec':>8} {'comm wait':>9}")
+                     f"{'MB/step':>9} {'step ms':>8} {'compute':>8} {'enc/dec':>8} {'comm wait':>9} {'load':>10}")
         for m, r in rows.items():
             if r.get("failed"):
                 lines.append(f"{m:<24} FAILED: {r['failed']}")
@@ -402,10 +402,11 @@ def format_race_report(report: dict) -> str:
             lines.append(f"{m:<24} {r['lr']:>6g} {_fmt(r['seconds_to_target'], '.1f', 'never'):>11} "
                          f"{_fmt(x, '.2f'):>6} {_fmt(r['steps_to_target'], 'd'):>6} {_fmt(r['final_accuracy'], '.4f'):>9} "
                          f"{r['bytes_per_step'] / 1e6:>9.3f} {ms(r['step_seconds']):>8} {ms(r['compute_seconds']):>8} "
-                         f"{ms(r['encode_decode_seconds']):>8} {ms(r['comm_wait_seconds']):>9}")
+                         f"{ms(r['encode_decode_seconds']):>8} {ms(r['comm_wait_seconds']):>9} "
+                         f"{'-'.join(_fmt(v, '.1f') for v in r.get('loadavg') or ()) or '-':>10}")
     for net, why in report.get("skipped_networks", {}).items():
         lines.append(f"{net}: SKIPPED ({why})")
     lines.append("x ddp: torch-ddp-fp32's seconds to target / the method's (above 1: sooner). step ms: median step, "
                  "slowest rank; compute: the same step with no communication; enc/dec: CPU seconds per step beyond "
-                 "compute's; comm wait: the rest.")
+                 "compute's; comm wait: the rest; load: the machine's load average when the method started and ended.")
     return "\n".join(lines)
