@@ -38,9 +38,10 @@ def accuracy(model: nn.Module, X: torch.Tensor, y: torch.Tensor, chunk: int = 10
     was = model.training
     model.eval()
     correct = 0
+    dev = next(model.parameters()).device
     with torch.no_grad():
         for a in range(0, len(y), chunk):
-            correct += int((model(X[a:a + chunk]).argmax(1) == y[a:a + chunk]).sum())
+            correct += int((model(X[a:a + chunk].to(dev)).argmax(1) == y[a:a + chunk].to(dev)).sum())
     model.train(was)
     return correct / len(y)
 
@@ -177,6 +178,12 @@ class _Method:
             self.model.close()
 
 
+def _sync() -> None:
+    """Wait for the GPU's queued work (NCCL runs: a step's time is its kernels', not their launch)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _compute_only(net: nn.Module, lr: float, momentum: float, batches, transport) -> tuple[float, float]:
     """Median wall and CPU seconds of a step of the plain module (a copy): forward, backward and
     the optimizer's step, no communication; all ranks at once, as in the race."""
@@ -189,6 +196,7 @@ def _compute_only(net: nn.Module, lr: float, momentum: float, batches, transport
         opt.zero_grad()
         nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
+        _sync()
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
     transport.barrier()
@@ -200,7 +208,7 @@ def _warm(spec: dict, task, shard, transport, cfg: dict) -> None:
     the one-time costs of a process (compiling or loading the codecs' kernels, torch's first
     autograd and collective calls) stay out of the race's clock, for every method alike."""
     torch.manual_seed(cfg["seed"] + 1)
-    net = task.make_model()
+    net = task.make_model().to(task.device)
     opt = torch.optim.SGD(net.parameters(), lr=spec["lr"], momentum=cfg["momentum"])
     gen = torch.Generator().manual_seed(cfg["seed"] + 1)
     with transport.untracked():
@@ -215,7 +223,7 @@ def _run(name: str, spec: dict, task, shard, transport, cfg: dict, Xe, ye) -> di
     rank = transport.rank
     _warm(spec, task, shard, transport, cfg)
     torch.manual_seed(cfg["seed"])
-    net = task.make_model()
+    net = task.make_model().to(task.device)
     lr = spec["lr"]
     opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=cfg["momentum"])
     gen = torch.Generator().manual_seed(cfg["seed"] * 7919 + rank)
@@ -237,6 +245,7 @@ def _run(name: str, spec: dict, task, shard, transport, cfg: dict, Xe, ye) -> di
     for k in range(steps):
         x, y = task.sample(shard, cfg["batch"], gen)
         method.train_step(x, y)
+        _sync()
         now = time.perf_counter()
         step_times.append(now - last)
         last = now
@@ -300,6 +309,8 @@ def race_worker(transport, cfg: dict) -> dict:
 
     torch.manual_seed(cfg["seed"])
     task = make_task(cfg["task"], **cfg["task_options"])
+    if dist.get_backend() == "nccl":  # one GPU per rank: the launcher set this rank's device
+        task.to(torch.device("cuda", torch.cuda.current_device()))
     shard = task.shard(transport.rank, transport.world_size, cfg["seed"])
     ne = min(cfg["eval_samples"], len(task.y_test))
     idx = torch.randperm(len(task.y_test), generator=torch.Generator().manual_seed(54321))[:ne]
