@@ -95,8 +95,14 @@ def _worker_cases(size: int) -> dict[str, dict]:
     return out
 
 
-def worker(tree: str, size: int, min_run_time: float) -> None:
-    """Serve timings of ``tree``'s lowbit on stdin/stdout, one JSON object a line."""
+def selected(label: str, codecs: list[str] | None) -> bool:
+    """Whether ``--codecs`` (families, the first word of a label, or whole labels) takes ``label``."""
+    return codecs is None or label.split()[0] in codecs or label in codecs
+
+
+def worker(tree: str, size: int, min_run_time: float, codecs: list[str] | None = None) -> None:
+    """Serve timings of ``tree``'s lowbit on stdin/stdout, one JSON object a line (only the
+    cases ``codecs`` selects are built and warmed)."""
     sys.path.insert(0, tree)
     import torch
 
@@ -108,7 +114,7 @@ def worker(tree: str, size: int, min_run_time: float) -> None:
         raise SystemExit(f"worker for {tree} imported lowbit from {where}")
     dev = torch.device("cpu")
     with pinned_threads(1) as threads:
-        cases = _worker_cases(size)
+        cases = {k: v for k, v in _worker_cases(size).items() if selected(k, codecs)}
         for ops in cases.values():  # compile and warm every kernel before the first timing
             for fn in ops.values():
                 fn()
@@ -127,12 +133,13 @@ def worker(tree: str, size: int, min_run_time: float) -> None:
 class Worker:
     """One tree's worker process."""
 
-    def __init__(self, tree: str, size: int, min_run_time: float):
+    def __init__(self, tree: str, size: int, min_run_time: float, codecs: list[str] | None = None):
         env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         env.pop("PYTHONPATH", None)
         self.tree = tree
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", tree, "--size", str(size),
-                                      "--min-run-time", str(min_run_time)], stdin=subprocess.PIPE,
+                                      "--min-run-time", str(min_run_time)]
+                                     + (["--codecs", ",".join(codecs)] if codecs else []), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env, cwd="/")
 
     def read(self) -> dict:
@@ -161,17 +168,16 @@ def run(before: str, after: str, size: int, rounds: int, min_run_time: float, co
     from lowbit.bench.timing import median_ratio, spread  # the driver's (the after tree's) helpers
 
     load_start = os.getloadavg()
-    workers = {"before": Worker(before, size, min_run_time), "after": Worker(after, size, min_run_time)}
+    workers = {side: Worker(tree, size, min_run_time, codecs) for side, tree in (("before", before), ("after", after))}
     try:
         info = {k: w.read() for k, w in workers.items()}
         common = [(label, op) for label, ops in info["before"]["cases"].items()
                   for op in ops if op in info["after"]["cases"].get(label, ())]
         if codecs:
-            unknown = [n for n in codecs if not any(label.split()[0] == n or label == n for label, _ in common)]
+            unknown = [n for n in codecs if not any(selected(label, [n]) for label, _ in common)]
             if unknown:
-                raise SystemExit(f"--codecs: unknown {unknown}; families: "
-                                 f"{sorted({label.split()[0] for label, _ in common})}")
-            common = [(label, op) for label, op in common if label.split()[0] in codecs or label in codecs]
+                raise SystemExit(f"--codecs: no case is named {unknown} (a family is a label's first word: fp32, "
+                                 "modulo, dithered, ...; or give a whole label)")
         timings: dict[tuple[str, str], list[dict]] = {key: [] for key in common}
         loads = []
         t0 = time.time()
@@ -228,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.size < 1 or a.rounds < 1 or not a.min_run_time > 0:
         raise SystemExit("--size and --rounds must be >= 1 and --min-run-time > 0")
     if a.worker:
-        worker(a.worker, a.size, a.min_run_time)
+        worker(a.worker, a.size, a.min_run_time, [n.strip() for n in a.codecs.split(",")] if a.codecs else None)
         return
     for t in (a.before, a.after):
         if not os.path.isfile(os.path.join(t, "lowbit", "__init__.py")):

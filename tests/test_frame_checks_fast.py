@@ -189,3 +189,24 @@ def test_bagua_grid_ok_host_agrees_with_the_tensor_check():
     assert not disagree, disagree[:5]
     assert sum(BaguaMinMaxCodec.grid_ok_host(lo, hi) for lo, hi in pairs) > 100  # both answers are exercised
     assert sum(not BaguaMinMaxCodec.grid_ok_host(lo, hi) for lo, hi in pairs) > 100
+
+
+def test_the_side_by_side_benchmark_runs_each_tree_in_its_own_worker():
+    """benchmarks/frame_checks_cost.py, A/A on this tree at a small size: both workers import this
+    tree's lowbit, every selected (case, operation) gets one ratio per round, the report formats."""
+    import importlib.util
+    import os
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("frame_checks_cost",
+                                                  os.path.join(repo, "benchmarks", "frame_checks_cost.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rep = bench.run(repo, repo, 1000, 2, 0.002, ["fp32", "modulo b=2"])
+    assert rep["before"] == rep["after"] == os.path.join(os.path.realpath(repo), "lowbit", "__init__.py")
+    keys = {(r["case"], r["op"]) for r in rep["rows"]}
+    assert keys == {("fp32", "encode"), ("fp32", "decode"), ("modulo b=2", "encode"), ("modulo b=2", "decode"),
+                    ("modulo b=2", "decode_hashed")}
+    for r in rep["rows"]:
+        assert len(r["rounds"]) == 2 and 0 < r["min"] <= r["ratio"] <= r["max"] < float("inf")
+    assert "modulo b=2" in bench.format_report(rep)
