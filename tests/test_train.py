@@ -131,7 +131,7 @@ def test_torchrun_launch_joins_and_matches_threads(tmp_path):
     import sys
 
     args = ["train", "--backend", "torch", "--workers", "2", "--steps", "20", "--eval-every", "10", "--no-progress"]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "lowbit",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "lowbit",
                            *args, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = json.loads((tmp_path / "summary.json").read_text())

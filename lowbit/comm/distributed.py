@@ -31,7 +31,9 @@ active side is the worker's own thread: send header and bytes, receive the
 reply. Nothing waits on a global barrier; two ranks asking each other at once
 are both answered by their responders. ``gossip_close`` sends a DONE header to
 every neighbour and joins the responder, which stops once every neighbour has
-sent DONE (a finished rank keeps answering those still training).
+sent DONE (a finished rank keeps answering those still training), or, once it
+has heard another rank's fault (a faulty rank sends no DONE), raises it at
+once, its responder left answering requests with the fault.
 A fault (``gossip_fault``) is a FAULT header (kind, the fault word, its step)
 sent to every neighbour; a responder that hears one forwards it once to its
 other neighbours (``isend``: two responders forwarding to each other do not
@@ -318,6 +320,10 @@ class TorchDistributedTransport(Transport):
         self._g_sends: list = []
         self._g_done = False
         self._g_lock = threading.Lock()
+        # set when the responder ends (every neighbour sent DONE) or hears a fault: gossip_close
+        # waits on it (a faulty neighbour never sends DONE; this rank's responder stays up to
+        # answer the others' requests with the fault)
+        self._g_wake = threading.Event()
         self._g_thread = threading.Thread(target=self._responder, args=(tuple(neighbors),),
                                           name=f"lowbit-gossip-responder-{self.rank}", daemon=True)
         self._g_thread.start()
@@ -353,6 +359,8 @@ class TorchDistributedTransport(Transport):
                     dist.send(reply, dst=src, group=g, tag=_TAG_REP_DATA)
         except BaseException as e:  # noqa: BLE001 - re-raised on the worker's own thread
             self._g_error = e
+        finally:
+            self._g_wake.set()
 
     def _heard_fault(self, word: int, step: int, src: int) -> None:
         """The responder heard a FAULT header from ``src``: keep the first, forward it once to the
@@ -364,6 +372,7 @@ class TorchDistributedTransport(Transport):
             if self._g_fault is not None:
                 return
             self._g_fault = (word, step, src)
+            self._g_wake.set()
             if self._g_done:
                 return
             hdr = torch.tensor([_KIND_FAULT, word, step], dtype=torch.int64)
@@ -439,9 +448,13 @@ class TorchDistributedTransport(Transport):
             self._g_done = True
             for j in self._gossip_peers:
                 dist.send(torch.tensor([_KIND_DONE, 0, 0], dtype=torch.int64), dst=j, group=g, tag=_TAG_REQ)
-        self._g_thread.join()
-        for w in self._g_sends:  # forwards went out before DONE: the neighbours' responders take them
-            w.wait()
+        self._g_wake.wait()
+        if self._g_fault is None or self._g_fault[2] == self.rank:
+            self._g_thread.join()  # ended: every neighbour sent DONE (or the responder failed)
+            for w in self._g_sends:  # forwards went out before DONE: the neighbours' responders take them
+                w.wait()
+        # else another rank's fault: raised now, without waiting on forwards to neighbours that may
+        # have stopped listening (this process may exit or go on; the responder answers with it)
         self._g_sends = []
         self._raise_fault()
         self._check_responder()
