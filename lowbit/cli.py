@@ -9,33 +9,12 @@ from .train.config import TrainConfig
 
 
 def _add_train(sub) -> None:
-    """One option per :class:`TrainConfig` field, typed and documented by the field."""
-    import dataclasses
-    import typing
+    """The ``train`` subcommand: one option per :class:`TrainConfig` field (:mod:`lowbit.train.args`)."""
+    from .train.args import add_train_arguments
 
-    p = sub.add_parser("train", help="train a model on n workers and write metrics.jsonl and summary.json",
-                       description="Train on n workers. With no options: digits-mlp, Moniqua 2-bit, 8 workers, ring.")
-    from .algorithms.options import AlgorithmOptions
-
-    hints = typing.get_type_hints(TrainConfig)
-    algorithm_options = set(AlgorithmOptions.option_names())
-    groups = {True: p.add_argument_group("algorithm options (the same names in DecentralizedDataParallel and "
-                                         "make_hook)"),
-              False: p.add_argument_group("run options")}
-    for f in sorted(dataclasses.fields(TrainConfig), key=lambda f: f.name in algorithm_options):
-        flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
-        kw = dict(dest=f.name, default=f.default, help=f.metadata.get("help"))
-        hint = hints[f.name]
-        if hint is bool:
-            kw["action"] = argparse.BooleanOptionalAction
-        else:
-            base = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
-            kw["type"] = f.metadata.get("type", base[0] if len(base) == 1 else str)
-        groups[f.name in algorithm_options].add_argument(*flags, **kw)
-    p.add_argument("--out", default=None, help="directory for metrics.jsonl and summary.json (checked before "
-                                                "training; a previous run there needs --overwrite)")
-    p.add_argument("--overwrite", action="store_true", help="replace a previous run in --out")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_train_arguments(sub.add_parser(
+        "train", help="train a model on n workers and write metrics.jsonl and summary.json",
+        description="Train on n workers. With no options: digits-mlp, Moniqua 2-bit, 8 workers, ring."))
 
 
 def _add_timing(p, size_help: str) -> None:

@@ -18,7 +18,6 @@ that each command parses and runs with its options, not its numbers.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import statistics
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..topology import make_topology
+from ..train.args import train_parser
 from ..train.config import TrainConfig
 from .common import fmt, markdown_table, train_quietly, write_outputs
 
@@ -182,20 +182,11 @@ TABLES += (
 )
 
 
-def _train_parser() -> argparse.ArgumentParser:
-    """The ``lowbit`` parser with only its ``train`` command."""
-    from ..cli import _add_train
-
-    parser = argparse.ArgumentParser(prog="lowbit")
-    _add_train(parser.add_subparsers(dest="command"))
-    return parser
-
-
 def train_config(options: str, **override) -> TrainConfig:
     """The TrainConfig that ``lowbit train OPTIONS`` runs (same parser, same defaults);
     ``override`` replaces fields after parsing (the --quick scale)."""
     try:
-        args, unknown = _train_parser().parse_known_args(["train", *shlex.split(options)])
+        args, unknown = train_parser().parse_known_args(shlex.split(options))
     except SystemExit:  # argparse has printed why (a bad value)
         raise ValueError(f"options {options!r} are not valid lowbit train options (see the message above)") from None
     if unknown:
