@@ -64,8 +64,10 @@ ready at once, so buckets would only add messages.
 
 ``model.step()`` is the same ``optimizer.step()`` (kept for older code; it does
 not communicate twice). One wrapper per optimizer; :meth:`close` removes the
-hooks, after which ``optimizer.step()`` is a plain local step. ``step(closure)``
-is refused (the closure would recompute the gradient after the communication).
+hooks, after which ``optimizer.step()`` is a plain local step.
+``optimizer.step(closure)`` evaluates the closure (zero_grad, forward, backward) first,
+under ``torch.enable_grad()``, then communicates and updates, and returns the closure's loss,
+as torch's optimizers do (Lightning's automatic optimization passes one).
 
 ``x`` / ``g`` are the parameters the optimizer holds / their gradients as one
 flat buffer (:class:`~lowbit.integrations.FlatParams`; parameters become views
@@ -248,12 +250,13 @@ class DecentralizedDataParallel(nn.Module):
             if p.grad is not None:
                 p.grad.zero_()
 
-    def step(self) -> None:
-        """``optimizer.step()``, which runs the algorithm through the optimizer's
-        step hooks (see the module docstring); kept for code that calls it."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """``optimizer.step(closure)``, which runs the algorithm through the optimizer's
+        step hooks (see the module docstring); kept for code that calls it. Returns what
+        the optimizer's step returns (the closure's loss, or None)."""
         if self._closed:
             raise RuntimeError("step() after close(): the optimizer's step hooks are removed")
-        self.optimizer.step()
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     optimizer_step = step
 
@@ -274,17 +277,14 @@ class DecentralizedDataParallel(nn.Module):
                 raise
             raise err from e
 
-    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        """The optimizer's step pre-hook: set_step(k), before_update."""
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
+        """The optimizer's step pre-hook: the closure if one is given, set_step(k), before_update."""
         with self._refusals():
-            self._pre_step_body(optimizer, args, kwargs)
+            replaced = _run_closure(args, kwargs)
+            self._pre_step_body()
+            return replaced
 
-    def _pre_step_body(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        rest = args[1:] if args and args[0] is optimizer else args
-        if (rest and rest[0] is not None) or kwargs.get("closure") is not None:
-            raise ValueError("optimizer.step(closure) is not supported under DecentralizedDataParallel: the closure "
-                             "would recompute the gradient after the algorithm has communicated; call "
-                             "loss.backward() and then optimizer.step() without a closure")
+    def _pre_step_body(self) -> None:
         self._restore_grad_views()
         self.flat.check_aliasing()
         k = self.step_count
@@ -710,6 +710,36 @@ class DecentralizedDataParallel(nn.Module):
 def _fields(state: dict) -> dict:
     """The fields a checkpoint of ``state``'s format must hold (format 2: RNG states as tensors)."""
     return {**_FIELDS, "rng": RNG_FIELDS} if state.get("format") == _FORMAT else _FIELDS
+
+
+def _run_closure(args: tuple, kwargs: dict) -> tuple | None:
+    """``optimizer.step(closure)`` as torch's optimizers run it, but before the algorithm
+    communicates: evaluate the closure (zero_grad, forward, backward) under
+    ``torch.enable_grad()`` here, in the step pre-hook, and give the optimizer a closure that
+    returns that loss, so that ``step`` returns it. None when no closure is given, else the
+    (args, kwargs) for the optimizer. An optimizer that evaluates its closure twice per step
+    (LBFGS) gets a RuntimeError: it would recompute the gradient after the communication."""
+    pos = 1 if len(args) > 1 else None  # args[0] is the optimizer
+    closure = args[1] if pos is not None else kwargs.get("closure")
+    if closure is None:
+        return None
+    if not callable(closure):
+        raise TypeError(f"closure must be a callable returning the loss, got {type(closure).__name__}")
+    with torch.enable_grad():
+        loss = closure()
+    calls = [0]
+
+    def evaluated():
+        calls[0] += 1
+        if calls[0] > 1:
+            raise RuntimeError("the optimizer evaluates its closure more than once per step (as LBFGS does); under "
+                               "DecentralizedDataParallel the closure runs once, before the algorithm communicates: "
+                               "use an optimizer that evaluates it once (SGD, Adam, ...)")
+        return loss
+
+    if pos is not None:
+        return (args[0], evaluated, *args[2:]), kwargs
+    return args, {**kwargs, "closure": evaluated}
 
 
 def _bound_messages(transport: Transport, numel: int) -> None:
