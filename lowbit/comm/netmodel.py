@@ -43,21 +43,35 @@ from dataclasses import dataclass
 
 from .ledger import CommRecord
 
-_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_PREFIXES = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12,
+             "ki": 2.0 ** 10, "mi": 2.0 ** 20, "gi": 2.0 ** 30, "ti": 2.0 ** 40}
+#: bandwidth units as written (after a decimal k/M/G/T or binary Ki/Mi/Gi/Ti prefix): bits or bytes per second
+BANDWIDTH_UNITS = {"bit": 1, "bits": 1, "bit/s": 1, "bits/s": 1, "bps": 1,
+                   "B": 8, "B/s": 8, "Bps": 8, "byte": 8, "bytes": 8, "byte/s": 8, "bytes/s": 8}
 
 
 def parse_bandwidth(text: str | float) -> float:
-    """'100Mbit', '1gbit', '200mbps', '12.5MB' (bytes) or a number of bit/s -> bits per second."""
-    if isinstance(text, (int, float)):
+    """A bandwidth as written -> bits per second: ``100Mbit``, ``1Gbit/s``, ``200Mbps`` (bits),
+    ``12.5MB/s``, ``12.5MB``, ``1MiB/s``, ``2GBps`` (bytes: ``B`` is a byte, so ``12.5MB/s`` is
+    100 Mbit/s), or a bare number of bit/s. Prefixes k, M, G, T are decimal (any case), Ki, Mi, Gi,
+    Ti binary. ``b`` alone (``Mb``, ``Mb/s``) is ambiguous and refused, as is any unit not in
+    :data:`BANDWIDTH_UNITS`, with a ValueError naming the valid ones."""
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*([kmgt]?)(bit|bps|b/s|b|byte|bytes|B)?\s*", str(text), re.I)
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[-+]?\d+)?)\s*(?:([kmgtKMGT]i?)(?=[a-zA-Z]))?(\S*?)\s*", str(text))
         if not m:
-            raise ValueError(f"bandwidth={text!r} is not understood; use e.g. 100Mbit, 1Gbit, 12.5MB")
+            raise ValueError(f"bandwidth={text!r} is not understood; use e.g. 100Mbit, 1Gbit/s, 200Mbps, 12.5MB/s")
         num, prefix, unit = m.groups()
-        value = float(num) * _UNITS[prefix.lower()]
-        if unit is not None and (unit in ("B", "byte", "bytes") or unit.lower() in ("byte", "bytes")):
-            value *= 8
+        if unit == "":
+            factor = None if prefix else 1  # "10M": bits or bytes?
+        else:  # "bit" in any case; "B" (byte) and "b" (bit, only in bps) as written
+            factor = 1 if unit.lower() in ("bit", "bits", "bit/s", "bits/s") else BANDWIDTH_UNITS.get(unit)
+        if factor is None:
+            raise ValueError(f"bandwidth={text!r}: unit {(prefix or '') + unit!r} is not understood; valid units are "
+                             f"{', '.join(BANDWIDTH_UNITS)} (bits for bit/bps, bytes for B/byte), after an optional "
+                             f"prefix k, M, G, T (decimal) or Ki, Mi, Gi, Ti (binary), e.g. 100Mbit or 12.5MB/s")
+        value = float(num) * _PREFIXES[(prefix or "").lower()] * factor
     if not value > 0 or math.isinf(value):
         raise ValueError(f"bandwidth must be a positive finite number of bits/s, got {text!r}")
     return value
