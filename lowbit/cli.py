@@ -310,10 +310,25 @@ def _print_summary(s: dict) -> None:
         print(f"  {k:<{width}}  {fmt(v, 4)}")
 
 
-def _train(args) -> int:
+def _written_options(argv: list[str]) -> set[str]:
+    """The :class:`TrainConfig` fields that ``lowbit train``'s arguments ``argv`` set (rather than
+    leave at their defaults)."""
+    from .train.args import train_parser
+
+    parser, unset = train_parser(), object()
+    parser.set_defaults(**{name: unset for name in TrainConfig.option_names()})
+    return {k for k, v in vars(parser.parse_args(argv)).items() if v is not unset}
+
+
+def _train(args, argv: list[str]) -> int:
+    from .algorithms import from_options
+    from .algorithms.options import AlgorithmOptions
     from .train import train
 
     opts = {k: v for k, v in vars(args).items() if k in TrainConfig.option_names()}
+    # an algorithm option the algorithm does not read is refused, by the library's one check
+    written = _written_options(argv) & set(AlgorithmOptions.option_names()) - {"algorithm"}
+    from_options(opts["algorithm"], **{k: opts[k] for k in written})
     cfg = TrainConfig(**opts)
     run = train(cfg, out=args.out, progress=not args.no_progress, overwrite=args.overwrite)
     if run is not None:
@@ -332,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_plot(sub)
     _add_repro(sub)
     _add_plan(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
@@ -343,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             return _repro(args)
         if args.command == "plan":
             return _plan(args)
-        return _train(args) if args.command == "train" else _bench(args)
+        return _train(args, argv[argv.index("train") + 1:]) if args.command == "train" else _bench(args)
     except (Exception, KeyboardInterrupt) as e:  # noqa: BLE001 - expected failures: one line and an exit code
         from .train.errors import EXIT_CODES, classify
 
