@@ -1,0 +1,286 @@
+"""PyTorch Lightning: :class:`LowbitStrategy`, every lowbit algorithm as a Lightning strategy.
+
+Use (``lightning`` installed; ``pip install lowbit[test]`` brings it)::
+
+    from lowbit.integrations.lightning import LowbitStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LowbitStrategy("moniqua", bits=2, theta=0.05))
+    trainer.fit(model, datamodule)
+    trainer.strategy.bytes_sent            # this rank's bytes on the wire (the ledger)
+
+``algorithm`` is a ``lowbit train --algorithm`` name or a codec hook of
+:data:`lowbit.integrations.ddp_hooks.HOOKS`; the options are the ones that entry point takes.
+
+* Centralized algorithms (``allreduce``, ``maxnorm``, ``qsgd``, ``powersgd``...) and the codec
+  hooks (``fp16``, ``qsgd_maxnorm``...) run as torch DDP with a lowbit communication hook
+  (:func:`~lowbit.integrations.ddp_hooks.make_hook`), registered on every device type (Lightning's
+  own ``DDPStrategy(ddp_comm_hook=...)`` registers hooks only on CUDA: on CPU it silently sends
+  plain fp32). DDP's semantics hold: ``gradient_clip_val`` clips the averaged gradient,
+  ``accumulate_grad_batches`` communicates once per optimizer step (DDP's ``no_sync``), a
+  GradScaler sees the same inf on every rank.
+* Decentralized algorithms (``dpsgd``, ``moniqua``, ``choco``...) run under
+  :class:`~lowbit.integrations.DecentralizedDataParallel`, which wraps the LightningModule and its
+  one optimizer. There is no averaged gradient: each rank applies its own, so
+  ``gradient_clip_val`` clips each rank's local gradient (what a decentralized method with
+  clipping does). Accumulation sends nothing before the step (the wrapper communicates only in
+  ``optimizer.step()``). Under ``precision="16-mixed"`` a GradScaler that skips a step on one
+  rank only is named at the next step by the wrapper's agreement (every rank raises).
+
+Options: ``topology``, ``overlap``, ``buffers``, ``sync_initial``, ``seed``, ``weights`` and the
+algorithm's options go to the wrapper; ``seed``, ``error_feedback``, ``nonfinite``, ``bucket``,
+``clip`` and the algorithm's or codec's options go to ``make_hook``. ``ddp_kwargs`` are torch
+DDP's own (e.g. ``find_unused_parameters``). A bad option is refused at construction.
+
+Checkpoints: Lightning's ``ModelCheckpoint`` and ``trainer.fit(ckpt_path=...)`` work. Besides
+Lightning's file (rank 0's module), every rank writes its own lowbit state to
+``<ckpt>.lowbit-rank<r>`` (:func:`~lowbit.integrations.checkpoint.save_checkpoint`: atomic,
+checksummed, loads with ``weights_only=True``): for the wrapper its whole
+:meth:`~lowbit.integrations.DecentralizedDataParallel.checkpoint_state` (each rank's own model,
+optimizer, algorithm state, ledger), for a hook the hook state's step, counters and error
+memory. A resume restores each rank from its own file (the ranks check that they resume the
+same step), so the curve and the byte counts continue. ``remove_checkpoint`` removes them too.
+The asynchronous algorithms (``adpsgd``, ``moniqua-async``) checkpoint only after training
+(pass ``enable_checkpointing=False`` or checkpoint after ``fit``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.constants import default_pg_timeout
+
+from ..algorithms import ALGORITHMS
+from .checkpoint import load_checkpoint, save_checkpoint
+from .ddp_hooks import HOOKS, make_hook
+from .decentralized import DecentralizedDataParallel
+
+#: options :class:`LowbitStrategy` gives the wrapper besides the algorithm's own
+WRAPPER_OPTIONS = ("topology", "overlap", "buffers", "sync_initial", "seed", "weights", "on_step")
+#: the hook state's counters saved in a hook run's per-rank file
+_HOOK_COUNTERS = ("step", "bytes_sent", "messages", "fp32_bytes_sent", "last_step_bytes", "memory_resets",
+                  "powersgd_resets")
+
+
+def side_path(filepath: str | os.PathLike, rank: int) -> str:
+    """The per-rank lowbit file written beside the Lightning checkpoint ``filepath``."""
+    return f"{os.fspath(filepath)}.lowbit-rank{rank}"
+
+
+class LowbitStrategy(DDPStrategy):
+    """A Lightning strategy that runs the lowbit ``algorithm`` (see the module docstring).
+
+    ``algorithm``: a name of :data:`lowbit.algorithms.ALGORITHMS` or of the codec hooks
+    :data:`lowbit.integrations.ddp_hooks.HOOKS`. ``options``: the algorithm's options and the
+    wrapper's (:data:`WRAPPER_OPTIONS`) or the hook's. ``ddp_kwargs``: torch
+    ``DistributedDataParallel`` arguments (hook path only). ``process_group_backend``,
+    ``timeout``, ``start_method``, ``accelerator``, ``parallel_devices``,
+    ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``: as ``DDPStrategy``'s.
+    """
+
+    def __init__(self, algorithm: str = "moniqua", *, ddp_kwargs: dict | None = None, accelerator=None,
+                 parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
+                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
+                 start_method: str = "popen", **options: Any) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, **(ddp_kwargs or {}))
+        if not isinstance(algorithm, str):
+            raise ValueError(f"algorithm must be a name, one of {_names()}, got {algorithm!r}")
+        cls = ALGORITHMS.get(algorithm)
+        self.algorithm = algorithm
+        self.options = dict(options)
+        self.hook_state = self._hook = None
+        self.wrapper: DecentralizedDataParallel | None = None
+        if algorithm in HOOKS or (cls is not None and cls.family == "centralized"):
+            self.hook_state, self._hook = make_hook(algorithm, **options)  # checks the options now
+        elif cls is not None:
+            if ddp_kwargs:
+                raise ValueError(f"ddp_kwargs are torch DDP's; {algorithm!r} runs under DecentralizedDataParallel")
+            _check_wrapper_options(algorithm, options)
+        else:
+            raise ValueError(f"algorithm must be one of {_names()}, got {algorithm!r}")
+        self._resume: str | None = None  # this rank's lowbit file, set by load_checkpoint
+        self._restored = False  # the wrapper restored this rank's optimizer too
+
+    # ---- what runs ----------------------------------------------------------------------
+    @property
+    def uses_hook(self) -> bool:
+        """True: torch DDP with a lowbit hook; False: DecentralizedDataParallel."""
+        return self.hook_state is not None
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent so far (the hook state's or the wrapper's ledger; 0 before setup)."""
+        if self.uses_hook:
+            return self.hook_state.bytes_sent
+        return self.wrapper.bytes_sent if self.wrapper is not None else 0
+
+    def configure_ddp(self) -> None:
+        """Hook path: torch DDP and the lowbit hook, on every device type. Wrapper path: nothing
+        here (the wrapper needs the optimizer: :meth:`setup_optimizers`)."""
+        if not self.uses_hook:
+            return
+        self.model = self._setup_model(self.model)
+        if self.hook_state.error_feedback:
+            self.hook_state.bind_model(self.model)  # memory per parameter: survives bucket rebuilds
+        self.model.register_comm_hook(self.hook_state, self._hook)
+
+    def setup_optimizers(self, trainer) -> None:
+        """Lightning's optimizers; on the wrapper path, wrap the module and its one optimizer."""
+        super().setup_optimizers(trainer)
+        if self.uses_hook:
+            return
+        if len(self.optimizers) != 1:
+            raise ValueError(f"{self.algorithm!r} runs under DecentralizedDataParallel, one optimizer per "
+                             f"wrapper: configure_optimizers returned {len(self.optimizers)}")
+        self.wrapper = DecentralizedDataParallel(self.model, self.optimizers[0], self.algorithm, **self.options)
+        self.model = self.wrapper
+
+    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
+        """Lightning's step; on the wrapper path the closure (forward, backward, clipping) runs
+        before ``optimizer.step()``, which then communicates and updates."""
+        if self.wrapper is not None:
+            optimizer = _ClosureFirst(optimizer)
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def teardown(self) -> None:
+        """Close the wrapper (removes its optimizer hooks) and unwrap the LightningModule."""
+        if self.wrapper is not None:
+            if not self.wrapper._closed:
+                self.wrapper.close()
+            self.model = self.lightning_module
+        super().teardown()
+
+    # ---- checkpoints --------------------------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """True: each rank's own state is restored into the wrapper or hook state set up first."""
+        return True
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
+        """Lightning's file (rank 0) and every rank's own lowbit state beside it."""
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        state = self._lowbit_state()
+        if state is not None:
+            save_checkpoint(state, side_path(filepath, self.global_rank))
+
+    def remove_checkpoint(self, filepath) -> None:
+        """Lightning's file (rank 0) and this rank's lowbit files."""
+        super().remove_checkpoint(filepath)
+        side = side_path(filepath, self.global_rank)
+        for path in (side, side + ".prev"):
+            if os.path.exists(path):
+                os.remove(path)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict:
+        """Lightning's checkpoint; this rank's lowbit file is restored with the model."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume = side_path(checkpoint_path, self.global_rank)
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        """Rank 0's module from Lightning's file, or, where this rank's lowbit file exists, the
+        wrapper's whole state from it (its own module, optimizer, algorithm state and ledger;
+        collective: the ranks agree on the step) / the hook state's step, counters and memory."""
+        path, self._resume = self._resume, None
+        if self.wrapper is not None and path is not None and os.path.exists(path):
+            self.wrapper.load_checkpoint(path)
+            self._restored = True
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
+        if path is None or (self.wrapper is None and not self.uses_hook):
+            return  # not fitting (validate/test from a checkpoint): the module is all there is
+        if not os.path.exists(path):
+            warnings.warn(f"{path} not found: the lowbit state (algorithm state, step, byte counts) starts "
+                          "afresh; the module is rank 0's from the Lightning checkpoint", stacklevel=2)
+        elif self.uses_hook:
+            _load_hook_state(self.hook_state, load_checkpoint(path), path)
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        """Lightning's (rank 0's) optimizer state, unless the wrapper restored this rank's own."""
+        if self._restored:
+            self._restored = False
+            return
+        super().load_optimizer_state_dict(checkpoint)
+
+    def _lowbit_state(self) -> dict | None:
+        if self.wrapper is not None:
+            if not self.wrapper.algorithm.synchronous:
+                raise RuntimeError(f"{self.algorithm} is asynchronous: a checkpoint during training would not be "
+                                   "consistent; pass Trainer(enable_checkpointing=False) and save after fit "
+                                   "(DecentralizedDataParallel.checkpoint_state after close())")
+            return self.wrapper.checkpoint_state()
+        if self.uses_hook:
+            return _hook_state_dict(self.hook_state)
+        return None
+
+
+class _ClosureFirst:
+    """The optimizer, with ``step(closure)`` evaluated as ``closure(); step()``: the wrapper's
+    step hooks must see the gradient the closure computes. Everything else is the optimizer's
+    (the GradScaler keys its per-optimizer state by the optimizer's ``id``, which the fp16 path
+    reads: it calls ``step()`` without a closure, after its own closure call)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        self.__dict__["_optimizer"] = optimizer
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._optimizer.step(**kwargs)
+        return loss
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._optimizer, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._optimizer, name, value)
+
+
+def _names() -> list[str]:
+    return sorted(set(ALGORITHMS) | set(HOOKS))
+
+
+def _check_wrapper_options(algorithm: str, options: dict) -> None:
+    """Refuse an option the wrapper and ``algorithm`` do not take (before any process starts)."""
+    from ..algorithms import from_options
+
+    own = {k: v for k, v in options.items() if k not in WRAPPER_OPTIONS}
+    from_options(algorithm, also=WRAPPER_OPTIONS, **own)
+
+
+def _hook_state_dict(state) -> dict:
+    """The hook state's step, counters, error memory and PowerSGD warm start (tensors and plain
+    values only). A hook that runs an algorithm per bucket (NDQSG) keeps state that is not saved."""
+    if state.algorithm_states:
+        raise RuntimeError(f"the {state.codec.name} hook keeps per-bucket algorithm state that LowbitStrategy "
+                           "does not checkpoint; pass Trainer(enable_checkpointing=False)")
+    return {"format": 1, **{k: int(getattr(state, k)) for k in _HOOK_COUNTERS},
+            "param_memory": dict(state.param_memory),
+            "bucket_memory": {int(i): [list(map(list, sig)), e] for i, (sig, e) in state.bucket_memory.items()},
+            "powersgd_q": {int(i): [list(map(list, sig)), q] for i, (sig, q) in state.powersgd_q.items()}}
+
+
+def _load_hook_state(state, saved: dict, path: str) -> None:
+    """Restore what :func:`_hook_state_dict` saved into ``state`` (the same hook)."""
+    missing = [k for k in (*_HOOK_COUNTERS, "param_memory", "bucket_memory", "powersgd_q") if k not in saved]
+    if missing:
+        raise ValueError(f"{path} is not a LowbitStrategy hook state (missing {', '.join(missing)})")
+    for k in _HOOK_COUNTERS:
+        setattr(state, k, int(saved[k]))
+    state.param_memory = dict(saved["param_memory"])
+
+    def entries(d: dict) -> dict:
+        return {int(i): (tuple(tuple(s) for s in sig), t) for i, (sig, t) in d.items()}
+
+    state.bucket_memory = entries(saved["bucket_memory"])
+    state.powersgd_q = entries(saved["powersgd_q"])

@@ -1,0 +1,99 @@
+"""One rank of the Lightning integration test (tests/test_lightning.py), under
+``torchrun --standalone --nproc-per-node 2``: for each case (a strategy spec, JSON), fit a tiny
+regression for two epochs with a ModelCheckpoint per epoch (run A), then fit a fresh model from
+the first epoch's checkpoint (run B), and write what each rank saw to OUT/<case>-rank<r>.json.
+
+    torchrun --standalone --nproc-per-node 2 tests/lightning_run.py OUT '{"name": "dpsgd", ...}' ...
+
+A spec: ``name`` (the case), ``algorithm`` (a LowbitStrategy name, or ``"ddp"`` for Lightning's
+plain DDPStrategy), ``options``, and optionally ``precision``, ``accumulate``, ``clip``,
+``epochs``, ``resume`` (default true).
+"""
+
+import json
+import os
+import sys
+import warnings
+
+import torch
+from lightning.pytorch import LightningModule, Trainer, seed_everything
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lowbit.integrations.lightning import LowbitStrategy
+
+warnings.filterwarnings("ignore")  # Lightning's advice on num_workers, sync_dist, ...
+LR = 0.1
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=g)
+    y = torch.tanh(x @ torch.randn(8, 1, generator=g)) + 0.1 * torch.randn(64, 1, generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=8, shuffle=False)  # 4 steps per epoch per rank
+
+
+class Net(LightningModule):
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+        self.last_grad = None
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.last_grad = torch.cat([p.grad.detach().flatten().float() for p in self.parameters()])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class Record(Callback):
+    def __init__(self):
+        self.losses, self.bytes = [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.losses.append(float(outputs["loss"]))
+        self.bytes.append(int(getattr(trainer.strategy, "bytes_sent", 0)))
+
+
+def fit(spec, out, seed, ckpt=None):
+    if spec["algorithm"] == "ddp":
+        strategy = "ddp"
+    else:
+        strategy = LowbitStrategy(spec["algorithm"], **spec.get("options", {}))
+    rec = Record()
+    folder = os.path.join(out, spec["name"] + "-ckpt")
+    cb = ModelCheckpoint(dirpath=folder, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=spec.get("epochs", 2),
+                      precision=spec.get("precision", "32-true"), accumulate_grad_batches=spec.get("accumulate", 1),
+                      gradient_clip_val=spec.get("clip"), callbacks=[rec, cb], enable_progress_bar=False,
+                      logger=False, enable_model_summary=False, num_sanity_val_steps=0)
+    model = Net(seed)
+    trainer.fit(model, data(), ckpt_path=ckpt)
+    params = torch.cat([p.detach().flatten().float() for p in model.parameters()])
+    return {"losses": rec.losses, "bytes": rec.bytes, "params": params.tolist(),
+            "grad": model.last_grad.tolist(), "global_step": trainer.global_step,
+            "files": sorted(os.listdir(folder)), "ckpt": os.path.join(folder, "epoch=0.ckpt"),
+            "numel": params.numel()}
+
+
+def main():
+    out = sys.argv[1]
+    rank = int(os.environ["RANK"])
+    for arg in sys.argv[2:]:
+        spec = json.loads(arg)
+        seed_everything(1, verbose=False)
+        result = {"a": fit(spec, out, seed=1)}
+        if spec.get("resume", True):
+            result["b"] = fit(spec, out, seed=2, ckpt=result["a"]["ckpt"])
+        with open(os.path.join(out, f"{spec['name']}-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
