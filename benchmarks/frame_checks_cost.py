@@ -16,7 +16,7 @@ first; the worker checks ``lowbit.__file__`` is inside it), with one torch threa
 same cases, with :mod:`lowbit.bench.codecs`'s calls (``default_cases``, ``bench_data``,
 ``codec_calls``: the data and generators ``lowbit bench codecs`` uses) plus the codecs that list
 leaves out (Bagua's min-max, entropy coding) and Moniqua's paths (``decode_hashed``, the fused
-send and receive of :class:`lowbit.codecs.modulo_frame.ModuloFrame`). Each timing is
+send and receive of :class:`lowbit.algorithms.moniqua.frame.ModuloFrame`). Each timing is
 :func:`lowbit.bench.timing.measure` (``blocked_autorange`` median of the thread's CPU time, so
 the time other processes take the core is not counted). Round by round, every (case, operation)
 is timed in one worker and then at once in the other (which goes first alternates), a ratio
@@ -56,7 +56,7 @@ def _worker_cases(size: int) -> dict[str, dict]:
     from lowbit.bench.codecs import THETA, BenchCase, bench_data, codec_calls, default_cases
     from lowbit.codecs import CodecKind
     from lowbit.codecs.kernels import kernels_for
-    from lowbit.codecs.modulo_frame import ModuloFrame
+    from lowbit.algorithms.moniqua.frame import ModuloFrame
 
     seed = 0
     dev = torch.device("cpu")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from lowbit.algorithms import D2, DPSGD, Moniqua, MoniquaD2
-from lowbit.algorithms.moniqua import GAMMA_NOISE, GAMMA_NOISE_1BIT, GAMMA_NOISE_INDEPENDENT, VERIFY_BLOCK, topology_diameter
+from lowbit.algorithms.moniqua import GAMMA_NOISE, GAMMA_NOISE_1BIT, GAMMA_NOISE_INDEPENDENT, VERIFY_BLOCK
 from lowbit.codecs import ModuloCodec
-from lowbit.codecs.modulo_frame import REPAIR_LEVELS, ModuloFrame
+from lowbit.algorithms.moniqua.frame import REPAIR_LEVELS, ModuloFrame
 from lowbit.codecs.rng import shared_generator
 from lowbit.comm import run_threads
 from lowbit.topology import make_topology, slack_matrix
@@ -280,25 +280,20 @@ def _overhead(d, block=VERIFY_BLOCK, asked=None):
     return 2 * nb + 1 + (2 + len(asked) * (2 + -(-nb // 8)) if asked else 0)
 
 
-def _verified_reference(X0, A, b, topo, theta0, steps, seed, grow_theta=False, block=VERIFY_BLOCK):
+def _verified_reference(X0, A, b, topo, theta0, steps, seed, block=VERIFY_BLOCK):
     """Moniqua with verification (gamma 1), in matrix form, per block of ``block`` elements. A wrong
     block of a recovery (its grid integers differ from the sender's) is left out of the mix;
     the blocks of an edge with a wrong recovery at step k (asked by either end) are mixed
     from the repair at step k + 1 (both ends' float32 values as 16-bit min-max codes of their
-    block: :func:`_repair16`), the rest of the edge normally. With
-    ``grow_theta``, a worker none of whose neighbours' messages was right raises an alarm;
-    an alarm of epoch m (P = diameter + 1 steps) doubles theta on every worker at step
-    (m + 2) P. Returns the trajectory, the wrong (k, i, j, block), worker 0's bytes and
-    the final theta."""
+    block: :func:`_repair16`), the rest of the edge normally. Returns the trajectory, the
+    wrong (k, i, j, block), worker 0's bytes and the final theta."""
     W = topo.mixing_matrix()
-    P = topology_diameter(topo) + 1
     d = X0.shape[1]
     nb = -(-d // block)
     spans = [slice(c * block, min((c + 1) * block, d)) for c in range(nb)]
-    X, theta, alarms, nack = X0.clone(), theta0, set(), {i: {} for i in range(N)}
+    X, theta, nack = X0.clone(), theta0, {i: {} for i in range(N)}
     out, wrong_all, bytes0 = [], [], 0
     for k in range(steps):
-        theta = theta0 * 2 ** sum((m + 2) * P <= k for m in alarms)
         codec = ModuloCodec(bits=2, theta=theta)
         step = codec.B_theta / codec.levels
         Q = [codec.encode(X[j], generator=shared_generator(seed, k, 0)) for j in range(N)]
@@ -322,8 +317,6 @@ def _verified_reference(X0, A, b, topo, theta0, steps, seed, grow_theta=False, b
                     elif ok:
                         delta[sl] += (rec[sl] - own[i][sl]) * W[j, i]
             Y[i] = X[i] + delta
-            if grow_theta and len(new_nack[i]) == len(topo.neighbors(i)):
-                alarms.add(k // P)
         bytes0 += 2 * (Q[0].data.numel() + _overhead(d, block, nack[0]))
         union = set().union(*repair[0].values())
         if union:  # one repair message of the union of the repaired blocks to each asked edge: the block
@@ -360,18 +353,17 @@ def _patchy_problem(d=40, block=8):
     return X0 * scale, A, b * scale  # local optima b_i / A_i close there too
 
 
-@pytest.mark.parametrize("grow_theta", [False, True], ids=["repair", "repair+grow"])
-def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_theta):
+def test_verification_detects_every_wrong_block_and_repairs_only_those():
 
-    d, block = (D, 2) if grow_theta else (40, 8)
-    # models far apart in blocks 0 and 1 (everywhere for grow_theta) ...
-    X0, A, b = _problem(spread=1.0, d=d) if grow_theta else _patchy_problem(d, block)
+    d, block = 40, 8
+    # models far apart in blocks 0 and 1 ...
+    X0, A, b = _patchy_problem(d, block)
     topo = make_topology("ring", N)
     theta0, steps = 0.01, 30  # ... and a far too small theta there
-    traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta=theta0, grow_theta=grow_theta, verify_block=block,
+    traj, ledgers, algos = _run(lambda t: Moniqua(bits=2, theta=theta0, verify_block=block,
                                                   gamma=1.0).worker(t, topo, seed=4), X0, A, b, steps=steps,
                                 lr=lambda k: LR)
-    ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, steps, 4, grow_theta, block)
+    ref, injected, bytes0, theta = _verified_reference(X0, A, b, topo, theta0, steps, 4, block)
     for k in range(steps):
         torch.testing.assert_close(traj[k], ref[k], atol=1e-6, rtol=0)
     assert len(injected) >= 30
@@ -379,16 +371,14 @@ def test_verification_detects_every_wrong_block_and_repairs_only_those(grow_thet
     per_msg = {}
     for k, i, j, c in injected:
         per_msg.setdefault((k, i, j), set()).add(c)
-    assert grow_theta or any(len(blocks) < d // block for blocks in per_msg.values())
+    assert any(len(blocks) < d // block for blocks in per_msg.values())
     for i in range(N):  # every wrong block detected by its receiver, and nothing else
         assert algos[i].state.mismatches == sum(1 for _, r, _, _ in injected if r == i)
         assert algos[i].state.mismatched_messages == sum(1 for (_, r, _) in per_msg if r == i)
         assert algos[i].state.theta == theta  # all workers in lock step
-    assert (theta > theta0) == grow_theta
-    if grow_theta:  # theta has grown past the models' distance: no more mismatches
-        assert not [w for w in injected if w[0] >= steps - 5]
-    else:  # theta stays too small for the local optima's spread; the repaired blocks still pull together
-        assert _spread(traj[-1][:, :2 * block]) < 0.5 * _spread(X0[:, :2 * block])
+    assert theta == theta0
+    # theta stays too small for the local optima's spread; the repaired blocks still pull together
+    assert _spread(traj[-1][:, :2 * block]) < 0.5 * _spread(X0[:, :2 * block])
     # one warning for the whole run, with the counts summed over workers
     report = {k: sum(a.report()[k] for a in algos) if isinstance(v, int) else v for k, v in algos[0].report().items()}
     assert f"{sum(a.state.mismatches for a in algos)} blocks in" in Moniqua.run_warning(report)
@@ -469,6 +459,22 @@ def test_pending_block_repairs_are_checkpointed():
     assert torch.load(buf, weights_only=True) == states
 
 
+def test_a_checkpoint_holds_only_saved_values_and_refuses_grow_theta_runs():
+    """The checkpoint holds MoniquaSaved's fields, none of the caches; a checkpoint written by a
+    run with the removed grow_theta (alarms pending or theta doubled) is refused by name, one
+    with those entries empty (every other run's) loads."""
+    from lowbit.algorithms.moniqua import MoniquaSaved
+
+    w = Moniqua(bits=2, theta=0.5).worker(run_threads(1, lambda t: t)[0], make_topology("ring", 1))
+    w.setup(torch.zeros(16))
+    extra = w.state_dict()["extra"]
+    assert set(extra) == {f for f in MoniquaSaved.__dataclass_fields__}
+    w.load_state_dict({"tensors": {}, "extra": {**extra, "pending_alarms": [], "theta_doublings": 0}})
+    for old in ({"pending_alarms": [3]}, {"theta_doublings": 2}):
+        with pytest.raises(ValueError, match="grow_theta"):
+            w.load_state_dict({"tensors": {}, "extra": {**extra, **old}})
+
+
 def test_verification_has_no_false_alarms_with_a_correct_theta():
     X0, A, b = _problem(spread=1.0, d=40)
     topo = make_topology("ring", N)
@@ -513,7 +519,7 @@ def test_bad_options_name_the_argument():
                      (dict(entropy="gzip"), "entropy"), (dict(verify="yes"), "verify"),
                      (dict(verify_block=0), "verify_block"), (dict(verify_block=2.0), "verify_block"),
                      (dict(bits=1, rounding="stochastic"), "delta"), (dict(dither="yes"), "dither"),
-                     (dict(dither=True, rounding="stochastic"), "dither"), (dict(grow_theta=1), "grow_theta")):
+                     (dict(dither=True, rounding="stochastic"), "dither")):
         with pytest.raises(ValueError, match=word):
             Moniqua(**kw)
         with pytest.raises(ValueError, match=word):

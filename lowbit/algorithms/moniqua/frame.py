@@ -1,5 +1,5 @@
 """Moniqua's message framing around the modulo codec: verification, repair requests and
-the repair round (the policy is :mod:`lowbit.algorithms.moniqua`'s docstring).
+the repair round (the policy is :mod:`lowbit.algorithms.moniqua.verify`'s docstring).
 
 A message is::
 
@@ -7,13 +7,12 @@ A message is::
 
 - *codes*: the packed modulo codes (entropy-coded with ``entropy``); no length header,
   every worker knows ``d``.
-- *repair requests* (only when control bit 4 is set): per asked neighbour its rank
+- *repair requests* (only when the control byte's bit 2, value 4, is set): per asked neighbour its rank
   (``<H``) and a bit mask of ``ceil(nb / 8)`` bytes of the blocks to repair, then the
   count of entries (``<H``).
 - *block hashes* (with ``verify``): one ``<u2`` per block of ``block`` elements, the hash
   of the sender's own grid integers (:meth:`ModuloCodec.decode_hashed`).
-- *control byte*: bit 4 (value 4) "requests follow", bits 1 and 2 the ``grow_theta``
-  alarm bits of the two epochs in flight; other bits set are a malformed frame.
+- *control byte*: value 4 "requests follow", or 0; any other bit set is a malformed frame.
 
 A repair message is the block mask of the repaired blocks, each block's float32 min and
 max, then every value of those blocks as a 16-bit min-max code of its block
@@ -34,12 +33,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import Payload, pack_header
-from .entropy import entropy_code, entropy_decode
-from .kernels import empty_output, kernels_for
-from .modulo import ModuloCodec, check_grid_reach
-from .packing import packed_nbytes
-from .rng import draw_key
+from ...codecs.base import Payload, pack_header
+from ...codecs.entropy import entropy_code, entropy_decode
+from ...codecs.kernels import empty_output, kernels_for
+from ...codecs.modulo import ModuloCodec, check_grid_reach
+from ...codecs.packing import packed_nbytes
+from ...codecs.rng import draw_key
 
 __all__ = ["ModuloFrame", "Received", "pack_mask", "unpack_mask", "REPAIR_LEVELS"]
 
@@ -108,16 +107,16 @@ class ModuloFrame:
             return None
         if x_dtype not in (torch.float32, torch.float64) or not y.is_contiguous():
             return None
-        K = kernels_for(y)
+        K = kernels_for(y, "modulo")
         return K if K is not None and hasattr(K, "moniqua_send") else None
 
     # ---- the sender -------------------------------------------------------------------
-    def send(self, codec: ModuloCodec, y: torch.Tensor, generator, requests: dict[int, set[int]], ctrl: int,
+    def send(self, codec: ModuloCodec, y: torch.Tensor, generator, requests: dict[int, set[int]],
              K) -> tuple[torch.Tensor, torch.Tensor]:
         """Line 3 and 4: the message of ``y`` (the codes, my ``requests`` {neighbour: blocks},
-        the hashes and ``ctrl``, whose request bit this sets) and my own decoded point; ``K``: :meth:`kernels`."""
+        the hashes and the control byte) and my own decoded point; ``K``: :meth:`kernels`."""
         nb = self.nblocks(y.numel())
-        head = b""
+        head, ctrl = b"", 0
         if requests:  # ask these neighbours for a repair of these blocks of this step's edge
             head = b"".join(struct.pack("<H", j) + pack_mask(requests[j], nb) for j in sorted(requests))
             head += struct.pack("<H", len(requests))
@@ -224,7 +223,7 @@ class ModuloFrame:
     def _requests(self, buf: torch.Tensor, ctrl: int, nb: int, sender: int) -> tuple[torch.Tensor, dict[int, set[int]]]:
         """A verified message without its trailer, split by its control byte ``ctrl`` into (codes,
         repair requests {rank: blocks})."""
-        if ctrl & ~7:
+        if ctrl & ~4:
             raise self._malformed(sender, f"control byte {ctrl:#04x} has unknown bits set")
         requests: dict[int, set[int]] = {}
         if ctrl & 4:
