@@ -1,0 +1,128 @@
+"""LowbitStrategy with the real ``lightning`` package: 2 ranks on CPU (gloo) under torchrun,
+each case fitted for two epochs with a ModelCheckpoint, then resumed from the first epoch's
+checkpoint (tests/lightning_run.py). Checked: the bytes on the wire, the ranks' agreement
+(exact under a hook, the gossip's consensus under the wrapper), that the resumed run continues
+the curve and the byte count, accumulation, clipping and bf16."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+from lowbit.codecs.identity import IdentityCodec  # noqa: E402
+from lowbit.comm.netmodel import op_messages_and_bytes  # noqa: E402
+from lowbit.integrations.lightning import LowbitStrategy, side_path  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LR = 0.1  # tests/lightning_run.py
+STEPS = 8  # two epochs of 4 steps per rank
+CASES = [
+    {"name": "ddp", "algorithm": "ddp", "clip": 0.05, "resume": False},  # Lightning's own DDP, the reference
+    {"name": "allreduce", "algorithm": "allreduce", "clip": 0.05},
+    {"name": "dpsgd", "algorithm": "dpsgd"},
+    {"name": "maxnorm", "algorithm": "maxnorm", "options": {"bits": 4, "seed": 3}, "precision": "bf16-mixed",
+     "accumulate": 2},
+    {"name": "moniqua", "algorithm": "moniqua", "options": {"bits": 2, "theta": 0.5}, "accumulate": 2,
+     "clip": 0.5},
+]
+
+
+def _torchrun(out, cases, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           os.path.join(HERE, "lightning_run.py"), str(out), *map(json.dumps, cases)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return {c["name"]: [json.load(open(os.path.join(out, f"{c['name']}-rank{r}.json"))) for r in range(2)]
+            for c in cases}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _torchrun(tmp_path_factory.mktemp("lightning"), CASES)
+
+
+def _params(rank_result, run="a"):
+    return torch.tensor(rank_result[run]["params"])
+
+
+def test_allreduce_hook_sends_fp32_all_reduce_bytes_and_ranks_agree_exactly(runs):
+    r = runs["allreduce"]
+    numel = r[0]["a"]["numel"]
+    per_step = op_messages_and_bytes("all_reduce", 4 * numel, 2)[1]
+    for rank in r:  # the hook is registered on CPU (Lightning's DDPStrategy registers it only on CUDA)
+        assert rank["a"]["bytes"] == [per_step * (k + 1) for k in range(STEPS)]
+    assert torch.equal(_params(r[0]), _params(r[1]))
+    # the same training as Lightning's DDP, clipping the averaged gradient as DDP does
+    assert torch.allclose(_params(r[0]), _params(runs["ddp"][0]), atol=1e-6)
+    assert runs["ddp"][0]["a"]["bytes"] == [0] * STEPS  # plain "ddp" has no ledger
+
+
+def test_dpsgd_wrapper_bytes_and_gossip_consensus(runs):
+    r = runs["dpsgd"]
+    numel = r[0]["a"]["numel"]
+    per_step = len(IdentityCodec().encode(torch.zeros(numel)).to_wire())  # x_k to the one neighbour
+    for rank in r:
+        assert rank["a"]["bytes"] == [per_step * (k + 1) for k in range(STEPS)]
+    # two ranks, uniform weights: x_i <- (x_0 + x_1) / 2 - lr g_i, so the ranks differ by lr (g_1 - g_0)
+    diff = _params(r[0]) - _params(r[1])
+    expected = -LR * (torch.tensor(r[0]["a"]["grad"]) - torch.tensor(r[1]["a"]["grad"]))
+    assert diff.abs().max() > 1e-4
+    assert torch.allclose(diff, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["allreduce", "dpsgd", "maxnorm", "moniqua"])
+def test_resume_from_model_checkpoint_continues_curve_and_bytes(runs, case):
+    accumulate = next(c.get("accumulate", 1) for c in CASES if c["name"] == case)
+    for rank in runs[case]:
+        a, b = rank["a"], rank["b"]
+        half = len(a["losses"]) // 2
+        assert b["bytes"] == a["bytes"][half:]  # the ledger continues
+        assert a["global_step"] == b["global_step"] == STEPS // accumulate
+        for f in ("epoch=0.ckpt", "epoch=1.ckpt"):  # every rank's own lowbit file beside Lightning's
+            assert f in a["files"] and all(os.path.basename(side_path(f, r)) in a["files"] for r in (0, 1))
+        if case == "maxnorm":
+            # torch DDP builds a fresh model's bucket in parameter order and rebuilds it in gradient
+            # order after the first step: the quantizer's 512-coordinate blocks then differ once
+            assert b["losses"][:accumulate] == a["losses"][half:half + accumulate]
+            assert torch.allclose(torch.tensor(b["losses"]), torch.tensor(a["losses"][half:]), rtol=0.05)
+        else:
+            assert b["losses"] == a["losses"][half:]  # the second epoch again, bit for bit
+            assert b["params"] == a["params"]
+
+
+def test_accumulation_communicates_once_per_optimizer_step(runs):
+    for case in ("maxnorm", "moniqua"):  # a hook (DDP's no_sync) and the wrapper
+        for rank in runs[case]:
+            by = rank["a"]["bytes"]
+            assert by[0] == 0 and by[1] > 0 and by[2] == by[1] and by[3] == 2 * by[1]
+
+
+def test_quantized_runs_send_less_and_agree(runs):
+    fp32 = runs["allreduce"][0]["a"]["bytes"][0]
+    maxnorm = runs["maxnorm"]
+    assert 0 < maxnorm[0]["a"]["bytes"][1] < fp32 / 2  # 4-bit codes in summable lanes, bf16 autocast
+    assert torch.equal(_params(maxnorm[0]), _params(maxnorm[1]))  # a hook: the same averaged gradient
+    moniqua = runs["moniqua"]
+    assert 0 < moniqua[0]["a"]["bytes"][1] < runs["dpsgd"][0]["a"]["bytes"][0] / 4
+    # Moniqua's modulo decoding is right while neighbours are within theta (= 0.5 here) coordinatewise
+    spread = (_params(moniqua[0]) - _params(moniqua[1])).abs().max()
+    assert 0 < spread < 0.5
+
+
+def test_bad_options_are_refused_at_construction():
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        LowbitStrategy("nope")
+    with pytest.raises(ValueError, match="bits"):
+        LowbitStrategy("dpsgd", bits=2)
+    with pytest.raises(ValueError):
+        LowbitStrategy("qsgd", theta=0.1)
+    with pytest.raises(ValueError, match="ddp_kwargs"):
+        LowbitStrategy("moniqua", ddp_kwargs={"find_unused_parameters": True})
+    assert LowbitStrategy("fp16").uses_hook and not LowbitStrategy("choco", bits=4).uses_hook
+    assert LowbitStrategy("allreduce").bytes_sent == 0
