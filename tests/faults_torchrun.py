@@ -128,7 +128,7 @@ def main():
             t.neighbor_exchange = lambda buf, nb: orig(buf[:-1] if t.ledger.step == AT else buf, nb)
         emit("payload/naive", t.rank, *wrapper_case(t, "naive", "payload"))
     sys.stdout.flush()
-    os._exit(0)  # see ARCHITECTURE.md "A torch teardown abort"; a hostile rank may still be waiting
+    os._exit(0)  # see docs/FAULTS.md "A torch teardown abort"; a hostile rank may still be waiting
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ that offset word minus ``s (R^k - 1) / (R - 1)``, centred on zero so that the in
 bit is used and no sum ever overflows it). The SUM of the ``n`` workers' words is
 ``sum_i C_i R^i`` with ``C_i = sum_m c_{m,i}`` in ``[-n s, n s] = [-h, h]``, ``h = (R - 1) / 2``:
 balanced digits, so no lane carries into the next and every ``C_i`` is read back
-exactly (the no-carry bound, derived in docs/ARCHITECTURE.md, "Summable lanes"). Any
+exactly (the no-carry bound, derived in docs/CODECS.md, "Summable lanes"). Any
 partial sum of ``j <= n`` workers' words (a ring's, a tree's, in any order) is at most
 ``j s (R^k - 1) / (R - 1) <= (R^k - 1) / 2 <= 2^63 - 1`` in magnitude: it never
 overflows int64, on either backend.
