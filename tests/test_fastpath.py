@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.codecs import ModuloCodec, shared_generator
-from lowbit.codecs.kernels import codec_path, cpu, fast_backend, kernels_for
+from lowbit.codecs.kernels import codec_path, cpu, cpu_modulo, fast_backend, kernels_for
 from lowbit.codecs.packing import pack_wide
 from lowbit.codecs.rng import counter_uniforms, draw_key
 
@@ -122,7 +122,7 @@ def test_decode_hashed_refuses_inexact_grid_integers(path):
             codec.decode_hashed(p, ref=x, block=4)
 
 
-# ---- Moniqua's one-call-per-message exchange (cpu._moniqua_send / _moniqua_receive) ----------
+# ---- Moniqua's one-call-per-message exchange (cpu_modulo._moniqua_send / _moniqua_receive) ----------
 
 def _message(codec, x, key, block, head=b"\x07\x00", ctrl=5):
     """The fused sender's message and own decode, and what the codec's calls give."""
@@ -133,7 +133,7 @@ def _message(codec, x, key, block, head=b"\x07\x00", ctrl=5):
     msg[nbytes:nbytes + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     xhat = torch.empty(n, dtype=x.dtype)
     stochastic = codec.rounding == "stochastic"
-    cpu.moniqua_send(x, codec.B_theta, codec.levels, stochastic, key if stochastic else 0, codec.bits, block, msg,
+    cpu_modulo.moniqua_send(x, codec.B_theta, codec.levels, stochastic, key if stochastic else 0, codec.bits, block, msg,
                      nbytes + len(head), ctrl, xhat)
     return msg.numpy(), xhat, nbytes, nb
 
@@ -175,7 +175,7 @@ def test_moniqua_receive_is_decode_hashed_then_torchs_mix(dtype, dither):
         msg, _, _, _ = _message(codec, far_j, key, block)
         sent = msg[nbytes + 2:-1].view("<u2")
         delta, xh = start.clone(), torch.empty(n, dtype=y.dtype)
-        found = cpu.moniqua_receive(torch.from_numpy(msg), 2, codec.B_theta, codec.levels, y, block, xh, v, x_hat_i,
+        found = cpu_modulo.moniqua_receive(torch.from_numpy(msg), 2, codec.B_theta, codec.levels, y, block, xh, v, x_hat_i,
                                     w, delta)
         wrong = np.flatnonzero(found[:nb]).tolist()
         assert found[nb] == 5 and found.size == nb + 2  # the control byte, then the largest levels |k|

@@ -1,4 +1,4 @@
-"""The "dither" family's fast path (numba on the CPU) against the float64 reference:
+"""The "dithered", "nested" and "qsgd" families' fast path (numba on the CPU) against the float64 reference:
 DQSG (DitheredCodec), NDQSG (NestedDitheredCodec) and QSGD (QSGDCodec). The same
 bytes for the same generator, the same decodes, the statistics on the fast path,
 the same errors."""
@@ -10,7 +10,7 @@ import torch
 
 from lowbit.codecs import shared_generator
 from lowbit.codecs.dithered import DitheredCodec
-from lowbit.codecs.kernels import codec_path, cpu_dither, kernels_for
+from lowbit.codecs.kernels import codec_path, cpu_dithered, cpu_nested, cpu_qsgd, kernels_for
 from lowbit.codecs.nested import NestedDitheredCodec
 from lowbit.codecs.quantize import lane_sums_reference
 from lowbit.codecs.qsgd import QSGDCodec
@@ -31,10 +31,11 @@ def _same_payload(a, b):
     assert torch.equal(a.header, b.header) and torch.equal(a.data, b.data)
 
 
-def test_the_family_has_cpu_kernels():
-    assert kernels_for(torch.zeros(3), "dither") is cpu_dither
+@pytest.mark.parametrize("family,module", [("dithered", cpu_dithered), ("nested", cpu_nested), ("qsgd", cpu_qsgd)])
+def test_the_families_have_cpu_kernels(family, module):
+    assert kernels_for(torch.zeros(3), family) is module
     with codec_path("reference"):
-        assert kernels_for(torch.zeros(3), "dither") is None
+        assert kernels_for(torch.zeros(3), family) is None
 
 
 @pytest.mark.parametrize("levels,partitions,subtractive", [
@@ -94,13 +95,13 @@ def test_bucket_sumsq_is_the_kernel_order():
     x = torch.randn(10_001, dtype=F64) * torch.logspace(-8, 8, 10_001, dtype=F64)
     for xs in (x, x.float()):
         for bucket in (1, 7, 10, 4096, 10_001):
-            sq, finite = cpu_dither.qsgd_sumsq(xs, bucket)
+            sq, finite = cpu_qsgd.qsgd_sumsq(xs, bucket)
             assert finite and torch.equal(sq, lane_sums_reference(xs.double() ** 2, bucket)), bucket
     # 2^60, then squares of 100 that a sequential sum drops one by one (half an ulp is 128)
     y = torch.tensor([2.0**30] + [10.0] * 15, dtype=F64)
-    assert float((y * y).cumsum(0)[-1]) == 2.0**60 < float(cpu_dither.qsgd_sumsq(y, 16)[0][0])
+    assert float((y * y).cumsum(0)[-1]) == 2.0**60 < float(cpu_qsgd.qsgd_sumsq(y, 16)[0][0])
     x[5] = float("nan")
-    assert not cpu_dither.qsgd_sumsq(x, 4096)[1]
+    assert not cpu_qsgd.qsgd_sumsq(x, 4096)[1]
 
 
 def test_empty_inputs_take_the_reference():

@@ -186,7 +186,7 @@ class ModuloCodec(Rounded, Codec):
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """Algorithm 1 line 3: ``q = Q_delta((x / B_theta) mod 1)``, sent as codes."""
         n = check_numel(x)
-        K = kernels_for(x)
+        K = kernels_for(x, "modulo")
         if K is None:
             return self.encode_reference(x, generator=generator)
         stochastic = self.rounding == "stochastic"
@@ -208,7 +208,7 @@ class ModuloCodec(Rounded, Codec):
                generator: torch.Generator | None = None, numel: int | None = None) -> torch.Tensor:
         """Eq. (5): ``x_hat = (q B_theta - y) mod B_theta + y`` with ``y = ref``."""
         n = self._frame(payload, ref, numel)
-        K = kernels_for(ref)
+        K = kernels_for(ref, "modulo")
         if K is None:
             return self.decode_reference(payload, ref=ref)
         if ref.device.type != "cpu":  # the CPU kernel checks the range in its pass
@@ -225,7 +225,7 @@ class ModuloCodec(Rounded, Codec):
         decoded values as grid points, are then not exact in float64, and equal hashes
         would prove nothing)."""
         n = self._frame(payload, ref, None)
-        K = kernels_for(ref)
+        K = kernels_for(ref, "modulo")
         if K is None or not hasattr(K, "modulo_decode_hash"):
             return self.decode_hashed_reference(payload, ref=ref, block=block)
         return K.modulo_decode_hash(payload.data.to(ref.device), self.bits, n, self.B_theta, self.levels, ref, block)

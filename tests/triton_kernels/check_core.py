@@ -13,7 +13,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
 
 from lowbit.codecs import ModuloCodec  # noqa: E402
-from lowbit.codecs.kernels import cpu, gpu  # noqa: E402
+from lowbit.codecs.kernels import cpu, cpu_modulo, gpu, gpu_modulo  # noqa: E402
 
 
 @pytest.mark.parametrize("b", range(1, 9))
@@ -30,8 +30,8 @@ def test_pack_matches_cpu_and_roundtrips(b, n):
 def test_modulo_codes_match_the_reference(bits, rounding, dtype):
     codec = ModuloCodec(bits=bits, theta=0.1, rounding=rounding)
     x = torch.randn(4099, dtype=dtype, generator=torch.Generator().manual_seed(bits))
-    codes = gpu.modulo_encode(x, codec.B_theta, codec.levels, rounding == "stochastic", 12345)
-    ref = cpu.modulo_encode(x, codec.B_theta, codec.levels, rounding == "stochastic", 12345)
+    codes = gpu_modulo.modulo_encode(x, codec.B_theta, codec.levels, rounding == "stochastic", 12345)
+    ref = cpu_modulo.modulo_encode(x, codec.B_theta, codec.levels, rounding == "stochastic", 12345)
     # float32 arithmetic may move an element across a grid boundary: rare, and by one code
     differ = codes != ref
     assert differ.float().mean() <= (1e-3 if dtype == torch.float32 else 0.0)
@@ -45,8 +45,8 @@ def test_modulo_decode_within_lemma2_slack(dtype):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(5000, dtype=dtype, generator=g)
     y = x + (torch.rand(5000, dtype=dtype, generator=g) * 2 - 1) * 0.0999
-    codes = gpu.modulo_encode(x, codec.B_theta, codec.levels, True, 7)
-    x_hat = gpu.modulo_decode(codes, codec.B_theta, codec.levels, y)
+    codes = gpu_modulo.modulo_encode(x, codec.B_theta, codec.levels, True, 7)
+    x_hat = gpu_modulo.modulo_decode(codes, codec.B_theta, codec.levels, y)
     eps = torch.finfo(dtype).eps
     slack = codec.B_theta * eps * (x.abs().max() / codec.B_theta + 2) * codec.levels + eps * (y.abs().max() + codec.B_theta)
     assert float((x_hat - x).abs().max()) <= codec.error_bound + float(slack)
@@ -54,7 +54,7 @@ def test_modulo_decode_within_lemma2_slack(dtype):
 
 def test_nonfinite_input_is_a_clear_error():
     with pytest.raises(ValueError, match="finite for the modulo codec"):
-        gpu.modulo_encode(torch.tensor([1.0, float("nan"), 2.0]), 0.3, 4, True, 1)
+        gpu_modulo.modulo_encode(torch.tensor([1.0, float("nan"), 2.0]), 0.3, 4, True, 1)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
@@ -68,12 +68,12 @@ def test_modulo_decode_hash_matches_the_reference(block, dtype, bits):
     x = torch.randn(1031, dtype=torch.float64, generator=g)
     y = (x + (torch.rand(1031, dtype=torch.float64, generator=g) - 0.5) * 0.2).to(dtype)  # some blocks wrong
     payload = codec.encode_reference(x, generator=torch.Generator().manual_seed(3))
-    out, hashes = gpu.modulo_decode_hash(payload.data, codec.bits, x.numel(), codec.B_theta, codec.levels, y, block)
+    out, hashes = gpu_modulo.modulo_decode_hash(payload.data, codec.bits, x.numel(), codec.B_theta, codec.levels, y, block)
     ref_out, ref_hashes = codec.decode_hashed_reference(payload, ref=y, block=block)
     assert torch.equal(hashes, ref_hashes) and hashes.dtype == torch.int32
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     with pytest.raises(OverflowError, match="2\\^53"):
-        gpu.modulo_decode_hash(payload.data[:1], codec.bits, 4, codec.B_theta, codec.levels,
+        gpu_modulo.modulo_decode_hash(payload.data[:1], codec.bits, 4, codec.B_theta, codec.levels,
                                torch.full((4,), 1e17, dtype=dtype), block)
 
 
@@ -108,7 +108,7 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits, blo
         src[n - 1] = bad
         with pytest.raises((ValueError, OverflowError), match=error), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy casting NaN to int
-            gpu.moniqua_send(src, codec.B_theta, codec.levels, codec.rounding == "stochastic", 77, bits, block,
+            gpu_modulo.moniqua_send(src, codec.B_theta, codec.levels, codec.rounding == "stochastic", 77, bits, block,
                              torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8), nbytes, 3,
                              torch.empty(n, dtype=y.dtype))
     msg_j = msgs["cpu", "j"][0]

@@ -1,4 +1,4 @@
-"""Triton kernels of the "dither" family (DQSG, NDQSG, QSGD) against the numba kernels
+"""Triton kernels of the "dithered", "nested" and "qsgd" families (DQSG, NDQSG, QSGD) against the numba kernels
 (= the float64 reference's bytes) and the error bounds with their float32 slack; run by
 tests/test_triton_interpret.py with TRITON_INTERPRET=1 on CPU tensors (small tensors)."""
 
@@ -10,7 +10,8 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
 
 from lowbit.codecs.dithered import DitheredCodec  # noqa: E402
-from lowbit.codecs.kernels import cpu_dither, gpu_dither  # noqa: E402
+from lowbit.codecs.kernels import (cpu_dithered, cpu_nested, cpu_qsgd, gpu_dithered, gpu_kernels,  # noqa: E402
+                                  gpu_nested, gpu_qsgd)
 from lowbit.codecs.nested import NestedDitheredCodec  # noqa: E402
 from lowbit.codecs.qsgd import QSGDCodec, exact_ratio, round_up_float32  # noqa: E402
 
@@ -40,18 +41,18 @@ def test_dithered_matches_the_reference_within_float32(levels, parts, subtractiv
     codec = DitheredCodec(levels=levels, subtractive=subtractive, partitions=parts)
     n = 2001
     x = _x(n, levels, dtype)
-    amax, finite = gpu_dither.dithered_scales(x, parts)
-    ref_amax, _ = cpu_dither.dithered_scales(x, parts)
+    amax, finite = gpu_dithered.dithered_scales(x, parts)
+    ref_amax, _ = cpu_dithered.dithered_scales(x, parts)
     assert bool(finite) and torch.equal(amax, ref_amax)
     k32 = round_up_float32(amax)
-    codes = gpu_dither.dithered_encode(x, gpu_dither.ratio(levels, k32), levels, codec.code_bits, KEY)
-    ref = cpu_dither.dithered_encode(x, exact_ratio(levels, k32), levels, codec.code_bits, KEY)
-    assert codes.dtype == gpu_dither.code_dtype(codec.code_bits)
+    codes = gpu_dithered.dithered_encode(x, gpu_dithered.ratio(levels, k32), levels, codec.code_bits, KEY)
+    ref = cpu_dithered.dithered_encode(x, exact_ratio(levels, k32), levels, codec.code_bits, KEY)
+    assert codes.dtype == gpu_dithered.code_dtype(codec.code_bits)
     _close_codes(codes, ref, dtype)
     step = k32.double() / levels
-    xt = gpu_dither.dithered_decode(codes, step, levels, subtractive, KEY, torch.float32)
-    same = gpu_dither.dithered_decode(ref.to(codes.dtype), step, levels, subtractive, KEY, torch.float64)
-    assert torch.allclose(same, cpu_dither.dithered_decode(ref, step, levels, subtractive, KEY, torch.float64),
+    xt = gpu_dithered.dithered_decode(codes, step, levels, subtractive, KEY, torch.float32)
+    same = gpu_dithered.dithered_decode(ref.to(codes.dtype), step, levels, subtractive, KEY, torch.float64)
+    assert torch.allclose(same, cpu_dithered.dithered_decode(ref, step, levels, subtractive, KEY, torch.float64),
                           rtol=1e-6 if dtype != torch.float64 else 1e-15, atol=0)
     kap = torch.repeat_interleave(k32.double(), torch.tensor([n // parts + 1] * (n % parts) +
                                                              [n // parts] * (parts - n % parts)))
@@ -72,11 +73,11 @@ def test_nested_matches_the_reference_within_float32(k, alpha, delta1, dtype):
     x = _x(n, k, dtype, scale=2.0)
     z = (torch.rand(n, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 2 - 1) * 0.9 * codec.safe_radius
     y = (x.double() - z).to(dtype)
-    codes, finite, worst = gpu_dither.nested_encode(x, alpha, delta1, k, codec.code_bits, KEY)
-    ref, _, _ = cpu_dither.nested_encode(x, alpha, delta1, k, codec.code_bits, KEY)
+    codes, finite, worst = gpu_nested.nested_encode(x, alpha, delta1, k, codec.code_bits, KEY)
+    ref, _, _ = cpu_nested.nested_encode(x, alpha, delta1, k, codec.code_bits, KEY)
     assert finite and worst < 2.0**24
     _close_codes(codes, ref, dtype, modulus=k)
-    xh = gpu_dither.nested_decode(codes, y, alpha, delta1, codec.delta2, KEY)
+    xh = gpu_nested.nested_decode(codes, y, alpha, delta1, codec.delta2, KEY)
     assert xh.dtype == dtype
     # with |z| < safe_radius: x_hat = x - (1 - alpha^2) z - alpha e, |e| <= Delta1 / 2, plus the float32 slack
     eps = torch.finfo(dtype).eps / 2
@@ -87,9 +88,9 @@ def test_nested_matches_the_reference_within_float32(k, alpha, delta1, dtype):
 
 def test_nested_reports_an_inexact_fine_index():
     x = torch.tensor([0.0, 1e8])
-    _, finite, worst = gpu_dither.nested_encode(x, 1.0, 1.0, 4, 2, KEY)
+    _, finite, worst = gpu_nested.nested_encode(x, 1.0, 1.0, 4, 2, KEY)
     assert finite and worst >= 2.0**24
-    _, _, worst64 = gpu_dither.nested_encode(x.double(), 1.0, 1.0, 4, 2, KEY)
+    _, _, worst64 = gpu_nested.nested_encode(x.double(), 1.0, 1.0, 4, 2, KEY)
     assert worst64 == pytest.approx(1e8, abs=1)
 
 
@@ -100,16 +101,16 @@ def test_qsgd_matches_the_reference_within_float32(levels, bucket, dtype):
     n = 2001
     x = _x(n, levels, dtype)
     b = n if bucket is None else bucket
-    sq, finite = gpu_dither.qsgd_sumsq(x, b)
-    ref_sq, _ = cpu_dither.qsgd_sumsq(x, b)
+    sq, finite = gpu_qsgd.qsgd_sumsq(x, b)
+    ref_sq, _ = cpu_qsgd.qsgd_sumsq(x, b)
     assert bool(finite) and torch.allclose(sq, ref_sq, rtol=1e-13, atol=0)  # float64 sums, another order
     norms = round_up_float32(torch.sqrt(ref_sq))
-    codes = gpu_dither.qsgd_encode(x, gpu_dither.ratio(levels, norms), b, levels, codec.code_bits, KEY)
-    ref = cpu_dither.qsgd_encode(x, exact_ratio(levels, norms), b, levels, codec.code_bits, KEY)
+    codes = gpu_qsgd.qsgd_encode(x, gpu_dithered.ratio(levels, norms), b, levels, codec.code_bits, KEY)
+    ref = cpu_qsgd.qsgd_encode(x, exact_ratio(levels, norms), b, levels, codec.code_bits, KEY)
     _close_codes(codes, ref, dtype)
     step = norms.double() / levels
-    out = gpu_dither.qsgd_decode(codes, step, b, levels, torch.float32)
-    ref_out = cpu_dither.qsgd_decode(codes.to(ref.dtype), step, b, levels, torch.float32)
+    out = gpu_qsgd.qsgd_decode(codes, step, b, levels, torch.float32)
+    ref_out = cpu_qsgd.qsgd_decode(codes.to(ref.dtype), step, b, levels, torch.float32)
     assert torch.allclose(out, ref_out, rtol=2 * torch.finfo(torch.float32).eps, atol=0)
     # each level is within one step of |x| (QSGD's quantizer), with the float32 slack
     per = torch.repeat_interleave(step, b)[:n]
@@ -118,14 +119,14 @@ def test_qsgd_matches_the_reference_within_float32(levels, bucket, dtype):
 
 def test_nonfinite_flags():
     x = torch.tensor([1.0, float("nan"), 2.0, float("inf")] * 3)
-    assert not bool(gpu_dither.dithered_scales(x, 2)[1])
-    assert not gpu_dither.nested_encode(x, 1.0, 0.1, 4, 2, KEY)[1]
-    assert not bool(gpu_dither.qsgd_sumsq(x, 5)[1])
-    assert bool(gpu_dither.qsgd_sumsq(torch.ones(10), 5)[1])
+    assert not bool(gpu_dithered.dithered_scales(x, 2)[1])
+    assert not gpu_nested.nested_encode(x, 1.0, 0.1, 4, 2, KEY)[1]
+    assert not bool(gpu_qsgd.qsgd_sumsq(x, 5)[1])
+    assert bool(gpu_qsgd.qsgd_sumsq(torch.ones(10), 5)[1])
 
 
 def test_host_values_reads_scalars():
-    assert gpu_dither.host_values(torch.tensor(True), 3.0, torch.tensor([2.5])) == (True, 3.0, 2.5)
+    assert gpu_dithered.host_values(torch.tensor(True), 3.0, torch.tensor([2.5])) == (True, 3.0, 2.5)
 
 
 # --- the codecs' CUDA glue (headers and scales on the device, one status read), driven
@@ -140,7 +141,7 @@ def triton_route(monkeypatch):
     import lowbit.codecs.radix as radix
     from lowbit.codecs.kernels import gpu, gpu_radix
     for mod in (dithered, nested, qsgd):
-        monkeypatch.setattr(mod, "kernels_for", lambda x, family="core": gpu_dither)
+        monkeypatch.setattr(mod, "kernels_for", lambda x, family="core": gpu_kernels(family))
     # the codes are packed by the Triton radix kernels (the core's for a power of two / > 2^16 levels)
     monkeypatch.setattr(radix, "kernels_for", lambda x, family="core": gpu_radix if family == "radix" else gpu)
 

@@ -18,6 +18,12 @@ Every codec has two implementations with one wire format:
 where numba would compile for another CPU than this one (:func:`native_target`) the CPU
 takes the reference; tensors that are neither plain CPU nor plain CUDA tensors (subclasses, other
 devices) take the reference; CUDA without Triton takes the reference.
+
+The kernels come in families, one per codec module (:mod:`.families`: each family's
+:class:`typing.Protocol`, its CPU-only functions and their reasons). This module is the one
+place that picks a family's module for a tensor: :func:`kernels_for` (``cpu_<family>``
+with numba on the CPU, ``gpu_<family>`` with Triton on CUDA, ``cpu``/``gpu`` for the
+"core" family), :func:`cpu_kernels` and :func:`gpu_kernels`.
 """
 
 from __future__ import annotations
@@ -62,11 +68,24 @@ def codec_path(path: str):
 
 
 @functools.lru_cache(maxsize=None)
+def _family(family: str):
+    from .families import FAMILIES
+
+    try:
+        return FAMILIES[family]
+    except KeyError:
+        raise ValueError(f"family must be one of {sorted(FAMILIES)}, got {family!r}") from None
+
+
+@functools.lru_cache(maxsize=None)
 def _module(backend: str, family: str):
-    """The kernel module of a codec family for a backend: ``cpu``/``gpu`` for the core
-    (packing, statistics, modulo), ``cpu_<family>``/``gpu_<family>`` for the others.
-    None when its compiler (numba or Triton) cannot be imported."""
-    name = ("cpu" if backend == "numba" else "gpu") + ("" if family == "core" else f"_{family}")
+    """The kernel module of a codec family for a backend (:meth:`.families.Family.module_name`:
+    ``cpu``/``gpu`` for the core, ``cpu_<family>``/``gpu_<family>`` for the others). None when
+    the family has no module for the backend, or its compiler (numba or Triton) cannot be
+    imported."""
+    name = _family(family).module_name(family, backend)
+    if name is None:
+        return None
     try:
         return importlib.import_module(f"{__name__}.{name}")
     except ImportError as e:
@@ -76,12 +95,14 @@ def _module(backend: str, family: str):
 
 
 def cpu_kernels(family: str = "core"):
-    """The numba kernel module of ``family``, or None when numba cannot be imported."""
+    """The numba kernel module of ``family`` (conforming to ``FAMILIES[family].cpu``), or None
+    when numba cannot be imported."""
     return _module("numba", family)
 
 
 def gpu_kernels(family: str = "core"):
-    """The Triton kernel module of ``family``, or None when Triton cannot be imported."""
+    """The Triton kernel module of ``family`` (conforming to ``FAMILIES[family].common``), or
+    None when Triton cannot be imported or the family has no GPU side (``FAMILIES[family].no_gpu``)."""
     return _module("triton", family)
 
 
@@ -117,10 +138,13 @@ def fast_backend(x: torch.Tensor) -> str | None:
 
 
 def kernels_for(x: torch.Tensor, family: str = "core"):
-    """The kernel module of ``family`` for ``x``'s fast path (numba on the CPU, Triton on
-    CUDA), or None: take the reference."""
+    """The kernel module of ``family`` (a name of :data:`.families.FAMILIES`) for ``x``'s fast
+    path (numba on the CPU, Triton on CUDA), or None: take the reference."""
     backend = fast_backend(x)
-    return None if backend is None else _module(backend, family)
+    if backend is None:
+        _family(family)  # an unknown name is an error on every path
+        return None
+    return _module(backend, family)
 
 
 #: Allocations of this many bytes or more get a fresh mapping from glibc at every call (its
