@@ -4,6 +4,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -12,6 +19,7 @@ from lowbit.comm import run_threads
 from lowbit.integrations import DecentralizedDataParallel
 
 N, BATCH = 2, 8
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Net(nn.Module):
@@ -108,3 +116,102 @@ def test_optimizer_that_reevaluates_the_closure_is_refused():
         return True
 
     assert run_threads(N, fn) == [True] * N
+
+
+# ---- torchrun (gloo): GradScaler, clipping and no_sync against torch's DDP -----------------------
+def _torchrun(case):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "ddp_idioms_torchrun.py"), case]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert lines, out.stdout + out.stderr
+    return out.returncode, json.loads(lines[-1]), out.stderr
+
+
+def test_grad_scaler_skips_the_same_step_on_every_rank():
+    rc, res, err = _torchrun("scaler")
+    assert rc == 0, err
+    for algorithm in ("dpsgd", "allreduce"):  # overlapped gossip, and gradient averaging
+        r = res[algorithm]
+        assert r["error"] == [None, None]
+        # rank 1 alone overflowed at step 3: both ranks skipped it, and only it
+        expect = [k != 3 for k in range(8)]
+        assert r["taken"] == [expect, expect]
+        assert r["scales"][0] == r["scales"][1] and r["scales"][0][3] == r["scales"][0][2] / 2
+        assert r["x"][0] == r["x"][1] or algorithm == "dpsgd"  # allreduce: the replicas stay equal
+
+
+def test_torch_grad_scaler_out_of_step_is_named_on_every_rank():
+    """torch's own GradScaler: the rank that overflowed skips alone; every rank is told why."""
+    _, res, _ = _torchrun("torch-scaler")
+    errors = res["dpsgd"]["error"]
+    assert all(e and "ranks out of step" in e and "GradScaler" in e for e in errors), errors
+
+
+def test_clip_and_no_sync_equal_torch_ddp():
+    rc, res, err = _torchrun("ddp")
+    assert rc == 0, err
+    clip = res["clip"]
+    for rank in range(2):
+        # ddp.clip_grad_norm_ clips the averaged gradient: DDP + clip_grad_norm_, bit for bit
+        assert clip["method"][rank] == clip["ddp"][rank] and clip["method_norms"][rank] == clip["ddp_norms"][rank]
+        assert max(clip["ddp_norms"][rank]) > 1.0  # clipping was active
+        # the plain call clips the local gradient, before the average: another result
+        assert clip["plain"][rank] != clip["ddp"][rank]
+        assert clip["method_bytes"][rank] == clip["plain_bytes"][rank] > 0  # one communication per step
+    acc = res["no_sync"]
+    for rank in range(2):
+        assert acc["no_sync"][rank] == acc["ddp"][rank] == acc["summed"][rank]
+        assert acc["no_sync_bytes"][rank] == acc["summed_bytes"][rank] > 0
+
+
+# ---- clipping and no_sync on threads ----------------------------------------------------------
+def test_decentralized_clip_is_the_local_clip_and_sends_nothing_extra():
+    def run(t, how):
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        ddp = DecentralizedDataParallel(net, opt, "dpsgd", transport=t)
+        norms = []
+        for k in range(4):
+            opt.zero_grad()
+            _loss(ddp, t.rank, k).backward()
+            if how == "method":
+                norms.append(float(ddp.clip_grad_norm_(0.5)))
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)))
+            opt.step()
+        return ddp.flat.data.clone(), norms, ddp.bytes_sent
+
+    a = run_threads(N, lambda t: run(t, "method"))
+    b = run_threads(N, lambda t: run(t, "plain"))
+    for (x, n, s), (x2, n2, s2) in zip(a, b):
+        assert torch.equal(x, x2) and n == n2 and s == s2 and max(n) > 0.5
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "allreduce"])
+def test_no_sync_accumulates_and_starts_no_exchange(algorithm):
+    def run(t, use_no_sync):
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ddp = DecentralizedDataParallel(net, opt, algorithm, transport=t)
+        started = []
+        for k in range(3):
+            opt.zero_grad()
+            ctx = ddp.no_sync() if use_no_sync else contextlib.nullcontext()
+            with ctx:
+                _loss(ddp, t.rank, k).backward()
+                started.append(ddp._exchange is not None)
+                if use_no_sync:
+                    with pytest.raises(RuntimeError, match="inside ddp.no_sync"):
+                        opt.step()
+            _loss(ddp, t.rank, 100 + k).backward()
+            opt.step()
+        return ddp.flat.data.clone(), ddp.bytes_sent, started, ddp.step_count
+
+    a = run_threads(N, lambda t: run(t, True))
+    b = run_threads(N, lambda t: run(t, False))
+    for (x, s, started, steps), (x2, s2, started2, _) in zip(a, b):
+        assert torch.equal(x, x2) and s == s2 and steps == 3
+        assert not any(started)  # inside no_sync the forward started no exchange
+        assert all(started2) == (algorithm == "dpsgd")  # without it, the overlapped gossip starts at once

@@ -218,6 +218,9 @@ class DecentralizedDataParallel(nn.Module):
         self.on_step = on_step
         self._closed = False
         self._in_step: tuple[int, float] | None = None  # (k, lr) between the optimizer's pre- and post-hook
+        self._skip_agreed: bool | None = None  # agree_skip()'s answer for the step in progress
+        self._early = False  # clip_grad_norm_ ran this step's communication (the pre-hook then does not)
+        self._no_sync = False  # inside no_sync()
         self._last_stats: dict[str, float] = {}
         self._totals = _LedgerTotals()
         # overlap: the algorithm's exchange of step k runs during its forward and backward
@@ -278,11 +281,83 @@ class DecentralizedDataParallel(nn.Module):
             raise err from e
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
-        """The optimizer's step pre-hook: the closure if one is given, set_step(k), before_update."""
+        """The optimizer's step pre-hook: the closure if one is given, set_step(k), before_update
+        (unless :meth:`clip_grad_norm_` has run it already for this step)."""
         with self._refusals():
             replaced = _run_closure(args, kwargs)
-            self._pre_step_body()
+            if self._no_sync:
+                raise RuntimeError("optimizer.step() inside ddp.no_sync(): no_sync() is for gradient accumulation "
+                                   "(the backward passes inside it add up; the algorithm communicates at the "
+                                   "optimizer.step() after the block); a step inside it would be a local step")
+            if not self._early:
+                self._pre_step_body()
+            self._early = False
+            self._skip_agreed = None
             return replaced
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's ``no_sync()``, for gradient accumulation: the forward and backward passes inside
+        the block communicate nothing (with ``overlap=True`` no exchange starts; the first
+        training forward after the block starts it), and their gradients add up in ``.grad``;
+        the algorithm communicates at the next ``optimizer.step()``, after the block, with the
+        accumulated gradient (centralized algorithms average it; decentralized ones gossip the
+        model and apply it). ``optimizer.step()`` inside the block is a RuntimeError. Without
+        ``no_sync()`` accumulation works the same (the wrapper communicates only at the step);
+        the block only keeps an overlapped exchange from starting early."""
+        before, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = before
+
+    def agree_skip(self, skip: bool) -> bool:
+        """Collective: whether any rank skips this step (``skip`` is this rank's wish: a
+        GradScaler that found an inf or NaN gradient). Every rank gets the same answer, so
+        every rank then skips, or takes, the same ``optimizer.step()``, as under DDP, whose
+        gradient all-reduce spreads an inf to every rank. One all-reduce of one number,
+        outside the ledger (:class:`lowbit.integrations.GradScaler` calls it). A step
+        skipped after :meth:`clip_grad_norm_` communicated is dropped (the algorithm's step
+        ``k`` is taken again by the next ``optimizer.step()``)."""
+        if self._closed:
+            raise RuntimeError("agree_skip() after close()")
+        self._wait_exchange()  # an exchange started by the forward stays valid: x_k is unchanged by a skip
+        flag = torch.tensor([1.0 if skip else 0.0], device=self.flat.data.device)
+        with self.transport.untracked():
+            agreed = bool(self.transport.all_reduce(flag, "max").item() > 0)
+        self._skip_agreed = agreed
+        if agreed and self._early:  # the communication clip_grad_norm_ ran for this step is dropped
+            self._in_step, self._early = None, False
+        return agreed
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the module's parameters, with DDP's meaning:
+        it clips the gradient the optimizer applies, and returns its total norm. Call it after
+        backward, right before ``optimizer.step()`` (after ``scaler.unscale_(optimizer)`` under
+        a GradScaler).
+
+        - Centralized algorithms (``allreduce``, ``qsgd``, ``powersgd``, ...: the family
+          that aggregates gradients): it runs the step's communication now (the optimizer's
+          step then does not communicate again) and clips the *averaged* (aggregated)
+          gradient, as ``clip_grad_norm_`` after DDP's backward does: with ``allreduce`` the
+          result equals DDP + ``clip_grad_norm_``.
+        - Decentralized algorithms (gossip of the model: ``dpsgd``, ``moniqua``, ...): there is
+          no averaged gradient; each rank applies its own. It clips this rank's local gradient
+          and communicates nothing (the same as the plain call).
+
+        The plain ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` before
+        ``optimizer.step()`` always clips the local gradient: under a centralized algorithm
+        that is *before* the aggregation, not DDP's meaning (use this method). Local
+        parameters (trainable ones the optimizer does not hold) are clipped with the others."""
+        if self._closed:
+            raise RuntimeError("clip_grad_norm_() after close()")
+        if self.algorithm.family == "centralized" and not self._early and not self._skip_agreed:
+            with self._refusals():
+                self._pre_step_body()
+            self._early = True
+        return torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], max_norm,
+                                              norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
     def _pre_step_body(self) -> None:
         self._restore_grad_views()
@@ -313,7 +388,7 @@ class DecentralizedDataParallel(nn.Module):
             self._forward_pre_body(module, args)
 
     def _forward_pre_body(self, module: nn.Module, args: tuple) -> None:
-        if not (module.training and torch.is_grad_enabled()) or self._closed:
+        if not (module.training and torch.is_grad_enabled()) or self._closed or self._no_sync:
             return
         ex = self._exchange
         if ex is not None:
@@ -786,9 +861,9 @@ def _optimizer_params(module: nn.Module, optimizer: torch.optim.Optimizer) -> li
     return out
 
 
-# Optimizers whose step runs a wrapper's hooks: a second wrapper on one of them would run two algorithms
-# per step. Weak keys: an optimizer that is garbage collected leaves by itself.
-_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, bool] = weakref.WeakKeyDictionary()
+# Optimizers whose step runs a wrapper's hooks, and that wrapper (weakly): a second wrapper on one of them
+# would run two algorithms per step. Weak keys: an optimizer that is garbage collected leaves by itself.
+_HOOKED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref] = weakref.WeakKeyDictionary()
 _HOOKED_LOCK = threading.Lock()
 
 
@@ -804,8 +879,15 @@ def _attach_hooks(optimizer: torch.optim.Optimizer, ddp: DecentralizedDataParall
     with _HOOKED_LOCK:
         if optimizer in _HOOKED:
             raise ValueError("optimizer is already wrapped by another DecentralizedDataParallel")
-        _HOOKED[optimizer] = True
+        _HOOKED[optimizer] = weakref.ref(ddp)
         return optimizer.register_step_pre_hook(ddp._pre_step), optimizer.register_step_post_hook(ddp._post_step)
+
+
+def wrapper_of(optimizer: torch.optim.Optimizer) -> "DecentralizedDataParallel | None":
+    """The open :class:`DecentralizedDataParallel` whose hooks ``optimizer.step()`` runs, or None."""
+    with _HOOKED_LOCK:
+        ref = _HOOKED.get(optimizer)
+    return ref() if ref is not None else None
 
 
 def _detach_hooks(optimizer: torch.optim.Optimizer, handles: tuple) -> None:

@@ -1,0 +1,155 @@
+"""Run by tests/test_ddp_idioms.py under ``torchrun --nproc-per-node 2`` (gloo): DDP's idioms
+under DecentralizedDataParallel against torch's DistributedDataParallel in the same processes.
+``python ddp_idioms_torchrun.py CASE``; rank 0 prints one JSON line.
+
+- ``scaler``: lowbit's GradScaler, rank 1 alone overflows at step 3: every rank skips it;
+- ``torch-scaler``: torch's GradScaler in the same run (the ranks fall out of step: the error);
+- ``ddp``: allreduce + ddp.clip_grad_norm_ against DDP + clip_grad_norm_ (and the plain call),
+  and 2 micro-batches, the first under no_sync, against DDP + no_sync (and one summed loss)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lowbit.integrations import DecentralizedDataParallel, GradScaler
+
+STEPS, BATCH, OVERFLOW_STEP = 8, 16, 3
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def batch(rank: int, k: int, micro: int = 0):
+    g = torch.Generator().manual_seed(10000 * micro + 1000 * rank + k)
+    return torch.randn(BATCH, 6, generator=g) * 3 + 2 * rank, torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def loss_of(net, rank, k, micro=0):
+    x, y = batch(rank, k, micro)
+    return nn.functional.cross_entropy(net(x), y)
+
+
+def flat(net) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def scaler_run(scaler_cls, algorithm):
+    net = model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    ddp = DecentralizedDataParallel(net, opt, algorithm)
+    scaler = scaler_cls("cpu", init_scale=1024.0, growth_interval=2)
+    rank, taken, scales, error = ddp.rank, [], [], None
+    try:
+        for k in range(STEPS):
+            opt.zero_grad()
+            loss = loss_of(ddp, rank, k)
+            if rank == 1 and k == OVERFLOW_STEP:
+                loss = loss * float("inf")  # this rank's fp16 gradients overflow
+            scaler.scale(loss).backward()
+            before = ddp.step_count
+            scaler.step(opt)
+            scaler.update()
+            taken.append(ddp.step_count > before)
+            scales.append(float(scaler.get_scale()))
+        ddp.close()
+    except Exception as e:  # noqa: BLE001 - reported: the state before this change
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+    return {"taken": taken, "scales": scales, "error": error, "x": flat(net)}
+
+
+def clip_runs():
+    rank = dist.get_rank()
+    out = {}
+    net = model()
+    ref = DDP(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    norms = []
+    for k in range(STEPS):
+        opt.zero_grad()
+        loss_of(ref, rank, k).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)))
+        opt.step()
+    out["ddp"], out["ddp_norms"] = flat(net), norms
+    for how in ("method", "plain"):
+        net = model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+        ddp = DecentralizedDataParallel(net, opt, "allreduce")
+        norms = []
+        for k in range(STEPS):
+            opt.zero_grad()
+            loss_of(ddp, rank, k).backward()
+            clip = ddp.clip_grad_norm_ if how == "method" else \
+                (lambda m: torch.nn.utils.clip_grad_norm_(net.parameters(), m))
+            norms.append(float(clip(1.0)))
+            opt.step()
+        out[how], out[how + "_norms"], out[how + "_bytes"] = flat(net), norms, ddp.bytes_sent
+        ddp.close()
+    return out
+
+
+def no_sync_runs():
+    rank = dist.get_rank()
+    out = {}
+    net = model()
+    ref = DDP(net)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for k in range(STEPS):
+        opt.zero_grad()
+        with ref.no_sync():
+            loss_of(ref, rank, k, 0).backward()
+        loss_of(ref, rank, k, 1).backward()
+        opt.step()
+    out["ddp"] = flat(net)
+    for how in ("no_sync", "summed"):
+        net = model()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ddp = DecentralizedDataParallel(net, opt, "allreduce")
+        for k in range(STEPS):
+            opt.zero_grad()
+            if how == "no_sync":
+                with ddp.no_sync():
+                    loss_of(ddp, rank, k, 0).backward()
+                loss_of(ddp, rank, k, 1).backward()
+            else:
+                (loss_of(ddp, rank, k, 0) + loss_of(ddp, rank, k, 1)).backward()
+            opt.step()
+        out[how], out[how + "_bytes"] = flat(net), ddp.bytes_sent
+        ddp.close()
+    return out
+
+
+def gathered(result: dict) -> dict:
+    """Every rank's values, tensors as lists (rank 0 prints)."""
+    res = {}
+    for key, v in result.items():
+        box = [None] * dist.get_world_size()
+        dist.all_gather_object(box, v.tolist() if isinstance(v, torch.Tensor) else v)
+        res[key] = box
+    return res
+
+
+def main(case: str) -> None:
+    dist.init_process_group("gloo")
+    if case == "scaler":
+        res = {a: gathered(scaler_run(GradScaler, a)) for a in ("dpsgd", "allreduce")}
+    elif case == "torch-scaler":
+        res = {"dpsgd": gathered(scaler_run(torch.amp.GradScaler, "dpsgd"))}
+    elif case == "ddp":
+        res = {"clip": gathered(clip_runs()), "no_sync": gathered(no_sync_runs())}
+    else:
+        raise SystemExit(f"unknown case {case!r}")
+    if dist.get_rank() == 0:
+        print(json.dumps(res), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
