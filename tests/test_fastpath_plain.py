@@ -16,7 +16,6 @@ from lowbit.codecs.quantize import lane_sums_reference
 # the numba kernels themselves: skipped where numba compiles for another CPU (conftest.py)
 pytestmark = pytest.mark.numba_kernels
 
-plain = cpu_kernels("plain")
 
 CASES = [
     IdentityCodec(),
@@ -41,8 +40,10 @@ def _x(n, dtype, seed=0):
     return (torch.randn(n, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
 
 
-def test_the_fast_path_is_taken():
-    assert plain is not None and kernels_for(torch.zeros(3), "plain") is plain
+@pytest.mark.parametrize("family", ["minmax", "uniform", "sign", "terngrad"])
+def test_the_fast_path_is_taken(family):
+    K = cpu_kernels(family)
+    assert K is not None and K.__name__.endswith(f".cpu_{family}") and kernels_for(torch.zeros(3), family) is K
 
 
 @pytest.mark.parametrize("codec", CASES, ids=repr)
@@ -150,12 +151,12 @@ def test_sign_scale_sum_is_the_references_lane_order(order):
     spread = torch.tensor([2.0**60 if order == 1 else 2.0**30] + [100.0 if order == 1 else 10.0] * 15,
                           dtype=torch.float64)
     for x in (_x(10_003, torch.float32, seed=8), torch.full((10,), 1e30), _x(77, torch.float64) * 1e100, spread):
-        _, total, finite = plain.sign_encode(x, order)
+        _, total, finite = cpu_kernels("sign").sign_encode(x, order)
         x64 = x.double()
         terms = x64.abs() if order == 1 else x64 * x64
         assert finite and total == float(lane_sums_reference(terms, x.numel())[0])
     terms = spread.abs() if order == 1 else spread * spread
-    assert float(terms.cumsum(0)[-1]) == 2.0**60 < plain.sign_encode(spread, order)[1]  # not the sequential sum
+    assert float(terms.cumsum(0)[-1]) == 2.0**60 < cpu_kernels("sign").sign_encode(spread, order)[1]  # not the sequential sum
     y = SignCodec("rms").decode(SignCodec("rms").encode(torch.full((10,), 1e30)))
     assert torch.allclose(y, torch.full((10,), 1e30))
 

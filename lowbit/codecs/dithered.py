@@ -69,10 +69,10 @@ decode is never inf. A payload whose scales are not finite, negative or beyond t
 limit, or whose data length does not match its count, is a PayloadError.
 
 Fast path and reference. ``encode_reference``/``decode_reference`` compute
-in float64 on whole tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dither`)
+in float64 on whole tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dithered`)
 runs the same operations in float64 registers, one element at a time, and
 gives the same bytes and decodes exactly. The CUDA fast path
-(:mod:`.kernels.gpu_dither`, Triton) computes in float32 for float32/half
+(:mod:`.kernels.gpu_dithered`, Triton) computes in float32 for float32/half
 input (float64 for float64): an index may then differ from the reference's
 by one on a tiny fraction of elements, and the subtractive error bound
 ``|x~ - x| <= kappa Delta / 2`` holds with the slack ``4 eps32 kappa (M + 1) / M``

@@ -4,11 +4,11 @@ The input's range ``[min, max]`` is split into ``2^b - 1`` equal intervals and
 each element is sent as the index of a grid point (``b = 8`` in Bagua, with
 deterministic rounding).
 
-Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`: one
+Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_minmax`: one
 statistics pass for the header's min and max and the finiteness check, one
 quantize pass to uint8 codes, packing), ``encode_reference``/``decode_reference``
 are the float64 whole-tensor code; on the CPU the two give the same bytes and
-decodes. On CUDA (:mod:`.kernels.gpu_plain`) the arithmetic is float32 for
+decodes. On CUDA (:mod:`.kernels.gpu_minmax`) the arithmetic is float32 for
 float32/half inputs: ``(x - min) * scale`` then carries at most ``3 eps32 levels``
 of a code and the decode ``code / scale + min`` ``2 eps32 (max - min) + eps32
 max(|min|, |max|)`` (``eps32 = 2^-24``), so the error bounds below hold with the
@@ -92,7 +92,7 @@ class MinMaxCodec(Rounded, Codec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         n = check_numel(x)
-        K = kernels_for(x, "plain")
+        K = kernels_for(x, "minmax")
         if K is None:
             return self.encode_reference(x, generator=generator)
         if n == 0:
@@ -115,7 +115,7 @@ class MinMaxCodec(Rounded, Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "plain")
+        K = kernels_for(payload.data, "minmax")
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, lo, hi = self._frame(payload, numel)

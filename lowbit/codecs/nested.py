@@ -55,7 +55,7 @@ Header ``<i``: numel (4 bytes); ``nbytes = 4 + ceil(n ceil(log2 k) / 8)``.
 Arithmetic. ``m = floor(t (1/Delta1) + 1/2)`` and ``Q2(r) = Delta2 floor(r
 (1/Delta2) + 1/2)``, with the inverses computed once. The reference
 (``encode_reference``/``decode_reference``) computes in float64 on whole
-tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dither`) runs the same
+tensors; the CPU fast path (numba, :mod:`.kernels.cpu_nested`) runs the same
 float64 operations per element: the same bytes and decodes exactly. The CUDA
 fast path (Triton) computes in float32 for float32/half input: the fine index
 is exact only below ``2^24``, so it raises the ``delta1`` error when

@@ -20,7 +20,7 @@ fixed order (:func:`~lowbit.codecs.quantize.lane_sums_reference`: 8 interleaved
 float64 lanes from the bucket's start, added pairwise), rounded up to float32; ``xi_i`` is the stochastic rounding (counter
 uniforms, :mod:`lowbit.codecs.rng`) of ``min(|x_i| f_j, s)`` with ``f_j =
 s / norm_j`` computed once per bucket; the decode is ``(code - s) (norm_j / s)``.
-The CPU fast path (numba, :mod:`.kernels.cpu_dither`) performs the same float64
+The CPU fast path (numba, :mod:`.kernels.cpu_qsgd`) performs the same float64
 operations element by element: the same bytes and decodes exactly. The CUDA
 fast path (Triton) computes in float32 for float32/half input (float64 for
 float64): the sums of squares are accumulated in float64 (block partial sums

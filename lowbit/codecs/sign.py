@@ -10,7 +10,7 @@ step's input); that memory is state of the optimizer, per worker and per
 tensor, so it lives in the algorithm layer, not here: the codec stays a
 stateless map.
 
-Paths: ``encode`` (:mod:`.kernels.cpu_plain`) computes the sign bits, the
+Paths: ``encode`` (:mod:`.kernels.cpu_sign`) computes the sign bits, the
 finiteness check and the scale's float64 sum (of ``|x_i|`` or ``x_i^2``) in one
 pass, adding in the kernels' fixed lane order; ``encode_reference`` computes that sum
 with :func:`~lowbit.codecs.quantize.lane_sums_reference`, the same order, so the two
@@ -97,7 +97,7 @@ class SignCodec(Codec):
         """One pass: the sign bits, the finiteness flag and the scale's float64 sum (in the
         reference's lane order: the same bytes)."""
         n = check_numel(x)
-        K = kernels_for(x, "plain")
+        K = kernels_for(x, "sign")
         if K is None:
             return self.encode_reference(x, generator=generator)
         data, total, finite = K.sign_encode(x, self.order)
@@ -116,7 +116,7 @@ class SignCodec(Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "plain")
+        K = kernels_for(payload.data, "sign")
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, c = self._frame(payload, numel)

@@ -12,7 +12,7 @@ Its gradient clipping (Section 3.3, ``c = 2.5``) is ``TernGradCodec(clip=c)``: e
 sent as ``sign(g_i) s_t``. The wire format is the same; the code is then biased (by the
 clipping only), and ``s_t`` no longer follows one outlier.
 
-Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`: one
+Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_terngrad`: one
 statistics pass for ``max |g|`` and the finiteness check, then one pass that draws
 and packs the codes 4 per byte; the decode unpacks, scales and checks for the code
 3 in one pass), ``encode_reference``/``decode_reference`` are the float64 code; on
@@ -115,7 +115,7 @@ class TernGradCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         n = check_numel(x)
-        K = kernels_for(x, "plain")
+        K = kernels_for(x, "terngrad")
         if K is None:
             return self.encode_reference(x, generator=generator)
         scale = 0.0
@@ -138,7 +138,7 @@ class TernGradCodec(Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "plain")
+        K = kernels_for(payload.data, "terngrad")
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, scale = self._frame(payload, numel)

@@ -4,9 +4,9 @@ This is the quantizer ``Q_delta`` of Theorem 1 of the Moniqua paper (points
 ``{delta n}``, unbiased with stochastic rounding): quantizing models directly
 with it is the "naive quantized gossip" that Theorem 1 shows cannot converge.
 
-Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_plain`),
+Paths: ``encode``/``decode`` take the fast path (:mod:`.kernels.cpu_uniform`),
 ``encode_reference``/``decode_reference`` are the float64 whole-tensor code; on the
-CPU the two give the same bytes and decodes. On CUDA (:mod:`.kernels.gpu_plain`)
+CPU the two give the same bytes and decodes. On CUDA (:mod:`.kernels.gpu_uniform`)
 the arithmetic is float32 for float32/half inputs: ``x / step`` carries at most
 ``2^-22 |x| / step`` of a code (a code then differs from the CPU's by one, rarely)
 and the decode ``(code + offset) * step`` rounds once more, so ``error_bound``
@@ -124,7 +124,7 @@ class UniformCodec(Rounded, Codec):
         against that bound in the narrowest unsigned dtype (one pass), then re-based on the
         codes' own smallest value and packed (see ``uniform_codes`` in the kernel modules)."""
         n = check_numel(x)
-        K = kernels_for(x, "plain")
+        K = kernels_for(x, "uniform")
         if K is None:
             return self.encode_reference(x, generator=generator)
         if n == 0:
@@ -146,7 +146,7 @@ class UniformCodec(Rounded, Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "plain")
+        K = kernels_for(payload.data, "uniform")
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, offset, top = self._frame(payload, numel)

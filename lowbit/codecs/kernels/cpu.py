@@ -335,3 +335,9 @@ def stats(x: torch.Tensor) -> tuple[float, float, float, float, bool]:
     """``(min, max, max |x|, sum x^2, all finite)`` in one pass (finite elements only)."""
     lo, hi, amax, sq, bad = _stats(as_numba(x))
     return lo, hi, amax, sq, not bad
+
+
+def _out_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a decode kernel writes: float32 or float64 directly; any other dtype is
+    written as float64 and cast once (a single rounding, as the reference's)."""
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float64

@@ -263,7 +263,6 @@ FAMILIES: dict[str, Family] = {
     "lanes": Family(LanesKernels, LanesKernels, no_gpu="lane packing has no Triton kernel: on CUDA the lanes "
                     "codec packs with the torch reference"),
     "lowp": _same(LowpKernels),
-    "plain": _same(MinMaxKernels),  # TRANSITIONAL: split into minmax/uniform/sign/terngrad next
 }
 
 

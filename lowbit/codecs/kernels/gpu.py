@@ -180,3 +180,12 @@ def raise_if_flagged(flag, codec: str) -> None:
     already read back is a CPU tensor or a number)."""
     if int(flag.item() if isinstance(flag, torch.Tensor) else flag):
         raise ValueError(f"x must be finite for the {codec} codec")
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scalar(v: float, dtype: torch.dtype, device) -> torch.Tensor:
+    """A one-element device tensor holding ``v`` (a fill kernel, no copy from the host)."""
+    return torch.full((1,), v, dtype=dtype, device=device)

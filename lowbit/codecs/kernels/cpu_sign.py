@@ -1,0 +1,97 @@
+"""numba kernels of the "sign" family on the CPU: 1-bit SGD and signSGD
+(:class:`lowbit.codecs.SignCodec`), the same names and signatures as :mod:`.gpu_sign`
+(:class:`~lowbit.codecs.kernels.families.SignKernels`).
+
+Conventions of :mod:`.cpu` (the core): one branch-free loop over the elements,
+the input read once in its own dtype and computed in float64 registers, so
+every kernel gives the float64 reference's bytes exactly; uniforms from the
+counter hash (:func:`.cpu.uniform`); codes of at most 8 bits as ``uint8``;
+a kernel that may meet a non-finite value returns a flag and its caller raises.
+
+Sign packs its 1-bit codes inside the encode loop and unpacks inside the decode
+loop (8 codes per byte, the layout of :mod:`lowbit.codecs.packing`); TernGrad
+likewise packs its trits 5 per byte in radix 3 (the layout of
+:mod:`lowbit.codecs.radix` for 3 levels); min-max and uniform use the core's
+:func:`.cpu.pack` / :func:`.cpu.unpack`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import empty_output
+from .cpu import _jit, _out_dtype, as_numba, nonfinite, np_view
+
+__all__ = ["sign_encode", "sign_decode"]
+
+
+# --- sign (1-bit SGD, signSGD) --------------------------------------------------------------
+
+@_jit
+def _sign_encode(x, order, out):
+    """Bit ``x_i >= 0`` packed 8 per byte into ``out``; returns ``(total, non-finite)`` with
+    ``total`` the float64 sum of ``|x_i|`` (order 1) or ``x_i^2`` (order 2) in the order of
+    :func:`lowbit.codecs.quantize.lane_sums_reference` (lane ``i mod 8``, one per bit of a
+    byte, then pairwise; 0 for order 0)."""
+    n = x.shape[0]
+    full = n // 8
+    bad = False
+    lanes = np.zeros(8)
+    if order == 0:
+        for j in range(full):
+            acc = 0
+            for k in range(8):
+                v = np.float64(x[8 * j + k])
+                bad |= nonfinite(v)
+                acc |= (1 if v >= 0.0 else 0) << k
+            out[j] = np.uint8(acc)
+    else:
+        for j in range(full):
+            acc = 0
+            for k in range(8):
+                v = np.float64(x[8 * j + k])
+                bad |= nonfinite(v)
+                acc |= (1 if v >= 0.0 else 0) << k
+                lanes[k] += abs(v) if order == 1 else v * v
+            out[j] = np.uint8(acc)
+    if full * 8 < n:
+        acc = 0
+        for k in range(n - full * 8):
+            v = np.float64(x[8 * full + k])
+            bad |= nonfinite(v)
+            acc |= (1 if v >= 0.0 else 0) << k
+            lanes[k] += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
+        out[full] = np.uint8(acc)
+    total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    return total, bad
+
+
+@_jit
+def _sign_decode(data, c, out):
+    """``+c`` for bit 1, ``-c`` for bit 0."""
+    n = out.shape[0]
+    full = n // 8
+    for j in range(full):
+        d = data[j]
+        for k in range(8):
+            out[8 * j + k] = c if (d >> k) & 1 else -c
+    for i in range(full * 8, n):
+        out[i] = c if (data[full] >> (i - full * 8)) & 1 else -c
+
+
+def sign_encode(x: torch.Tensor, order: int) -> tuple[torch.Tensor, float, bool]:
+    """``(packed sign bits, total, finite)``: ``total`` is the float64 sum of ``|x_i|``
+    (``order`` 1) or ``x_i^2`` (2) in the lane order, 0.0 for ``order`` 0."""
+    xv = as_numba(x.detach())
+    out = torch.empty((xv.shape[0] + 7) // 8, dtype=torch.uint8)
+    total, bad = _sign_encode(xv, order, out.numpy())
+    return out, total, not bad
+
+
+def sign_decode(data: torch.Tensor, n: int, c: float, dtype: torch.dtype) -> torch.Tensor:
+    """``+c`` for a bit 1 (x_i >= 0), ``-c`` for a bit 0, as ``dtype``, from ``n`` packed sign bits."""
+    out = empty_output(n, _out_dtype(dtype))
+    if n:
+        _sign_decode(np_view(data), c, out.numpy())
+    return out.to(dtype)
