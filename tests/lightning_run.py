@@ -93,6 +93,7 @@ def main():
             result["b"] = fit(spec, out, seed=2, ckpt=result["a"]["ckpt"])
         with open(os.path.join(out, f"{spec['name']}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
+    torch.distributed.destroy_process_group()  # before exit: gloo's threads end with the group
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""Hugging Face Accelerate: :func:`lowbit_prepare`, ``accelerator.prepare`` with a lowbit algorithm.
+
+Use (every rank runs the same script, e.g. ``accelerate launch --multi_gpu --num_processes 2
+train.py``; on CPU with ``Accelerator(cpu=True)`` or ``ACCELERATE_USE_CPU=1``)::
+
+    from accelerate import Accelerator
+    from lowbit.integrations.accelerate import lowbit_prepare
+
+    accelerator = Accelerator()
+    model, optimizer, loader, comm = lowbit_prepare(accelerator, model, optimizer, loader,
+                                                    algorithm="maxnorm", bits=4)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(loss_fn(model(x), y))
+            optimizer.step()
+            optimizer.zero_grad()
+    comm.bytes_sent                      # this rank's bytes on the wire
+
+``algorithm`` is a ``lowbit train --algorithm`` name or a codec hook of
+:data:`lowbit.integrations.ddp_hooks.HOOKS`, with that entry point's options.
+
+* Centralized algorithms and codec hooks: ``accelerator.prepare`` as usual (torch DDP), then
+  ``model.register_comm_hook(state, hook)`` with :func:`~lowbit.integrations.ddp_hooks.make_hook`'s
+  pair (the lines to write by hand without this helper). ``comm`` is the hook state. DDP's
+  semantics hold: ``accelerator.clip_grad_norm_`` clips the averaged gradient,
+  ``accelerator.accumulate`` communicates once per optimizer step. In a single process
+  there is no DDP model and no hook (``comm.bytes_sent`` stays 0).
+* Decentralized algorithms: the model is moved to ``accelerator.device`` and wrapped in
+  :class:`~lowbit.integrations.DecentralizedDataParallel` (not in torch DDP), the optimizer and
+  the other objects go through ``accelerator.prepare``; ``comm`` is the wrapper (which is also the
+  returned model). The wrapper communicates in ``optimizer.step()``; there is no averaged
+  gradient, so ``accelerator.clip_grad_norm_`` clips each rank's own. Under mixed precision the
+  wrapper's forward runs in ``accelerator.autocast()``. Checkpoints are per rank:
+  ``comm.save_checkpoint(f"ckpt/rank{accelerator.process_index}.pt")`` and ``comm.load_checkpoint``
+  (``accelerator.save_state`` saves rank 0's model only).
+
+Build the optimizer over the model's parameters before calling this, as for ``accelerator.prepare``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..algorithms import ALGORITHMS
+from .ddp_hooks import HOOKS, make_hook
+from .decentralized import DecentralizedDataParallel
+
+
+def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any,
+                   algorithm: str = "moniqua", **options: Any) -> tuple:
+    """``(model, optimizer, *others, comm)``: ``accelerator.prepare(model, optimizer, *others)``
+    with the lowbit ``algorithm`` (see the module docstring); ``comm`` has ``bytes_sent``
+    (the hook state, or the DecentralizedDataParallel wrapper). ``options``: the algorithm's, and
+    the hook's (``seed``, ``error_feedback``, ``nonfinite``...) or the wrapper's (``topology``,
+    ``overlap``, ``seed``...). ValueError for an unknown algorithm or an option it does not take."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if isinstance(algorithm, str) and (algorithm in HOOKS or (cls is not None and cls.family == "centralized")):
+        state, hook = make_hook(algorithm, **options)  # checks the options before anything is prepared
+        model, optimizer, *others = accelerator.prepare(model, optimizer, *others)
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            if state.error_feedback:
+                state.bind_model(model)
+            model.register_comm_hook(state, hook)
+        return (model, optimizer, *others, state)
+    if cls is None:
+        raise ValueError(f"algorithm must be one of {sorted(set(ALGORITHMS) | set(HOOKS))}, got {algorithm!r}")
+    model.to(accelerator.device)  # in place: the optimizer's parameters stay the module's
+    wrapper = DecentralizedDataParallel(model, optimizer, algorithm, **options)
+    if accelerator.mixed_precision != "no":
+        wrapper.forward = accelerator.autocast()(wrapper.forward)
+    optimizer, *others = accelerator.prepare(optimizer, *others)
+    return (wrapper, optimizer, *others, wrapper)
