@@ -62,8 +62,7 @@ low-precision shift_one (its ``shift_one`` exists only at full precision). See
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -126,13 +125,10 @@ def bagua_buckets(numel: int, element_size: int, bucket_bytes: int,
 
 
 def default_node_size(transport) -> int:
-    """Workers per node: ``LOCAL_WORLD_SIZE`` on a torch.distributed transport (torchrun
-    sets it), else 1 (the thread runtime: every worker its own node unless told)."""
-    from ..comm.distributed import TorchDistributedTransport
-
-    if isinstance(transport, TorchDistributedTransport):
-        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return 1
+    """Workers per node: the transport's :attr:`~lowbit.comm.base.Transport.local_world_size`
+    (``LOCAL_WORLD_SIZE`` on torch.distributed, as torchrun sets it; 1 on the thread runtime:
+    every worker its own node unless told)."""
+    return transport.local_world_size
 
 
 def check_node_size(L, n: int) -> int:
@@ -198,8 +194,8 @@ class LowPrecisionDecentralized(GossipAlgorithm):
     torchrun, else 1), ``bucket_bytes`` (bytes per bucket, each quantized with its own min
     and max; Bagua's 10 MiB), ``param_sizes`` (the module's parameter sizes, from which
     the buckets are cut), ``codec`` (Bagua's MinMaxUInt8 by default), ``peer_selection``
-    (``"all"``: Bagua's ring; ``"shift_one"``: lowbit's own variant,
-    :class:`ShiftOneLowPrecision`). ``bits``/``rounding`` build lowbit's ``MinMaxCodec``
+    (``"all"``: Bagua's ring; ``"shift_one"``: lowbit's own variant, which constructing
+    this class with it returns, a :class:`ShiftOneLowPrecision`). ``bits``/``rounding`` build lowbit's ``MinMaxCodec``
     when given other than Bagua's (8, "nearest") and no codec is passed.
 
     Extra memory on a leader: ``w``, ``left``, ``right``: 3 x d (Bagua's states);
@@ -218,6 +214,12 @@ class LowPrecisionDecentralized(GossipAlgorithm):
     codecs = ("bagua_minmax", "minmax", "fp32")
     options = ("codec", "bits", "rounding", "peer_selection", "hierarchical", "communication_interval",
                "node_size", "bucket_bytes")
+
+    def __new__(cls, *args, **kwargs):
+        """``peer_selection="shift_one"`` is another algorithm: construct :class:`ShiftOneLowPrecision`."""
+        if cls is LowPrecisionDecentralized and kwargs.get("peer_selection") == "shift_one":
+            cls = ShiftOneLowPrecision
+        return super().__new__(cls)
 
     def __post_init__(self):
         if self.peer_selection not in PEER_SELECTIONS:
@@ -241,13 +243,6 @@ class LowPrecisionDecentralized(GossipAlgorithm):
         bagua_buckets(0, 4, self.bucket_bytes)  # validates bucket_bytes
         if self.param_sizes is not None:
             object.__setattr__(self, "param_sizes", tuple(int(s) for s in self.param_sizes))
-        if self.peer_selection == "shift_one":
-            if self.hierarchical and (self.node_size or 1) > 1:
-                raise ValueError("peer_selection='shift_one' (lowbit's own) has no hierarchical mode; "
-                                 "pass hierarchical=False or node_size=1")
-            if self.communication_interval != 1:
-                raise ValueError("peer_selection='shift_one' (lowbit's own) communicates every step: "
-                                 "communication_interval must be 1")
 
     @classmethod
     def check_config(cls, cfg):
@@ -274,20 +269,19 @@ class LowPrecisionDecentralized(GossipAlgorithm):
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
-    def _shift_one(self) -> "ShiftOneLowPrecision | None":
-        """The gossip of ``peer_selection="shift_one"`` (None for Bagua's ring)."""
-        return ShiftOneLowPrecision(codec=self.codec) if self.peer_selection == "shift_one" else None
-
-    def init(self, x, ctx):
+    @staticmethod
+    def _check_ring(ctx) -> None:
+        """The context Bagua gossips on: a ring of every worker with uniform weights."""
         n = ctx.world_size
         if ctx.topology.name != "ring" or ctx.topology.n != n:
             raise ValueError(f"topology must be a ring of the {n} workers (Bagua gossips on a ring), "
                              f"got {ctx.topology.name} of {ctx.topology.n}")
         if not np.array_equal(ctx.W, ctx.topology.mixing_matrix("uniform")):
             raise ValueError("weights must be 'uniform' (Bagua's ring weights 1/3)")
-        shift = self._shift_one()
-        if shift is not None:
-            return shift.init(x, ctx)
+
+    def init(self, x, ctx):
+        self._check_ring(ctx)
+        n = ctx.world_size
         L = check_node_size(default_node_size(ctx.transport) if self.node_size is None else self.node_size, n)
         layout = node_layout(ctx.rank, n, L if self.hierarchical else 1)
         with ctx.transport.untracked():  # Bagua's assumption: every worker starts from one model
@@ -302,13 +296,11 @@ class LowPrecisionDecentralized(GossipAlgorithm):
         return LowPrecisionState(*w, buckets=buckets, layout=layout)
 
     def before_update(self, state, ctx, k, x, g, lr):
-        shift = self._shift_one()
-        return state if shift is None else shift.before_update(state, ctx, k, x, g, lr)
+        """Nothing: Bagua's hook runs after the optimizer step (the drivers still agree on faults
+        before the update, as they always have for this algorithm)."""
+        return state
 
     def after_update(self, state, ctx, k, x, g, lr):
-        shift = self._shift_one()
-        if shift is not None:
-            return shift.after_update(state, ctx, k, x, g, lr)
         if k % self.communication_interval:
             return state
         nodes, transport = state.layout, ctx.transport
@@ -391,7 +383,7 @@ class ShiftOneState(State):
 
 
 @dataclass(frozen=True)
-class ShiftOneLowPrecision(GossipAlgorithm):
+class ShiftOneLowPrecision(LowPrecisionDecentralized):
     """lowbit's own low-precision shift_one: each step a worker averages its model with one
     peer's, and sends the next step's peer the compressed change of its model since that
     peer last heard from it (Bagua has no such mode: its shift_one is full precision only).
@@ -414,16 +406,27 @@ class ShiftOneLowPrecision(GossipAlgorithm):
         xh^(p) <- xh^(p) + Q(z^(p))
 
     One message per step for the whole model (no buckets); the replicas start
-    from x_0 sent once, uncompressed, in ``init``. Extra memory: n x d. Run it as
-    ``LowPrecisionDecentralized(peer_selection="shift_one")``."""
+    from x_0 sent once, uncompressed, in ``init``. Extra memory: n x d. It takes
+    :class:`LowPrecisionDecentralized`'s options (``codec``, or ``bits`` and ``rounding``;
+    no hierarchy, every step) and is what ``LowPrecisionDecentralized(peer_selection="shift_one")``
+    (``lowbit train --algorithm lowprec-decentralized --peer-selection shift_one``) builds."""
 
-    codec: Codec = field(default_factory=BaguaMinMaxCodec)
-    name = "lowprec-decentralized"
+    peer_selection: str = "shift_one"
 
     def __post_init__(self):
-        check_codec(self.codec)
+        if self.peer_selection != "shift_one":
+            raise ValueError(f"peer_selection must be 'shift_one' for ShiftOneLowPrecision, got "
+                             f"{self.peer_selection!r} (LowPrecisionDecentralized is Bagua's ring)")
+        super().__post_init__()
+        if self.hierarchical and (self.node_size or 1) > 1:
+            raise ValueError("peer_selection='shift_one' (lowbit's own) has no hierarchical mode; "
+                             "pass hierarchical=False or node_size=1")
+        if self.communication_interval != 1:
+            raise ValueError("peer_selection='shift_one' (lowbit's own) communicates every step: "
+                             "communication_interval must be 1")
 
     def init(self, x, ctx):
+        self._check_ring(ctx)
         n, h = ctx.world_size, ctx.world_size // 2
         shift_one_peer(ctx.rank, n, 0)  # n even
         partners = tuple(range(h, n)) if ctx.rank < h else tuple(range(h))

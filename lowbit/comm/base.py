@@ -99,6 +99,12 @@ class Transport(ABC):
         """The ops of :data:`REDUCE_OPS` this transport's backend reduces (all by default)."""
         return REDUCE_OPS
 
+    @property
+    def local_world_size(self) -> int:
+        """Workers of this world on this worker's host (its node): 1 by default, every worker
+        its own node (the thread runtime); a launcher's ``LOCAL_WORLD_SIZE`` on torch.distributed."""
+        return 1
+
     def _record_reduce(self, t: torch.Tensor, op: str) -> None:
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")

@@ -128,6 +128,11 @@ class TorchDistributedTransport(Transport):
         """NCCL has no bitwise AND: ``"band"`` only where gloo (or MPI) reduces."""
         return tuple(op for op in super().reduce_ops if op != "band" or not self._nccl)
 
+    @property
+    def local_world_size(self) -> int:
+        """``LOCAL_WORLD_SIZE`` as torchrun sets it (1 if unset)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
     def __repr__(self) -> str:
         return f"TorchDistributedTransport(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
 
