@@ -1,0 +1,106 @@
+"""The plan against the race: ``lowbit plan``'s predicted step beside ``lowbit bench race``'s
+measured one (:func:`compare_with_race`), with the latency measured on the race's links."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..comm.netmodel import parse_latency
+from .measure import measure
+from .methods import METHODS
+from .predict import predict
+from .workload import load_workload
+
+
+def _ping(transport, samples: int) -> float:
+    """Median seconds of a 4-byte SUM all-reduce on this launch's process group."""
+    import torch.distributed as dist
+
+    x = torch.zeros(1)
+    times = []
+    for i in range(10 + samples):
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= 10:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_latency(workers: int, rate: float | None, samples: int = 50) -> float:
+    """The effective latency of one message between ``workers`` gloo processes, each behind a
+    ``tc tbf`` link of ``rate`` bits/s (None: unshaped loopback), as the race runs them: the
+    median time of a 4-byte ring all-reduce divided by its ``2 (n - 1)`` messages. It holds the
+    links' own delay and gloo's fixed cost per message, and on a loaded machine the wait for the
+    peer process to be scheduled."""
+    from ..comm import launch
+
+    if rate is None:
+        t = launch(workers, _ping, samples)
+    else:
+        from ..comm.shaping import ShapedNetwork
+
+        with ShapedNetwork(workers, rate) as net:
+            t = launch(workers, _ping, samples, network=net)
+    return max(t) / (2 * (workers - 1))
+
+
+def compare_with_race(race: dict | None = None, quick: bool = True, networks=("100Mbit", "1Gbit"),
+                      latency: str | None = None, repeats: int = 20, progress=print) -> dict:
+    """The plan's predicted step time against ``lowbit bench race``'s measured one, for every
+    contender on each shaped network: ``{"errors": {"NETWORK/METHOD": (predicted - measured) /
+    measured}, "rows": [...], "plan": ..., "latency_s": {NETWORK: seconds}}``. ``race``: a race
+    report (``bench race --json``), or None to run the race here (``quick``: its CI-sized
+    settings). The plan measures the race's model, batch and workers with one torch thread, as
+    each race worker runs. ``latency``: per message; None measures it on each network
+    (:func:`measure_latency`: the race adds none, its links and gloo have their own)."""
+    if race is None:
+        from ..bench.race import bench_race
+
+        race = bench_race(quick=quick, networks=list(networks), progress=progress)
+    st = race["settings"]
+    nets = [n for n in networks if n in race["networks"]]
+    if not nets:
+        raise ValueError(f"the race has none of the networks {list(networks)} (skipped: "
+                         f"{race.get('skipped_networks')})")
+    from ..bench.race import NETWORKS
+
+    w = load_workload(task=st["task"], batch_size=st["batch"], task_options=st.get("task_options") or None)
+    methods = [m for m in METHODS if any(m in race["networks"][n] for n in nets)]
+    prof = measure(w, "cpu", [st["workers"]], methods, repeats=repeats, warmup=2, threads=1)
+    lat = {net: (parse_latency(latency) if latency is not None else measure_latency(st["workers"], NETWORKS[net]))
+           for net in nets}
+    rows = [predict(prof, [st["workers"]], [NETWORKS[net]], [lat[net]])[0] for net in nets]
+    errors, table = {}, []
+    for net, row in zip(nets, rows):
+        for m in methods:
+            got = race["networks"][net].get(m) or {}
+            measured = got.get("step_seconds")
+            pred = row["methods"][m]["step_seconds"]
+            err = None if not measured else (pred - measured) / measured
+            if err is not None:
+                errors[f"{net}/{m}"] = err
+            table.append({"network": net, "method": m, "predicted_step_seconds": pred,
+                          "measured_step_seconds": measured, "relative_error": err,
+                          "predicted_bytes_per_step": row["methods"][m]["bytes_per_step"],
+                          "measured_bytes_per_step": got.get("bytes_per_step"),
+                          "measured_compute_seconds": got.get("compute_seconds"), "failed": got.get("failed")})
+    return {"errors": errors, "rows": table, "plan": prof.to_json(), "race_settings": st, "latency_s": lat}
+
+
+def format_race_comparison(cmp: dict) -> str:
+    """The table of :func:`compare_with_race`: predicted and measured step and bytes per method."""
+    lines = [f"latency per message (measured): " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in cmp["latency_s"].items()),
+             f"{'network':<8} {'method':<24} {'plan ms':>9} {'race ms':>9} {'error':>7} {'plan B/step':>12} "
+             f"{'race B/step':>12}"]
+    for r in cmp["rows"]:
+        meas = r["measured_step_seconds"]
+        err = r["relative_error"]
+        lines.append(f"{r['network']:<8} {r['method']:<24} {r['predicted_step_seconds'] * 1e3:>9.2f} "
+                     f"{'-' if meas is None else f'{meas * 1e3:.2f}':>9} {'-' if err is None else f'{err:+.0%}':>7} "
+                     f"{r['predicted_bytes_per_step']:>12.0f} "
+                     f"{'-' if r['measured_bytes_per_step'] is None else round(r['measured_bytes_per_step']):>12}"
+                     + (f"  race FAILED: {r['failed']}" if r["failed"] else ""))
+    return "\n".join(lines)
