@@ -7,7 +7,6 @@ processes."""
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -24,9 +23,8 @@ import torch
 
 from lowbit.cli import main
 from lowbit.comm.inprocess import run_threads
-from lowbit.integrations.checkpoint import (MAGIC, VERSION, CheckpointError, CheckpointFallbackWarning, _HEAD,
-                                            candidates, load_checkpoint, remove_stale_temporaries,
-                                            save_checkpoint)
+from lowbit.integrations.checkpoint import (CheckpointError, CheckpointFallbackWarning, candidates, load_checkpoint,
+                                            remove_stale_temporaries, save_checkpoint, seal)
 from lowbit.train import train
 from lowbit.train.config import TrainConfig
 from lowbit.train.loop import run_worker
@@ -37,8 +35,8 @@ BASE = dict(steps=12, workers=2, eval_every=5, algorithm="dpsgd", hidden=16)
 
 # ---- the faults, written as a corrupt disk, another program or an attacker would ---------------
 def _sealed(body: bytes) -> bytes:
-    """``body`` behind a valid lowbit header: magic, version, its SHA-256 and length."""
-    return _HEAD.pack(MAGIC, VERSION, hashlib.sha256(body).digest(), len(body)) + body
+    """``body`` (torch.save's bytes) with a valid lowbit checksum."""
+    return seal(body)
 
 
 class _Evil:

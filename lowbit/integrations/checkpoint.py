@@ -1,10 +1,12 @@
 """Checkpoint files: written atomically, checksummed, loaded without running code.
 
-File layout: the 8-byte magic ``LOWBITCK``, a little-endian uint32 format
-version, the 32-byte SHA-256 of the body, the body's length (uint64), then the
-body: ``torch.save`` of the state, which must hold only tensors, numbers,
-strings, None, and lists/tuples/dicts of them (so that it loads with
-``torch.load(..., weights_only=True)``: nothing in it can run code).
+A checkpoint file is exactly what ``torch.save(state)`` writes (a zip archive), so
+``torch.load(path, weights_only=True)`` reads it, with lowbit's checksum in the zip's
+comment, at the end of the file: ``lowbit checkpoint 2 sha256:`` and the hex SHA-256 of
+every byte before it (the comment's length field included). The state must hold only
+tensors, numbers, strings, None, and lists/tuples/dicts of them (``weights_only=True``:
+nothing in it can run code). Files of format 1 (a 52-byte ``LOWBITCK`` header before the
+torch.save body) are still read.
 
 :func:`save_checkpoint` writes ``PATH.tmp-PID``, fsyncs it, keeps the
 checkpoint already at ``PATH`` (if any) as ``PATH.prev`` and renames the new
@@ -16,10 +18,10 @@ the next save of ``PATH``, or resume from it (:func:`candidates`, the wrapper's
 (:func:`remove_stale_temporaries`). A plain :func:`load_checkpoint` removes
 nothing: a reader on another machine, where the writer's PID is not visible,
 must not break a save in progress.
-:func:`load_checkpoint` refuses a file whose magic, length or checksum is
-wrong with a :class:`CheckpointError` naming the file (and ``PATH.prev`` when
-that exists); :func:`check_fields` refuses one whose checksum is valid but
-whose content lacks a field its reader needs, naming the file and the field.
+:func:`load_checkpoint` refuses a file whose checksum is missing (truncated,
+or written by another program) or wrong with a :class:`CheckpointError` naming the
+file (and ``PATH.prev`` when that exists); :func:`check_fields` refuses one whose
+checksum is valid but whose content lacks a field its reader needs, naming the file and the field.
 
 Resuming is collective (:func:`agree_resume`): every rank reads its current
 and previous file (:func:`candidates`), the ranks exchange the steps they have
@@ -50,9 +52,21 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-MAGIC = b"LOWBITCK"
+MAGIC = b"LOWBITCK"  # format 1: this magic, a uint32 version, the body's SHA-256 and length, the body
 VERSION = 1
 _HEAD = struct.Struct("<8sI32sQ")
+SEAL = b"lowbit checkpoint 2 sha256:"  # format 2: the zip comment, then the hex SHA-256 of the bytes before it
+_EOCD = b"PK\x05\x06"  # the zip's end of central directory record: 22 bytes, its comment's length last
+_SEALED = len(SEAL) + 64
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (the bytes ``torch.save`` wrote) with lowbit's checksum as its zip comment."""
+    if len(body) < 22 or body[-22:-18] != _EOCD or body[-2:] != b"\0\0":
+        raise ValueError("torch.save wrote no zip archive ending in an end-of-central-directory record without a "
+                         "comment; lowbit cannot seal it")
+    head = body[:-2] + struct.pack("<H", _SEALED)
+    return head + SEAL + hashlib.sha256(head).hexdigest().encode()
 
 
 class CheckpointError(ValueError):
@@ -127,15 +141,14 @@ def save_checkpoint(state: dict, path: str | os.PathLike) -> str:
     path = os.fspath(path)
     buf = io.BytesIO()
     torch.save(state, buf)
-    body = buf.getvalue()
+    raw = seal(buf.getvalue())
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
     remove_stale_temporaries(path)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(_HEAD.pack(MAGIC, VERSION, hashlib.sha256(body).digest(), len(body)))
-            f.write(body)
+            f.write(raw)
             f.flush()
             os.fsync(f.fileno())
         if os.path.exists(path):  # keep the previous checkpoint; PATH itself is never absent
@@ -169,9 +182,33 @@ def _load(path: str, map_location, hint: str) -> dict:
         raise CheckpointError(f"checkpoint {path} does not exist{hint}") from None
     except OSError as e:
         raise CheckpointError(f"checkpoint {path} cannot be read ({e.strerror or e})") from None
-    if len(raw) < _HEAD.size or raw[:8] != MAGIC:
-        raise CheckpointError(f"checkpoint {path} is not a lowbit checkpoint (no {MAGIC.decode()} header: "
-                              f"written by another program, or truncated){hint}")
+    body = _legacy_body(raw, path, hint) if raw[:8] == MAGIC else _unsealed(raw, path, hint)
+    try:
+        return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything that could run code
+        # torch's own text around the reason advises weights_only=False: not for a file that fails here
+        parts = [p.strip() for p in str(e).split("\n\n") if p.strip()]
+        why = " ".join(p for p in parts if not p.startswith(("Weights only load failed", "Check the documentation")))
+        raise CheckpointError(f"checkpoint {path} holds objects that weights_only=True refuses "
+                              f"({why or str(e)}); nothing in it was run") from None
+
+
+def _unsealed(raw: bytes, path: str, hint: str) -> bytes:
+    """The file's bytes after :func:`seal`'s checksum is verified; CheckpointError otherwise."""
+    tail = raw[-_SEALED:]
+    if len(raw) < 22 + _SEALED or not tail.startswith(SEAL) or raw[-_SEALED - 22:-_SEALED - 18] != _EOCD:
+        raise CheckpointError(f"checkpoint {path} is truncated, or not a lowbit checkpoint (no lowbit checksum "
+                              f"at its end: cut short, or written by another program){hint}")
+    if hashlib.sha256(raw[:-_SEALED]).hexdigest().encode() != tail[len(SEAL):]:
+        raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the one stored at "
+                              f"save time{hint}")
+    return raw
+
+
+def _legacy_body(raw: bytes, path: str, hint: str) -> bytes:
+    """The torch.save body of a format-1 file (the ``LOWBITCK`` header), verified."""
+    if len(raw) < _HEAD.size:
+        raise CheckpointError(f"checkpoint {path} is truncated: {len(raw)} bytes, shorter than its header{hint}")
     _, version, digest, length = _HEAD.unpack_from(raw)
     if version != VERSION:
         raise CheckpointError(f"checkpoint {path} has format version {version}; this lowbit reads {VERSION}")
@@ -182,14 +219,7 @@ def _load(path: str, map_location, hint: str) -> dict:
     if hashlib.sha256(body).digest() != digest:
         raise CheckpointError(f"checkpoint {path} is corrupt: its SHA-256 does not match the one stored at "
                               f"save time{hint}")
-    try:
-        return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
-    except Exception as e:  # noqa: BLE001 - weights_only refuses anything that could run code
-        # torch's own text around the reason advises weights_only=False: not for a file that fails here
-        parts = [p.strip() for p in str(e).split("\n\n") if p.strip()]
-        why = " ".join(p for p in parts if not p.startswith(("Weights only load failed", "Check the documentation")))
-        raise CheckpointError(f"checkpoint {path} holds objects that weights_only=True refuses "
-                              f"({why or str(e)}); nothing in it was run") from None
+    return body
 
 
 # The fields of the parts every checkpoint format shares (see check_fields): a key ending in "?"
