@@ -74,7 +74,7 @@ def test_scatter_writes_every_element(n, k):
     vals = torch.randn(k, generator=g)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         torch.full((n,), float("nan"), dtype=dtype)  # leave NaNs where the next allocation may land
-        out, far = cpu_maxnorm.scatter(vals, idx, n, 1.5, dtype)
+        out, far = cpu_randk.scatter(vals, idx, n, 1.5, dtype)
         assert not far
         ref = torch.zeros(n, dtype=dtype)
         ref[idx.long()] = (vals.double() * 1.5).to(dtype)
@@ -184,7 +184,7 @@ def test_fast_selection_is_the_reference_set(d):
         for seed in (0, 7, 2**63 - 1):
             ref = select_reference(d, k, seed)
             keys = round_keys(seed, d).numpy().astype("uint64")
-            assert torch.equal(cpu_maxnorm.select_sparse(d, k, a, hb, keys), ref)
+            assert torch.equal(cpu_randk.select_sparse(d, k, a, hb, keys), ref)
             for dense in (True, False):
                 assert torch.equal(cpu_randk.select(d, k, a, hb, keys, dense).long(), ref)
             assert ref.numel() == k and bool((ref[1:] > ref[:-1]).all()) and 0 <= int(ref[0]) and int(ref[-1]) < d

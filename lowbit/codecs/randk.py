@@ -41,7 +41,7 @@ restricts it to a bijection of ``[0, d)``, so the kept set has exactly
 ``min(k, d)`` distinct elements, each coordinate kept with probability ``k / d``
 over seeds (tested). The fast path runs on the data's device. On the CPU
 (numba) it evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small
-against ``d`` (``O(k log k)``, :mod:`lowbit.codecs.kernels.cpu_maxnorm`), else
+against ``d`` ((``O(k log k)``, :mod:`lowbit.codecs.kernels.cpu_randk`)), else
 tests ``sigma(i) < k`` for every ``i`` in one pass, already sorted, in 32-bit
 vector lanes (:mod:`lowbit.codecs.kernels.cpu_randk`). On CUDA a Triton kernel
 tests every ``i`` and counts each block's kept indices, and a second writes them at the
@@ -93,7 +93,7 @@ FEISTEL_ROUNDS_SMALL = 16
 #: The fast path tests every coordinate (one pass) when ``k * SPARSE_RATIO >= d``, else
 #: inverts the permutation on ``j < k`` and sorts.
 SPARSE_RATIO = 8
-_FAMILY = "maxnorm"  # the scatter of the decode
+_FAMILY = "randk"  # the scatter of the decode
 _SELECT_FAMILY = "randk"
 
 #: The ``stream`` of :func:`lowbit.codecs.rng.derive_seed` reserved for global random-k selections.

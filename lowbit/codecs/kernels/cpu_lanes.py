@@ -35,7 +35,7 @@ import torch
 
 from .cpu import _jit, np_view
 
-__all__ = ["SPECIALISE_FROM", "pack", "pack_words", "specialised", "unpack", "unpack_words"]
+__all__ = ["pack", "unpack"]
 
 SPECIALISE_FROM = 1 << 16  # codes from which pack and unpack compile the layout's specialised kernels
 

@@ -53,7 +53,7 @@ from numba.extending import intrinsic
 
 from .cpu import _inline, _jit
 
-__all__ = ["half_encode", "half_decode", "cache_size_bytes", "last_level_cache_bytes", "streams"]
+__all__ = ["half_encode", "half_decode"]
 
 # the exponent field of a 16-bit float: all ones is inf or NaN
 _EXP_MASK = {torch.float16: 0x7C00, torch.bfloat16: 0x7F80}

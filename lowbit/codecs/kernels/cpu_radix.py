@@ -42,8 +42,7 @@ from .cpu import M32, _jit
 
 _S32 = np.uint64(32)
 
-__all__ = ["SPECIALISE_FROM", "pack", "unpack", "pack_radix", "unpack_radix", "pack_radix_wide", "unpack_radix_wide",
-           "specialised", "word_digits"]
+__all__ = ["pack", "unpack"]
 
 SPECIALISE_FROM = 1 << 16  # codes from which pack/unpack compile the specialised kernels of a level count
 

@@ -7,7 +7,7 @@ ratio ``|x_i| / W`` is one IEEE division, so ``a_i <= 1`` holds exactly when
 fraction ``~ s 2^-24`` of the coordinates (see :mod:`lowbit.codecs.maxnorm`).
 Error flags are OR-ed into one int32 on the device; the caller reads it once.
 The norm is a float64 sum of per-block float64 partial sums (deterministic: no
-atomics on floats). The random-k selection on CUDA is :mod:`.gpu_randk`'s.
+atomics on floats). Random-k's selection and scatter on CUDA are :mod:`.gpu_randk`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +18,10 @@ import triton.language as tl
 
 from ..rng import split_key
 from .gpu import BLOCK, _grid, div, load_work, uniform
+
+__all__ = ["FLAG_NONFINITE", "FLAG_OVER", "FLAG_INDEX", "FLAG_LEVEL", "as_scale", "norm_stats", "code_dtype",
+           "qsgd_encode", "qsgd_decode", "ms_index", "ms_encode_int", "ms_encode_words", "ms_decode_sum",
+           "ms_decode_words"]
 
 FLAG_NONFINITE = 1
 FLAG_OVER = 2
@@ -279,13 +283,3 @@ def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor
     """CUDA twin of :func:`lowbit.codecs.kernels.cpu_maxnorm.ms_decode_words`: ``(one message's decode as dtype,
     flags)``."""
     return _ms_decode(words, words, W, levels, 1, dtype, code_bits, True)
-
-
-def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """Zeros of ``n`` elements with ``vals * factor`` at ``idx`` (torch ops on the device), and
-    whether a product is beyond ``dtype``'s largest finite value or NaN (one host read)."""
-    out = torch.zeros(n, dtype=dtype, device=vals.device)
-    prod = vals.to(torch.float64) * factor
-    out[idx.to(vals.device)] = prod.to(dtype)
-    far = bool(prod.numel()) and not bool((prod.abs() <= torch.finfo(dtype).max).all())
-    return out, far

@@ -1,6 +1,8 @@
-"""The random-k selection (a keyed Feistel permutation, see :mod:`lowbit.codecs.randk`)
-on CUDA: a Triton kernel evaluates ``sigma(i)`` for every ``i < d`` in uint32 lanes
-(cycle walking included), flags ``sigma(i) < k`` and counts the flags of each block; a
+"""Triton kernels of the "randk" family on CUDA (:class:`~lowbit.codecs.kernels.families.RandKKernels`,
+the same names and signatures as :mod:`.cpu_randk`). The decode's :func:`scatter` is torch
+ops on the device. The random-k selection (a keyed Feistel permutation, see
+:mod:`lowbit.codecs.randk`): a Triton kernel evaluates ``sigma(i)`` for every ``i < d`` in
+uint32 lanes (cycle walking included), flags ``sigma(i) < k`` and counts the flags of each block; a
 second kernel writes the kept positions of each block from the block's start (no host
 synchronisation: the count is known to be ``k``). The integers are exactly those of
 :func:`lowbit.codecs.randk.select_reference` (integer arithmetic only)."""
@@ -14,7 +16,7 @@ import triton.language as tl
 from .gpu import BLOCK, _grid
 from .gpu import _mix32 as _mix
 
-__all__ = ["select"]
+__all__ = ["select", "scatter"]
 
 
 @triton.jit
@@ -83,3 +85,13 @@ def select(d: int, k: int, a: int, hb: int, round_keys, dense: bool = True, devi
         starts = torch.cumsum(counts, 0, dtype=torch.int32) - counts
         _compact_kernel[grid](flags, starts, idx, d, BLOCK_=BLOCK)
     return idx if x is None else (idx, x.index_select(0, idx))
+
+
+def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """Zeros of ``n`` elements with ``vals * factor`` at ``idx`` (torch ops on the device), and
+    whether a product is beyond ``dtype``'s largest finite value or NaN (one host read)."""
+    out = torch.zeros(n, dtype=dtype, device=vals.device)
+    prod = vals.to(torch.float64) * factor
+    out[idx.to(vals.device)] = prod.to(dtype)
+    far = bool(prod.numel()) and not bool((prod.abs() <= torch.finfo(dtype).max).all())
+    return out, far
