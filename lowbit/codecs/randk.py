@@ -41,7 +41,7 @@ restricts it to a bijection of ``[0, d)``, so the kept set has exactly
 ``min(k, d)`` distinct elements, each coordinate kept with probability ``k / d``
 over seeds (tested). The fast path runs on the data's device. On the CPU
 (numba) it evaluates ``sigma^-1`` on ``j < k`` and sorts when ``k`` is small
-against ``d`` ((``O(k log k)``, :mod:`lowbit.codecs.kernels.cpu_randk`)), else
+against ``d`` (``O(k log k)``, :mod:`lowbit.codecs.kernels.cpu_randk`), else
 tests ``sigma(i) < k`` for every ``i`` in one pass, already sorted, in 32-bit
 vector lanes (:mod:`lowbit.codecs.kernels.cpu_randk`). On CUDA a Triton kernel
 tests every ``i`` and counts each block's kept indices, and a second writes them at the
