@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from torch import nn
 
 from lowbit.comm import run_threads
 from lowbit.integrations import DecentralizedDataParallel
+from lowbit.integrations.decentralized import InitialStateReplaced
 
 N, BATCH = 2, 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -215,3 +217,70 @@ def test_no_sync_accumulates_and_starts_no_exchange(algorithm):
         assert torch.equal(x, x2) and s == s2 and steps == 3
         assert not any(started)  # inside no_sync the forward started no exchange
         assert all(started2) == (algorithm == "dpsgd")  # without it, the overlapped gossip starts at once
+
+
+# ---- checkpoints: torch.load(weights_only=True), the scheduler, a replaced initial state -----------
+def _scheduled(t, folder, resume, stop):
+    net = Net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    ddp = DecentralizedDataParallel(net, opt, "dpsgd", transport=t, scheduler=sched)
+    path = os.path.join(folder, f"rank{t.rank}.pt")
+    if resume:
+        ddp.load_checkpoint(path)
+    while ddp.step_count < stop:
+        opt.zero_grad()
+        _loss(ddp, t.rank, ddp.step_count).backward()
+        opt.step()
+        sched.step()
+    if not resume:
+        ddp.save_checkpoint(path)
+    return ddp.flat.data.clone(), opt.param_groups[0]["lr"], sched.last_epoch
+
+
+def test_checkpoint_loads_with_weights_only_and_carries_the_scheduler(tmp_path):
+    whole = run_threads(N, lambda t: _scheduled(t, str(tmp_path / "w"), False, 6))
+    run_threads(N, lambda t: _scheduled(t, str(tmp_path), False, 3))
+    state = torch.load(tmp_path / "rank0.pt", weights_only=True)  # the file is torch.save's
+    assert state["step"] == 3 and state["scheduler"]["last_epoch"] == 3
+    Net(seed=4).load_state_dict(state["module"])  # a plain module takes the checkpoint's module state
+    resumed = run_threads(N, lambda t: _scheduled(t, str(tmp_path), True, 6))
+    for (x, lr, epoch), (x2, lr2, epoch2) in zip(whole, resumed):
+        assert torch.equal(x, x2) and lr == lr2 == 0.1 * 0.5 ** 3 and epoch == epoch2 == 6
+
+
+def test_scheduler_must_match_on_load_and_belong_to_the_optimizer(tmp_path):
+    run_threads(N, lambda t: _scheduled(t, str(tmp_path), False, 1))
+
+    def fn(t):
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        other = torch.optim.SGD(Net().parameters(), lr=0.1)
+        with pytest.raises(ValueError, match="scheduler belongs to another optimizer"):
+            DecentralizedDataParallel(net, opt, "dpsgd", transport=t,
+                                      scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+        with pytest.raises(TypeError, match="scheduler must be None or an LR scheduler"):
+            DecentralizedDataParallel(net, opt, "dpsgd", transport=t, scheduler="cosine")
+        ddp = DecentralizedDataParallel(net, opt, "dpsgd", transport=t)  # no scheduler
+        state = torch.load(tmp_path / f"rank{t.rank}.pt", weights_only=True)
+        with pytest.raises(ValueError, match="no scheduler= to restore it into"):
+            ddp.load_checkpoint_state(state)
+        return True
+
+    assert run_threads(N, fn) == [True] * N
+
+
+@pytest.mark.parametrize("differ", [True, False])
+def test_sync_initial_warns_when_it_replaces_a_rank_s_state(differ):
+    def fn(t):
+        net = Net(seed=t.rank if differ else 0)  # e.g. a state loaded into the module on rank 1 only
+        ddp = DecentralizedDataParallel(net, torch.optim.SGD(net.parameters(), lr=0.1), "dpsgd", transport=t)
+        return torch.equal(ddp.flat.data, x0)
+
+    x0 = torch.cat([p.detach().reshape(-1) for p in Net(seed=0).parameters()])
+    with warnings.catch_warnings(record=True) as caught:  # the threads' warnings, caught in this one
+        warnings.simplefilter("always")
+        assert run_threads(N, fn) == [True] * N
+    mine = [str(w.message) for w in caught if issubclass(w.category, InitialStateReplaced)]
+    assert len(mine) == (1 if differ else 0)  # rank 1 only: rank 0 keeps its own
+    assert all(m.startswith("rank 1: sync_initial=True replaced") for m in mine)

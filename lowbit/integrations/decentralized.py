@@ -105,6 +105,7 @@ import copy
 import os
 import random
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -125,12 +126,17 @@ from .checkpoint import (ALGORITHM_STATE_FIELDS, LEDGER_FIELDS, OPTIMIZER_FIELDS
 from .flat import FlatParams
 
 BUFFER_POLICIES = ("local", "average")
+
+
+class InitialStateReplaced(UserWarning):
+    """``sync_initial=True`` replaced a rank's parameters or buffers, which differed from rank 0's."""
+
 StepCallback = Callable[[int, dict], None]  # on_step(step, stats)
 _FORMAT = 2  # 2: RNG states and the ledger as tensors (weights_only=True); 1 is still read
 # what a checkpoint must hold (check_fields), besides "step"; format 2 also "rng" (RNG_FIELDS)
 _FIELDS = {"format": int, "rank": int, "world_size": int, "algorithm": str, "numel": int, "step": int,
            "module": dict, "optimizer": OPTIMIZER_FIELDS, "algorithm_state": ALGORITHM_STATE_FIELDS,
-           "ledger?": LEDGER_FIELDS, "rng?": dict}
+           "ledger?": LEDGER_FIELDS, "rng?": dict, "scheduler?": dict}
 
 
 class DecentralizedDataParallel(nn.Module):
@@ -162,12 +168,16 @@ class DecentralizedDataParallel(nn.Module):
     forward and backward of the step, in a background thread (see the module
     docstring); False: the algorithm communicates in the optimizer's step
     pre-hook, after backward. The attribute ``overlap`` says which is in effect.
+    ``scheduler``: None or the optimizer's LR scheduler (``torch.optim.lr_scheduler``): its
+    state is then part of :meth:`checkpoint_state` and restored by the loads (step it
+    yourself, as usual).
     """
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer,
                  algorithm: str | type[Algorithm] | Algorithm | Worker = "moniqua", topology: str | Topology | None = None,
                  transport: Transport | None = None, *, buffers: str = "local", sync_initial: bool = True,
-                 on_step: StepCallback | None = None, overlap: bool = True, **algorithm_options: Any):
+                 on_step: StepCallback | None = None, overlap: bool = True, scheduler: Any = None,
+                 **algorithm_options: Any):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
@@ -179,6 +189,7 @@ class DecentralizedDataParallel(nn.Module):
             raise TypeError(f"on_step must be a callable (step, stats) or None, got {type(on_step).__name__}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be True or False, got {overlap!r}")
+        _check_scheduler(scheduler, optimizer)
         _check_not_hooked(optimizer)
         params = _optimizer_params(module, optimizer)
 
@@ -202,6 +213,7 @@ class DecentralizedDataParallel(nn.Module):
         self.transport = transport
         self.buffers_policy = buffers
         self.optimizer = optimizer
+        self.scheduler = scheduler
         self.module = module
         self.algorithm = algorithm if isinstance(algorithm, Worker) else \
             build_worker(algorithm, transport, topology, **algorithm_options)
@@ -620,13 +632,19 @@ class DecentralizedDataParallel(nn.Module):
     def _broadcast_from_rank0(self) -> None:
         """Start every worker from rank 0's parameters and buffers (set-up, untracked)."""
         flat_ids = {id(p) for p in self.flat.params}
+        replaced = False
         with self.transport.untracked(), torch.no_grad():
-            self.flat.data.copy_(self.transport.broadcast(self.flat.data, 0))
-            for p in self.module.parameters():  # local and frozen parameters too, as DDP does
-                if id(p) not in flat_ids:
-                    p.copy_(self.transport.broadcast(p.detach(), 0))
-            for b in self.module.buffers():
-                b.copy_(self.transport.broadcast(b, 0))
+            for mine in (self.flat.data, *(p for p in self.module.parameters() if id(p) not in flat_ids),
+                         *self.module.buffers()):  # local and frozen parameters too, as DDP does
+                theirs = self.transport.broadcast(mine.detach(), 0)
+                replaced = replaced or not torch.equal(theirs, mine)
+                mine.copy_(theirs)
+        if replaced:
+            warnings.warn(f"rank {self.rank}: sync_initial=True replaced this rank's parameters and buffers with rank "
+                          "0's, which differed (a state loaded into the module before wrapping, or another random "
+                          "initialisation, is discarded); to resume, load on every rank or after wrapping "
+                          "(load_checkpoint, load_state_dict), or pass sync_initial=False to keep each rank's own",
+                          InitialStateReplaced, stacklevel=3)
 
     # ---- checkpoints ---------------------------------------------------------
     def state_dict(self, *args, **kwargs) -> dict:
@@ -679,6 +697,7 @@ class DecentralizedDataParallel(nn.Module):
             "algorithm_state": self.algorithm.state_dict(),
             "ledger": ledger_state(self.transport.ledger),
             "rng": rng_state(),
+            **({"scheduler": self.scheduler.state_dict()} if self.scheduler is not None else {}),
         }
 
     def load_checkpoint_state(self, state: dict, strict: bool = True) -> None:
@@ -693,9 +712,15 @@ class DecentralizedDataParallel(nn.Module):
                           ("algorithm", self.algorithm.name), ("numel", len(self.flat))):
             if state[key] != mine:
                 raise ValueError(f"checkpoint {key}={state[key]!r} does not match this run's {key}={mine!r}")
+        if ("scheduler" in state) != (self.scheduler is not None):
+            raise ValueError("checkpoint has a scheduler state but this wrapper has no scheduler= to restore it into"
+                             if "scheduler" in state else "this wrapper has a scheduler= but the checkpoint holds no "
+                             "scheduler state (saved without one)")
         self.module.load_state_dict(state["module"], strict=strict)  # copies in place: views survive
         self.optimizer.load_state_dict(state["optimizer"])
         self.algorithm.load_state_dict(state["algorithm_state"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         self.step_count = int(state["step"])
         if "ledger" in state:
             restore_ledger(self.transport.ledger, state["ledger"])
@@ -785,6 +810,17 @@ class DecentralizedDataParallel(nn.Module):
 def _fields(state: dict) -> dict:
     """The fields a checkpoint of ``state``'s format must hold (format 2: RNG states as tensors)."""
     return {**_FIELDS, "rng": RNG_FIELDS} if state.get("format") == _FORMAT else _FIELDS
+
+
+def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``scheduler`` is None or an LR scheduler of ``optimizer`` (state_dict / load_state_dict)."""
+    if scheduler is None:
+        return
+    if not (callable(getattr(scheduler, "state_dict", None)) and callable(getattr(scheduler, "load_state_dict", None))):
+        raise TypeError(f"scheduler must be None or an LR scheduler with state_dict() and load_state_dict(), got "
+                        f"{type(scheduler).__name__}")
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
+        raise ValueError("scheduler belongs to another optimizer than the wrapper's")
 
 
 def _run_closure(args: tuple, kwargs: dict) -> tuple | None:
