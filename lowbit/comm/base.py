@@ -105,6 +105,14 @@ class Transport(ABC):
         its own node (the thread runtime); a launcher's ``LOCAL_WORLD_SIZE`` on torch.distributed."""
         return 1
 
+    @property
+    def channel(self) -> tuple:
+        """A hashable key of the channel this transport's operations travel on: transports with
+        equal keys share it (one process group; one rank of a thread world), and ranks must issue
+        the operations on it in program order, one at a time (the wrapper's overlapped exchanges
+        take turns on it). Default: this transport alone."""
+        return ("transport", id(self))
+
     def _record_reduce(self, t: torch.Tensor, op: str) -> None:
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")

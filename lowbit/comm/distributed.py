@@ -111,6 +111,11 @@ class TorchDistributedTransport(GlooGossip, Transport):
         """``LOCAL_WORLD_SIZE`` as torchrun sets it (1 if unset)."""
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
+    @property
+    def channel(self) -> tuple:
+        """The default process group of this process (:attr:`~lowbit.comm.base.Transport.channel`)."""
+        return ("torch.distributed",)
+
     def __repr__(self) -> str:
         return f"TorchDistributedTransport(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r})"
 

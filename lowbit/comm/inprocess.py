@@ -226,6 +226,11 @@ class ThreadTransport(Transport):
         self.world = world
         self._fault_known = False  # the board's fault was sent or raised by this rank
 
+    @property
+    def channel(self) -> tuple:
+        """This rank of this thread world (:attr:`~lowbit.comm.base.Transport.channel`)."""
+        return ("thread", id(self.world), self.rank)
+
     def _sync(self) -> None:
         with _waiting(self.world, self.rank):
             self.world.barrier_.wait()
