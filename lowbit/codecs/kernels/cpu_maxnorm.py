@@ -1,6 +1,6 @@
-"""numba kernels of the max-norm family on the CPU: QSGDMaxNorm, its multi-scale
-variant, and the sparse random-k selection (the keyed Feistel permutation's
-inverse on ``j < k``; the dense one is :mod:`.cpu_randk`'s).
+"""numba kernels of the "maxnorm" family on the CPU: QSGDMaxNorm, its bucketed and
+multi-scale variants (:class:`~lowbit.codecs.kernels.families.CpuMaxNormKernels`; the
+same names and signatures as :mod:`.gpu_maxnorm`, which lacks the bucketed variant).
 
 Each kernel is one branch-free loop over the elements that reads its input
 once in its own dtype and computes in float64 registers. Note: numba types
@@ -22,7 +22,12 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import empty_output
-from .cpu import _inline, _jit, as_numba, keys, max_abs, mix32, np_view, round_stochastic
+from .cpu import _inline, _jit, as_numba, keys, np_view, round_stochastic
+
+__all__ = ["FLAG_NONFINITE", "FLAG_OVER", "FLAG_INDEX", "FLAG_LEVEL", "as_scale", "norm_stats", "code_dtype",
+           "qsgd_encode", "qsgd_decode", "ms_index", "ms_encode_int", "ms_encode_words", "ms_decode_sum",
+           "ms_decode_words", "bucket_norms", "qsgd_encode_buckets",
+           "qsgd_decode_buckets"]
 
 FLAG_NONFINITE = 1
 FLAG_OVER = 2
@@ -302,91 +307,6 @@ def _ms_decode_words(words, code_bits, W, levels, out):
     return badidx
 
 
-# --- random-k: a keyed Feistel permutation of [0, d) -------------------------------------------
-
-@_inline
-def _feistel(v, a, hb, keys, forward):
-    """One evaluation of the permutation of ``[0, a 2^hb)`` (or its inverse): ``v = L 2^hb + R``,
-    rounds alternate ``(L, R) -> (R, L + F(R) mod a)`` and ``(L, R) -> (R, L + F(R) mod 2^hb)``
-    (``len(keys)`` rounds, even; ``keys`` a tuple: no reference counting in the loop). All arithmetic is uint64 on values below 2^48."""
-    s32 = np.uint64(32)
-    sb = np.uint64(hb)
-    st = np.uint64(32 - hb)
-    bmask = (np.uint64(1) << sb) - np.uint64(1)
-    A = np.uint64(a)
-    L = np.uint64(v) >> sb
-    R = np.uint64(v) & bmask
-    npairs = len(keys) // 2
-    if forward:
-        for p in range(npairs):
-            # even round: L in [0, a), R in [0, 2^hb)  ->  (R, (L + F) mod a)
-            t = L + ((mix32(R ^ keys[2 * p]) * A) >> s32)
-            L2 = R
-            R2 = t - A if t >= A else t
-            # odd round: L2 in [0, 2^hb), R2 in [0, a)  ->  (R2, (L2 + F) mod 2^hb)
-            L = R2
-            R = (L2 + (mix32(R2 ^ keys[2 * p + 1]) >> st)) & bmask
-    else:
-        for q in range(npairs):
-            p = npairs - 1 - q
-            # undo the odd round: (L, R) = (R2, (L2 + F(R2)) mod 2^hb)
-            R2 = L
-            L2 = (R - (mix32(R2 ^ keys[2 * p + 1]) >> st)) & bmask
-            # undo the even round: (L2, R2) = (R_old, (L_old + F(R_old)) mod a)
-            t = R2 + A - ((mix32(L2 ^ keys[2 * p]) * A) >> s32)
-            L = t - A if t >= A else t
-            R = L2
-    return (L << sb) | R
-
-
-@_jit
-def _walk_on(v, D, a, hb, keys, forward):
-    """The rest of a cycle walk (rare: the domain exceeds d by less than 2 sqrt(d) + 1)."""
-    while v >= D:
-        v = _feistel(v, a, hb, keys, forward)
-    return v
-
-
-@_jit
-def _select_sparse(d, k, a, hb, keys, out):
-    """``out[j] = sigma^-1(j)`` for ``j < k`` (unsorted)."""
-    D = np.uint64(d)
-    for j in range(k):
-        out[j] = np.int64(_feistel(np.uint64(j), a, hb, keys, False))
-    for j in range(k):
-        v = np.uint64(out[j])
-        if v >= D:
-            out[j] = np.int64(_walk_on(v, D, a, hb, keys, False))
-
-
-_SCATTER_BLOCK = 2048  # output elements zeroed and filled while they sit in the L1 cache
-
-
-@_jit
-def _scatter(vals, idx, factor, out):
-    """``out`` = zeros with ``out[idx[j]] = vals[j] * factor`` (float64 product, stored in
-    out's dtype), for ``idx`` strictly increasing in ``[0, len(out))`` (the selection makes it
-    so, and :class:`lowbit.codecs.RandKCodec` checks indices it reads from a message; an index
-    at or beyond ``len(out)`` ends the loop: nothing is written out of bounds). Each block of
-    ``out`` is zeroed and then receives its kept values while it is in the cache, so ``out`` is
-    written to memory once (zeros and then a scatter write it twice); unsigned indices spare
-    numba's wraparound test on every access."""
-    n = np.uint64(out.shape[0])
-    k = np.uint64(idx.shape[0])
-    blk = np.uint64(_SCATTER_BLOCK)
-    j = np.uint64(0)
-    for base in range(np.uint64(0), n, blk):
-        end = min(base + blk, n)
-        for p in range(base, end):
-            out[p] = 0
-        while j < k:
-            i = np.uint64(idx[j])
-            if i >= end:
-                break
-            out[i] = np.float64(vals[j]) * factor
-            j += np.uint64(1)
-
-
 # --- torch-level API (the same names and signatures as the Triton module) ----------------------
 
 def _W(W) -> tuple[float, float]:
@@ -498,26 +418,3 @@ def ms_decode_words(words: torch.Tensor, code_bits: int, W, levels: torch.Tensor
     out = empty_output(words.numel(), dtype if direct else torch.float64)
     bad = _ms_decode_words(np_view(words), code_bits, float(W), np_view(levels), out.numpy())
     return (out if direct else out.to(dtype)), (FLAG_INDEX if bad else 0)
-
-
-def select_sparse(d: int, k: int, a: int, hb: int, round_keys: np.ndarray) -> torch.Tensor:
-    """The sorted int64 indices ``{i < d : sigma(i) < k}`` (see :mod:`lowbit.codecs.randk`) as
-    ``sigma^-1(j)`` for ``j < k``, sorted: the selection when ``k`` is small against ``d``
-    (the dense one is :func:`.cpu_randk.select`'s 32-bit pass)."""
-    out = torch.empty(k, dtype=torch.int64)
-    _select_sparse(d, k, a, hb, tuple(np.uint64(v) for v in round_keys), out.numpy())
-    return out.sort().values
-
-
-def scatter(vals: torch.Tensor, idx: torch.Tensor, n: int, factor: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """Zeros of ``n`` elements with ``vals * factor`` (float64 products, cast to ``dtype``) at
-    ``idx`` (strictly increasing in ``[0, n)``), and whether a product is beyond ``dtype``'s
-    largest finite value (or NaN)."""
-    direct = dtype in (torch.float32, torch.float64)
-    out = empty_output(n, dtype if direct else torch.float64)
-    _scatter(as_numba(vals), np_view(idx), float(factor), out.numpy())
-    # the products grow with |vals|: the largest one decides (a NaN makes it NaN, which fails too).
-    # One vectorised pass over vals: the same test per element in the scatter's scalar loop cost
-    # 27% of its time here, this 11%
-    far = not abs(max_abs(vals) * float(factor)) <= float(torch.finfo(dtype).max)
-    return (out if direct else out.to(dtype)), far
