@@ -18,6 +18,7 @@ import warnings
 import torch
 from lightning.pytorch import LightningModule, Trainer, seed_everything
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -69,8 +70,11 @@ def fit(spec, out, seed, ckpt=None):
     rec = Record()
     folder = os.path.join(out, spec["name"] + "-ckpt")
     cb = ModelCheckpoint(dirpath=folder, filename="{epoch}", every_n_epochs=1, save_top_k=-1)
+    precision = {"precision": spec.get("precision", "32-true")}
+    if precision["precision"] == "16-mixed":  # Lightning turns the flag into bf16 on CPU; the plugin is fp16
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=spec.get("epochs", 2),
-                      precision=spec.get("precision", "32-true"), accumulate_grad_batches=spec.get("accumulate", 1),
+                      **precision, accumulate_grad_batches=spec.get("accumulate", 1),
                       gradient_clip_val=spec.get("clip"), callbacks=[rec, cb], enable_progress_bar=False,
                       logger=False, enable_model_summary=False, num_sanity_val_steps=0)
     model = Net(seed)
@@ -79,7 +83,11 @@ def fit(spec, out, seed, ckpt=None):
     return {"losses": rec.losses, "bytes": rec.bytes, "params": params.tolist(),
             "grad": model.last_grad.tolist(), "global_step": trainer.global_step,
             "files": sorted(os.listdir(folder)), "ckpt": os.path.join(folder, "epoch=0.ckpt"),
-            "numel": params.numel()}
+            "numel": params.numel(), "scaler": _qualname(getattr(trainer.precision_plugin, "scaler", None))}
+
+
+def _qualname(obj):
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__name__}"
 
 
 def main():

@@ -22,9 +22,10 @@ Use (``lightning`` installed; ``pip install lowbit[test]`` brings it)::
   :class:`~lowbit.integrations.DecentralizedDataParallel`, which wraps the LightningModule and its
   one optimizer. There is no averaged gradient: each rank applies its own, so
   ``gradient_clip_val`` clips each rank's local gradient (what a decentralized method with
-  clipping does). Accumulation sends nothing before the step (the wrapper communicates only in
-  ``optimizer.step()``). Under ``precision="16-mixed"`` a GradScaler that skips a step on one
-  rank only is named at the next step by the wrapper's agreement (every rank raises).
+  clipping does, and what the wrapper's ``clip_grad_norm_`` does for them). Lightning's closure
+  runs in the optimizer's step, before the wrapper communicates; accumulation runs in the
+  wrapper's ``no_sync()`` (nothing is sent before the step). Under ``precision="16-mixed"`` the
+  scaler is :class:`lowbit.integrations.GradScaler`: a step skipped on one rank is skipped on all.
 
 Options: ``topology``, ``overlap``, ``buffers``, ``sync_initial``, ``seed``, ``weights`` and the
 algorithm's options go to the wrapper; ``seed``, ``error_feedback``, ``nonfinite``, ``bucket``,
@@ -47,7 +48,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -56,6 +58,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
 from ..algorithms import ALGORITHMS
+from .amp import GradScaler
 from .checkpoint import load_checkpoint, save_checkpoint
 from .ddp_hooks import HOOKS, make_hook
 from .decentralized import DecentralizedDataParallel
@@ -143,12 +146,26 @@ class LowbitStrategy(DDPStrategy):
         self.wrapper = DecentralizedDataParallel(self.model, self.optimizers[0], self.algorithm, **self.options)
         self.model = self.wrapper
 
-    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        """Lightning's step; on the wrapper path the closure (forward, backward, clipping) runs
-        before ``optimizer.step()``, which then communicates and updates."""
-        if self.wrapper is not None:
-            optimizer = _ClosureFirst(optimizer)
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+    def setup(self, trainer) -> None:
+        """DDPStrategy's setup; on the wrapper path a ``16-mixed`` GradScaler becomes
+        :class:`lowbit.integrations.GradScaler` (same state), whose skipped steps every rank skips."""
+        super().setup(trainer)
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if self.wrapper is not None and isinstance(scaler, torch.amp.GradScaler) and \
+                not isinstance(scaler, GradScaler):
+            agreed = GradScaler(self.root_device.type, enabled=scaler.is_enabled())
+            agreed.load_state_dict(scaler.state_dict())
+            self.precision_plugin.scaler = agreed
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """Gradient accumulation: DDP's ``no_sync`` (hook path) or the wrapper's."""
+        if self.wrapper is None:
+            with super().block_backward_sync():
+                yield
+        else:
+            with self.wrapper.no_sync():
+                yield
 
     def teardown(self) -> None:
         """Close the wrapper (removes its optimizer hooks) and unwrap the LightningModule."""
@@ -220,30 +237,6 @@ class LowbitStrategy(DDPStrategy):
         if self.uses_hook:
             return _hook_state_dict(self.hook_state)
         return None
-
-
-class _ClosureFirst:
-    """The optimizer, with ``step(closure)`` evaluated as ``closure(); step()``: the wrapper's
-    step hooks must see the gradient the closure computes. Everything else is the optimizer's
-    (the GradScaler keys its per-optimizer state by the optimizer's ``id``, which the fp16 path
-    reads: it calls ``step()`` without a closure, after its own closure call)."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer):
-        self.__dict__["_optimizer"] = optimizer
-
-    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._optimizer.step(**kwargs)
-        return loss
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._optimizer, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._optimizer, name, value)
 
 
 def _names() -> list[str]:
