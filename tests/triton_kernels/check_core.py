@@ -74,7 +74,7 @@ def test_modulo_decode_hash_matches_the_reference(block, dtype, bits):
     torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
     with pytest.raises(OverflowError, match="2\\^53"):
         gpu_modulo.modulo_decode_hash(payload.data[:1], codec.bits, 4, codec.B_theta, codec.levels,
-                               torch.full((4,), 1e17, dtype=dtype), block)
+                                      torch.full((4,), 1e17, dtype=dtype), block)
 
 
 @pytest.mark.parametrize("block", [64, 99])  # 99: bytes of codes span two blocks below 8 bits (the unfused send)
@@ -93,7 +93,7 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits, blo
     y, yj = (x.double() + v, xj.double() + v) if dither else (x, xj)
     nbytes, nb = -(-n * bits // 8), -(-n // block)
     msgs = {}
-    for name, K in (("gpu", gpu), ("cpu", cpu)):
+    for name, K in (("gpu", gpu_modulo), ("cpu", cpu_modulo)):
         for who, src in (("i", y), ("j", yj)):
             msg = torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8)
             xhat = torch.empty(n, dtype=src.dtype)
@@ -109,8 +109,8 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits, blo
         with pytest.raises((ValueError, OverflowError), match=error), warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy casting NaN to int
             gpu_modulo.moniqua_send(src, codec.B_theta, codec.levels, codec.rounding == "stochastic", 77, bits, block,
-                             torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8), nbytes, 3,
-                             torch.empty(n, dtype=y.dtype))
+                                    torch.zeros(nbytes + 2 * nb + 1, dtype=torch.uint8), nbytes, 3,
+                                    torch.empty(n, dtype=y.dtype))
     msg_j = msgs["cpu", "j"][0]
     x_hat_i = (msgs["cpu", "i"][1] if v is None else msgs["cpu", "i"][1] - v).to(dtype)
     for far in ([], [250, 1030]):  # two blocks wrong
@@ -120,7 +120,7 @@ def test_moniqua_send_and_receive_match_the_numba_calls(dtype, dither, bits, blo
         else:
             y_far = y
         out = {}
-        for name, K in (("gpu", gpu), ("cpu", cpu)):
+        for name, K in (("gpu", gpu_modulo), ("cpu", cpu_modulo)):
             delta, xh = torch.zeros(n, dtype=dtype), torch.empty(n, dtype=y.dtype)
             (found,) = K.to_host([K.moniqua_receive(msg_j, bits, codec.B_theta, codec.levels, y_far, block, xh, v,
                                                     x_hat_i, w, delta)])
