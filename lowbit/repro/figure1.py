@@ -10,7 +10,7 @@ the slowest worker) plus the network model's price of what the ledger records
 for that step. What a run sends does not depend on the network model, so each
 algorithm trains ONCE (under the first network) and its ledger is re-priced
 under every network with the same clock ``lowbit train`` uses
-(:func:`lowbit.train.run.emulated_clock`); only the bandwidth and latency change.
+(:func:`lowbit.train.summary.emulated_clock`); only the bandwidth and latency change.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..comm.ledger import Ledger
 from ..train.config import TrainConfig
-from ..train.run import emulated_clock
+from ..train.summary import emulated_clock
 from .common import curves, train_quietly, write_outputs
 
 # (label, bandwidth, latency), as in Figure 1's four panels

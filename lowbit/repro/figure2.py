@@ -22,7 +22,7 @@ slowed here (``slow`` unset); the bit width is not named either, so 8 bits as
 in the paper's wall-clock experiment (Figure 1), theta 0.2. Here: digits-mlp,
 6 workers on a ring, iid data, task defaults (lr 0.1, momentum 0.9), network
 model 20 Mbit / 0.15 ms. The clock is lowbit's emulated one
-(:func:`lowbit.train.run.step_clock`): measured compute and the network
+(:func:`lowbit.train.summary.step_clock`): measured compute and the network
 model's price of what the ledger recorded. A synchronous run waits for the
 slowest worker at every step, in compute and then in communication (D-PSGD:
 its two ring messages on parallel links, one message time). An asynchronous
@@ -57,7 +57,7 @@ from pathlib import Path
 from ..algorithms import ALGORITHMS
 from ..comm.ledger import Ledger
 from ..train.config import TrainConfig
-from ..train.run import step_clock
+from ..train.summary import step_clock
 from .common import curves, run_row, train_quietly, write_outputs
 from .figure1 import priced
 
