@@ -29,8 +29,10 @@ train.py``; on CPU with ``Accelerator(cpu=True)`` or ``ACCELERATE_USE_CPU=1``)::
   :class:`~lowbit.integrations.DecentralizedDataParallel` (not in torch DDP), the optimizer and
   the other objects go through ``accelerator.prepare``; ``comm`` is the wrapper (which is also the
   returned model). The wrapper communicates in ``optimizer.step()``; there is no averaged
-  gradient, so ``accelerator.clip_grad_norm_`` clips each rank's own. Under mixed precision the
-  wrapper's forward runs in ``accelerator.autocast()``. Checkpoints are per rank:
+  gradient, so ``accelerator.clip_grad_norm_`` clips each rank's own; ``accelerator.accumulate``
+  uses the wrapper's ``no_sync()``. Under mixed precision the wrapper's forward runs in
+  ``accelerator.autocast()`` and an fp16 scaler becomes :class:`lowbit.integrations.GradScaler`
+  (a step skipped on one rank is skipped on all). Checkpoints are per rank:
   ``comm.save_checkpoint(f"ckpt/rank{accelerator.process_index}.pt")`` and ``comm.load_checkpoint``
   (``accelerator.save_state`` saves rank 0's model only).
 
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from ..algorithms import ALGORITHMS
+from .amp import GradScaler
 from .ddp_hooks import HOOKS, make_hook
 from .decentralized import DecentralizedDataParallel
 
@@ -75,5 +78,10 @@ def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimiz
     wrapper = DecentralizedDataParallel(model, optimizer, algorithm, **options)
     if accelerator.mixed_precision != "no":
         wrapper.forward = accelerator.autocast()(wrapper.forward)
+    scaler = accelerator.scaler
+    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, GradScaler):
+        agreed = GradScaler(accelerator.device.type, enabled=scaler.is_enabled())  # before the optimizer takes it
+        agreed.load_state_dict(scaler.state_dict())
+        accelerator.scaler = agreed
     optimizer, *others = accelerator.prepare(optimizer, *others)
     return (wrapper, optimizer, *others, wrapper)
