@@ -69,7 +69,7 @@ def test_wire_layout_is_baguas():
     x = torch.randn(100)
     lo, hi = C.encode(x).header[:8].view(torch.float32)
     assert lo == x.min() and hi == x.max()
-    assert C.bits == 8 and make_codec("bagua_minmax") == C
+    assert C.bits == 8 and make_codec("bagua-minmax") == C
 
 
 def test_float64_is_quantized_in_float32():

@@ -30,7 +30,7 @@ F32_MAX = float(torch.finfo(torch.float32).max)
 # header's element count or None)
 SAMPLES: dict[str, list] = {
     "fp32": [(IdentityCodec(), [], 0)],
-    "half": [(HalfCodec("fp16"), [], 0), (HalfCodec("bf16"), [], 0)],
+    "fp16": [(HalfCodec("fp16"), [], 0), (HalfCodec("bf16"), [], 0)],
     "uniform": [(UniformCodec(step=0.1), [], 0)],
     "minmax": [(MinMaxCodec(bits=3), [("header", 4), ("header", 8)], 0),
                (MinMaxCodec(bits=8, rounding="stochastic"), [("header", 4), ("header", 8)], 0)],
@@ -48,12 +48,12 @@ SAMPLES: dict[str, list] = {
                 (EntropyCodedCodec(QSGDCodec(levels=1), "ans"), [], None),
                 (EntropyCodedCodec(SignCodec(), "zlib"), [], None),
                 (EntropyCodedCodec(TernGradCodec(), "bz2"), [], None)],
-    "qsgd_maxnorm": [(QSGDMaxNormCodec(bits=3), [("header", 4)], 0), (QSGDMaxNormCodec(bits=8), [("header", 4)], 0)],
-    "qsgd_maxnorm_multiscale": [(MultiScaleMaxNormCodec(), [("header", 4)], 0)],
+    "qsgd-maxnorm": [(QSGDMaxNormCodec(bits=3), [("header", 4)], 0), (QSGDMaxNormCodec(bits=8), [("header", 4)], 0)],
+    "qsgd-maxnorm-multiscale": [(MultiScaleMaxNormCodec(), [("header", 4)], 0)],
     "randk": [(RandKCodec(QSGDMaxNormCodec(bits=8), k=10, seed=3), [("header", 16)], 0),
               (RandKCodec(TernGradCodec(), k=10, send_indices=True), [("header", 8)], 0),
               (RandKCodec(DitheredCodec(levels=3), k=10), [("header", 16)], 0)],
-    "bagua_minmax": [(BaguaMinMaxCodec(), [("header", 0), ("header", 4)], 8)],
+    "bagua-minmax": [(BaguaMinMaxCodec(), [("header", 0), ("header", 4)], 8)],
 }
 del SAMPLES["half_"]
 
@@ -196,7 +196,7 @@ def test_non_finite_and_out_of_range_scales_are_refused(codec, scales, count_at,
                 bad = Payload(header=_with(p.header, at, raw), data=p.data) if where == "header" else \
                     Payload(header=p.header, data=_with(p.data, at, raw))
                 _refused(codec, bad, x)
-        if codec.name not in ("minmax", "bagua_minmax", "powersgd"):  # a min, and PowerSGD's factors, may be negative
+        if codec.name not in ("minmax", "bagua-minmax", "powersgd"):  # a min, and PowerSGD's factors, may be negative
             for where, at in scales:
                 raw = struct.pack("<f", -1.0)
                 bad = Payload(header=_with(p.header, at, raw), data=p.data) if where == "header" else \
@@ -258,7 +258,7 @@ def test_out_of_range_inputs_are_refused_on_encode_never_decoded_wrong(codec, sc
                 continue
             out = _decode(codec, p, x)
             assert bool(torch.isfinite(out).all()), (label, out[:4])
-            if codec.name in ("fp32", "half"):  # the values themselves
+            if codec.name in ("fp32", "fp16"):  # the values themselves
                 assert torch.allclose(out.double(), x.double(), rtol=1e-2), label
 
 
@@ -317,7 +317,7 @@ def test_maxnorm_summable_steps_check_x_first(label, x):
         with pytest.raises((TypeError, ValueError), match=r"\bx\b"):
             c.shared_scale(x)
         with pytest.raises((TypeError, ValueError), match=r"\bx\b"):
-            c.encode_int(x, torch.tensor([1.0]) if c.name == "qsgd_maxnorm" else
+            c.encode_int(x, torch.tensor([1.0]) if c.name == "qsgd-maxnorm" else
                          (torch.tensor([1.0]), torch.zeros(x.numel(), dtype=torch.uint8)))
 
 

@@ -46,11 +46,11 @@ STEPS = 200
 EARLY = 120  # where the slow test compares the hooks as they were
 # (label, hook name or None for torch's DDP without a hook, make_hook options)
 DDP_FP32 = ("torch-ddp-fp32", None, {})
-HOOKS = [("qsgd-4bit", "qsgd", {"bits": 4}), ("qsgd_maxnorm-4bit", "qsgd_maxnorm", {"bits": 4}),
+HOOKS = [("qsgd-4bit", "qsgd", {"bits": 4}), ("qsgd-maxnorm-4bit", "qsgd-maxnorm", {"bits": 4}),
          ("terngrad", "terngrad", {})]
 # the hooks as they were before the fix: one norm / scale for the whole DDP bucket
 AS_BEFORE = [("qsgd-4bit-one-norm", "qsgd", {"bits": 4, "bucket": None}),
-             ("qsgd_maxnorm-4bit-one-norm", "qsgd_maxnorm", {"bits": 4, "bucket": None}),
+             ("qsgd-maxnorm-4bit-one-norm", "qsgd-maxnorm", {"bits": 4, "bucket": None}),
              ("terngrad-one-scale", "terngrad", {"clip": None, "per_layer": False})]
 
 
@@ -304,10 +304,10 @@ def test_terngrad_clips_at_c_standard_deviations():
 
 
 def test_make_hook_quantization_options():
-    st = make_hook("qsgd_maxnorm", bits=4)[0]
+    st = make_hook("qsgd-maxnorm", bits=4)[0]
     assert st.codec == QSGDMaxNormCodec(bits=4, bucket=HOOK_BUCKET)
-    assert make_hook("qsgd_maxnorm", bits=4, bucket=64)[0].codec.bucket == 64
-    assert make_hook("grandk_maxnorm", k=100, bucket=None)[0].codec.inner == QSGDMaxNormCodec(bits=4)
+    assert make_hook("qsgd-maxnorm", bits=4, bucket=64)[0].codec.bucket == 64
+    assert make_hook("grandk_maxnorm", k=100, bucket=None)[0].codec.inner == QSGDMaxNormCodec()
     assert make_hook("qsgd", bits=4, bucket=1000)[0].codec == QSGDCodec(levels=7, bucket=1000)
     assert make_hook("terngrad", clip=1.5)[0].codec == TernGradCodec(clip=1.5)
     assert make_hook("qsgd", bits=4, per_layer=True)[0].per_layer
@@ -317,13 +317,13 @@ def test_make_hook_quantization_options():
     with pytest.raises(ValueError, match="bucket .* is for qsgd and the single-scale max-norm codecs"):
         make_hook("fp16", bucket=512)
     with pytest.raises(ValueError, match="bucket .* is for qsgd and the single-scale max-norm codecs"):
-        make_hook("qsgd_maxnorm_multiscale", bucket=512)
+        make_hook("qsgd-maxnorm-multiscale", bucket=512)
     with pytest.raises(ValueError, match="clip .* is for TernGrad"):
         make_hook("qsgd", clip=2.5)
     with pytest.raises(ValueError, match="clip"):
         make_hook("terngrad", clip=0)
     with pytest.raises(ValueError, match="per_layer=True is for the all-gathered codecs"):
-        make_hook("qsgd_maxnorm", per_layer=True)
+        make_hook("qsgd-maxnorm", per_layer=True)
     with pytest.raises(ValueError, match="per_layer must be a bool"):
         make_hook("terngrad", per_layer="yes")
     with pytest.raises(ValueError, match="bucket: algorithm 'ndqsg' runs as itself"):

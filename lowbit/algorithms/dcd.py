@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codecs import Codec, MinMaxCodec
+from ..codecs import Codec, MinMaxCodec, codec_names
 from .base import Context, GossipAlgorithm, State, transient
 from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, exchange_compressed, exchange_initial_models, mix
 
@@ -145,7 +145,7 @@ class ECDPSGD(_ReplicaGossip):
 
     codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2, rounding="stochastic"))
     name = "ecd"
-    codecs = ("minmax", "uniform", "terngrad", "fp32")
+    codecs = codec_names("minmax", "uniform", "terngrad", "fp32")
 
     def __post_init__(self):
         check_unbiased(check_codec(self.codec))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..codecs import Codec, IdentityCodec, UniformCodec
+from ..codecs import Codec, IdentityCodec, UniformCodec, codec_names
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm
 from .faults import check_decoded, received_from
@@ -71,7 +71,7 @@ class NaiveQuantizedDPSGD(QuantizedGossip):
 
     codec: Codec = field(default_factory=lambda: UniformCodec(step=0.1))
     name = "naive"
-    codecs = ("uniform", "minmax", "fp32")
+    codecs = codec_names("uniform", "minmax", "fp32")
     options = CODEC_OPTIONS
 
     @classmethod

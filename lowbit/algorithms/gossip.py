@@ -10,15 +10,16 @@ from collections.abc import Mapping
 
 import torch
 
-from ..codecs import Codec
+from ..codecs import Codec, codec_names
 from ..codecs.rng import clone_generator, shared_generator
 from .base import Context
 from .faults import check_decoded, received_from
 
 __all__ = ["CODEC_OPTIONS", "REPLICA_CODECS", "check_codec", "check_gamma", "exchange_compressed", "exchange_initial_models", "mix"]
 
-# The --codec names the replica-based baselines accept (default first).
-REPLICA_CODECS = ("minmax", "uniform", "fp32", "half", "sign", "terngrad")
+# The --codec names the replica-based baselines accept (default first): the codecs that declare
+# replica_safe (a neighbour keeps an exact replica of what it decodes), in registry order.
+REPLICA_CODECS = codec_names(replica_safe=True)
 # The options (AlgorithmOptions names) that building one of those codecs reads (Codec.from_options).
 CODEC_OPTIONS = ("codec", "bits", "rounding", "delta")
 

@@ -68,7 +68,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 import torch
 
-from ..codecs import Codec, IdentityCodec, MinMaxCodec
+from ..codecs import Codec, IdentityCodec, MinMaxCodec, codec_name, codec_names
 from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..codecs.quantize import check_rounding
 from ..codecs.rng import shared_generator
@@ -211,7 +211,7 @@ class LowPrecisionDecentralized(GossipAlgorithm):
     bucket_bytes: int = BAGUA_BUCKET_BYTES
     param_sizes: Sequence[int] | None = None
     name = "lowprec-decentralized"
-    codecs = ("bagua_minmax", "minmax", "fp32")
+    codecs = codec_names("bagua-minmax", "minmax", "fp32")
     options = ("codec", "bits", "rounding", "peer_selection", "hierarchical", "communication_interval",
                "node_size", "bucket_bytes")
 
@@ -246,7 +246,7 @@ class LowPrecisionDecentralized(GossipAlgorithm):
 
     @classmethod
     def check_config(cls, cfg):
-        if (cfg.codec or cls.codecs[0]) == "bagua_minmax" and cfg.rounding not in (None, "nearest"):
+        if codec_name(cfg.codec or cls.codecs[0]) == BaguaMinMaxCodec.name and cfg.rounding not in (None, "nearest"):
             raise ValueError(f"rounding={cfg.rounding!r}: Bagua's min-max codec rounds to nearest; "
                              f"use --codec minmax for stochastic rounding")
         algo = cls.from_config(cfg)

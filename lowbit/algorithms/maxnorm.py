@@ -162,7 +162,7 @@ class MaxNormSGD(CentralizedAlgorithm):
     ``sum_dtype``: the integer dtype of the code sum (default: the narrowest that cannot
     overflow). Paper 004, Algorithms 1 and 2 and section 3.3; see the module docstring."""
 
-    bits: int = 2
+    bits: int = QSGDMaxNormCodec.default_options()["bits"] - 1  # the precision p: the codec's one default
     scales: tuple[int, ...] = ()
     k: float | None = None
     sum_dtype: str | torch.dtype | None = None

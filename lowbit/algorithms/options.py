@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
-from ..codecs import CODECS, ROUNDINGS, Codec
+from ..codecs import CODECS, ROUNDINGS, Codec, codec_name
 from . import ALGORITHMS
 from .compressed import SERVERS
 from .dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
@@ -131,7 +131,7 @@ class AlgorithmOptions:
     def make_codec(self, allowed: tuple[str, ...]) -> Codec:
         """The codec ``codec`` names (default: the first of ``allowed``, names of
         ``lowbit.codecs.CODECS``), built from these options by its ``from_options``."""
-        name = self.codec or allowed[0]
+        name = codec_name(self.codec) if self.codec else allowed[0]  # a former spelling: warned
         if name not in allowed:
             raise ValueError(f"codec={name!r} is not available for algorithm={self.algorithm!r}; "
                              f"choose one of: {', '.join(allowed)}")

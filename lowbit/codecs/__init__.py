@@ -23,31 +23,70 @@ from .sign import SignCodec
 from .terngrad import TernGradCodec
 from .bagua_minmax import BaguaMinMaxCodec
 
-CODECS: dict[str, type[Codec]] = {
-    "fp32": IdentityCodec,
-    "uniform": UniformCodec,
-    "minmax": MinMaxCodec,
-    "modulo": ModuloCodec,
-    "dithered": DitheredCodec,
-    "nested": NestedDitheredCodec,
-    "qsgd": QSGDCodec,
-    "terngrad": TernGradCodec,
-    "sign": SignCodec,
-    "half": HalfCodec,
-    "powersgd": PowerSGDCodec,
-    "entropy": EntropyCodedCodec,
-    "qsgd_maxnorm": QSGDMaxNormCodec,
-    "qsgd_maxnorm_multiscale": MultiScaleMaxNormCodec,
-    "randk": RandKCodec,
-    "bagua_minmax": BaguaMinMaxCodec,
-}
+#: The registry, one line per codec class; each class declares its name and capabilities
+#: (:class:`Codec`). The order is the listing order (the replica baselines' list starts with it).
+REGISTERED: tuple[type[Codec], ...] = (
+    MinMaxCodec,
+    UniformCodec,
+    IdentityCodec,
+    HalfCodec,
+    SignCodec,
+    TernGradCodec,
+    ModuloCodec,
+    DitheredCodec,
+    NestedDitheredCodec,
+    QSGDCodec,
+    PowerSGDCodec,
+    EntropyCodedCodec,
+    QSGDMaxNormCodec,
+    MultiScaleMaxNormCodec,
+    RandKCodec,
+    BaguaMinMaxCodec,
+)
+
+#: name -> codec class, computed from :data:`REGISTERED`
+CODECS: dict[str, type[Codec]] = {cls.name: cls for cls in REGISTERED}
+
+#: Former spellings: accepted with a DeprecationWarning naming the current name
+RENAMED = {"half": "fp16", "qsgd_maxnorm": "qsgd-maxnorm", "qsgd_maxnorm_multiscale": "qsgd-maxnorm-multiscale",
+           "bagua_minmax": "bagua-minmax"}
+
+#: The capabilities a codec class declares, which :func:`codec_names` selects on
+CAPABILITIES = ("summable", "gatherable", "float_wire", "replica_safe", "kernel_family", "dither_on_decode", "kind")
+
+
+def codec_name(name: str) -> str:
+    """The registry name ``name`` (lowercase, words joined by hyphens: ``qsgd-maxnorm``); a former
+    spelling of :data:`RENAMED` gives the current one with a DeprecationWarning naming it; a
+    ValueError naming the valid names otherwise."""
+    if name in CODECS:
+        return name
+    if name in RENAMED:
+        import warnings
+
+        warnings.warn(f"codec name {name!r} is deprecated: use {RENAMED[name]!r}", DeprecationWarning, stacklevel=3)
+        return RENAMED[name]
+    raise ValueError(f"unknown codec {name!r}; valid names: {', '.join(CODECS)}")
+
+
+def codec_names(*among: str, **capabilities) -> tuple[str, ...]:
+    """Registry names, in registry order, of the codecs whose classes declare every given
+    capability with the given value (e.g. ``codec_names(replica_safe=True)``; names of
+    :data:`CAPABILITIES`); ``among``: only these names (checked: a ValueError for one that is
+    not registered), in the order given. No arguments: every name."""
+    unknown = sorted(set(capabilities) - set(CAPABILITIES))
+    if unknown:
+        raise ValueError(f"unknown capability {', '.join(unknown)}; valid: {', '.join(CAPABILITIES)}")
+    bad = [n for n in among if n not in CODECS]
+    if bad:
+        raise ValueError(f"unknown codec(s) {', '.join(map(repr, bad))}; valid names: {', '.join(CODECS)}")
+    return tuple(n for n in (among or CODECS)
+                 if all(getattr(CODECS[n], k) == v for k, v in capabilities.items()))
 
 
 def make_codec(name: str, **kwargs) -> Codec:
     """Build a registered codec by name, e.g. ``make_codec("modulo", bits=2, theta=0.5)``."""
-    if name not in CODECS:
-        raise ValueError(f"unknown codec {name!r}; valid names: {sorted(CODECS)}")
-    return CODECS[name](**kwargs)
+    return CODECS[codec_name(name)](**kwargs)
 
 
 __all__ = [
@@ -66,6 +105,11 @@ __all__ = [
     "ModuloCodec",
     "centered_mod",
     "CODECS",
+    "REGISTERED",
+    "RENAMED",
+    "CAPABILITIES",
+    "codec_name",
+    "codec_names",
     "make_codec",
     "pack_bits",
     "unpack_bits",
@@ -99,4 +143,5 @@ __all__ = [
     "MultiScaleMaxNormCodec",
     "RandKCodec",
     "global_index_seed",
+    "BaguaMinMaxCodec",
 ]

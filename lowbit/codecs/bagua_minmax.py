@@ -72,7 +72,7 @@ class BaguaMinMaxCodec(Codec):
     """Bagua's MinMaxUInt8 (see the module docstring). 8 bits, deterministic
     (nearest, half to even), biased; one min and max per call (one bucket)."""
 
-    name = "bagua_minmax"
+    name = "bagua-minmax"
     kind = CodecKind.PLAIN
     unbiased = False
     header_format = "ffi20x"  # min, max (float32), numel (int32), 20 bytes unused: Bagua's 32-byte block

@@ -198,7 +198,18 @@ class Codec(ABC):
     Each also provides ``bits``, the nominal number of bits per element of the
     data part, as a dataclass field or a property. (It is declared here by
     annotation only: a class attribute would become the default of a
-    subclass's ``bits`` field.)
+    subclass's ``bits`` field.) Its default options are its dataclass field defaults
+    (:meth:`default_options`): the one default of each option, read by every entry point.
+
+    Capabilities, declared by each class, from which the registries are computed
+    (:func:`lowbit.codecs.codec_names`, the DDP hooks' wire methods, the gossip baselines'
+    codec list): ``name`` (the registry name, lowercase with hyphens), ``summable`` (integer
+    codes that a SUM all-reduce adds: :class:`SummableCodec`), ``gatherable`` (the payload's
+    length depends on the input's length only, so ranks' payloads can be all-gathered),
+    ``float_wire`` (the wire is the values as floats: a plain float all-reduce carries it),
+    ``replica_safe`` (a neighbour can keep an exact replica of what it decodes: the replica
+    baselines CHOCO, DCD, DeepSqueeze) and ``kernel_family`` (the family of
+    :func:`~lowbit.codecs.kernels.kernels_for` its fast path calls; None: none of its own).
     """
 
     bits: float
@@ -208,6 +219,19 @@ class Codec(ABC):
     unbiased: bool = False
     header_format: str = ""  # struct format of the fixed header
     dither_on_decode: bool = False  # decode regenerates the sender's dither (needs ``generator``)
+    summable: bool = False
+    gatherable: bool = False
+    float_wire: bool = False
+    replica_safe: bool = False
+    kernel_family: str | None = None
+
+    @classmethod
+    def default_options(cls) -> dict:
+        """The codec's options and their defaults (its dataclass fields; a field without a
+        default is left out)."""
+        import dataclasses
+
+        return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
 
     @classmethod
     def from_options(cls, opts) -> "Codec":
@@ -309,6 +333,9 @@ class SummableCodec(Codec):
     payload carries exactly ``encode_int``'s codes and the agreed scale in its header.
     ``max_code`` bounds ``|code|``; :meth:`sum_dtype` follows from it.
     """
+
+    summable = True
+
 
     kind: CodecKind = CodecKind.SUMMABLE
     scale_reduce_ops: tuple[str, ...] = ("max",)

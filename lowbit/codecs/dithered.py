@@ -153,6 +153,8 @@ class DitheredCodec(Codec):
     partitions: int = 1
 
     name = "dithered"
+    gatherable = True
+    kernel_family = "dithered"
 
     @property
     def dither_on_decode(self) -> bool:  # type: ignore[override]
@@ -301,7 +303,7 @@ class DitheredCodec(Codec):
         """Eq. (2)/(4): scales, then indices ``q = round(x/(kappa Delta) + u/Delta)``."""
         n = check_numel(x)
         self._need_generator(generator, "encode")
-        K = kernels_for(x, "dithered")
+        K = kernels_for(x, self.kernel_family)
         if K is None or n == 0:
             return self.encode_reference(x, generator=generator)
         amax, finite = K.dithered_scales(x, min(self.partitions, n))
@@ -321,7 +323,7 @@ class DitheredCodec(Codec):
         kind as the sender's) or ``kappa Delta q`` (half-dithered). ``ref`` is unused."""
         self._need_generator(generator, "decode")
         n, k1 = self._frame(payload, numel)
-        K = kernels_for(payload.data, "dithered")
+        K = kernels_for(payload.data, self.kernel_family)
         if K is None or n == 0:
             return self.decode_reference(payload, generator=generator, dtype=dtype, numel=numel)
         extra, k32, top = self._scales_of(payload, n, k1)

@@ -38,6 +38,8 @@ class IdentityCodec(Codec):
     """
 
     name = "fp32"
+    float_wire = True
+    replica_safe = True
     kind = CodecKind.PLAIN
     unbiased = True
     header_format = "i"

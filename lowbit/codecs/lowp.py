@@ -97,7 +97,10 @@ class HalfCodec(Codec):
 
     dtype: str = "fp16"
 
-    name = "half"
+    name = "fp16"
+    float_wire = True
+    replica_safe = True
+    kernel_family = _FAMILY
     kind = CodecKind.PLAIN
     unbiased = False
     header_format = "i"

@@ -54,6 +54,9 @@ class MinMaxCodec(Rounded, Codec):
     rounding: str = "nearest"
 
     name = "minmax"
+    gatherable = True
+    replica_safe = True
+    kernel_family = "minmax"
     kind = CodecKind.PLAIN
     header_format = "iff"
 
@@ -92,7 +95,7 @@ class MinMaxCodec(Rounded, Codec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         n = check_numel(x)
-        K = kernels_for(x, "minmax")
+        K = kernels_for(x, self.kernel_family)
         if K is None:
             return self.encode_reference(x, generator=generator)
         if n == 0:
@@ -115,7 +118,7 @@ class MinMaxCodec(Rounded, Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "minmax")
+        K = kernels_for(payload.data, self.kernel_family)
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, lo, hi = self._frame(payload, numel)

@@ -319,6 +319,7 @@ class NestedDitheredCodec(Codec):
     alpha: float = 1.0
 
     name = "nested"
+    kernel_family = "nested"
     dither_on_decode = True
     kind = CodecKind.SIDE_INFO
     header_format = "i"
@@ -417,7 +418,7 @@ class NestedDitheredCodec(Codec):
         """Eq. (6): ``c = round((alpha x + u) / Delta1) mod k``, packed."""
         self._need_generator(generator, "encode")
         n = check_numel(x)
-        K = kernels_for(x, "nested")
+        K = kernels_for(x, self.kernel_family)
         if K is None:
             return self.encode_reference(x, generator=generator)
         codes, finite, worst = K.nested_encode(x, self.alpha, self.delta1, self.k, self.code_bits,
@@ -441,7 +442,7 @@ class NestedDitheredCodec(Codec):
         """Eq. (7) against the side information ``ref``."""
         n = self._frame(payload, ref, numel)
         self._need_generator(generator, "decode")
-        K = kernels_for(ref, "nested")
+        K = kernels_for(ref, self.kernel_family)
         if K is None:
             return self.decode_reference(payload, ref=ref, generator=generator)
         codes = unpack_levels_fast(payload.data.to(ref.device), self.k, n, K.code_dtype(self.code_bits),

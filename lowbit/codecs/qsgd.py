@@ -128,6 +128,8 @@ class QSGDCodec(Codec):
     bucket: int | None = None
 
     name = "qsgd"
+    gatherable = True
+    kernel_family = "qsgd"
     kind = CodecKind.PLAIN
     unbiased = True
 
@@ -191,7 +193,7 @@ class QSGDCodec(Codec):
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         """``Q_s`` of each bucket: norms (rounded up to float32), then the codes."""
         n = check_numel(x)
-        K = kernels_for(x, "qsgd")
+        K = kernels_for(x, self.kernel_family)
         if K is None or n == 0:
             return self.encode_reference(x, generator=generator)
         bucket = self._bucket(n)
@@ -217,7 +219,7 @@ class QSGDCodec(Codec):
                numel: int | None = None) -> torch.Tensor:
         """``(code - s) norm / s``."""
         n = self._frame(payload, numel)
-        K = kernels_for(payload.data, "qsgd")
+        K = kernels_for(payload.data, self.kernel_family)
         if K is None or n == 0:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         norms32, data, top = self._norms_of(payload, n)

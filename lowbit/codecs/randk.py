@@ -251,6 +251,7 @@ class RandKCodec(SummableCodec):
     seed: int | None = None
 
     name = "randk"
+    kernel_family = _SELECT_FAMILY
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, Codec):

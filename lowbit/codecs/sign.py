@@ -59,6 +59,9 @@ class SignCodec(Codec):
     scale: str = "mean_abs"
 
     name = "sign"
+    gatherable = True
+    replica_safe = True
+    kernel_family = "sign"
     kind = CodecKind.PLAIN
     unbiased = False
 
@@ -97,7 +100,7 @@ class SignCodec(Codec):
         """One pass: the sign bits, the finiteness flag and the scale's float64 sum (in the
         reference's lane order: the same bytes)."""
         n = check_numel(x)
-        K = kernels_for(x, "sign")
+        K = kernels_for(x, self.kernel_family)
         if K is None:
             return self.encode_reference(x, generator=generator)
         data, total, finite = K.sign_encode(x, self.order)
@@ -116,7 +119,7 @@ class SignCodec(Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "sign")
+        K = kernels_for(payload.data, self.kernel_family)
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, c = self._frame(payload, numel)

@@ -73,6 +73,9 @@ class TernGradCodec(Codec):
     clip: float | None = None
 
     name = "terngrad"
+    gatherable = True
+    replica_safe = True
+    kernel_family = "terngrad"
     kind = CodecKind.PLAIN
     header_format = "if"
 
@@ -115,7 +118,7 @@ class TernGradCodec(Codec):
 
     def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
         n = check_numel(x)
-        K = kernels_for(x, "terngrad")
+        K = kernels_for(x, self.kernel_family)
         if K is None:
             return self.encode_reference(x, generator=generator)
         scale = 0.0
@@ -138,7 +141,7 @@ class TernGradCodec(Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "terngrad")
+        K = kernels_for(payload.data, self.kernel_family)
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, scale = self._frame(payload, numel)

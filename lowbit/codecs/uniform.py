@@ -67,6 +67,9 @@ class UniformCodec(Rounded, Codec):
     rounding: str = "stochastic"
 
     name = "uniform"
+    gatherable = True
+    replica_safe = True
+    kernel_family = "uniform"
     kind = CodecKind.PLAIN
     header_format = "iiI"
 
@@ -124,7 +127,7 @@ class UniformCodec(Rounded, Codec):
         against that bound in the narrowest unsigned dtype (one pass), then re-based on the
         codes' own smallest value and packed (see ``uniform_codes`` in the kernel modules)."""
         n = check_numel(x)
-        K = kernels_for(x, "uniform")
+        K = kernels_for(x, self.kernel_family)
         if K is None:
             return self.encode_reference(x, generator=generator)
         if n == 0:
@@ -146,7 +149,7 @@ class UniformCodec(Rounded, Codec):
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
                numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, "uniform")
+        K = kernels_for(payload.data, self.kernel_family)
         if K is None:
             return self.decode_reference(payload, dtype=dtype, numel=numel)
         n, offset, top = self._frame(payload, numel)

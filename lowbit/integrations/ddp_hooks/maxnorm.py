@@ -19,7 +19,6 @@ from ...codecs.rng import derive_seed
 from ...comm.base import then
 from .floats import float_allreduce
 from .gathered import allgather
-from .state import _FLOAT_WIRE
 
 
 def _scale_reduce(t, codec: SummableCodec):
@@ -85,7 +84,7 @@ def randk_allreduce(state, t, codec: RandKCodec, x, bidx, gen):
     idx = codec.indices(d, device=x.device)
     factor = d / idx.numel() if codec.rescale and idx.numel() else 1.0
     kept = x[idx]
-    if isinstance(inner, _FLOAT_WIRE):
+    if inner.float_wire:
         fut, own = float_allreduce(t, inner, kept, scratch=not state.error_feedback)  # kept: a copy
     else:
         fut, own = allgather(state, t, inner, kept, bidx)

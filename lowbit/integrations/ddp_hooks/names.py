@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 from ...algorithms import ALGORITHMS, from_options
@@ -14,42 +15,44 @@ from ...algorithms.dqsg import NDQSG
 from ...algorithms.maxnorm import MaxNormSGD
 from ...algorithms.options import first_sentence
 from ...codecs.base import Codec
-from ...codecs.dithered import DitheredCodec
 from ...codecs.identity import IdentityCodec
-from ...codecs.lowp import HalfCodec
-from ...codecs.maxnorm import MultiScaleMaxNormCodec, QSGDMaxNormCodec
+from ...codecs.maxnorm import QSGDMaxNormCodec
 from ...codecs.qsgd import QSGDCodec
 from ...codecs.randk import RandKCodec
-from ...codecs.sign import SignCodec
 from ...codecs.terngrad import TernGradCodec
 from .hook import lowbit_hook
+from .options import (DitheredHook, FP32Hook, GlobalRandKHook, GlobalRandKMaxNormHook, GlobalRandKMultiScaleHook,
+                      HalfHook, HookOptions, MultiScaleMaxNormHook, QSGDMaxNormHook, SignHook)
 from .state import HOOK_BUCKET, HOOK_CLIP, LowbitHookState, wire_method
 
-HOOKS: dict[str, tuple[Any, str]] = {  # codec hooks: name -> (codec factory, description)
-    "fp32": (lambda: IdentityCodec(), "plain fp32 all-reduce average (exact reference)"),
-    "fp16": (lambda: HalfCodec("fp16"), "fp16 cast, all-reduce, cast back"),
-    "bf16": (lambda: HalfCodec("bf16"), "bf16 cast, all-reduce, cast back"),
-    "qsgd_maxnorm": (lambda bits=4, norm="l2": QSGDMaxNormCodec(bits=bits, norm=norm),
-                     "QSGDMaxNorm: MAX norm, SUM of integer codes"),
-    "qsgd_maxnorm_multiscale": (lambda scales=(2, 6), norm="l2": MultiScaleMaxNormCodec(scales=tuple(scales), norm=norm),
-                                "multi-scale QSGDMaxNorm: MAX norm, MIN scale index, SUM of codes"),
-    "grandk_maxnorm": (lambda k=10000, bits=4, norm="l2", rescale=True:
-                       RandKCodec(QSGDMaxNormCodec(bits=bits, norm=norm), k=k, rescale=rescale),
-                       "GlobalRandKMaxNorm: shared k coordinates, QSGDMaxNorm on them"),
-    "grandk_maxnorm_multiscale": (lambda k=10000, scales=(2, 6), norm="l2", rescale=True:
-                                  RandKCodec(MultiScaleMaxNormCodec(scales=tuple(scales), norm=norm), k=k,
-                                             rescale=rescale),
-                                  "GlobalRandKMaxNormMultiScale: shared k coordinates, multi-scale on them"),
-    "grandk_fp32": (lambda k=10000, rescale=True: RandKCodec(IdentityCodec(), k=k, rescale=rescale),
-                    "global random-k, fp32 values of the shared coordinates"),
-    "sign": (lambda scale="mean_abs": SignCodec(scale=scale),
-             "scaled sign (EF-SignSGD), error feedback on: all-gather of 1-bit payloads"),
-    "dithered": (lambda levels=1, subtractive=True, partitions=1:
-                 DitheredCodec(levels=levels, subtractive=subtractive, partitions=partitions),
-                 "DQSG: all-gather, decode with each sender's regenerated dither"),
+#: The codec hooks: name -> (typed options class, options the name fixes). Names are the codec
+#: registry's (``lowbit.codecs.CODECS``: lowercase, hyphens), and ``bf16``, the fp16 codec's other
+#: dtype (as torch names its hooks). The centralized algorithms are hooks under their own names.
+HOOKS: dict[str, tuple[type[HookOptions], dict]] = {
+    "fp32": (FP32Hook, {}),
+    "fp16": (HalfHook, {"dtype": "fp16"}),
+    "bf16": (HalfHook, {"dtype": "bf16"}),
+    "qsgd-maxnorm": (QSGDMaxNormHook, {}),
+    "qsgd-maxnorm-multiscale": (MultiScaleMaxNormHook, {}),
+    "grandk-fp32": (GlobalRandKHook, {}),
+    "sign": (SignHook, {}),
+    "dithered": (DitheredHook, {}),
+}
+
+#: Former hook names, accepted with a DeprecationWarning naming the current one. The codec hooks
+#: of the global random-k max-norm codecs are the algorithms ``grandk-maxnorm`` and
+#: ``grandk-maxnorm-multiscale`` (whose ``bits`` is the paper's precision, one less than the
+#: codec's, and whose ``k`` has no default); the former names keep their own options.
+RENAMED_HOOKS: dict[str, tuple[str, tuple[type[HookOptions], dict] | None]] = {
+    "qsgd_maxnorm": ("qsgd-maxnorm", None),
+    "qsgd_maxnorm_multiscale": ("qsgd-maxnorm-multiscale", None),
+    "grandk_fp32": ("grandk-fp32", None),
+    "grandk_maxnorm": ("grandk-maxnorm", (GlobalRandKMaxNormHook, {})),
+    "grandk_maxnorm_multiscale": ("grandk-maxnorm-multiscale", (GlobalRandKMultiScaleHook, {})),
 }
 
 _STATE_OPTIONS = ("process_group", "seed", "error_feedback", "model", "nonfinite", "per_layer")
+_QUANT_OPTIONS = ("bucket", "clip")
 _UNSET = object()
 
 
@@ -116,21 +119,52 @@ def algorithm_codec(algo: Algorithm) -> tuple[Codec | Algorithm, dict]:
     return algo, {}
 
 
-def make_hook(name: str, **options) -> tuple[LowbitHookState, Any]:
+def _hook_options(name: str, options: dict) -> HookOptions:
+    """The typed options of the codec hook ``name`` (of :data:`HOOKS`, or a former name of
+    :data:`RENAMED_HOOKS`, warned) from keywords: a ValueError naming an option the hook does not
+    take and those it takes."""
+    if name in RENAMED_HOOKS:
+        new, spec = RENAMED_HOOKS[name]
+        warnings.warn(f"hook name {name!r} is deprecated: use {new!r}"
+                      + ("" if spec is None else " (the algorithm's options: bits is the paper's precision, one "
+                                                 "less than here; k has no default, the paper's is 10000)"),
+                      DeprecationWarning, stacklevel=3)
+        cls, fixed = spec or HOOKS[new]
+    else:
+        cls, fixed = HOOKS[name]
+    unknown = sorted(set(options) - set(cls.option_names()))
+    fixed_given = sorted(set(options) & set(fixed))
+    if unknown or fixed_given:
+        takes = [o for o in cls.option_names() if o not in fixed]
+        what = unknown + [f"{o} (set by the name {name!r})" for o in fixed_given]
+        raise ValueError(f"hook {name!r} does not take option(s) {', '.join(what)}; it takes: "
+                         f"{', '.join(takes) or 'no codec options'} (and the state's {', '.join(_STATE_OPTIONS)}, "
+                         f"{', '.join(_QUANT_OPTIONS)})")
+    return cls(**{**options, **fixed})
+
+
+def make_hook(name: str | HookOptions, **options) -> tuple[LowbitHookState, Any]:
     """``(state, hook)`` for the hook ``name``: a centralized algorithm of ``lowbit train``
     (:func:`centralized_names`, e.g. ``make_hook("qsgd", bits=4, seed=1)``, its options named
     as the CLI names them: ``bits``, ``k``, ``scales``, ``powersgd_rank``, ``levels``,
-    ``sum_dtype``...), or a codec hook of :data:`HOOKS` (e.g. ``make_hook("qsgd_maxnorm",
-    bits=4)``, the options of its codec). ``process_group``, ``seed``, ``error_feedback``,
-    ``model``, ``nonfinite`` and ``per_layer`` go to :class:`LowbitHookState`.
+    ``sum_dtype``...), or a codec hook of :data:`HOOKS` (e.g. ``make_hook("qsgd-maxnorm",
+    bits=4)``, the fields of its typed options, :mod:`~lowbit.integrations.ddp_hooks.options`),
+    or those typed options themselves (``make_hook(QSGDMaxNormHook(bits=4))``). ``process_group``,
+    ``seed``, ``error_feedback``, ``model``, ``nonfinite`` and ``per_layer`` go to
+    :class:`LowbitHookState`. An option the hook does not take is a ValueError naming it and
+    those the hook takes.
 
     The quantizers get the papers' practice (:func:`hook_codec`): QSGD and single-scale
-    QSGDMaxNorm (``qsgd``, ``maxnorm``, ``grandk-maxnorm``, ``qsgd_maxnorm``, ``grandk_maxnorm``)
-    one norm per ``bucket`` = 512 coordinates, TernGrad one scale per layer (``per_layer``) with
-    its gradient clipped at ``clip`` = 2.5 standard deviations; ``bucket=None`` / ``clip=None``
-    / ``per_layer=False`` send the algorithm's codec as ``lowbit train`` does."""
-    quant = {k: options.pop(k) for k in ("bucket", "clip") if k in options}
+    QSGDMaxNorm (``qsgd``, ``maxnorm``, ``grandk-maxnorm``, ``qsgd-maxnorm``) one norm per
+    ``bucket`` = 512 coordinates, TernGrad one scale per layer (``per_layer``) with its gradient
+    clipped at ``clip`` = 2.5 standard deviations; ``bucket=None`` / ``clip=None`` /
+    ``per_layer=False`` send the algorithm's codec as ``lowbit train`` does."""
+    quant = {k: options.pop(k) for k in _QUANT_OPTIONS if k in options}
     state_kw = {k: options.pop(k) for k in _STATE_OPTIONS if k in options}
+    if isinstance(name, HookOptions):
+        if options:
+            raise ValueError(f"options {', '.join(sorted(options))}: give them to {type(name).__name__}")
+        return LowbitHookState(hook_codec(name.codec(), **quant), **state_kw), lowbit_hook
     if name in ALGORITHMS and ALGORITHMS[name].family == "centralized":
         codec, kw = algorithm_codec(hook_algorithm(name, **options))
         if not isinstance(codec, Codec):
@@ -138,14 +172,14 @@ def make_hook(name: str, **options) -> tuple[LowbitHookState, Any]:
                 raise ValueError(f"{', '.join(quant)}: algorithm {name!r} runs as itself in the hook, without them")
             return LowbitHookState(codec, **state_kw, **kw), lowbit_hook
         return LowbitHookState(hook_codec(codec, **quant), **state_kw, **kw), lowbit_hook
-    if name not in HOOKS:
-        raise ValueError(f"name must be one of {sorted(set(HOOKS) | set(centralized_names()))}, got {name!r}")
-    factory = HOOKS[name][0]
-    try:
-        codec = factory(**options)
-    except TypeError as e:
-        raise ValueError(f"bad options for hook {name!r}: {e}") from None
-    return LowbitHookState(hook_codec(codec, **quant), **state_kw), lowbit_hook
+    if name not in HOOKS and name not in RENAMED_HOOKS:
+        raise ValueError(f"name must be one of {', '.join(hook_names())}, got {name!r}")
+    return LowbitHookState(hook_codec(_hook_options(name, options).codec(), **quant), **state_kw), lowbit_hook
+
+
+def hook_names() -> list[str]:
+    """Every hook name: the centralized algorithms and the codec hooks of :data:`HOOKS`."""
+    return centralized_names() + list(HOOKS)
 
 
 def hook_table() -> list[tuple[str, str, str]]:
@@ -156,4 +190,4 @@ def hook_table() -> list[tuple[str, str, str]]:
         cls = ALGORITHMS[name]
         codec, _ = algorithm_codec(hook_algorithm(name, **({"k": 1} if "k" in cls.options else {})))
         rows.append((name, wire_method(codec), first_sentence(cls)))  # wire_method: the same with hook_codec
-    return rows + [(name, wire_method(factory()), desc) for name, (factory, desc) in HOOKS.items()]
+    return rows + [(name, wire_method(cls(**fixed).codec()), cls.description) for name, (cls, fixed) in HOOKS.items()]

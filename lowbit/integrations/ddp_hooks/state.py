@@ -8,18 +8,14 @@ from typing import Any
 import torch
 
 from ...algorithms.base import Algorithm
+from ...codecs import codec_names
 from ...codecs.base import Codec, is_summable
-from ...codecs.dithered import DitheredCodec
 from ...codecs.identity import IdentityCodec
-from ...codecs.lowp import HalfCodec
-from ...codecs.minmax import MinMaxCodec
 from ...codecs.powersgd import PowerSGDCodec
-from ...codecs.qsgd import QSGDCodec
 from ...codecs.randk import RandKCodec
 from ...codecs.rng import shared_generator
 from ...codecs.sign import SignCodec
 from ...codecs.terngrad import TernGradCodec
-from ...codecs.uniform import UniformCodec
 
 #: ``stream`` of :func:`derive_seed` for the hooks' per-rank randomness (plus the bucket index).
 HOOK_STREAM = 0x484F4F4B << 20  # "HOOK"
@@ -39,10 +35,13 @@ NONFINITE = ("raise", "propagate")
 
 WIRE_METHODS = ("allreduce-float", "allreduce-int", "allreduce-randk", "allgather", "powersgd", "algorithm")
 
-# Plain codecs whose payload length depends only on the input length, so that the
-# ranks' payloads have one size and can be all-gathered.
-_GATHERABLE = (QSGDCodec, TernGradCodec, SignCodec, DitheredCodec, MinMaxCodec, UniformCodec)
-_FLOAT_WIRE = (IdentityCodec, HalfCodec)
+
+
+def hook_codec_names() -> tuple[str, ...]:
+    """The registry's codecs that travel in a DDP hook (:func:`wire_method`): from their declared
+    capabilities (float wire, summable, gatherable), and PowerSGD (its own method)."""
+    return tuple(n for n in codec_names() if n in codec_names(float_wire=True) + codec_names(summable=True)
+                 + codec_names(gatherable=True) + (PowerSGDCodec.name,))
 
 
 def _float_wire_dtype(codec: Codec) -> torch.dtype:
@@ -60,28 +59,28 @@ def wire_method(codec: Codec | Algorithm) -> str:
         return "algorithm"
     if not isinstance(codec, Codec):
         raise ValueError(f"codec must be a lowbit Codec, got {type(codec).__name__}")
-    if isinstance(codec, _FLOAT_WIRE):
+    if codec.float_wire:
         return "allreduce-float"
     if isinstance(codec, PowerSGDCodec):
         return "powersgd"
     if isinstance(codec, RandKCodec):
         if codec.send_indices:
-            if not isinstance(codec.inner, _GATHERABLE + _FLOAT_WIRE):
+            if not (codec.inner.gatherable or codec.inner.float_wire):
                 raise ValueError(f"codec: RandK with send_indices needs a fixed-size inner codec, got "
                                  f"{type(codec.inner).__name__}")
             return "allgather"
-        if not (is_summable(codec.inner) or isinstance(codec.inner, _GATHERABLE + _FLOAT_WIRE)):
-            raise ValueError(f"codec: the inner codec of a global RandK must be summable, fp32/half or one of "
-                             f"{[c.__name__ for c in _GATHERABLE]}, got {type(codec.inner).__name__}")
+        if not (is_summable(codec.inner) or codec.inner.gatherable or codec.inner.float_wire):
+            raise ValueError(f"codec: the inner codec of a global RandK must be summable, a float wire or gatherable "
+                             f"(one of {', '.join(hook_codec_names())}), got {type(codec.inner).__name__}")
         return "allreduce-randk"
     if is_summable(codec):
         return "allreduce-int"
-    if isinstance(codec, _GATHERABLE):
+    if codec.gatherable:
         return "allgather"
     raise ValueError(
-        f"codec {type(codec).__name__} (kind {codec.kind.value}) has no DDP hook: supported are fp32, half, "
-        "qsgd_maxnorm(_multiscale), randk, qsgd, terngrad, sign, dithered, minmax, uniform, powersgd "
-        "(side-information codecs need a receiver reference; entropy-coded payloads vary in size)"
+        f"codec {type(codec).__name__} (kind {codec.kind.value}) has no DDP hook: supported are "
+        f"{', '.join(hook_codec_names())} (a hook needs a float wire, summable codes, or payloads of one size "
+        "to all-gather: side-information codecs need a receiver reference; entropy-coded payloads vary in size)"
     )
 
 
