@@ -164,6 +164,23 @@ def test_the_dispatch_picks_the_family_module():
             kernels_for(x, bad)
 
 
+def test_the_dispatch_answers_for_one_function(monkeypatch):
+    x = torch.zeros(3)
+    assert kernels_for(x, "core", "max_abs") is cpu_kernels("core")  # a CPU-only function, on the CPU
+    assert kernels_for(x, "maxnorm", "qsgd_encode_buckets") is cpu_kernels("maxnorm")
+    for path in ("fast", "reference"):
+        with codec_path(path), pytest.raises(ValueError, match=r"op must be one of the 'core' family's functions"):
+            kernels_for(x, "core", "qsgd_encode")
+    with codec_path("reference"):
+        assert kernels_for(x, "core", "max_abs") is None
+    pytest.importorskip("triton")
+    monkeypatch.setattr(kernels, "fast_backend", lambda t: "triton")  # as for a CUDA tensor
+    for name, fam in FAMILIES.items():
+        for op in protocol_members(fam.cpu):
+            got = kernels_for(x, name, op)
+            assert got is (None if op in fam.cpu_only or fam.no_gpu else gpu_kernels(name)), (name, op)
+
+
 def test_a_family_without_a_gpu_side_says_why():
     fam = Family(FAMILIES["lanes"].common, FAMILIES["lanes"].cpu, no_gpu="x")
     assert fam.module_name("lanes", "triton") is None and fam.module_name("lanes", "numba") == "cpu_lanes"

@@ -402,7 +402,7 @@ class QSGDMaxNormCodec(SummableCodec):
     def _bucket_kernels(self, t: torch.Tensor):
         """The CPU kernels of the bucketed fast path for ``t``, or None (the reference)."""
         K = _kernels(t)
-        return K if K is not None and hasattr(K, "qsgd_encode_buckets") else None
+        return K if K is None else kernels_for(t, FAMILY, "qsgd_encode_buckets")
 
     def _bucket_flags(self, flags, x: torch.Tensor, W: torch.Tensor, K) -> None:
         flags = int(flags)

@@ -226,7 +226,7 @@ class ModuloCodec(Rounded, Codec):
         would prove nothing)."""
         n = self._frame(payload, ref, None)
         K = kernels_for(ref, "modulo")
-        if K is None or not hasattr(K, "modulo_decode_hash"):
+        if K is None:
             return self.decode_hashed_reference(payload, ref=ref, block=block)
         return K.modulo_decode_hash(payload.data.to(ref.device), self.bits, n, self.B_theta, self.levels, ref, block)
 

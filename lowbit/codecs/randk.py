@@ -360,8 +360,8 @@ class RandKCodec(SummableCodec):
         if factor > 1 and vals.numel():
             # a pass over the k kept values (NaN passes: the inner encode refuses it); on the CPU one
             # vectorised kernel pass without a temporary (torch's abs().max() took 5% of the encode)
-            K = kernels_for(vals)
-            amax = K.max_abs(vals) if K is not None and hasattr(K, "max_abs") else float(vals.abs().max())
+            K = kernels_for(vals, "core", "max_abs")
+            amax = K.max_abs(vals) if K is not None else float(vals.abs().max())
             if amax * factor > _F32_MAX:
                 raise ValueError(f"x is out of the random-k codec's range: a kept value |x_i| = {amax:.6g} times the "
                                  f"rescale d / k = {factor:.6g} exceeds float32's largest value {_F32_MAX:.6g}")

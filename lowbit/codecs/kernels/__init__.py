@@ -137,14 +137,35 @@ def fast_backend(x: torch.Tensor) -> str | None:
     return None
 
 
-def kernels_for(x: torch.Tensor, family: str = "core"):
+@functools.lru_cache(maxsize=None)
+def _offers(backend: str, family: str, op: str) -> bool:
+    """Whether ``family``'s module for ``backend`` has the function ``op``: every function of
+    the family's Protocol on the CPU, all but its ``cpu_only`` ones on CUDA. ValueError for a
+    name the family does not have."""
+    from .families import protocol_members
+
+    fam = _family(family)
+    names = protocol_members(fam.cpu)
+    if op not in names:
+        raise ValueError(f"op must be one of the {family!r} family's functions {sorted(names)}, got {op!r}")
+    return backend == "numba" or op not in fam.cpu_only
+
+
+def kernels_for(x: torch.Tensor, family: str = "core", op: str | None = None):
     """The kernel module of ``family`` (a name of :data:`.families.FAMILIES`) for ``x``'s fast
-    path (numba on the CPU, Triton on CUDA), or None: take the reference."""
+    path (numba on the CPU, Triton on CUDA), or None: take the reference. With ``op`` (one of
+    the family's functions), None also where that backend lacks it (a CPU-only function on
+    CUDA: ``FAMILIES[family].cpu_only`` says why)."""
     backend = fast_backend(x)
     if backend is None:
         _family(family)  # an unknown name is an error on every path
+        if op is not None:
+            _offers("numba", family, op)
         return None
-    return _module(backend, family)
+    module = _module(backend, family)
+    if op is None or module is None:
+        return module
+    return module if _offers(backend, family, op) else None
 
 
 #: Allocations of this many bytes or more get a fresh mapping from glibc at every call (its
