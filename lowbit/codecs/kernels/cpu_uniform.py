@@ -8,11 +8,7 @@ every kernel gives the float64 reference's bytes exactly; uniforms from the
 counter hash (:func:`.cpu.uniform`); codes of at most 8 bits as ``uint8``;
 a kernel that may meet a non-finite value returns a flag and its caller raises.
 
-Sign packs its 1-bit codes inside the encode loop and unpacks inside the decode
-loop (8 codes per byte, the layout of :mod:`lowbit.codecs.packing`); TernGrad
-likewise packs its trits 5 per byte in radix 3 (the layout of
-:mod:`lowbit.codecs.radix` for 3 levels); min-max and uniform use the core's
-:func:`.cpu.pack` / :func:`.cpu.unpack`.
+The codes are packed by the core's :func:`.cpu.pack` / :func:`.cpu.unpack`.
 """
 
 from __future__ import annotations

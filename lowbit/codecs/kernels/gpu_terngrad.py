@@ -6,10 +6,8 @@ Arithmetic is in float32 for float32 and half inputs, float64 for float64 inputs
 (scalars such as ``lo`` and ``scale`` reach a kernel as one-element device tensors
 in that dtype, made with ``torch.full``: no host-to-device copy). The uniforms are
 the core's counter hash (:func:`.gpu.uniform`). Each encode reads back to the host
-once, the values its header needs together with the non-finite flag (the uniform
-codec twice: ``x``'s range, then the codes' range, which fixes the width); a
-TernGrad decode reads one flag (a byte that is not 5 radix-3 trits). fp16/bf16 have their
-own kernels (:mod:`.gpu_lowp`); fp32 uses torch's copies, already single kernels.
+once, the values its header needs together with the non-finite flag; a decode
+reads one flag (a byte that is not 5 radix-3 trits).
 """
 
 from __future__ import annotations
