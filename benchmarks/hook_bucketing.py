@@ -20,6 +20,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from lowbit.bench.hooks import GradBucketStandIn
 from lowbit.bench.timing import measure, median_ratio, spread
 from lowbit.integrations.ddp_hooks import make_hook
 from lowbit.models import lenet_tf
@@ -29,34 +30,6 @@ CASES = {  # hook: (make_hook options now, the same hook as before)
     "qsgd_maxnorm": ({"bits": 4}, {"bits": 4, "bucket": None}),
     "terngrad": ({}, {"clip": None, "per_layer": False}),
 }
-
-
-class LayerBucket:
-    """What the hooks read of a ``GradBucket``: a model's parameters' gradients as views of one
-    flat buffer, in parameter order."""
-
-    def __init__(self, model: torch.nn.Module, g: torch.Tensor) -> None:
-        self.params = list(model.parameters())
-        self._buf = g.clone()
-        self._grads, at = [], 0
-        for p in self.params:
-            self._grads.append(self._buf[at:at + p.numel()].view(p.shape))
-            at += p.numel()
-
-    def buffer(self) -> torch.Tensor:
-        return self._buf
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-    def parameters(self) -> list:
-        return self.params
-
-    def gradients(self) -> list:
-        return self._grads
 
 
 def main() -> None:
@@ -69,14 +42,13 @@ def main() -> None:
     model = lenet_tf()
     n = sum(p.numel() for p in model.parameters())
     g = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.01
-    bucket = LayerBucket(model, g)
-    buf = bucket.buffer()
+    bucket = GradBucketStandIn(model.parameters(), g)
 
     def call(hook, state):
-        buf.copy_(g)
+        bucket.refill()
         return hook(state, bucket).wait()
 
-    calls = {"refill": lambda: buf.copy_(g)}
+    calls = {"refill": bucket.refill}
     for name, (now, before) in CASES.items():
         for tag, opts in (("now", now), ("before", before)):
             state, hook = make_hook(name, seed=1, **opts)

@@ -41,6 +41,7 @@ import torch
 from ..codecs import Codec, CodecKind, make_generator, shared_generator
 from ..codecs.kernels import codec_path, empty_output
 from . import references as refs
+from .table import Column, span_column, table_lines
 from .timing import (check_positive_float, check_positive_int, measure, median_ratio, pinned_threads, resolve_clock,
                      spread)
 
@@ -386,15 +387,12 @@ def format_report(report: dict) -> str:
             f"medians of per-round ratios (torch.utils.benchmark blocked_autorange, min_run_time "
             f"{report['min_run_time']} s, clock: {CLOCK_NAMES[report['clock']]})\n{report['memcpy']}")
     if report["against"] == "references":
-        lines = ["lowbit against reference codecs: encode + decode, lowbit / reference (< 1: lowbit faster)", head,
-                 f"{'codec':<20} {'reference':<27} {'lowbit/ref':>10} {'range':>13} {'lowbit/memcpy':>13} "
-                 f"{'ref/memcpy':>10} {'lowbit B':>10} {'ref B':>10}"]
-        for r in report["rows"]:
-            lo, hi = r["lowbit_x_reference_range"]
-            lines.append(f"{r['codec']:<20} {r['reference']:<27} {r['lowbit_x_reference']:>10.2f} "
-                         f"{f'{lo:.2f}-{hi:.2f}':>13} {r['lowbit_x_memcpy']:>13.1f} {r['reference_x_memcpy']:>10.1f} "
-                         f"{r['lowbit_bytes']:>10} {r['reference_bytes']:>10}")
-        return "\n".join(lines)
+        cols = [Column("codec", 20, "codec", left=True), Column("reference", 27, "reference", left=True),
+                Column("lowbit/ref", 10, "lowbit_x_reference", ".2f"), span_column("lowbit_x_reference_range", ".2f", 13),
+                Column("lowbit/memcpy", 13, "lowbit_x_memcpy", ".1f"), Column("ref/memcpy", 10, "reference_x_memcpy", ".1f"),
+                Column("lowbit B", 10, "lowbit_bytes"), Column("ref B", 10, "reference_bytes")]
+        return "\n".join(["lowbit against reference codecs: encode + decode, lowbit / reference (< 1: lowbit faster)",
+                          head, *table_lines(cols, report["rows"])])
     both = report.get("path") == "both"
     title = "codec throughput against memcpy (times as multiples of memcpy: lower is better)"
     if report.get("path") == "reference":
@@ -405,13 +403,11 @@ def format_report(report: dict) -> str:
         lines.append(f"a copy into a fresh buffer (allocated as a decode's output is, by lowbit.codecs.kernels."
                      f"empty_output, then copy_(x): what a decode's new output costs to allocate and first touch): "
                      f"{fresh:.1f}x memcpy; THP_MEM_ALLOC_ENABLE={report.get('thp_mem_alloc')}")
-    lines.append(f"{'codec':<27} {'enc/memcpy':>10} {'dec/memcpy':>10} {'(e+d)/memcpy':>12} {'range':>13} "
-                 f"{'enc GB/s':>9} {'dec GB/s':>9} {'memcpy GB/s':>11} {'B/elem':>7}"
-                 + (f" {'ref enc':>8} {'ref dec':>8}" if both else ""))
-    for r in report["rows"]:
-        lo, hi = r["roundtrip_x_memcpy_range"]
-        lines.append(f"{r['codec']:<27} {r['encode_x_memcpy']:>10.1f} {r['decode_x_memcpy']:>10.1f} "
-                     f"{r['roundtrip_x_memcpy']:>12.1f} {f'{lo:.1f}-{hi:.1f}':>13} {r['encode_gbps']:>9.3f} "
-                     f"{r['decode_gbps']:>9.3f} {r['memcpy_gbps']:>11.2f} {r['bytes_per_element']:>7.4f}"
-                     + (f" {r['ref_encode_x_memcpy']:>8.1f} {r['ref_decode_x_memcpy']:>8.1f}" if both else ""))
-    return "\n".join(lines)
+    cols = [Column("codec", 27, "codec", left=True), Column("enc/memcpy", 10, "encode_x_memcpy", ".1f"),
+            Column("dec/memcpy", 10, "decode_x_memcpy", ".1f"), Column("(e+d)/memcpy", 12, "roundtrip_x_memcpy", ".1f"),
+            span_column("roundtrip_x_memcpy_range", ".1f", 13), Column("enc GB/s", 9, "encode_gbps", ".3f"),
+            Column("dec GB/s", 9, "decode_gbps", ".3f"), Column("memcpy GB/s", 11, "memcpy_gbps", ".2f"),
+            Column("B/elem", 7, "bytes_per_element", ".4f")]
+    if both:
+        cols += [Column("ref enc", 8, "ref_encode_x_memcpy", ".1f"), Column("ref dec", 8, "ref_decode_x_memcpy", ".1f")]
+    return "\n".join(lines + table_lines(cols, report["rows"]))

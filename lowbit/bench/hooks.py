@@ -37,9 +37,11 @@ import statistics
 
 import torch
 
+from .table import Column, span_column, table_lines
 from .timing import check_positive_int, measure, median_ratio, pinned_threads, spread
 
-__all__ = ["TORCH_PAIRS", "DEFAULT_HOOKS", "bench_hooks", "format_hooks_report"]
+__all__ = ["TORCH_PAIRS", "DEFAULT_HOOKS", "GradBucketStandIn", "one_process_group", "bench_hooks",
+           "format_hooks_report"]
 
 #: lowbit hook name -> the torch hook computing the same thing
 TORCH_PAIRS = {"fp32": "allreduce", "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd"}
@@ -53,27 +55,79 @@ _TORCH_POWERSGD_ON_CPU = ("torch's powerSGD_hook, which fails on a CPU bucket wh
                           "(its callback calls torch.cuda.synchronize on the bucket's device)")
 
 
-class _Bucket:
-    """What the hooks read of a ``torch.distributed.GradBucket``: one weight gradient."""
+class GradBucketStandIn:
+    """What lowbit's and torch's DDP hooks read of a ``torch.distributed.GradBucket``: ``params``'
+    gradients as views of one flat buffer (in their order), filled from ``grad``; the bucket's
+    ``index`` and whether it ``is_last``. :meth:`refill` copies ``grad`` in again (a hook
+    overwrites its bucket with the average)."""
 
-    def __init__(self, g: torch.Tensor, rows: int, cols: int) -> None:
-        self._buf = g.clone()
-        self._param = torch.nn.Parameter(torch.empty(rows, cols, device=g.device))
+    def __init__(self, params, grad: torch.Tensor, index: int = 0, last: bool = True) -> None:
+        self.params = list(params)
+        self.grad = grad
+        self._index = index
+        self._last = last
+        self._buf = grad.clone()
+        self._views, at = [], 0
+        for p in self.params:
+            self._views.append(self._buf[at:at + p.numel()].view(p.shape))
+            at += p.numel()
+
+    def refill(self) -> torch.Tensor:
+        """Copy the gradient into the buffer again."""
+        return self._buf.copy_(self.grad)
 
     def buffer(self) -> torch.Tensor:
+        """The flat buffer."""
         return self._buf
 
     def index(self) -> int:
-        return 0
+        """The bucket's index."""
+        return self._index
 
     def is_last(self) -> bool:
-        return True
+        """Whether it is the last bucket of the iteration."""
+        return self._last
 
     def parameters(self) -> list:
-        return [self._param]
+        """The parameters whose gradients it holds."""
+        return self.params
 
     def gradients(self) -> list:
-        return [self._buf.view(self._param.shape)]
+        """The gradients: views of the buffer."""
+        return self._views
+
+
+class one_process_group:
+    """A process group of this one process (gloo; NCCL on CUDA where torch has it, made over a
+    ``HashStore``) for the ``with`` block, unless one exists, which must have one rank
+    (ValueError naming ``who``): DDP and torch's hooks need one."""
+
+    def __init__(self, dev: torch.device, who: str = "this bench") -> None:
+        self.dev = dev
+        self.who = who
+        self.own = False
+
+    def __enter__(self):
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if dist.get_world_size() != 1:
+                raise ValueError(f"{self.who} one process: the default process group has "
+                                 f"{dist.get_world_size()} ranks")
+            return self
+        nccl = self.dev.type == "cuda" and dist.is_nccl_available()
+        if self.dev.type == "cuda":
+            torch.cuda.set_device(self.dev)
+        dist.init_process_group("nccl" if nccl else "gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                **({"device_id": self.dev} if nccl else {}))
+        self.own = True
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+
+        if self.own:
+            dist.destroy_process_group()
 
 
 def matrix_of(size: int) -> tuple[int, int]:
@@ -107,18 +161,10 @@ def _lowbit_hook(name: str, rank: int):
     return hook, state
 
 
-def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] | None = None, rank: int = 2,
-                min_run_time: float = 0.05, seed: int = 0, device: str = "cpu") -> dict:
-    """Each lowbit hook of ``hooks`` (``make_hook`` names, default :data:`DEFAULT_HOOKS`)
-    against its torch counterpart (:data:`TORCH_PAIRS`, else torch's ``allreduce_hook``) on a
-    bucket of ``size`` fp32 elements on ``device`` (see the module doc)."""
-    import torch.distributed as dist
-
+def _hook_names(hooks, dev: torch.device) -> tuple[list[str], dict]:
+    """The lowbit hooks to time (``hooks`` checked) and those left out, with why."""
     from ..integrations.ddp_hooks import HOOKS, centralized_names
-    from .codecs import _setup
 
-    dev, clock = _setup(size, rounds, min_run_time, device, seed, "wall")
-    check_positive_int(rank, "rank")
     names = list(DEFAULT_HOOKS) if hooks is None else \
         [h.strip() for h in (hooks.split(",") if isinstance(hooks, str) else hooks) if h.strip()]
     known = set(HOOKS) | set(centralized_names())
@@ -132,66 +178,76 @@ def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] |
                              "device='cuda', or with the GPUs hidden (CUDA_VISIBLE_DEVICES=)")
         names.remove("powersgd")
         skipped["powersgd"] = _TORCH_POWERSGD_ON_CPU
-    own_group = not dist.is_initialized()
-    if own_group:
-        nccl = dev.type == "cuda" and dist.is_nccl_available()
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        dist.init_process_group("nccl" if nccl else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                **({"device_id": dev} if nccl else {}))
-    elif dist.get_world_size() != 1:
-        raise ValueError("bench_hooks times one process: the default process group has "
-                         f"{dist.get_world_size()} ranks")
-    backend = str(dist.get_backend())
-    try:
-        with pinned_threads(1) as threads:
-            rows, cols = matrix_of(size)
-            g = (torch.randn(size, generator=torch.Generator().manual_seed(seed)) * 0.01).to(dev)
-            bucket = _Bucket(g, rows, cols)
-            buf = bucket.buffer()
+    return names, skipped
 
-            def call(hook, state):
-                buf.copy_(g)
-                return hook(state, bucket).wait()
 
-            contenders = {f"torch {t}": _torch_hook(t, rank) for t in
-                          dict.fromkeys(TORCH_PAIRS.get(h, "allreduce") for h in names)}
-            contenders.update({f"lowbit {h}": _lowbit_hook(h, rank) for h in names})
-            error = {}
-            for key, (hook, state) in contenders.items():
-                for _ in range(3):  # torch's PowerSGD runs plain all-reduce before start_powerSGD_iter
-                    out = call(hook, state)
-                error[key] = float((out - g).norm() / g.norm())
-            calls = {"refill": lambda: buf.copy_(g)}
-            calls.update({k: (lambda h=h, s=s: call(h, s)) for k, (h, s) in contenders.items()})
-            timings = []
-            for _ in range(rounds):
-                t = {k: measure(f, dev, min_run_time, threads, clock) for k, f in calls.items()}
-                refill = t["refill"]
-                timings.append({k: (v - refill if k != "refill" else v) for k, v in t.items()})
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-    for i, r in enumerate(timings):
-        if any(v <= 0 for v in r.values()):
-            raise RuntimeError(f"round {i}: a hook timed no longer than refilling its bucket ({r}); "
+def _time_contenders(contenders: dict, bucket: GradBucketStandIn, dev, rounds: int, min_run_time: float,
+                     threads: int, clock: str) -> tuple[list[dict], dict]:
+    """Per round, each hook's seconds beyond the refill of its bucket (and the refill's own);
+    each hook's error after three warm-up calls."""
+    g = bucket.grad
+
+    def call(hook, state):
+        bucket.refill()
+        return hook(state, bucket).wait()
+
+    error = {}
+    for key, (hook, state) in contenders.items():
+        for _ in range(3):  # torch's PowerSGD runs plain all-reduce before start_powerSGD_iter
+            out = call(hook, state)
+        error[key] = float((out - g).norm() / g.norm())
+    calls = {"refill": bucket.refill}
+    calls.update({k: (lambda h=h, s=s: call(h, s)) for k, (h, s) in contenders.items()})
+    timings = []
+    for i in range(rounds):
+        t = {k: measure(f, dev, min_run_time, threads, clock) for k, f in calls.items()}
+        refill = t["refill"]
+        timings.append({k: (v - refill if k != "refill" else v) for k, v in t.items()})
+        if any(v <= 0 for v in timings[-1].values()):
+            raise RuntimeError(f"round {i}: a hook timed no longer than refilling its bucket ({timings[-1]}); "
                                "raise min_run_time or size")
-    out_rows = []
-    for h in names:
-        ref = f"torch {TORCH_PAIRS.get(h, 'allreduce')}"
-        key = f"lowbit {h}"
-        lo, hi = spread(timings, key, ref)
-        out_rows.append({"hook": h, "torch": ref, "x_torch": median_ratio(timings, key, ref), "x_torch_range": [lo, hi],
-                         "ms": 1e3 * statistics.median(r[key] for r in timings),
-                         "torch_ms": 1e3 * statistics.median(r[ref] for r in timings),
-                         "x_refill": median_ratio(timings, key, "refill"),
-                         "torch_x_refill": median_ratio(timings, ref, "refill"),
-                         "error": error[key], "torch_error": error[ref]})
+    return timings, error
+
+
+def _hook_row(h: str, timings: list[dict], error: dict) -> dict:
+    """The report's row of lowbit hook ``h`` against its torch counterpart."""
+    ref = f"torch {TORCH_PAIRS.get(h, 'allreduce')}"
+    key = f"lowbit {h}"
+    lo, hi = spread(timings, key, ref)
+    return {"hook": h, "torch": ref, "x_torch": median_ratio(timings, key, ref), "x_torch_range": [lo, hi],
+            "ms": 1e3 * statistics.median(r[key] for r in timings),
+            "torch_ms": 1e3 * statistics.median(r[ref] for r in timings),
+            "x_refill": median_ratio(timings, key, "refill"),
+            "torch_x_refill": median_ratio(timings, ref, "refill"),
+            "error": error[key], "torch_error": error[ref]}
+
+
+def bench_hooks(size: int = 1_000_000, rounds: int = 5, hooks: str | list[str] | None = None, rank: int = 2,
+                min_run_time: float = 0.05, seed: int = 0, device: str = "cpu") -> dict:
+    """Each lowbit hook of ``hooks`` (``make_hook`` names, default :data:`DEFAULT_HOOKS`)
+    against its torch counterpart (:data:`TORCH_PAIRS`, else torch's ``allreduce_hook``) on a
+    bucket of ``size`` fp32 elements on ``device`` (see the module doc)."""
+    import torch.distributed as dist
+
+    from .codecs import _setup
+
+    dev, clock = _setup(size, rounds, min_run_time, device, seed, "wall")
+    check_positive_int(rank, "rank")
+    names, skipped = _hook_names(hooks, dev)
+    with one_process_group(dev, "bench_hooks times"), pinned_threads(1) as threads:
+        backend = str(dist.get_backend())
+        rows, cols = matrix_of(size)
+        g = (torch.randn(size, generator=torch.Generator().manual_seed(seed)) * 0.01).to(dev)
+        bucket = GradBucketStandIn([torch.nn.Parameter(torch.empty(rows, cols, device=dev))], g)
+        contenders = {f"torch {t}": _torch_hook(t, rank) for t in
+                      dict.fromkeys(TORCH_PAIRS.get(h, "allreduce") for h in names)}
+        contenders.update({f"lowbit {h}": _lowbit_hook(h, rank) for h in names})
+        timings, error = _time_contenders(contenders, bucket, dev, rounds, min_run_time, threads, clock)
     return {"benchmark": "hooks", "device": str(dev), "backend": backend, "size": size, "rows": rows, "cols": cols,
             "rank": rank, "rounds": rounds,
             "threads": threads, "min_run_time": min_run_time, "clock": clock,
-            "refill_ms": 1e3 * statistics.median(r["refill"] for r in timings), "hooks": out_rows,
-            "skipped": skipped}
+            "refill_ms": 1e3 * statistics.median(r["refill"] for r in timings),
+            "hooks": [_hook_row(h, timings, error) for h in names], "skipped": skipped}
 
 
 def format_hooks_report(report: dict) -> str:
@@ -201,13 +257,12 @@ def format_hooks_report(report: dict) -> str:
              f"torch thread, {report['rounds']} "
              f"interleaved rounds, medians of per-round ratios (wall clock; each call refills the bucket first, "
              f"refill {report['refill_ms']:.3f} ms, subtracted); PowerSGD rank {report['rank']}",
-             "x refill: the hook's time in bucket refills (a copy of the bucket: memcpy); error: |avg - g| / |g|",
-             f"{'lowbit hook':<24} {'torch hook':<16} {'lowbit/torch':>12} {'range':>11} {'lowbit ms':>10} "
-             f"{'torch ms':>9} {'x refill':>9} {'torch x':>8} {'error':>9} {'torch err':>9}"]
-    for r in report["hooks"]:
-        a, b = r["x_torch_range"]
-        lines.append(f"{r['hook']:<24} {r['torch']:<16} {r['x_torch']:>12.2f} {f'{a:.2f}-{b:.2f}':>11} "
-                     f"{r['ms']:>10.3f} {r['torch_ms']:>9.3f} {r['x_refill']:>9.1f} {r['torch_x_refill']:>8.1f} "
-                     f"{r['error']:>9.2e} {r['torch_error']:>9.2e}")
+             "x refill: the hook's time in bucket refills (a copy of the bucket: memcpy); error: |avg - g| / |g|"]
+    cols = [Column("lowbit hook", 24, "hook", left=True), Column("torch hook", 16, "torch", left=True),
+            Column("lowbit/torch", 12, "x_torch", ".2f"), span_column("x_torch_range", ".2f", 11),
+            Column("lowbit ms", 10, "ms", ".3f"), Column("torch ms", 9, "torch_ms", ".3f"),
+            Column("x refill", 9, "x_refill", ".1f"), Column("torch x", 8, "torch_x_refill", ".1f"),
+            Column("error", 9, "error", ".2e"), Column("torch err", 9, "torch_error", ".2e")]
+    lines += table_lines(cols, report["hooks"])
     lines += [f"{h}: not timed, {why}" for h, why in report.get("skipped", {}).items()]
     return "\n".join(lines)

@@ -62,6 +62,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from .table import Column, header_line, row_line
 from .timing import check_positive_int
 
 #: network name -> link rate in bits/s (None: unshaped loopback)
@@ -376,8 +377,18 @@ def plot_race(report: dict, network: str, folder: str):
                        title=f"{st['task']}, {st['workers']} workers, {network}", styles=styles)
 
 
-def _fmt(v, spec: str, none: str = "-") -> str:
-    return none if v is None else format(v, spec)
+def _ms(key: str):
+    return lambda r: None if r[key] is None else 1e3 * r[key]
+
+
+_RACE_COLUMNS = (
+    Column("method", 24, "method", left=True), Column("lr", 6, "lr", "g"),
+    Column("s to target", 11, "seconds_to_target", ".1f", missing="never"), Column("x ddp", 6, "x_ddp", ".2f"),
+    Column("steps", 6, "steps_to_target", "d"), Column("final acc", 9, "final_accuracy", ".4f"),
+    Column("MB/step", 9, lambda r: r["bytes_per_step"] / 1e6, ".3f"), Column("step ms", 8, _ms("step_seconds"), ".1f"),
+    Column("compute", 8, _ms("compute_seconds"), ".1f"), Column("enc/dec", 8, _ms("encode_decode_seconds"), ".1f"),
+    Column("comm wait", 9, _ms("comm_wait_seconds"), ".1f"),
+    Column("load", 10, lambda r: "-".join("-" if v is None else f"{v:.1f}" for v in r.get("loadavg") or ()) or "-"))
 
 
 def format_race_report(report: dict) -> str:
@@ -391,19 +402,13 @@ def format_race_report(report: dict) -> str:
     for net, rows in report["networks"].items():
         anchor = rows.get("torch-ddp-fp32", {}).get("seconds_to_target")
         lines.append(f"\n{net}" + ("" if anchor is None else f"  (torch-ddp-fp32 reaches the target in {anchor:.1f} s)"))
-        lines.append(f"{'method':<24} {'lr':>6} {'s to target':>11} {'x ddp':>6} {'steps':>6} {'final acc':>9} "
-                     f"{'MB/step':>9} {'step ms':>8} {'compute':>8} {'enc/dec':>8} {'comm wait':>9} {'load':>10}")
+        lines.append(header_line(_RACE_COLUMNS))
         for m, r in rows.items():
             if r.get("failed"):
                 lines.append(f"{m:<24} FAILED: {r['failed']}")
                 continue
             x = None if anchor is None or r["seconds_to_target"] is None else anchor / r["seconds_to_target"]
-            ms = lambda v: _fmt(None if v is None else 1e3 * v, ".1f")  # noqa: E731
-            lines.append(f"{m:<24} {r['lr']:>6g} {_fmt(r['seconds_to_target'], '.1f', 'never'):>11} "
-                         f"{_fmt(x, '.2f'):>6} {_fmt(r['steps_to_target'], 'd'):>6} {_fmt(r['final_accuracy'], '.4f'):>9} "
-                         f"{r['bytes_per_step'] / 1e6:>9.3f} {ms(r['step_seconds']):>8} {ms(r['compute_seconds']):>8} "
-                         f"{ms(r['encode_decode_seconds']):>8} {ms(r['comm_wait_seconds']):>9} "
-                         f"{'-'.join(_fmt(v, '.1f') for v in r.get('loadavg') or ()) or '-':>10}")
+            lines.append(row_line(_RACE_COLUMNS, {**r, "method": m, "x_ddp": x}))
     for net, why in report.get("skipped_networks", {}).items():
         lines.append(f"{net}: SKIPPED ({why})")
     lines.append("x ddp: torch-ddp-fp32's seconds to target / the method's (above 1: sooner). step ms: median step, "

@@ -26,6 +26,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .table import Column, span_column, table_lines
 from .timing import check_positive_int, median_ratio, pinned_threads, spread
 
 BASELINES = ("dpsgd", "allreduce")
@@ -175,11 +176,9 @@ def format_step_report(report: dict) -> str:
              f"{report['threads']} torch thread, steps {report['warmup']}..{report['steps'] - 1} of each run "
              f"(first {report['warmup']} left out), {report['rounds']} interleaved rounds, "
              f"medians of per-round ratios; step ms: median step of a run (mean ms: its mean, stalls included), "
-             f"median over rounds",
-             f"{'algorithm':<16} {'step ms':>9} {'mean ms':>9} {'x dpsgd':>8} {'range':>11} {'x allreduce':>11} "
-             f"{'range':>11}"]
-    for r in report["rows"]:
-        (a, b), (c, d) = r["x_dpsgd_range"], r["x_allreduce_range"]
-        lines.append(f"{r['algorithm']:<16} {r['step_ms']:>9.2f} {r['mean_step_ms']:>9.2f} {r['x_dpsgd']:>8.2f} "
-                     f"{f'{a:.2f}-{b:.2f}':>11} {r['x_allreduce']:>11.2f} {f'{c:.2f}-{d:.2f}':>11}")
-    return "\n".join(lines)
+             f"median over rounds"]
+    cols = [Column("algorithm", 16, "algorithm", left=True), Column("step ms", 9, "step_ms", ".2f"),
+            Column("mean ms", 9, "mean_step_ms", ".2f"), Column("x dpsgd", 8, "x_dpsgd", ".2f"),
+            span_column("x_dpsgd_range", ".2f", 11), Column("x allreduce", 11, "x_allreduce", ".2f"),
+            span_column("x_allreduce_range", ".2f", 11)]
+    return "\n".join(lines + table_lines(cols, report["rows"]))

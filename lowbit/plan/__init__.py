@@ -58,7 +58,7 @@ from .methods import (BASELINE, DDP_METHODS, DEFAULT_BANDWIDTHS, DEFAULT_LATENCY
                       METHODS)
 from .mirror import MirrorTransport
 from .predict import format_plan_report, plan, plot_plan, predict
-from .profile import Bucket, Profile, _device, _OneProcessGroup
+from .profile import Bucket, Profile, _device
 from .race import compare_with_race, format_race_comparison, measure_latency
 from .workload import Workload, load_model_function, load_workload
 

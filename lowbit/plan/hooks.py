@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ..bench.hooks import GradBucketStandIn
 from ..comm.ledger import CommRecord
 from .methods import POWERSGD_RANK, _race_methods
 from .mirror import MirrorTransport
@@ -51,36 +52,9 @@ def torch_powersgd_ops(params: Sequence[torch.Tensor], n: int, rank: int = POWER
     return ops
 
 
-class _HookBucket:
-    """What the hooks read of a ``torch.distributed.GradBucket``: a profiled bucket, refilled
-    with its gradient before each call (a hook overwrites its bucket)."""
-
-    def __init__(self, b: Bucket, last: bool):
-        self.b = b
-        self.last = last
-        self._buf = b.grad.clone()
-        self._views, off = [], 0
-        for p in b.params:
-            self._views.append(self._buf[off:off + p.numel()].view(p.shape))
-            off += p.numel()
-
-    def refill(self) -> None:
-        self._buf.copy_(self.b.grad)
-
-    def buffer(self) -> torch.Tensor:
-        return self._buf
-
-    def index(self) -> int:
-        return self.b.index
-
-    def is_last(self) -> bool:
-        return self.last
-
-    def parameters(self) -> list:
-        return self.b.params
-
-    def gradients(self) -> list:
-        return self._views
+def _stand_ins(buckets: list[Bucket]) -> list[GradBucketStandIn]:
+    """The profiled buckets as the hooks read them, each refilled with its gradient before a call."""
+    return [GradBucketStandIn(b.params, b.grad, b.index, i == len(buckets) - 1) for i, b in enumerate(buckets)]
 
 
 def _ddp_contender(name: str, n: int | None = None, model: nn.Module | None = None):
@@ -130,7 +104,7 @@ def _torch_ops(name: str, b: Bucket, n: int) -> list[tuple[str, CommRecord]]:
     return torch_powersgd_ops(b.params, n, element_size=es)
 
 
-def _run_pass(hook, state, mirror, buckets: list[_HookBucket], dev):
+def _run_pass(hook, state, mirror, buckets: list[GradBucketStandIn], dev):
     """One iteration's hook calls, bucket by bucket, each run to its result: (seconds per
     bucket, ops per bucket as the mirror recorded them, or None)."""
     secs, ops = [], []
@@ -154,7 +128,7 @@ def _hook_ops(name: str, buckets: list[Bucket], n: int, dev) -> list[list[tuple[
     if not name.startswith("lowbit-"):
         return [_torch_ops(name, b, n) for b in buckets]
     hook, state, mirror = _ddp_contender(name, n)
-    hbs = [_HookBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
+    hbs = _stand_ins(buckets)
     return _run_pass(hook, state, mirror, hbs, dev)[1]
 
 
@@ -172,7 +146,7 @@ def _time_hooks(buckets: list[Bucket], methods: Sequence[str], dev, rounds: int,
     contenders = {}
     for m in methods:
         hook, state, _ = _ddp_contender(m, model=model)
-        hbs = [_HookBucket(b, i == len(buckets) - 1) for i, b in enumerate(buckets)]
+        hbs = _stand_ins(buckets)
         for _ in range(warm):
             _run_pass(hook, state, None, hbs, dev)
         contenders[m] = (hook, state, hbs)

@@ -14,7 +14,8 @@ from .hooks import _hook_ops, _time_hooks
 from .methods import (DDP_METHODS, DEFAULT_WORKERS, GOSSIP_METHODS, GOSSIP_RING, METHODS, _check_methods,
                       _check_workers, _race_methods)
 from .mirror import MirrorTransport
-from .profile import Bucket, Profile, _Clock, _device, _OneProcessGroup, _Recorder, _sync
+from ..bench.hooks import one_process_group
+from .profile import Bucket, Profile, _Clock, _device, _Recorder, _sync
 from .workload import Workload, _to
 
 
@@ -86,7 +87,7 @@ def measure(workload: Workload, device: str | torch.device = "cpu", workers: Seq
     batch = _to(workload.batch, dev)
     clock = _Clock(dev)
     fwd, bwd, opt_t, ready = [], [], [], []
-    with _OneProcessGroup(dev):
+    with one_process_group(dev, "plan measures"):
         ddp = DDP(model, device_ids=[dev] if dev.type == "cuda" else None)
         rec = _Recorder(clock)
         ddp.register_comm_hook(None, rec.hook)

@@ -28,37 +28,6 @@ def _device(device: str | torch.device) -> torch.device:
     return dev
 
 
-class _OneProcessGroup:
-    """A process group of this one process (gloo; NCCL on CUDA) unless one exists (which must
-    have one rank): DDP and torch's hooks need it."""
-
-    def __init__(self, dev: torch.device):
-        self.dev = dev
-        self.own = False
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            if dist.get_world_size() != 1:
-                raise ValueError(f"plan measures one process: the default process group has "
-                                 f"{dist.get_world_size()} ranks")
-            return self
-        nccl = self.dev.type == "cuda" and dist.is_nccl_available()
-        if self.dev.type == "cuda":
-            torch.cuda.set_device(self.dev)
-        dist.init_process_group("nccl" if nccl else "gloo", store=dist.HashStore(), rank=0, world_size=1,
-                                **({"device_id": self.dev} if nccl else {}))
-        self.own = True
-        return self
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        if self.own:
-            dist.destroy_process_group()
-
-
 class _Clock:
     """Seconds since :meth:`start` at each :meth:`mark`: the wall clock on the CPU, CUDA events on
     the current stream (read after the step: marking does not wait for the device)."""

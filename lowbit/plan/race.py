@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from ..bench.table import Column, header_line, row_line
 from ..comm.netmodel import parse_latency
 from .measure import measure
 from .methods import METHODS
@@ -90,17 +91,20 @@ def compare_with_race(race: dict | None = None, quick: bool = True, networks=("1
     return {"errors": errors, "rows": table, "plan": prof.to_json(), "race_settings": st, "latency_s": lat}
 
 
+_COMPARISON_COLUMNS = (
+    Column("network", 8, "network", left=True), Column("method", 24, "method", left=True),
+    Column("plan ms", 9, lambda r: r["predicted_step_seconds"] * 1e3, ".2f"),
+    Column("race ms", 9, lambda r: None if r["measured_step_seconds"] is None else r["measured_step_seconds"] * 1e3,
+           ".2f"),
+    Column("error", 7, "relative_error", "+.0%"), Column("plan B/step", 12, "predicted_bytes_per_step", ".0f"),
+    Column("race B/step", 12, lambda r: None if r["measured_bytes_per_step"] is None
+           else round(r["measured_bytes_per_step"])))
+
+
 def format_race_comparison(cmp: dict) -> str:
     """The table of :func:`compare_with_race`: predicted and measured step and bytes per method."""
     lines = [f"latency per message (measured): " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in cmp["latency_s"].items()),
-             f"{'network':<8} {'method':<24} {'plan ms':>9} {'race ms':>9} {'error':>7} {'plan B/step':>12} "
-             f"{'race B/step':>12}"]
-    for r in cmp["rows"]:
-        meas = r["measured_step_seconds"]
-        err = r["relative_error"]
-        lines.append(f"{r['network']:<8} {r['method']:<24} {r['predicted_step_seconds'] * 1e3:>9.2f} "
-                     f"{'-' if meas is None else f'{meas * 1e3:.2f}':>9} {'-' if err is None else f'{err:+.0%}':>7} "
-                     f"{r['predicted_bytes_per_step']:>12.0f} "
-                     f"{'-' if r['measured_bytes_per_step'] is None else round(r['measured_bytes_per_step']):>12}"
-                     + (f"  race FAILED: {r['failed']}" if r["failed"] else ""))
+             header_line(_COMPARISON_COLUMNS)]
+    lines += [row_line(_COMPARISON_COLUMNS, r) + (f"  race FAILED: {r['failed']}" if r["failed"] else "")
+              for r in cmp["rows"]]
     return "\n".join(lines)

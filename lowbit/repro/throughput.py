@@ -111,7 +111,8 @@ def measure_models(quick: bool = False, device: str = "auto") -> tuple[Model, ..
     the CPU at 8 images, 2 with ``quick``, scaled linearly), the ``qsgd_maxnorm`` hook's time at
     each of :data:`BITS` and ``allreduce_hook``'s (fp32) on the model's buckets, and the bytes
     the hook sends for ``nodes * gpus`` workers."""
-    from ..plan import _device, _hook_ops, _OneProcessGroup, _time_hooks, load_workload, measure
+    from ..bench.hooks import one_process_group
+    from ..plan import _device, _hook_ops, _time_hooks, load_workload, measure
 
     dev = _device(device)
     batch = BATCH_PER_GPU if dev.type == "cuda" else (2 if quick else 8)
@@ -124,7 +125,7 @@ def measure_models(quick: bool = False, device: str = "auto") -> tuple[Model, ..
                     warmup=0 if quick else 1)
         if p.parameters != params:
             raise RuntimeError(f"{task} has {p.parameters} parameters, paper 004 states {params}")
-        with _OneProcessGroup(dev):
+        with one_process_group(dev, "plan measures"):
             hooks = _time_hooks(p.buckets, methods, dev, 1 if quick else 3, warm=1)
         scale = BATCH_PER_GPU / batch
         compute = (p.forward_seconds + p.backward_seconds + p.optimizer_seconds) * scale
