@@ -111,6 +111,7 @@ class LowbitStrategy(DDPStrategy):
             raise ValueError(f"algorithm must be one of {_names()}, got {algorithm!r}")
         self._resume: str | None = None  # this rank's lowbit file, set by load_checkpoint
         self._restored = False  # the wrapper restored this rank's optimizer too
+        self._failure: BaseException | None = None  # on_exception's, for teardown
 
     # ---- what runs ----------------------------------------------------------------------
     @property
@@ -130,7 +131,7 @@ class LowbitStrategy(DDPStrategy):
         here (the wrapper needs the optimizer: :meth:`setup_optimizers`)."""
         if not self.uses_hook:
             return
-        self.model = self._setup_model(self.model)
+        super().configure_ddp()  # torch DDP; it registers no hook here (none was given to DDPStrategy)
         if self.hook_state.error_feedback:
             self.hook_state.bind_model(self.model)  # memory per parameter: survives bucket rebuilds
         self.model.register_comm_hook(self.hook_state, self._hook)
@@ -167,11 +168,20 @@ class LowbitStrategy(DDPStrategy):
             with self.wrapper.no_sync():
                 yield
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Remember the failure: teardown then closes the wrapper without the ranks' agreement."""
+        self._failure = exception
+        super().on_exception(exception)
+
     def teardown(self) -> None:
-        """Close the wrapper (removes its optimizer hooks) and unwrap the LightningModule."""
+        """Close the wrapper (removes its optimizer hooks; collective unless the run failed) and
+        unwrap the LightningModule."""
         if self.wrapper is not None:
-            if not self.wrapper._closed:
+            failure, self._failure = self._failure, None
+            if failure is None:
                 self.wrapper.close()
+            else:  # the other ranks may be anywhere: no agreement
+                self.wrapper.__exit__(type(failure), failure, failure.__traceback__)
             self.model = self.lightning_module
         super().teardown()
 
