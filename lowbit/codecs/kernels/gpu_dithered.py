@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from ..rng import split_key
-from .gpu import BLOCK, _grid, uniform
-from .gpu_qsgd import _compute_dtype, code_dtype, host_values, ratio
+from .gpu import BLOCK, _grid, _work_dtype, uniform
+from .gpu_qsgd import code_dtype, host_values, ratio
 
 __all__ = ["code_dtype", "host_values", "ratio", "dithered_scales", "dithered_encode", "dithered_decode"]
 
@@ -104,5 +104,5 @@ def dithered_decode(codes: torch.Tensor, step: torch.Tensor, levels: int, subtra
     if n:
         _dithered_decode_kernel[_grid(n, BLOCK)](codes, step.contiguous(), out, n, n // p, n % p, k0, k1,
                                                  M=levels, SUBTRACTIVE=bool(subtractive),
-                                                 F64=_compute_dtype(dtype) == torch.float64, BLOCK_=BLOCK)
+                                                 F64=_work_dtype(dtype) == torch.float64, BLOCK_=BLOCK)
     return out

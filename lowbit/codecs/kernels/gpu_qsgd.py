@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..rng import split_key
-from .gpu import BLOCK, _grid, is_nonfinite, uniform
+from .gpu import BLOCK, _grid, _work_dtype, is_nonfinite, uniform
 
 __all__ = ["code_dtype", "host_values", "ratio", "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
 
@@ -50,10 +50,6 @@ def ratio(num: float, den: torch.Tensor) -> torch.Tensor:
     pos = d > 0
     return torch.where(pos, torch.full_like(d, float(num)) / torch.where(pos, d, torch.ones_like(d)),
                        torch.zeros_like(d))
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # --- QSGD -------------------------------------------------------------------------------------
@@ -131,5 +127,5 @@ def qsgd_decode(codes: torch.Tensor, step: torch.Tensor, bucket: int, levels: in
     out = torch.empty(n, dtype=dtype, device=codes.device)
     if n:
         _qsgd_decode_kernel[_grid(n, BLOCK)](codes, step.contiguous(), out, n, bucket, S=levels,
-                                             F64=_compute_dtype(dtype) == torch.float64, BLOCK_=BLOCK)
+                                             F64=_work_dtype(dtype) == torch.float64, BLOCK_=BLOCK)
     return out
