@@ -75,7 +75,8 @@ from ..codecs.rng import derive_seed, shared_generator
 from ..comm.base import GossipFault
 from .faults import check_decoded, fault_from_code, received_from
 from .base import GossipAlgorithm, State, transient
-from .moniqua import check_theta
+from .config import BITS, ROUNDING, reads, values_from
+from .moniqua import THETA_OPT, check_theta
 
 # Random streams of the asynchronous family (derive_seed's ``stream``).
 STREAM_TIME, STREAM_PARTNER, STREAM_ROUNDING = 21, 22, 23
@@ -173,6 +174,7 @@ class ADPSGD(GossipAlgorithm):
     synchronous = False
 
     def __post_init__(self):
+        super().__post_init__()  # the options' own checks
         if isinstance(self.mix, bool) or not (isinstance(self.mix, (int, float)) and 0 < self.mix <= 0.5):
             raise ValueError(f"mix must be in (0, 0.5] (0.5: the pair averages), got {self.mix!r}")
         check_slow(self.slow)
@@ -185,7 +187,7 @@ class ADPSGD(GossipAlgorithm):
     @classmethod
     def from_config(cls, cfg):
         # slow: the run's slow workers (a TrainConfig's --slow), when cfg has them
-        return cls(slow=cfg.slow_factors() if hasattr(cfg, "slow_factors") else None)
+        return cls(**values_from(cls, cfg), slow=cfg.slow_factors() if hasattr(cfg, "slow_factors") else None)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
@@ -305,11 +307,10 @@ class MoniquaAsync(ADPSGD):
     Moniqua on AD-PSGD, section 5 and Theorem 5 of the Moniqua paper: Algorithm 1's lines
     3-6 applied to the pair."""
 
-    bits: int = 2
-    theta: float = ASYNC_THETA
-    rounding: str = "stochastic"
+    bits: int = reads(BITS, default=2)
+    theta: float = reads(THETA_OPT, default=ASYNC_THETA)
+    rounding: str = reads(ROUNDING, default="stochastic")
     name = "moniqua-async"
-    options = ("bits", "theta", "rounding")
 
     def __post_init__(self):
         super().__post_init__()
@@ -321,11 +322,6 @@ class MoniquaAsync(ADPSGD):
         """What goes on the wire: the modulo codes of ``bits``, ``theta`` and ``rounding``."""
         return ModuloCodec(bits=self.bits, theta=float(self.theta), rounding=self.rounding)
 
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(bits=cfg.bits, theta=ASYNC_THETA if cfg.theta is None else cfg.theta,
-                   rounding=cfg.rounding or "stochastic",
-                   slow=cfg.slow_factors() if hasattr(cfg, "slow_factors") else None)
 
 
 def _check_theta(theta) -> float:

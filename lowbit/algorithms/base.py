@@ -196,6 +196,17 @@ class State:
                 setattr(self, f.name, copy.deepcopy(extra[f.name]))
 
 
+class _DerivedOptions:
+    """``Algorithm.options``: the names of the options the class's fields read, in field order."""
+
+    def __get__(self, obj, cls) -> tuple[str, ...]:
+        from .config import options_of
+
+        if not dataclasses.is_dataclass(cls):  # the class itself, while @dataclass builds it
+            return ()
+        return tuple(o.name for o in options_of(cls))
+
+
 @dataclass(frozen=True)
 class Algorithm:
     """Base of every algorithm: options (the dataclass fields of a subclass), ``init``
@@ -211,8 +222,9 @@ class Algorithm:
     # first is the default. Empty: the algorithm sends one fixed format.
     codecs: ClassVar[tuple[str, ...]] = ()
     # The options (names in lowbit.algorithms.options.AlgorithmOptions) that from_config
-    # reads: what lowbit train, the wrapper and the hooks let a user set for it.
-    options: ClassVar[tuple[str, ...]] = ()
+    # reads: what lowbit train, the wrapper and the hooks let a user set for it. Derived from
+    # the fields that read options (lowbit.algorithms.config.reads).
+    options: ClassVar[tuple[str, ...]] = _DerivedOptions()
     # True when before_update reads only x (with k, lr, its state and the context), never g,
     # and writes only x and its state (a gossip step x_{k+1/2} = sum_j W_ji x_j): x_k is final
     # once the forward starts, so DecentralizedDataParallel may run it on a copy of x_k on a
@@ -226,12 +238,22 @@ class Algorithm:
         a ``lowbit.train.TrainConfig``: workers, momentum...) that it cannot take. Called before
         any worker starts, after ``from_config(cfg)`` has checked the options themselves."""
 
+    def __post_init__(self):
+        """The checks of the fields that hold an option's value (:func:`~lowbit.algorithms.config.check_fields`);
+        a subclass with checks of its own calls this first."""
+        from .config import check_fields
+
+        check_fields(self)
+
     @classmethod
     def from_config(cls, cfg) -> "Algorithm":
         """This algorithm with the options of ``cfg`` (a
         :class:`~lowbit.algorithms.options.AlgorithmOptions`, e.g. a run's TrainConfig):
-        it reads only the ones named in :attr:`options`."""
-        return cls()
+        it reads only the ones named in :attr:`options`, as its fields declare
+        (:func:`~lowbit.algorithms.config.values_from`)."""
+        from .config import values_from
+
+        return cls(**values_from(cls, cfg))
 
     def init(self, x: torch.Tensor, ctx: Context) -> State:
         """The state before step 0, for the initial flat parameters ``x``."""

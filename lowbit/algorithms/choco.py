@@ -35,13 +35,14 @@ is our fixed choice, not a tuned value).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..codecs import Codec, IdentityCodec, MinMaxCodec
 from .base import GossipAlgorithm, State
-from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, check_gamma, exchange_compressed, mix
+from .config import GAMMA, codec_field, reads
+from .gossip import REPLICA_CODECS, check_codec, exchange_compressed, mix
 
 DEFAULT_GAMMA = 0.5
 
@@ -73,20 +74,15 @@ class ChocoSGD(GossipAlgorithm):
     Algorithm 1 of Koloskova et al. 2019 (see the module docstring) in its
     memory-efficient form: 2 x d of extra memory whatever the degree."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2))
-    gamma: float | None = None
+    codec: Codec = codec_field(default_factory=lambda: MinMaxCodec(bits=2))
+    gamma: float | None = reads(GAMMA, default=None)
     name = "choco"
     codecs = REPLICA_CODECS
-    options = (*CODEC_OPTIONS, "gamma")
 
     def __post_init__(self):
+        super().__post_init__()  # gamma's check
         check_codec(self.codec)
-        object.__setattr__(self, "gamma",
-                           default_gamma(self.codec) if self.gamma is None else check_gamma(self.gamma))
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(codec=cfg.make_codec(cls.codecs), gamma=cfg.gamma)
+        object.__setattr__(self, "gamma", default_gamma(self.codec) if self.gamma is None else float(self.gamma))
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)

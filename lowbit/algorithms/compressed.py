@@ -45,6 +45,7 @@ from ..codecs.powersgd import times_thin, transpose_times_thin
 from ..codecs.rng import shared_generator
 from ..comm.base import Transport, completed, then
 from .base import CentralizedAlgorithm, State
+from .config import BITS, Option, int_at_least, reads
 from .faults import received_from
 from .feedback import compensate, remember
 
@@ -57,6 +58,11 @@ def check_server(server) -> str:
     if server not in SERVERS:
         raise ValueError(f"server must be one of {SERVERS}, got {server!r}")
     return server
+
+
+SERVER_OPT = Option("server", "allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}", str, check_server)
+POWERSGD_RANK_OPT = Option("powersgd_rank", 2, "PowerSGD: the rank of its gradient approximation (--rank for short)",
+                           int, int_at_least("powersgd_rank", 1), {"aliases": ("--rank",)})
 
 
 def decode_average(wires: list[torch.Tensor], decode: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -100,15 +106,7 @@ class GatheredAlgorithm(CentralizedAlgorithm):
     ``server``: where the payloads are decoded, on rank 0 acting as parameter server
     (``"ps"``, which broadcasts the fp32 average) or on every worker (``"allgather"``)."""
 
-    server: str = "allgather"
-    options = ("server",)
-
-    def __post_init__(self):
-        check_server(self.server)
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(server=cfg.server)
+    server: str = reads(SERVER_OPT, default="allgather")
 
     # what a subclass provides -------------------------------------------------------
     def encode(self, state: State, ctx, k: int, g: torch.Tensor) -> Payload:
@@ -178,9 +176,8 @@ class QSGD(_CodecGathered):
     ``bits``: the width of one code, 2..8; the levels are ``s = (2^bits - 1) // 2``.
     ``server``: see :class:`GatheredAlgorithm`. Alistarh et al. 2017 (``QSGDCodec``)."""
 
-    bits: int = 2
+    bits: int = reads(BITS, default=2)
     name = "qsgd"
-    options = ("bits", "server")
 
     def __post_init__(self):
         super().__post_init__()
@@ -189,10 +186,6 @@ class QSGD(_CodecGathered):
     @property
     def codec(self) -> Codec:
         return QSGDCodec(levels=qsgd_levels(self.bits))
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(bits=cfg.bits, server=cfg.server)
 
 
 @dataclass(frozen=True)
@@ -305,21 +298,17 @@ class PowerSGD(CentralizedAlgorithm):
     ``rank``: the rank r of the approximation (CLI ``--rank``); more is closer and costs
     ``32 (n + m) r`` bits per step for an ``n x m`` matrix. Vogels et al. 2019, Algorithms 1-2."""
 
-    rank: int = 2
+    rank: int = reads(POWERSGD_RANK_OPT, default=2)
     name = "powersgd"
-    options = ("powersgd_rank",)
 
     def __post_init__(self):
+        super().__post_init__()
         PowerSGDCodec(rank=self.rank)  # validates rank
 
     @property
     def codec(self) -> PowerSGDCodec:
         """The codec fixing the matrix layout and the rank (``codec.matrix_shape``)."""
         return PowerSGDCodec(rank=self.rank)
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(rank=cfg.powersgd_rank)
 
     def init(self, x, ctx):
         Q = self.codec.init_state(x.numel(), shared_generator(ctx.seed, 0, 0), device=x.device)

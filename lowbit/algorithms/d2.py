@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .base import GossipAlgorithm, State
+from .config import options_of, reads
 from .dpsgd import DPSGD
 from .moniqua import Moniqua
 
@@ -131,9 +132,9 @@ class MoniquaD2(D2):
     gamma=0.5))``; ``MoniquaD2(gossip=Moniqua(...))`` is the same. Section 5 of the Moniqua
     paper, Theorem 4: Algorithm 1's lines 3-6 applied to X_{k+1/2}."""
 
-    gossip: Moniqua = field(default_factory=Moniqua)
+    gossip: Moniqua = reads(*options_of(Moniqua), build=lambda cls, cfg: Moniqua.from_config(cfg),
+                            default_factory=Moniqua)
     name = "moniqua-d2"
-    options = Moniqua.options
 
     def __init__(self, gossip: Moniqua | None = None, **moniqua_options):
         if gossip is not None and moniqua_options:
@@ -144,10 +145,6 @@ class MoniquaD2(D2):
     def __post_init__(self):
         if not isinstance(self.gossip, Moniqua):
             raise TypeError(f"gossip must be a lowbit.algorithms.Moniqua, got {type(self.gossip).__name__}")
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(Moniqua.from_config(cfg))
 
     @classmethod
     def run_warning(cls, report):

@@ -42,13 +42,14 @@ Randomness of a stochastic C: worker p at step k draws from
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ..codecs import Codec, MinMaxCodec, codec_names
 from .base import Context, GossipAlgorithm, State, transient
-from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, exchange_compressed, exchange_initial_models, mix
+from .config import CODEC_OPTIONS, codec_field, reads
+from .gossip import REPLICA_CODECS, check_codec, exchange_compressed, exchange_initial_models, mix
 
 
 def check_unbiased(codec: Codec) -> None:
@@ -68,20 +69,23 @@ def send_difference(ctx: Context, codec: Codec, k: int, x: torch.Tensor, ref: to
         xhat[j].add_(received[j])
 
 
+def _unbiased(codec: Codec, rounding: str | None) -> Codec:
+    """ECD-PSGD's codec from the options: the min-max codec rounds stochastically unless
+    ``rounding`` says otherwise (the paper needs an unbiased C)."""
+    if rounding is None and isinstance(codec, MinMaxCodec):
+        return dataclasses.replace(codec, rounding="stochastic")
+    return codec
+
+
 @dataclass(frozen=True)
 class _ReplicaGossip(GossipAlgorithm):
     """The options DCD-PSGD and ECD-PSGD share: the codec C of the messages."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2))
+    codec: Codec = codec_field(default_factory=lambda: MinMaxCodec(bits=2))
     codecs = REPLICA_CODECS
-    options = CODEC_OPTIONS
 
     def __post_init__(self):
         check_codec(self.codec)
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(codec=cfg.make_codec(cls.codecs))
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
@@ -143,19 +147,14 @@ class ECDPSGD(_ReplicaGossip):
     compression) of Tang et al. 2018 (see the module docstring). Extra memory: the
     estimates of the neighbours and of itself, (degree + 1) x d; the state keeps t."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2, rounding="stochastic"))
+    codec: Codec = reads(*CODEC_OPTIONS, build=lambda cls, cfg: _unbiased(cfg.make_codec(cls.codecs), cfg.rounding),
+                         default_factory=lambda: MinMaxCodec(bits=2, rounding="stochastic"))
     name = "ecd"
     codecs = codec_names("minmax", "uniform", "terngrad", "fp32")
 
     def __post_init__(self):
         check_unbiased(check_codec(self.codec))
 
-    @classmethod
-    def from_config(cls, cfg):
-        codec = cfg.make_codec(cls.codecs)
-        if cfg.rounding is None and isinstance(codec, MinMaxCodec):
-            codec = dataclasses.replace(codec, rounding="stochastic")  # the paper needs an unbiased C
-        return cls(codec=codec)
 
     def init(self, x, ctx):
         y = {ctx.rank: x.detach().clone()}

@@ -19,7 +19,7 @@ one (our fixed choice; the paper tunes it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +27,8 @@ from ..codecs import Codec, MinMaxCodec
 from .base import GossipAlgorithm, State
 from .choco import default_gamma
 from .feedback import compensate, remember
-from .gossip import CODEC_OPTIONS, REPLICA_CODECS, check_codec, check_gamma, exchange_compressed, mix
+from .config import GAMMA, codec_field, reads
+from .gossip import REPLICA_CODECS, check_codec, check_gamma, exchange_compressed, mix
 
 
 @dataclass
@@ -50,20 +51,15 @@ class DeepSqueeze(GossipAlgorithm):
     for a lossy one). This is Algorithm 1 of Tang et al. 2019 (see the module
     docstring). Extra memory: the error, d."""
 
-    codec: Codec = field(default_factory=lambda: MinMaxCodec(bits=2))
-    eta: float | None = None
+    codec: Codec = codec_field(default_factory=lambda: MinMaxCodec(bits=2))
+    eta: float | None = reads(GAMMA, build=lambda cls, cfg: cfg.gamma, default=None)  # --gamma, checked as eta
     name = "deepsqueeze"
     codecs = REPLICA_CODECS
-    options = (*CODEC_OPTIONS, "gamma")
 
     def __post_init__(self):
         check_codec(self.codec)
         object.__setattr__(self, "eta",
                            default_gamma(self.codec) if self.eta is None else check_gamma(self.eta, "eta (--gamma)"))
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(codec=cfg.make_codec(cls.codecs), eta=cfg.gamma)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)

@@ -16,7 +16,8 @@ from ..codecs import Codec, IdentityCodec, UniformCodec, codec_names
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm
 from .faults import check_decoded, received_from
-from .gossip import CODEC_OPTIONS, check_codec, mix
+from .config import codec_field
+from .gossip import check_codec, mix
 
 
 @dataclass(frozen=True)
@@ -69,11 +70,6 @@ class NaiveQuantizedDPSGD(QuantizedGossip):
     Eq. (4) of the Moniqua paper, with Theorem 1's quantizer by default: unbiased, points
     {delta n}, ``delta`` 0.1; ``codec`` chooses another (``--codec``)."""
 
-    codec: Codec = field(default_factory=lambda: UniformCodec(step=0.1))
+    codec: Codec = codec_field(default_factory=lambda: UniformCodec(step=0.1))
     name = "naive"
     codecs = codec_names("uniform", "minmax", "fp32")
-    options = CODEC_OPTIONS
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(codec=cfg.make_codec(cls.codecs))

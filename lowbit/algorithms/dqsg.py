@@ -92,6 +92,7 @@ from ..codecs.rng import shared_generator
 from .faults import received_from
 from .base import State
 from .compressed import GatheredAlgorithm
+from .config import BITS, Option, parse_theta, reads
 
 
 def dqsg_levels(levels, bits) -> int:
@@ -106,6 +107,10 @@ def dqsg_levels(levels, bits) -> int:
     return (2**bits - 1) // 2
 
 
+LEVELS_OPT = Option("levels", None, "DQSG/NDQSG: M (2M+1 indices, Delta = 1/M); default the largest M with "
+                    "2M+1 <= 2^bits", int | None)
+
+
 @dataclass(frozen=True)
 class DQSG(GatheredAlgorithm):
     """DQSG: every worker sends its gradient quantized with a random dither that the server
@@ -118,9 +123,8 @@ class DQSG(GatheredAlgorithm):
     Algorithm 1 of the paper: ``DitheredCodec``, the dither ``u_p`` from ``shared_generator(seed,
     k, p)``."""
 
-    levels: int = 1
+    levels: int = reads(BITS, LEVELS_OPT, build=lambda cls, cfg: dqsg_levels(cfg.levels, cfg.bits), default=1)
     name = "dqsg"
-    options = ("bits", "levels", "server")
 
     def __post_init__(self):
         super().__post_init__()
@@ -130,10 +134,6 @@ class DQSG(GatheredAlgorithm):
     def codec(self) -> DitheredCodec:
         """P1's (DQSG's) quantizer: ``M`` levels, subtractive dither."""
         return DitheredCodec(levels=self.levels, subtractive=True)
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(levels=dqsg_levels(cfg.levels, cfg.bits), server=cfg.server)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
@@ -197,6 +197,28 @@ def check_failure(failure) -> float:
     return float(failure)
 
 
+NESTED_FRACTION_OPT = Option("nested_fraction", 0.5, "NDQSG: fraction of workers in P2 (nested quantizer), in "
+                             "[0, 1)", float, lambda v: nested_group_size(2, v))
+NESTED_DELTA1_OPT = Option("nested_delta1", None, "NDQSG: a fixed fine step Delta1 relative to ||g||_inf (default: "
+                           "auto, see --nested-sigma)", float | None)
+NESTED_K_OPT = Option("nested_k", DEFAULT_K, "NDQSG: Delta2 = k Delta1, k >= 2 (ceil(log2 k) bits per element; "
+                      "default 2, one bit)", int, lambda v: check_int_range(v, "nested_k", 2, 2**32))
+NESTED_ALPHA_OPT = Option("nested_alpha", None, "NDQSG: shrinkage alpha in (0, 1] with --nested-delta1 (default 1) "
+                          "or --nested-sigma (default matched)", float | None)
+NESTED_SIGMA_OPT = Option("nested_sigma", None, "NDQSG: 'auto' (the default unless --nested-delta1): Theorem 6 "
+                          "every step for the side-information noise measured at the previous one; or a fixed noise "
+                          "std (relative to ||g||_inf)", float | str | None, None, {"type": parse_theta})
+NESTED_FAILURE_OPT = Option("nested_failure", DEFAULT_FAILURE, "NDQSG: Theorem 6 target decoding-failure "
+                            "probability per element, for Gaussian side-information noise (auto or --nested-sigma)",
+                            float, check_failure)
+
+
+def _nested_from(cls, cfg) -> NestedDitheredCodec | None:
+    """NDQSG's ``nested`` from the options (:func:`nested_codec`; None: the auto setting)."""
+    return nested_codec(delta1=cfg.nested_delta1, k=cfg.nested_k, alpha=cfg.nested_alpha, sigma=cfg.nested_sigma,
+                        failure=cfg.nested_failure)
+
+
 def _f32(v: float) -> float:
     return float(torch.tensor(v, dtype=torch.float32))
 
@@ -253,13 +275,12 @@ class NDQSG(DQSG):
     ``failure``: the auto setting's per-element decoding-failure target. ``server``: see
     :class:`GatheredAlgorithm`. Algorithm 2 of the paper; see the module docstring."""
 
-    nested: NestedDitheredCodec | None = None
-    nested_fraction: float = 0.5
-    k: int = DEFAULT_K
-    failure: float = DEFAULT_FAILURE
+    nested: NestedDitheredCodec | None = reads(NESTED_DELTA1_OPT, NESTED_K_OPT, NESTED_ALPHA_OPT, NESTED_SIGMA_OPT,
+                                               NESTED_FAILURE_OPT, build=_nested_from, default=None)
+    nested_fraction: float = reads(NESTED_FRACTION_OPT, default=0.5)
+    k: int = reads(NESTED_K_OPT, default=DEFAULT_K)
+    failure: float = reads(NESTED_FAILURE_OPT, default=DEFAULT_FAILURE)
     name = "ndqsg"
-    options = ("bits", "levels", "server", "nested_fraction", "nested_delta1", "nested_k", "nested_alpha",
-               "nested_sigma", "nested_failure")
     _KAPPA = "f"  # the P2 worker's float32 scale, in front of the nested payload
     _AUTO = "ff"  # auto setting: (Delta1, alpha) of this payload's codec; Delta1 = 0: a DQSG payload follows
 
@@ -269,28 +290,15 @@ class NDQSG(DQSG):
             raise ValueError(f"nested must be a NestedDitheredCodec or None (auto), got {type(self.nested).__name__}")
         if self.nested is not None:
             object.__setattr__(self, "k", self.nested.k)  # the fixed codec's k
-        check_int_range(self.k, "nested_k", 2, 2**32)
-        object.__setattr__(self, "failure", check_failure(self.failure))
-        nested_group_size(2, self.nested_fraction)  # checks the fraction
+        object.__setattr__(self, "failure", float(self.failure))
 
     @property
     def auto(self) -> bool:
         return self.nested is None
 
     @classmethod
-    def _nested_from(cls, cfg):
-        return nested_codec(delta1=cfg.nested_delta1, k=cfg.nested_k, alpha=cfg.nested_alpha,
-                            sigma=cfg.nested_sigma, failure=cfg.nested_failure)
-
-    @classmethod
     def check_config(cls, cfg):
         nested_group_size(cfg.workers, cfg.nested_fraction)
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(levels=dqsg_levels(cfg.levels, cfg.bits), nested=cls._nested_from(cfg),
-                   nested_fraction=cfg.nested_fraction, k=cfg.nested_k, failure=cfg.nested_failure,
-                   server=cfg.server)
 
     def init(self, x, ctx):
         return NDQSGState()

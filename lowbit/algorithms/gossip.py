@@ -15,13 +15,11 @@ from ..codecs.rng import clone_generator, shared_generator
 from .base import Context
 from .faults import check_decoded, received_from
 
-__all__ = ["CODEC_OPTIONS", "REPLICA_CODECS", "check_codec", "check_gamma", "exchange_compressed", "exchange_initial_models", "mix"]
+__all__ = ["REPLICA_CODECS", "check_codec", "check_gamma", "exchange_compressed", "exchange_initial_models", "mix"]
 
 # The --codec names the replica-based baselines accept (default first): the codecs that declare
 # replica_safe (a neighbour keeps an exact replica of what it decodes), in registry order.
 REPLICA_CODECS = codec_names(replica_safe=True)
-# The options (AlgorithmOptions names) that building one of those codecs reads (Codec.from_options).
-CODEC_OPTIONS = ("codec", "bits", "rounding", "delta")
 
 
 def check_codec(codec) -> Codec:

@@ -73,6 +73,7 @@ from ..codecs.bagua_minmax import BaguaMinMaxCodec
 from ..codecs.quantize import check_rounding
 from ..codecs.rng import shared_generator
 from .base import GossipAlgorithm, State, transient
+from .config import BITS, CODEC, ROUNDING, Option, reads
 from .faults import check_decoded, received_from
 from .dcd import send_difference
 from .gossip import check_codec, exchange_initial_models, mix
@@ -81,6 +82,41 @@ PEER_SELECTIONS = ("all", "shift_one")
 BAGUA_BUCKET_BYTES = 10 * 1024 ** 2  # Bagua's default bucket size
 THIRD = float(np.float32(1.0 / 3.0))  # Bagua's factors, as the float32 its kernel receives
 MINUS_FIVE_THIRDS = float(np.float32(-5.0 / 3.0))
+
+
+def _check_bool(name: str):
+    def check(v):
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be True or False, got {v!r}")
+    return check
+
+
+def _check_node_size(L) -> None:
+    if isinstance(L, bool) or not isinstance(L, int) or L < 1:
+        raise ValueError(f"node_size must be an int >= 1 dividing the number of workers, got {L!r}")
+
+
+def _check_interval(v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"communication_interval must be an int >= 1, got {v!r}")
+
+
+def _check_peer_selection(v) -> None:
+    if v not in PEER_SELECTIONS:
+        raise ValueError(f"peer_selection must be one of {PEER_SELECTIONS}, got {v!r}")
+
+
+PEER_SELECTION_OPT = Option("peer_selection", "all", "lowprec-decentralized: Bagua's peer selection, all or shift_one",
+                            str, _check_peer_selection)
+HIERARCHICAL_OPT = Option("hierarchical", True, "lowprec-decentralized: Bagua's hierarchical mode (average inside a "
+                          "node, gossip between node leaders, broadcast back)", bool, _check_bool("hierarchical"))
+COMMUNICATION_INTERVAL_OPT = Option("communication_interval", 1, "lowprec-decentralized: communicate every this many "
+                                    "steps (Bagua's)", int, _check_interval)
+NODE_SIZE_OPT = Option("node_size", None, "lowprec-decentralized: workers per node (default: LOCAL_WORLD_SIZE on the "
+                       "torch backend, 1 on the thread backend)", int | None, _check_node_size)
+BUCKET_BYTES_OPT = Option("bucket_bytes", BAGUA_BUCKET_BYTES, "lowprec-decentralized: bytes per bucket, each "
+                          "quantized with its own min and max (Bagua's default 10 MiB)", int,
+                          lambda v: bagua_buckets(0, 4, v))
 
 
 def shift_one_peer(rank: int, n: int, step: int) -> int:
@@ -203,17 +239,15 @@ class LowPrecisionDecentralized(GossipAlgorithm):
 
     bits: int = 8
     rounding: str = "nearest"
-    peer_selection: str = "all"
-    codec: Codec | None = None
-    hierarchical: bool = True
-    communication_interval: int = 1
-    node_size: int | None = None
-    bucket_bytes: int = BAGUA_BUCKET_BYTES
+    peer_selection: str = reads(PEER_SELECTION_OPT, default="all")
+    codec: Codec | None = reads(CODEC, BITS, ROUNDING, build=lambda cls, cfg: cfg.make_codec(cls.codecs), default=None)
+    hierarchical: bool = reads(HIERARCHICAL_OPT, default=True)
+    communication_interval: int = reads(COMMUNICATION_INTERVAL_OPT, default=1)
+    node_size: int | None = reads(NODE_SIZE_OPT, default=None)
+    bucket_bytes: int = reads(BUCKET_BYTES_OPT, default=BAGUA_BUCKET_BYTES)
     param_sizes: Sequence[int] | None = None
     name = "lowprec-decentralized"
     codecs = codec_names("bagua-minmax", "minmax", "fp32")
-    options = ("codec", "bits", "rounding", "peer_selection", "hierarchical", "communication_interval",
-               "node_size", "bucket_bytes")
 
     def __new__(cls, *args, **kwargs):
         """``peer_selection="shift_one"`` is another algorithm: construct :class:`ShiftOneLowPrecision`."""
@@ -222,8 +256,7 @@ class LowPrecisionDecentralized(GossipAlgorithm):
         return super().__new__(cls)
 
     def __post_init__(self):
-        if self.peer_selection not in PEER_SELECTIONS:
-            raise ValueError(f"peer_selection must be one of {PEER_SELECTIONS}, got {self.peer_selection!r}")
+        super().__post_init__()  # each option's own check
         check_rounding(self.rounding)
         codec = self.codec
         if codec is None:
@@ -232,15 +265,6 @@ class LowPrecisionDecentralized(GossipAlgorithm):
             object.__setattr__(self, "codec", codec)
         if not isinstance(check_codec(codec), (BaguaMinMaxCodec, MinMaxCodec, IdentityCodec)):
             raise ValueError(f"codec must be BaguaMinMaxCodec, MinMaxCodec or IdentityCodec, got {codec!r}")
-        if not isinstance(self.hierarchical, bool):
-            raise ValueError(f"hierarchical must be True or False, got {self.hierarchical!r}")
-        if isinstance(self.communication_interval, bool) or not isinstance(self.communication_interval, int) \
-                or self.communication_interval < 1:
-            raise ValueError(f"communication_interval must be an int >= 1, got {self.communication_interval!r}")
-        L = self.node_size
-        if L is not None and (isinstance(L, bool) or not isinstance(L, int) or L < 1):
-            raise ValueError(f"node_size must be an int >= 1 dividing the number of workers, got {L!r}")
-        bagua_buckets(0, 4, self.bucket_bytes)  # validates bucket_bytes
         if self.param_sizes is not None:
             object.__setattr__(self, "param_sizes", tuple(int(s) for s in self.param_sizes))
 
@@ -259,12 +283,6 @@ class LowPrecisionDecentralized(GossipAlgorithm):
             raise ValueError(f"topology={cfg.topology!r}: Bagua's low precision decentralized SGD gossips on a ring")
         if cfg.weights != "uniform":
             raise ValueError(f"weights={cfg.weights!r}: Bagua's ring weights are uniform (1/3)")
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(codec=cfg.make_codec(cls.codecs), peer_selection=cfg.peer_selection,
-                   hierarchical=cfg.hierarchical, communication_interval=cfg.communication_interval,
-                   node_size=cfg.node_size, bucket_bytes=cfg.bucket_bytes)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
@@ -411,7 +429,7 @@ class ShiftOneLowPrecision(LowPrecisionDecentralized):
     no hierarchy, every step) and is what ``LowPrecisionDecentralized(peer_selection="shift_one")``
     (``lowbit train --algorithm lowprec-decentralized --peer-selection shift_one``) builds."""
 
-    peer_selection: str = "shift_one"
+    peer_selection: str = reads(PEER_SELECTION_OPT, default="shift_one")
 
     def __post_init__(self):
         if self.peer_selection != "shift_one":

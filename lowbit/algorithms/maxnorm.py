@@ -60,6 +60,7 @@ from ..codecs.lanes import Lanes
 from ..codecs.rng import shared_generator
 from ..comm.base import Transport, then
 from .base import CentralizedAlgorithm, State, transient
+from .config import BITS, Option, reads
 
 SUM_DTYPE_NAMES = {str(d).replace("torch.", ""): d for d in SUM_DTYPES}
 
@@ -148,6 +149,22 @@ class MaxNormState(State):
     lanes: Lanes | None = transient(default=None)
 
 
+def _check_k(k) -> None:
+    if not (isinstance(k, (int, float)) and not isinstance(k, bool) and math.isfinite(k) and k > 0):
+        raise ValueError(f"k must be > 0 (a count, or a fraction of d if < 1), got {k}")
+
+
+SUM_DTYPE_OPT = Option("sum_dtype", None, "max-norm family: integer dtype of the code sum (int8, int16, int32, "
+                       "int64; default the narrowest that cannot overflow)", str | None)
+SCALES_OPT = Option("scales", None, "multi-scale bit widths, e.g. 2,6", str | None)
+K_OPT = Option("k", None, "GlobalRandK: coordinates kept (an int, or a fraction of d if < 1)", float | None, _check_k)
+
+
+def _scale_bits(cls, cfg) -> tuple[int, ...] | None:
+    """``--scales 2,6`` as (2, 6); None (the class's default) when not given."""
+    return cfg.scale_bits() or None
+
+
 @dataclass(frozen=True)
 class MaxNormSGD(CentralizedAlgorithm):
     """Max-norm quantized SGD: every worker rounds its gradient to integer codes against one
@@ -162,14 +179,15 @@ class MaxNormSGD(CentralizedAlgorithm):
     ``sum_dtype``: the integer dtype of the code sum (default: the narrowest that cannot
     overflow). Paper 004, Algorithms 1 and 2 and section 3.3; see the module docstring."""
 
-    bits: int = QSGDMaxNormCodec.default_options()["bits"] - 1  # the precision p: the codec's one default
+    # the precision p, the codec's one default; 1..31 here (maxnorm_inner checks it), wider than --bits
+    bits: int = reads(BITS, default=QSGDMaxNormCodec.default_options()["bits"] - 1, check=False)
     scales: tuple[int, ...] = ()
     k: float | None = None
-    sum_dtype: str | torch.dtype | None = None
+    sum_dtype: str | torch.dtype | None = reads(SUM_DTYPE_OPT, default=None)
     name = "maxnorm"
-    options = ("bits", "sum_dtype")
 
     def __post_init__(self):
+        super().__post_init__()
         object.__setattr__(self, "scales", tuple(self.scales or ()))
         maxnorm_inner(self.bits, self.scales)
         object.__setattr__(self, "sum_dtype", parse_sum_dtype(self.sum_dtype))
@@ -180,11 +198,6 @@ class MaxNormSGD(CentralizedAlgorithm):
     def inner(self) -> SummableCodec:
         """The quantizer of the kept coordinates (Algorithm 1's or Algorithm 2's)."""
         return maxnorm_inner(self.bits, self.scales)
-
-    @classmethod
-    def _options(cls, cfg) -> dict:
-        kw = {"bits": cfg.bits, "scales": cfg.scale_bits(), "k": cfg.k, "sum_dtype": cfg.sum_dtype}
-        return {o: kw[o] for o in cls.options if kw[o] not in (None, ())}  # absent: the preset's default
 
     @classmethod
     def check_config(cls, cfg):
@@ -200,14 +213,6 @@ class MaxNormSGD(CentralizedAlgorithm):
                              f"[-{inner.max_code}, {inner.max_code}] (a sign and {cfg.bits} magnitude bits), and "
                              f"the sum of workers={cfg.workers} codes can reach {cfg.workers * inner.max_code}; "
                              f"use --sum-dtype {fits} or wider") from None
-
-    @classmethod
-    def from_config(cls, cfg):
-        kw = cls._options(cfg)
-        if "k" in cls.options and "k" not in kw:
-            raise ValueError(f"algorithm={cls.name!r} needs k (--k: coordinates kept, an int, or a fraction of d "
-                             f"if < 1)")
-        return cls(**kw)
 
     def init(self, x, ctx):
         # a ValueError when sum_dtype cannot hold the sum of world_size codes
@@ -243,9 +248,9 @@ class MaxNormMultiScaleSGD(MaxNormSGD):
     """Multi-scale max-norm quantized SGD (Algorithm 2): :class:`MaxNormSGD` with the paper's
     two scales ``(2, 6)`` by default."""
 
-    scales: tuple[int, ...] = (2, 6)
+    bits: int = field(default=MaxNormSGD.bits)  # not an option here: the scales set the precisions
+    scales: tuple[int, ...] = reads(SCALES_OPT, build=_scale_bits, default=(2, 6))
     name = "maxnorm-multiscale"
-    options = ("scales", "sum_dtype")
 
 
 @dataclass(frozen=True)
@@ -253,9 +258,8 @@ class GlobalRandKMaxNormSGD(MaxNormSGD):
     """GlobalRandK max-norm quantized SGD (section 3.3): :class:`MaxNormSGD` on ``k`` coordinates
     shared by all workers; ``k`` has no default."""
 
-    k: float = field(kw_only=True)
+    k: float = reads(K_OPT, kw_only=True)
     name = "grandk-maxnorm"
-    options = ("bits", "k", "sum_dtype")
 
 
 @dataclass(frozen=True)
@@ -263,9 +267,8 @@ class GlobalRandKMaxNormMultiScaleSGD(MaxNormMultiScaleSGD):
     """GlobalRandK multi-scale max-norm quantized SGD (section 3.4): :class:`MaxNormMultiScaleSGD`
     on ``k`` coordinates shared by all workers; ``k`` has no default."""
 
-    k: float = field(kw_only=True)
+    k: float = reads(K_OPT, kw_only=True)
     name = "grandk-maxnorm-multiscale"
-    options = ("scales", "k", "sum_dtype")
 
 
 __all__ = ["GlobalRandKMaxNormMultiScaleSGD", "GlobalRandKMaxNormSGD", "MaxNormMultiScaleSGD", "MaxNormSGD",

@@ -1,7 +1,10 @@
-"""The options of the algorithms, declared once: their names, types, defaults, help and checks.
+"""The options of every algorithm by name: :class:`AlgorithmOptions`, generated.
 
-:class:`AlgorithmOptions` is the table. Its fields are the options by which every
-entry point names an algorithm's settings, with one default each:
+Each option is declared once (:class:`~lowbit.algorithms.config.Option`: name, default,
+help, check) and read by the dataclass fields of the algorithms that take it
+(:func:`~lowbit.algorithms.config.reads`). :class:`AlgorithmOptions` is the union of the
+registered algorithms' options, one field each, with its default: the names by which every
+entry point names an algorithm's settings:
 
 - ``lowbit train`` (``lowbit.train.TrainConfig`` extends this class with the run's own
   options: task, workers, steps...; the CLI has one ``--option`` per field, its help
@@ -10,118 +13,39 @@ entry point names an algorithm's settings, with one default each:
   ``lowbit.algorithms.build_worker(name, transport, **options)``;
 - the DDP hooks' ``make_hook(name, **options)``.
 
-Each algorithm class names the options it reads in its ``options`` attribute and builds
-itself from them in ``from_config(opts)``; an option it does not name is refused by the
-wrapper and the hooks, and ignored by ``lowbit train`` (whose other algorithms may use it).
+An algorithm's ``options`` and ``from_config(opts)`` follow from its fields; an option it does
+not read is refused by the wrapper and the hooks, and ignored by ``lowbit train`` (whose other
+algorithms may use it).
 """
 
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import field, fields, make_dataclass
 
 from ..codecs import CODECS, ROUNDINGS, Codec, codec_name
 from . import ALGORITHMS
-from .compressed import SERVERS
-from .dqsg import DEFAULT_FAILURE as NESTED_FAILURE, DEFAULT_K as NESTED_K
-from .gossip import check_gamma
-from .moniqua import THETA_EVERY, THETA_SCHEDULES, check_theta
+from .config import CODEC, Option, options_of
 
-__all__ = ["AlgorithmOptions", "algorithm_table", "first_sentence", "opt"]
+__all__ = ["AlgorithmOptions", "algorithm_table", "all_options", "first_sentence", "opt"]
 
 def opt(default, help: str, **meta):
     """A dataclass field of an options table: its default, its help text and CLI metadata."""
     return field(default=default, metadata={"help": help, **meta})
 
 
-def parse_theta(v: str):
-    """--theta takes a number or ``auto`` (anything else is reported by the checks)."""
-    try:
-        return float(v)
-    except ValueError:
-        return v
-
-
-@dataclass
-class AlgorithmOptions:
-    """Every algorithm's options by name, with one default each (see the module docstring)."""
-
-    algorithm: str = opt("moniqua", f"one of: {', '.join(ALGORITHMS)}")
-    bits: int = opt(2, "bits per element (1..8)")
-    # --- the decentralized family ---
-    theta: float | str | None = opt(None, "Moniqua's a priori bound theta (> 0), or 'auto' (the default of "
-                                     "moniqua and moniqua-d2: follows the blocks verification finds wrong)",
-                                     type=parse_theta)
-    theta_schedule: str = opt("constant", "constant, or lr (theta_k ~ lr_k)")
-    theta_every: int = opt(THETA_EVERY, "--theta auto: steps between two theta agreements")
-    verify: bool = opt(True, "Moniqua: send a hash of the quantized model; the receiver checks what it recovered")
-    verify_block: int | None = opt(None, "Moniqua verification: elements per hashed block (a failed block is "
-                                    "repaired alone; default by bits: 512 at 1 bit, 256 above)")
-    entropy: str | None = opt(None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans")
-    gamma: float | None = opt(None, "consensus step size: Moniqua's slack matrix gamma W + (1 - gamma) I, "
-                               "ChocoSGD's gamma (algorithm default if omitted)")
-    delta: float = opt(0.1, "quadratic offset and the naive quantizer's step (Theorem 1)")
-    codec: str | None = opt(None, "codec of a quantized baseline (see the algorithm's list)")
-    rounding: str | None = opt(None, f"one of: {', '.join(ROUNDINGS)} (algorithm default if omitted)")
-    peer_selection: str = opt("all", "lowprec-decentralized: Bagua's peer selection, all or shift_one")
-    hierarchical: bool = opt(True, "lowprec-decentralized: Bagua's hierarchical mode (average inside a node, "
-                                    "gossip between node leaders, broadcast back)")
-    communication_interval: int = opt(1, "lowprec-decentralized: communicate every this many steps (Bagua's)")
-    node_size: int | None = opt(None, "lowprec-decentralized: workers per node (default: LOCAL_WORLD_SIZE on the "
-                                       "torch backend, 1 on the thread backend)")
-    bucket_bytes: int = opt(10 * 1024 ** 2, "lowprec-decentralized: bytes per bucket, each quantized with its own "
-                                             "min and max (Bagua's default 10 MiB)")
-    shared_randomness: bool = opt(True, "Moniqua: all workers use the same stochastic-rounding offsets each step")
-    # --- the centralized family ---
-    server: str = opt("allgather", f"DQSG/NDQSG placement: {', '.join(SERVERS)}")
-    scales: str | None = opt(None, "multi-scale bit widths, e.g. 2,6")
-    k: float | None = opt(None, "GlobalRandK: coordinates kept (an int, or a fraction of d if < 1)")
-    powersgd_rank: int = opt(2, "PowerSGD: the rank of its gradient approximation (--rank for short)",
-                             aliases=("--rank",))
-    levels: int | None = opt(None, "DQSG/NDQSG: M (2M+1 indices, Delta = 1/M); default the largest M with "
-                              "2M+1 <= 2^bits")
-    nested_fraction: float = opt(0.5, "NDQSG: fraction of workers in P2 (nested quantizer), in [0, 1)")
-    nested_delta1: float | None = opt(None, "NDQSG: a fixed fine step Delta1 relative to ||g||_inf (default: auto, "
-                                      "see --nested-sigma)")
-    nested_k: int = opt(NESTED_K, "NDQSG: Delta2 = k Delta1, k >= 2 (ceil(log2 k) bits per element; default 2, "
-                         "one bit)")
-    nested_alpha: float | None = opt(None, "NDQSG: shrinkage alpha in (0, 1] with --nested-delta1 (default 1) or "
-                                      "--nested-sigma (default matched)")
-    nested_sigma: float | str | None = opt(None, "NDQSG: 'auto' (the default unless --nested-delta1): Theorem 6 "
-                                            "every step for the side-information noise measured at the previous "
-                                            "one; or a fixed noise std (relative to ||g||_inf)", type=parse_theta)
-    nested_failure: float = opt(NESTED_FAILURE, "NDQSG: Theorem 6 target decoding-failure probability per "
-                                 "element, for Gaussian side-information noise (auto or --nested-sigma)")
-    sum_dtype: str | None = opt(None, "max-norm family: integer dtype of the code sum (int8, int16, int32, "
-                                 "int64; default the narrowest that cannot overflow)")
+class _OptionsTable:
+    """The methods of :class:`AlgorithmOptions` (its fields are generated, :func:`all_options`)."""
 
     def check_options(self) -> None:
-        """Raise a ValueError naming the option and its valid range for any option out of range."""
+        """Raise a ValueError naming the option and its valid range for any option out of range
+        (each option's one check, :class:`~lowbit.algorithms.config.Option`), or a codec the
+        algorithm cannot take."""
         from . import check_algorithm
 
         cls = check_algorithm(self.algorithm)  # a ValueError listing the names
-        for name, choices in (("theta_schedule", THETA_SCHEDULES), ("server", SERVERS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name}={getattr(self, name)!r} is unknown; choose one of: {', '.join(choices)}")
-        if self.rounding is not None and self.rounding not in ROUNDINGS:
-            raise ValueError(f"rounding={self.rounding!r} is unknown; choose one of: {', '.join(ROUNDINGS)}")
-        if isinstance(self.bits, bool) or not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
-            raise ValueError(f"bits must be an integer in 1..8, got {self.bits}")
-        for name in ("theta_every", "powersgd_rank", "verify_block"):
-            v = getattr(self, name)
-            if v is None and name == "verify_block":  # Moniqua's default by bits
-                continue
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v}")
-        if not (isinstance(self.delta, (int, float)) and math.isfinite(self.delta) and self.delta > 0):
-            raise ValueError(f"delta must be > 0, got {self.delta}")
-        if self.theta is not None:
-            check_theta(self.theta)
-        if self.gamma is not None:
-            check_gamma(self.gamma)
-        if self.k is not None and not (math.isfinite(self.k) and self.k > 0):
-            raise ValueError(f"k must be > 0 (a count, or a fraction of d if < 1), got {self.k}")
+        for o in all_options():
+            o.validate(getattr(self, o.name))
         if self.codec is not None and not cls.codecs:
             raise ValueError(f"codec={self.codec!r}: algorithm={self.algorithm!r} sends one fixed format; "
                              f"omit --codec")
@@ -150,6 +74,25 @@ class AlgorithmOptions:
     def option_names(cls) -> list[str]:
         """The field names: every option of the table."""
         return [f.name for f in fields(cls)]
+
+
+def all_options() -> tuple[Option, ...]:
+    """Every registered algorithm's options, each once: ``codec``, then in registry order."""
+    seen = {CODEC.name: CODEC}
+    for cls in ALGORITHMS.values():
+        for o in options_of(cls):
+            if seen.setdefault(o.name, o) is not o:
+                raise TypeError(f"option {o.name!r} is declared twice ({cls.__name__}'s differs): declare it once")
+    return tuple(seen.values())
+
+
+AlgorithmOptions = make_dataclass(
+    "AlgorithmOptions",
+    [("algorithm", str, opt("moniqua", f"one of: {', '.join(ALGORITHMS)}")),
+     *((o.name, o.type, opt(o.default, o.help, **o.cli)) for o in all_options())],
+    bases=(_OptionsTable,),
+    namespace={"__doc__": "Every algorithm's options by name, with one default each (see the module docstring)."})
+AlgorithmOptions.__module__ = __name__
 
 
 def first_sentence(cls) -> str:

@@ -42,7 +42,7 @@ Measured results (accuracy, wire bits per element, theta reached) are in ``docs/
 from .algorithm import (GAMMA_NOISE, GAMMA_NOISE_1BIT, GAMMA_NOISE_INDEPENDENT, Moniqua, MoniquaSaved, MoniquaState,
                         default_gamma, default_rounding, mix)
 from .frame import REPAIR_LEVELS, ModuloFrame
-from .theta import (THETA_EVERY, THETA_FLOOR_GROWTH, THETA_FLOOR_SPREAD, THETA_FLOOR_ULPS, THETA_RUNAWAY,
+from .theta import (THETA_EVERY, THETA_EVERY_OPT, THETA_OPT, THETA_SCHEDULE_OPT, THETA_FLOOR_GROWTH, THETA_FLOOR_SPREAD, THETA_FLOOR_ULPS, THETA_RUNAWAY,
                     THETA_SCHEDULES, THETA_SHRINK, THETA_START, THETA_TARGET, agreement_due, check_theta,
                     floor_from_votes, floor_vote, theta_floor)
 from .verify import VERIFY_BLOCK, VERIFY_CODE_BITS, default_verify_block
@@ -51,4 +51,5 @@ __all__ = ["Moniqua", "MoniquaState", "MoniquaSaved", "ModuloFrame", "REPAIR_LEV
            "default_rounding", "default_verify_block", "mix", "check_theta", "agreement_due", "theta_floor",
            "floor_vote", "floor_from_votes", "GAMMA_NOISE", "GAMMA_NOISE_1BIT", "GAMMA_NOISE_INDEPENDENT",
            "THETA_EVERY", "THETA_FLOOR_GROWTH", "THETA_FLOOR_SPREAD", "THETA_FLOOR_ULPS", "THETA_RUNAWAY",
-           "THETA_SCHEDULES", "THETA_SHRINK", "THETA_START", "THETA_TARGET", "VERIFY_BLOCK", "VERIFY_CODE_BITS"]
+           "THETA_SCHEDULES", "THETA_SHRINK", "THETA_START", "THETA_TARGET", "VERIFY_BLOCK", "VERIFY_CODE_BITS",
+           "THETA_OPT", "THETA_EVERY_OPT", "THETA_SCHEDULE_OPT"]

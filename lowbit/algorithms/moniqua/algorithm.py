@@ -20,17 +20,33 @@ from ...codecs import ModuloCodec
 from ...codecs.entropy import ENTROPY_METHODS
 from ...codecs.rng import shared_generator
 from ..base import GossipAlgorithm, State, transient
-from ..gossip import check_gamma
+from ..config import BITS, GAMMA, ROUNDING, Option, reads
 from . import theta as th
 from .frame import ModuloFrame
-from .theta import THETA_EVERY, THETA_SCHEDULES, check_theta
-from .verify import Heard, Sent, default_verify_block, mismatch_note, receive, repair
+from .theta import THETA_EVERY, THETA_EVERY_OPT, THETA_OPT, THETA_SCHEDULE_OPT
+from .verify import VERIFY_BLOCK_OPT, VERIFY_OPT, Heard, Sent, default_verify_block, mismatch_note, receive, repair
 
 #: R of :func:`default_gamma`: the rounding noise allowed per unit of theta / s, at 1 bit and above
 GAMMA_NOISE_1BIT = 0.4
 GAMMA_NOISE = 0.75
 #: ... and above 1 bit without shared randomness, where independent rounding adds noise even between equal models
 GAMMA_NOISE_INDEPENDENT = 0.5
+
+
+def _check_entropy(entropy) -> None:
+    if entropy is None:
+        return
+    if entropy not in ENTROPY_METHODS:
+        raise ValueError(f"entropy must be None or one of {ENTROPY_METHODS}, got {entropy!r}")
+    if entropy == "ans" and importlib.util.find_spec("constriction") is None:
+        raise ValueError("entropy='ans' needs the optional 'constriction' package (pip install constriction); "
+                         "zlib, bz2 and lzma need nothing extra")
+
+
+SHARED_RANDOMNESS_OPT = Option("shared_randomness", True, "Moniqua: all workers use the same stochastic-rounding "
+                               "offsets each step", bool)
+ENTROPY_OPT = Option("entropy", None, "entropy-code Moniqua's payload: zlib, bz2, lzma or ans", str | None,
+                     _check_entropy)
 
 
 def default_gamma(codec: ModuloCodec, W, shared: bool = True) -> float:
@@ -147,41 +163,26 @@ class Moniqua(GossipAlgorithm):
     verification and entropy coding.
     """
 
-    bits: int = 2
-    theta: float | str = "auto"
-    rounding: str | None = None
-    theta_schedule: str = "constant"
-    theta_every: int = THETA_EVERY
-    shared_randomness: bool = True
-    gamma: float | None = None
-    verify: bool = True
-    entropy: str | None = None
+    bits: int = reads(BITS, default=2)
+    theta: float | str = reads(THETA_OPT, default="auto")
+    rounding: str | None = reads(ROUNDING, default=None)
+    theta_schedule: str = reads(THETA_SCHEDULE_OPT, default="constant")
+    theta_every: int = reads(THETA_EVERY_OPT, default=THETA_EVERY)
+    shared_randomness: bool = reads(SHARED_RANDOMNESS_OPT, default=True)
+    gamma: float | None = reads(GAMMA, default=None)
+    verify: bool = reads(VERIFY_OPT, default=True)
+    entropy: str | None = reads(ENTROPY_OPT, default=None)
     dither: bool | None = None
-    verify_block: int | None = None
+    verify_block: int | None = reads(VERIFY_BLOCK_OPT, default=None)
 
     name = "moniqua"
-    options = ("bits", "theta", "rounding", "theta_schedule", "theta_every", "shared_randomness", "gamma",
-               "verify", "entropy", "verify_block")
 
     def __post_init__(self):
-        check_theta(self.theta)
-        if self.theta_schedule not in THETA_SCHEDULES:
-            raise ValueError(f"theta_schedule must be one of {THETA_SCHEDULES}, got {self.theta_schedule!r}")
-        if isinstance(self.theta_every, bool) or not isinstance(self.theta_every, int) or self.theta_every < 1:
-            raise ValueError(f"theta_every must be an integer >= 1 (steps between two theta agreements), "
-                             f"got {self.theta_every!r}")
+        super().__post_init__()  # each option's own check
         self.codec  # validates bits, rounding and delta < 1/2
-        if self.gamma is not None:
-            check_gamma(self.gamma)
-        if not isinstance(self.verify, bool):
-            raise ValueError(f"verify must be True or False, got {self.verify!r}")
         if self.auto_theta and not self.verify:
             raise ValueError("theta='auto' (the default) follows the blocks verification finds wrong: it needs "
                              "verify=True; without verification give theta a number (--theta)")
-        block = self.verify_block
-        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-            raise ValueError(f"verify_block must be an integer >= 1 (elements per hashed block), got {block!r}")
-        _check_entropy(self.entropy)
         if self.dither is not None and not isinstance(self.dither, bool):
             raise ValueError(f"dither must be True, False or None, got {self.dither!r}")
         if self.dithered and (self.codec.rounding != "nearest" or not self.shared_randomness):
@@ -211,13 +212,6 @@ class Moniqua(GossipAlgorithm):
     def block(self) -> int:
         """Elements per verified block (``verify_block``, or :func:`default_verify_block`)."""
         return self.verify_block if self.verify_block is not None else default_verify_block(self.bits)
-
-    @classmethod
-    def from_config(cls, cfg):
-        return cls(bits=cfg.bits, theta="auto" if cfg.theta is None else cfg.theta, rounding=cfg.rounding,
-                   theta_schedule=cfg.theta_schedule, theta_every=cfg.theta_every,
-                   shared_randomness=cfg.shared_randomness, gamma=cfg.gamma, verify=cfg.verify,
-                   entropy=cfg.entropy, verify_block=cfg.verify_block)
 
     def nominal_bits_per_element(self):
         return float(self.bits)
@@ -292,13 +286,3 @@ class Moniqua(GossipAlgorithm):
         if self.auto_theta:
             out["theta_floor"] = float(state.floor)
         return out
-
-
-def _check_entropy(entropy) -> None:
-    if entropy is None:
-        return
-    if entropy not in ENTROPY_METHODS:
-        raise ValueError(f"entropy must be None or one of {ENTROPY_METHODS}, got {entropy!r}")
-    if entropy == "ans" and importlib.util.find_spec("constriction") is None:
-        raise ValueError("entropy='ans' needs the optional 'constriction' package (pip install constriction); "
-                         "zlib, bz2 and lzma need nothing extra")

@@ -26,6 +26,7 @@ import torch
 
 from ...codecs import ModuloCodec
 from ...codecs.modulo import GRID_LIMIT
+from ..config import Option, int_at_least, one_of, parse_theta
 
 THETA_SCHEDULES = ("constant", "lr")
 #: theta="auto": steps between two agreements (after each of the first THETA_EVERY steps)
@@ -54,6 +55,15 @@ def check_theta(theta, *, auto: bool = True):
         either = " or 'auto'" if auto else ""
         raise ValueError(f"theta must be a finite number > 0{either}, got {theta!r}")
     return theta
+
+
+THETA_OPT = Option("theta", None, "Moniqua's a priori bound theta (> 0), or 'auto' (the default of moniqua and "
+                   "moniqua-d2: follows the blocks verification finds wrong)", float | str | None, check_theta,
+                   {"type": parse_theta})
+THETA_SCHEDULE_OPT = Option("theta_schedule", "constant", "constant, or lr (theta_k ~ lr_k)", str,
+                            one_of("theta_schedule", THETA_SCHEDULES))
+THETA_EVERY_OPT = Option("theta_every", THETA_EVERY, "--theta auto: steps between two theta agreements", int,
+                         int_at_least("theta_every", 1, "steps between two theta agreements"))
 
 
 def agreement_due(k: int, every: int) -> bool:

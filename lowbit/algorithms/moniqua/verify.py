@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...codecs import ModuloCodec
+from ..config import Option, int_at_least
 from .frame import ModuloFrame
 
 #: elements per verified block when none is given (2 bytes of hash per block on every message)
@@ -31,6 +32,18 @@ VERIFY_BLOCK = 256
 #: ... and at least this many code bits per 16-bit hash (the hashes cost at most 1/32 of the codes)
 VERIFY_CODE_BITS = 512
 _log = logging.getLogger("lowbit.algorithms.moniqua")
+
+
+def _check_verify(v) -> None:
+    if not isinstance(v, bool):
+        raise ValueError(f"verify must be True or False, got {v!r}")
+
+
+VERIFY_OPT = Option("verify", True, "Moniqua: send a hash of the quantized model; the receiver checks what it "
+                    "recovered", bool, _check_verify)
+VERIFY_BLOCK_OPT = Option("verify_block", None, "Moniqua verification: elements per hashed block (a failed block is "
+                          "repaired alone; default by bits: 512 at 1 bit, 256 above)", int | None,
+                          int_at_least("verify_block", 1, "elements per hashed block"))
 
 
 def default_verify_block(bits: int) -> int:
