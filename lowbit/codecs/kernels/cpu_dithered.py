@@ -1,17 +1,11 @@
-"""numba kernels of the "dithered" family on the CPU: DQSG (:class:`lowbit.codecs.DitheredCodec`)
-(:class:`~lowbit.codecs.kernels.families.DitheredKernels`, the same names and signatures as
-:mod:`.gpu_dithered`).
+"""numba kernels of the "dithered" family on the CPU: DQSG
+(:class:`lowbit.codecs.DitheredCodec`), the same names and signatures as :mod:`.gpu_dithered`
+(:class:`~lowbit.codecs.kernels.families.DitheredKernels`).
 
-As in :mod:`.cpu`: one loop per kernel over the elements, the input read once in
-its own dtype and computed on in float64 registers, branch-free in the loop,
-uint8 codes for widths <= 8 (uint16/uint32 beyond), a non-finite flag returned
-instead of raising. The arithmetic is the reference's operation for operation
-(the same multiplications by precomputed inverses, the same sequential order of
-the sums of squares), so the bytes and decodes are the reference's exactly.
-
-Per-part scales: the ``K`` parts are ``extra`` parts of ``base + 1`` elements then parts
-of ``base`` (:func:`~lowbit.codecs.dithered.partition_sizes`); the kernels loop over the
-parts and, inside, over that part's elements.
+Conventions of :mod:`.cpu`: one loop over the elements in float64 registers, the reference's
+results bit for bit. Per-part scales: the ``K`` parts are ``extra`` parts of ``base + 1``
+elements then parts of ``base`` (:func:`~lowbit.codecs.dithered.partition_sizes`); the
+kernels loop over the parts and, inside, over that part's elements.
 """
 
 from __future__ import annotations

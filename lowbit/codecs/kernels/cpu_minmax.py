@@ -2,13 +2,8 @@
 (:class:`lowbit.codecs.MinMaxCodec`), the same names and signatures as :mod:`.gpu_minmax`
 (:class:`~lowbit.codecs.kernels.families.MinMaxKernels`).
 
-Conventions of :mod:`.cpu` (the core): one branch-free loop over the elements,
-the input read once in its own dtype and computed in float64 registers, so
-every kernel gives the float64 reference's bytes exactly; uniforms from the
-counter hash (:func:`.cpu.uniform`); codes of at most 8 bits as ``uint8``;
-a kernel that may meet a non-finite value returns a flag and its caller raises.
-
-The codes are packed by the core's :func:`.cpu.pack` / :func:`.cpu.unpack`.
+Conventions of :mod:`.cpu`: one loop over the elements in float64 registers, the reference's
+results bit for bit. Codes are packed by the core's :func:`.cpu.pack`.
 """
 
 from __future__ import annotations

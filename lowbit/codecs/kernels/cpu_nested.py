@@ -1,13 +1,10 @@
-"""numba kernels of the "nested" family on the CPU: NDQSG (:class:`lowbit.codecs.NestedDitheredCodec`)
-(:class:`~lowbit.codecs.kernels.families.NestedKernels`, the same names and signatures as
-:mod:`.gpu_nested`).
+"""numba kernels of the "nested" family on the CPU: NDQSG
+(:class:`lowbit.codecs.NestedDitheredCodec`), the same names and signatures as :mod:`.gpu_nested`
+(:class:`~lowbit.codecs.kernels.families.NestedKernels`).
 
-As in :mod:`.cpu`: one loop per kernel over the elements, the input read once in
-its own dtype and computed on in float64 registers, branch-free in the loop,
-uint8 codes for widths <= 8 (uint16/uint32 beyond), a non-finite flag returned
-instead of raising. The arithmetic is the reference's operation for operation
-(the same multiplications by precomputed inverses, the same sequential order of
-the sums of squares), so the bytes and decodes are the reference's exactly.
+Conventions of :mod:`.cpu`: one loop over the elements in float64 registers, the reference's
+results bit for bit. The fine index is exact below ``2^52`` in float64
+(:func:`index_limit`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""numba kernels of the "qsgd" family on the CPU: QSGD (:class:`lowbit.codecs.QSGDCodec`),
-per-bucket norms and stochastic levels (:class:`~lowbit.codecs.kernels.families.QSGDKernels`,
-the same names and signatures as :mod:`.gpu_qsgd`).
+"""numba kernels of the "qsgd" family on the CPU: QSGD
+(:class:`lowbit.codecs.QSGDCodec`), the same names and signatures as :mod:`.gpu_qsgd`
+(:class:`~lowbit.codecs.kernels.families.QSGDKernels`).
 
-As in :mod:`.cpu`: one loop per kernel over the elements, the input read once in
-its own dtype and computed on in float64 registers, branch-free in the loop,
-uint8 codes for widths <= 8 (uint16/uint32 beyond), a non-finite flag returned
-instead of raising. The arithmetic is the reference's operation for operation
-(the same multiplications by precomputed inverses, the same sequential order of
-the sums of squares), so the bytes and decodes are the reference's exactly.
-
-Buckets are ``bucket`` contiguous elements each but the last. Also here, shared with
-:mod:`.cpu_dithered` and :mod:`.cpu_nested`: :func:`code_dtype` (the narrowest unsigned
-dtype holding codes of ``b`` bits), :func:`host_values` (scalars for an encode's checks)
-and ``ratio`` (per-part ``num / den`` factors: :func:`lowbit.codecs.qsgd.exact_ratio`).
+Conventions of :mod:`.cpu`: one loop over the elements in float64 registers, the reference's
+results bit for bit. Buckets are ``bucket`` contiguous elements each but the last; the sums
+of squares are added in the max-norm kernel's fixed lane order. Also here, shared with
+:mod:`.cpu_dithered` and :mod:`.cpu_nested`: :func:`code_dtype`, :func:`host_values` and
+``ratio`` (:func:`lowbit.codecs.qsgd.exact_ratio`).
 """
 
 from __future__ import annotations

@@ -2,14 +2,9 @@
 (:class:`lowbit.codecs.SignCodec`), the same names and signatures as :mod:`.gpu_sign`
 (:class:`~lowbit.codecs.kernels.families.SignKernels`).
 
-Conventions of :mod:`.cpu` (the core): one branch-free loop over the elements,
-the input read once in its own dtype and computed in float64 registers, so
-every kernel gives the float64 reference's bytes exactly; uniforms from the
-counter hash (:func:`.cpu.uniform`); codes of at most 8 bits as ``uint8``;
-a kernel that may meet a non-finite value returns a flag and its caller raises.
-
-The encode packs its 1-bit codes inside its loop and the decode unpacks inside its
-loop (8 codes per byte, the layout of :mod:`lowbit.codecs.packing`).
+Conventions of :mod:`.cpu`: one loop over the elements in float64 registers, the reference's
+results bit for bit. The 1-bit codes are packed (8 to a byte, :mod:`lowbit.codecs.packing`'s
+layout) in the encode's loop and unpacked in the decode's.
 """
 
 from __future__ import annotations

@@ -2,14 +2,10 @@
 (:class:`lowbit.codecs.TernGradCodec`), the same names and signatures as :mod:`.gpu_terngrad`
 (:class:`~lowbit.codecs.kernels.families.TernGradKernels`).
 
-Conventions of :mod:`.cpu` (the core): one branch-free loop over the elements,
-the input read once in its own dtype and computed in float64 registers, so
-every kernel gives the float64 reference's bytes exactly; uniforms from the
-counter hash (:func:`.cpu.uniform`); codes of at most 8 bits as ``uint8``;
-a kernel that may meet a non-finite value returns a flag and its caller raises.
-
-The encode packs its trits 5 per byte in radix 3 inside its loop (the layout of
-:mod:`lowbit.codecs.radix` for 3 levels); the decode unpacks them likewise.
+Conventions of :mod:`.cpu`: one loop over the elements in float64 registers, the reference's
+results bit for bit. The trits are packed 5 to a byte in radix 3
+(:mod:`lowbit.codecs.radix`'s layout for 3 levels) in the encode's loop and unpacked in the
+decode's.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Triton kernels of the "dithered" family on CUDA (optional: needs ``triton``): DQSG
+"""Triton kernels of the "dithered" family on CUDA: DQSG
 (:class:`lowbit.codecs.DitheredCodec`), the same names and signatures as :mod:`.cpu_dithered`
 (:class:`~lowbit.codecs.kernels.families.DitheredKernels`).
 
-Arithmetic is in float32 for float32/half input (float64 for float64); the uniforms are
-the counter hash of :mod:`lowbit.codecs.rng` (:func:`.gpu.uniform`), so codes differ from
-the reference only where float32 rounding moves a value across a grid point (by one code,
-on a tiny fraction of elements: the codecs' docstrings state the error bounds' float32
-slack). Scales stay on the device; an encode reads back to the host only its status
-(non-finite flag, largest scale or index) once, to raise a clear error.
+Conventions of :mod:`.gpu`: arithmetic in the input's precision (float32 for half inputs),
+results up to float32 rounding. Scales stay on the device; an encode reads back its status
+once (:func:`host_values`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""Triton kernels of the "minmax" family on CUDA (optional: needs ``triton``): min-max (Bagua's) quantization
+"""Triton kernels of the "minmax" family on CUDA: min-max (Bagua's) quantization
 (:class:`lowbit.codecs.MinMaxCodec`), the same names and signatures as :mod:`.cpu_minmax`
 (:class:`~lowbit.codecs.kernels.families.MinMaxKernels`).
 
-Arithmetic is in float32 for float32 and half inputs, float64 for float64 inputs
-(scalars such as ``lo`` and ``scale`` reach a kernel as one-element device tensors
-in that dtype, made with ``torch.full``: no host-to-device copy). The uniforms are
-the core's counter hash (:func:`.gpu.uniform`). Each encode reads back to the host
-once, the values its header needs together with the non-finite flag.
+Conventions of :mod:`.gpu`: arithmetic in the input's precision (float32 for half inputs),
+results up to float32 rounding. An encode reads back to the host once: the header's values
+with the non-finite flag.
 """
 
 from __future__ import annotations

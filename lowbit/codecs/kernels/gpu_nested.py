@@ -1,13 +1,10 @@
-"""Triton kernels of the "nested" family on CUDA (optional: needs ``triton``): NDQSG
+"""Triton kernels of the "nested" family on CUDA: NDQSG
 (:class:`lowbit.codecs.NestedDitheredCodec`), the same names and signatures as :mod:`.cpu_nested`
 (:class:`~lowbit.codecs.kernels.families.NestedKernels`).
 
-Arithmetic is in float32 for float32/half input (float64 for float64); the uniforms are
-the counter hash of :mod:`lowbit.codecs.rng` (:func:`.gpu.uniform`), so codes differ from
-the reference only where float32 rounding moves a value across a grid point (by one code,
-on a tiny fraction of elements: the codecs' docstrings state the error bounds' float32
-slack). Scales stay on the device; an encode reads back to the host only its status
-(non-finite flag, largest scale or index) once, to raise a clear error.
+Conventions of :mod:`.gpu`: arithmetic in the input's precision (float32 for half inputs),
+results up to float32 rounding. The fine index is exact below ``2^52`` in float64 and
+``2^24`` in float32 (:func:`index_limit`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""Triton kernels of the "qsgd" family on CUDA (optional: needs ``triton``): QSGD
+"""Triton kernels of the "qsgd" family on CUDA: QSGD
 (:class:`lowbit.codecs.QSGDCodec`), the same names and signatures as :mod:`.cpu_qsgd`
 (:class:`~lowbit.codecs.kernels.families.QSGDKernels`).
 
-Arithmetic is in float32 for float32/half input (float64 for float64); the uniforms are
-the counter hash of :mod:`lowbit.codecs.rng` (:func:`.gpu.uniform`), so codes differ from
-the reference only where float32 rounding moves a value across a grid point (by one code,
-on a tiny fraction of elements: the codecs' docstrings state the error bounds' float32
-slack). Scales stay on the device; an encode reads back to the host only its status
-(non-finite flag, largest scale or index) once, to raise a clear error.
-Sums of squares are accumulated in float64 (no overflow below the float32 norm limit;
-block partial sums are added atomically, so their order, and the last bits, may vary
-between runs). Also here, shared with :mod:`.gpu_dithered` and :mod:`.gpu_nested`:
-:func:`code_dtype`, :func:`host_values` (one read from the device for all the tensors
-among them) and :func:`ratio`.
+Conventions of :mod:`.gpu`: arithmetic in the input's precision (float32 for half inputs),
+results up to float32 rounding. Sums of squares are accumulated in float64, block partial
+sums added atomically (their order, and the last bits, may vary between runs). Also here,
+shared with :mod:`.gpu_dithered` and :mod:`.gpu_nested`: :func:`code_dtype`,
+:func:`host_values` (one read from the device for all the tensors among them) and
+:func:`ratio`.
 """
 
 from __future__ import annotations

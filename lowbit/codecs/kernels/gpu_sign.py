@@ -1,12 +1,10 @@
-"""Triton kernels of the "sign" family on CUDA (optional: needs ``triton``): 1-bit SGD and signSGD
+"""Triton kernels of the "sign" family on CUDA: 1-bit SGD and signSGD
 (:class:`lowbit.codecs.SignCodec`), the same names and signatures as :mod:`.cpu_sign`
 (:class:`~lowbit.codecs.kernels.families.SignKernels`).
 
-Arithmetic is in float32 for float32 and half inputs, float64 for float64 inputs
-(scalars such as ``lo`` and ``scale`` reach a kernel as one-element device tensors
-in that dtype, made with ``torch.full``: no host-to-device copy). The uniforms are
-the core's counter hash (:func:`.gpu.uniform`). Each encode reads back to the host
-once, the values its header needs together with the non-finite flag.
+Conventions of :mod:`.gpu`: arithmetic in the input's precision (float32 for half inputs),
+results up to float32 rounding. An encode reads back to the host once: the scale with the
+non-finite flag.
 """
 
 from __future__ import annotations

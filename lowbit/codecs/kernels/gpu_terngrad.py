@@ -1,13 +1,10 @@
-"""Triton kernels of the "terngrad" family on CUDA (optional: needs ``triton``): TernGrad
+"""Triton kernels of the "terngrad" family on CUDA: TernGrad
 (:class:`lowbit.codecs.TernGradCodec`), the same names and signatures as :mod:`.cpu_terngrad`
 (:class:`~lowbit.codecs.kernels.families.TernGradKernels`).
 
-Arithmetic is in float32 for float32 and half inputs, float64 for float64 inputs
-(scalars such as ``lo`` and ``scale`` reach a kernel as one-element device tensors
-in that dtype, made with ``torch.full``: no host-to-device copy). The uniforms are
-the core's counter hash (:func:`.gpu.uniform`). Each encode reads back to the host
-once, the values its header needs together with the non-finite flag; a decode
-reads one flag (a byte that is not 5 radix-3 trits).
+Conventions of :mod:`.gpu`: arithmetic in the input's precision (float32 for half inputs),
+results up to float32 rounding. An encode reads back to the host once: the scale with the
+non-finite flag; a decode reads one flag (a byte that is not 5 radix-3 trits).
 """
 
 from __future__ import annotations

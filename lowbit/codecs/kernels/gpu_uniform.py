@@ -1,13 +1,10 @@
-"""Triton kernels of the "uniform" family on CUDA (optional: needs ``triton``): the uniform grid ``{step n}``
+"""Triton kernels of the "uniform" family on CUDA: the uniform grid ``{step n}``
 (:class:`lowbit.codecs.UniformCodec`), the same names and signatures as :mod:`.cpu_uniform`
 (:class:`~lowbit.codecs.kernels.families.UniformKernels`).
 
-Arithmetic is in float32 for float32 and half inputs, float64 for float64 inputs
-(scalars such as ``lo`` and ``scale`` reach a kernel as one-element device tensors
-in that dtype, made with ``torch.full``: no host-to-device copy). The uniforms are
-the core's counter hash (:func:`.gpu.uniform`). Each encode reads back to the host
-twice: ``x``'s range, then the codes' range, which fixes the width (each with the
-non-finite flag).
+Conventions of :mod:`.gpu`: arithmetic in the input's precision (float32 for half inputs),
+results up to float32 rounding. An encode reads back to the host twice: ``x``'s range, then
+the codes' range, which fixes the width (each with the non-finite flag).
 """
 
 from __future__ import annotations
