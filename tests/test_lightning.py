@@ -16,6 +16,7 @@ pytest.importorskip("lightning")
 
 from lowbit.codecs.identity import IdentityCodec  # noqa: E402
 from lowbit.comm.netmodel import op_messages_and_bytes  # noqa: E402
+from lowbit.integrations.ddp_hooks.options import QSGDMaxNormHook  # noqa: E402
 from lowbit.integrations.lightning import LowbitStrategy, side_path  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,5 +127,9 @@ def test_bad_options_are_refused_at_construction():
         LowbitStrategy("qsgd", theta=0.1)
     with pytest.raises(ValueError, match="ddp_kwargs"):
         LowbitStrategy("moniqua", ddp_kwargs={"find_unused_parameters": True})
+    with pytest.raises(ValueError, match="algorithm must be a name"):
+        LowbitStrategy(3)
     assert LowbitStrategy("fp16").uses_hook and not LowbitStrategy("choco", bits=4).uses_hook
+    typed = LowbitStrategy(QSGDMaxNormHook(bits=4))  # typed hook options, as make_hook takes them
+    assert typed.uses_hook and typed.hook_state.codec.bits == 4
     assert LowbitStrategy("allreduce").bytes_sent == 0

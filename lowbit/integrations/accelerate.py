@@ -16,8 +16,9 @@ train.py``; on CPU with ``Accelerator(cpu=True)`` or ``ACCELERATE_USE_CPU=1``)::
             optimizer.zero_grad()
     comm.bytes_sent                      # this rank's bytes on the wire
 
-``algorithm`` is a ``lowbit train --algorithm`` name or a codec hook of
-:data:`lowbit.integrations.ddp_hooks.HOOKS`, with that entry point's options.
+``algorithm`` is a ``lowbit train --algorithm`` name, a codec hook of
+:data:`lowbit.integrations.ddp_hooks.HOOKS` or typed hook options, with that entry point's
+options (:mod:`lowbit.integrations.routing` decides the way).
 
 * Centralized algorithms and codec hooks: ``accelerator.prepare`` as usual (torch DDP), then
   ``model.register_comm_hook(state, hook)`` with :func:`~lowbit.integrations.ddp_hooks.make_hook`'s
@@ -46,14 +47,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..algorithms import ALGORITHMS
 from .amp import GradScaler
-from .ddp_hooks import HOOKS, make_hook
+from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
+from .routing import choose
 
 
 def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any,
-                   algorithm: str = "moniqua", **options: Any) -> tuple:
+                   algorithm: str | HookOptions = "moniqua", **options: Any) -> tuple:
     """``(model, optimizer, *others, comm)``: ``accelerator.prepare(model, optimizer, *others)``
     with the lowbit ``algorithm`` (see the module docstring); ``comm`` has ``bytes_sent``
     (the hook state, or the DecentralizedDataParallel wrapper). ``options``: the algorithm's, and
@@ -63,17 +64,15 @@ def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimiz
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ValueError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
-    if isinstance(algorithm, str) and (algorithm in HOOKS or (cls is not None and cls.family == "centralized")):
-        state, hook = make_hook(algorithm, **options)  # checks the options before anything is prepared
+    pair = choose(algorithm, options)  # checks the name and the options before anything is prepared
+    if pair is not None:
+        state, hook = pair
         model, optimizer, *others = accelerator.prepare(model, optimizer, *others)
         if isinstance(model, nn.parallel.DistributedDataParallel):
             if state.error_feedback:
                 state.bind_model(model)
             model.register_comm_hook(state, hook)
         return (model, optimizer, *others, state)
-    if cls is None:
-        raise ValueError(f"algorithm must be one of {sorted(set(ALGORITHMS) | set(HOOKS))}, got {algorithm!r}")
     model.to(accelerator.device)  # in place: the optimizer's parameters stay the module's
     wrapper = DecentralizedDataParallel(model, optimizer, algorithm, **options)
     if accelerator.mixed_precision != "no":

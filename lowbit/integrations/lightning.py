@@ -8,11 +8,12 @@ Use (``lightning`` installed; ``pip install lowbit[test]`` brings it)::
     trainer.fit(model, datamodule)
     trainer.strategy.bytes_sent            # this rank's bytes on the wire (the ledger)
 
-``algorithm`` is a ``lowbit train --algorithm`` name or a codec hook of
-:data:`lowbit.integrations.ddp_hooks.HOOKS`; the options are the ones that entry point takes.
+``algorithm`` is a ``lowbit train --algorithm`` name, a codec hook of
+:data:`lowbit.integrations.ddp_hooks.HOOKS` or typed hook options; the options are the ones
+that entry point takes (:mod:`lowbit.integrations.routing` decides the way).
 
 * Centralized algorithms (``allreduce``, ``maxnorm``, ``qsgd``, ``powersgd``...) and the codec
-  hooks (``fp16``, ``qsgd_maxnorm``...) run as torch DDP with a lowbit communication hook
+  hooks (``fp16``, ``qsgd-maxnorm``...) run as torch DDP with a lowbit communication hook
   (:func:`~lowbit.integrations.ddp_hooks.make_hook`), registered on every device type (Lightning's
   own ``DDPStrategy(ddp_comm_hook=...)`` registers hooks only on CUDA: on CPU it silently sends
   plain fp32). DDP's semantics hold: ``gradient_clip_val`` clips the averaged gradient,
@@ -57,14 +58,11 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.constants import default_pg_timeout
 
-from ..algorithms import ALGORITHMS
 from .amp import GradScaler
 from .checkpoint import load_checkpoint, save_checkpoint
-from .ddp_hooks import HOOKS, make_hook
+from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
-
-#: options :class:`LowbitStrategy` gives the wrapper besides the algorithm's own
-WRAPPER_OPTIONS = ("topology", "overlap", "buffers", "sync_initial", "seed", "weights", "on_step")
+from .routing import choose
 #: the hook state's counters saved in a hook run's per-rank file
 _HOOK_COUNTERS = ("step", "bytes_sent", "messages", "fp32_bytes_sent", "last_step_bytes", "memory_resets",
                   "powersgd_resets")
@@ -79,14 +77,16 @@ class LowbitStrategy(DDPStrategy):
     """A Lightning strategy that runs the lowbit ``algorithm`` (see the module docstring).
 
     ``algorithm``: a name of :data:`lowbit.algorithms.ALGORITHMS` or of the codec hooks
-    :data:`lowbit.integrations.ddp_hooks.HOOKS`. ``options``: the algorithm's options and the
-    wrapper's (:data:`WRAPPER_OPTIONS`) or the hook's. ``ddp_kwargs``: torch
+    :data:`lowbit.integrations.ddp_hooks.HOOKS`, or typed hook options
+    (:mod:`lowbit.integrations.ddp_hooks.options`); :func:`lowbit.integrations.routing.choose`
+    decides the way. ``options``: the algorithm's options and the wrapper's
+    (:data:`~lowbit.integrations.routing.WRAPPER_OPTIONS`) or the hook's. ``ddp_kwargs``: torch
     ``DistributedDataParallel`` arguments (hook path only). ``process_group_backend``,
     ``timeout``, ``start_method``, ``accelerator``, ``parallel_devices``,
     ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``: as ``DDPStrategy``'s.
     """
 
-    def __init__(self, algorithm: str = "moniqua", *, ddp_kwargs: dict | None = None, accelerator=None,
+    def __init__(self, algorithm: str | HookOptions = "moniqua", *, ddp_kwargs: dict | None = None, accelerator=None,
                  parallel_devices=None, cluster_environment=None, checkpoint_io=None, precision_plugin=None,
                  process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout,
                  start_method: str = "popen", **options: Any) -> None:
@@ -94,21 +94,13 @@ class LowbitStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method, **(ddp_kwargs or {}))
-        if not isinstance(algorithm, str):
-            raise ValueError(f"algorithm must be a name, one of {_names()}, got {algorithm!r}")
-        cls = ALGORITHMS.get(algorithm)
         self.algorithm = algorithm
         self.options = dict(options)
-        self.hook_state = self._hook = None
         self.wrapper: DecentralizedDataParallel | None = None
-        if algorithm in HOOKS or (cls is not None and cls.family == "centralized"):
-            self.hook_state, self._hook = make_hook(algorithm, **options)  # checks the options now
-        elif cls is not None:
-            if ddp_kwargs:
-                raise ValueError(f"ddp_kwargs are torch DDP's; {algorithm!r} runs under DecentralizedDataParallel")
-            _check_wrapper_options(algorithm, options)
-        else:
-            raise ValueError(f"algorithm must be one of {_names()}, got {algorithm!r}")
+        pair = choose(algorithm, options)  # checks the name and the options now, before any launch
+        self.hook_state, self._hook = pair if pair is not None else (None, None)
+        if pair is None and ddp_kwargs:
+            raise ValueError(f"ddp_kwargs are torch DDP's; {algorithm!r} runs under DecentralizedDataParallel")
         self._resume: str | None = None  # this rank's lowbit file, set by load_checkpoint
         self._restored = False  # the wrapper restored this rank's optimizer too
         self._failure: BaseException | None = None  # on_exception's, for teardown
@@ -247,18 +239,6 @@ class LowbitStrategy(DDPStrategy):
         if self.uses_hook:
             return _hook_state_dict(self.hook_state)
         return None
-
-
-def _names() -> list[str]:
-    return sorted(set(ALGORITHMS) | set(HOOKS))
-
-
-def _check_wrapper_options(algorithm: str, options: dict) -> None:
-    """Refuse an option the wrapper and ``algorithm`` do not take (before any process starts)."""
-    from ..algorithms import from_options
-
-    own = {k: v for k, v in options.items() if k not in WRAPPER_OPTIONS}
-    from_options(algorithm, also=WRAPPER_OPTIONS, **own)
 
 
 def _hook_state_dict(state) -> dict:

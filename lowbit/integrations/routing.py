@@ -1,0 +1,44 @@
+"""Which way a lowbit method runs inside a trainer's DDP (Lightning's strategy, Accelerate's
+``prepare``): a DDP communication hook, or :class:`~lowbit.integrations.DecentralizedDataParallel`.
+
+:func:`choose` decides and checks the options at once, before any process group exists:
+a decentralized algorithm of :data:`lowbit.algorithms.ALGORITHMS` runs under the wrapper (it
+gossips models; no gradient all-reduce could carry it); a centralized one, a codec hook of
+:data:`~lowbit.integrations.ddp_hooks.HOOKS` (or its former spelling) or typed hook options run
+as :func:`~lowbit.integrations.ddp_hooks.make_hook`'s hook on torch DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..algorithms import ALGORITHMS, from_options
+from .ddp_hooks import make_hook
+from .ddp_hooks.names import RENAMED_HOOKS, hook_names
+from .ddp_hooks.options import HookOptions
+
+#: options the wrapper takes besides the algorithm's own
+WRAPPER_OPTIONS = ("topology", "overlap", "buffers", "sync_initial", "seed", "weights", "on_step")
+
+
+def method_names() -> list[str]:
+    """Every name :func:`choose` takes: the hook names and the decentralized algorithms."""
+    return hook_names() + [n for n, cls in ALGORITHMS.items() if cls.family != "centralized"]
+
+
+def choose(algorithm: str | HookOptions, options: dict[str, Any]) -> tuple | None:
+    """``(state, hook)`` of :func:`make_hook` for a hook, None for a decentralized algorithm
+    (its options and the wrapper's checked). ValueError for an unknown name (listing the
+    names) or an option the method does not take (naming those it takes)."""
+    if isinstance(algorithm, HookOptions):
+        return make_hook(algorithm, **options)
+    if not isinstance(algorithm, str):
+        raise ValueError(f"algorithm must be a name ({', '.join(method_names())}) or typed hook options "
+                         f"(lowbit.integrations.ddp_hooks.options), got {algorithm!r}")
+    cls = ALGORITHMS.get(algorithm)
+    if cls is not None and cls.family != "centralized":
+        from_options(algorithm, also=WRAPPER_OPTIONS, **{k: v for k, v in options.items() if k not in WRAPPER_OPTIONS})
+        return None
+    if cls is None and algorithm not in hook_names() and algorithm not in RENAMED_HOOKS:
+        raise ValueError(f"algorithm must be one of {', '.join(method_names())}, got {algorithm!r}")
+    return make_hook(algorithm, **options)
