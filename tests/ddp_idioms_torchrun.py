@@ -10,6 +10,7 @@ under DecentralizedDataParallel against torch's DistributedDataParallel in the s
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -148,7 +149,12 @@ def main(case: str) -> None:
         raise SystemExit(f"unknown case {case!r}")
     if dist.get_rank() == 0:
         print(json.dumps(res), flush=True)
-    dist.destroy_process_group()
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # not destroy_process_group(): its teardown at exit sometimes aborts a process after the
+    # work is done ("terminate called without an active exception"), which is not what is tested
+    os._exit(0)
 
 
 if __name__ == "__main__":

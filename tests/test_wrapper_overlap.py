@@ -90,19 +90,33 @@ def test_overlap_is_bit_identical(algorithm, options, forward, micro):
     assert not torch.equal(on[0][0], on[1][0])  # the workers' models differ: the comparison is not vacuous
 
 
-def test_finished_exchanges_are_not_kept():
-    """The table of each channel's exchange in flight forgets an exchange once it is waited
-    for: nothing of a finished step (its model copy, the algorithm) stays referenced."""
-    from lowbit.integrations import decentralized
+def test_finished_exchanges_are_not_kept(monkeypatch):
+    """Each wrapper holds only its exchange in flight, and forgets it once it is waited for:
+    nothing of a finished step (its model copy, the algorithm) stays referenced, and nothing
+    is kept at module level."""
+    import gc
+    import weakref
+
+    from lowbit.integrations import overlap
+
+    made, init = [], overlap.Exchange.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append((threading.get_ident(), weakref.ref(self)))  # made in the worker's thread
+
+    monkeypatch.setattr(overlap.Exchange, "__init__", recorded)
 
     def fn(t):
         net, ddp = _wrap(t)
         overlapped = _train(ddp, net, t, 3)
+        gc.collect()
+        mine = [ref for ident, ref in list(made) if ident == threading.get_ident()]
+        kept = ddp._exchange is not None or any(ref() is not None for ref in mine)  # the wrapper is alive
         ddp.close()
-        return overlapped
+        return overlapped, len(mine), kept
 
-    assert run_threads(N, fn) == [[1, 1, 1]] * N
-    assert decentralized._CHANNELS == {}
+    assert run_threads(N, fn) == [([1, 1, 1], 3, False)] * N
 
 
 def test_overlap_only_where_the_algorithm_allows_it():

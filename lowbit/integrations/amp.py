@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .decentralized import wrapper_of
+from .stepping import wrapper_of
 
 
 class GradScaler(torch.amp.GradScaler):
