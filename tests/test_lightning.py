@@ -133,3 +133,20 @@ def test_bad_options_are_refused_at_construction():
     typed = LowbitStrategy(QSGDMaxNormHook(bits=4))  # typed hook options, as make_hook takes them
     assert typed.uses_hook and typed.hook_state.codec.bits == 4
     assert LowbitStrategy("allreduce").bytes_sent == 0
+
+
+@pytest.mark.slow
+def test_lightning_own_launcher_runs_the_digits_example():
+    """devices=2 without torchrun: Lightning starts the second process by re-running the script."""
+    script = os.path.join(HERE, os.pardir, "examples", "lightning_digits.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, script, "--algorithm", "maxnorm", "--epochs", "2", "bits=4"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("maxnorm rank ")]
+    assert len(rows) == 2
+    sent = [int(r[r.index("bytes_sent") + 1]) for r in rows]
+    acc = [float(r[r.index("accuracy") + 1]) for r in rows]
+    fp32 = op_messages_and_bytes("all_reduce", 4 * 9610, 2)[1] * int(rows[0][-1])  # the MLP's 9,610 parameters
+    assert sent[0] == sent[1] and 0 < sent[0] < fp32 / 4
+    assert acc[0] == acc[1] > 0.85
