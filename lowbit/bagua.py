@@ -1,15 +1,18 @@
 """A Bagua-shaped entry point, so that Bagua code runs on lowbit with its
 import changed::
 
-    from lowbit.bagua import LowPrecisionDecentralizedAlgorithm, with_bagua
+    from lowbit.bagua import LowPrecisionDecentralizedAlgorithm
 
     algorithm = LowPrecisionDecentralizedAlgorithm()      # hierarchical=True, communication_interval=1
-    model = with_bagua(model, [optimizer], algorithm)     # Bagua: model.with_bagua([optimizer], algorithm)
+    model = model.with_bagua([optimizer], algorithm)      # as in Bagua
     ...
     loss.backward()
     optimizer.step()                                      # as in Bagua, the step hooks communicate
 
-``with_bagua`` returns a :class:`~lowbit.integrations.DecentralizedDataParallel`
+Importing this module installs ``torch.nn.Module.with_bagua``, as importing Bagua does (where
+a ``with_bagua`` attribute exists already, Bagua's own, it is left alone); the function
+:func:`with_bagua` (``with_bagua(model, [optimizer], algorithm)``) is the same without the
+method. ``with_bagua`` returns a :class:`~lowbit.integrations.DecentralizedDataParallel`
 running :class:`lowbit.algorithms.lowprec.LowPrecisionDecentralized`, which
 computes what Bagua's ``LowPrecisionDecentralizedAlgorithm`` computes: its
 MinMaxUInt8 quantizer per bucket (:class:`~lowbit.codecs.BaguaMinMaxCodec`;
@@ -18,18 +21,22 @@ each as Bagua's 10 MiB default), the ring with weights 1/3 (2 nodes: 1/3
 self, 2/3 peer), the step after ``optimizer.step()``, no model sent at step 0,
 ``hierarchical`` (average inside a node, ring of node leaders, broadcast back;
 a node is ``LOCAL_WORLD_SIZE`` consecutive ranks under torchrun, or
-``node_size``) and ``communication_interval``.
+``node_size``) and ``communication_interval``. With every rank on one node (one host under
+torchrun), ``hierarchical=True`` averages the whole model in fp32 inside the node and sends
+nothing quantized: ``with_bagua`` warns, naming ``hierarchical=False`` (8-bit gossip between
+the ranks).
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from .algorithms.lowprec import BAGUA_BUCKET_BYTES, LowPrecisionDecentralized
+from .algorithms.lowprec import BAGUA_BUCKET_BYTES, LowPrecisionDecentralized, default_node_size
 from .comm.base import Transport
 from .integrations.decentralized import DecentralizedDataParallel
 
@@ -78,8 +85,28 @@ def with_bagua(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
         raise ValueError("optimizers must be a list holding exactly one optimizer, as in with_bagua([optimizer], ...)")
     if not isinstance(algorithm, LowPrecisionDecentralizedAlgorithm):
         raise ValueError(f"algorithm must be a lowbit.bagua.LowPrecisionDecentralizedAlgorithm, got {algorithm!r}")
-    return DecentralizedDataParallel(model, optimizers[0], algorithm.build(trainable_sizes(model)), topology="ring",
-                                     transport=transport, buffers=buffers, seed=algorithm.seed)
+    ddp = DecentralizedDataParallel(model, optimizers[0], algorithm.build(trainable_sizes(model)), topology="ring",
+                                    transport=transport, buffers=buffers, seed=algorithm.seed)
+    n = ddp.transport.world_size
+    node = default_node_size(ddp.transport) if algorithm.node_size is None else algorithm.node_size
+    if algorithm.hierarchical and n > 1 and node == n:
+        warnings.warn(f"hierarchical=True with all {n} ranks on one node (node_size {node}): the model is averaged "
+                      f"in fp32 inside the node and nothing is sent quantized: about twice the bytes of 8-bit "
+                      f"gossip (rank 0 sends 32 bits per element per step on 2 ranks, 96 on 4, against 16 with "
+                      f"hierarchical=False); pass LowPrecisionDecentralizedAlgorithm(hierarchical=False) to gossip 8-bit "
+                      f"between the ranks", UserWarning, stacklevel=2)
+    return ddp
+
+
+def _module_with_bagua(self: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                       algorithm: LowPrecisionDecentralizedAlgorithm, **options) -> DecentralizedDataParallel:
+    """Bagua's ``model.with_bagua([optimizer], algorithm)``: :func:`with_bagua` of this module
+    (``transport``, ``buffers`` as there)."""
+    return with_bagua(self, optimizers, algorithm, **options)
+
+
+if not hasattr(nn.Module, "with_bagua"):  # Bagua's own, when Bagua is imported too, stays
+    nn.Module.with_bagua = _module_with_bagua
 
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "with_bagua", "trainable_sizes"]

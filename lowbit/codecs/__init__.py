@@ -52,7 +52,7 @@ RENAMED = {"half": "fp16", "qsgd_maxnorm": "qsgd-maxnorm", "qsgd_maxnorm_multisc
            "bagua_minmax": "bagua-minmax"}
 
 #: The capabilities a codec class declares, which :func:`codec_names` selects on
-CAPABILITIES = ("summable", "gatherable", "float_wire", "replica_safe", "kernel_family", "dither_on_decode", "kind")
+CAPABILITIES = ("summable", "gatherable", "float_wire", "replica_safe", "kernel_family")
 
 
 def codec_name(name: str) -> str:

@@ -57,6 +57,7 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     finally:
         state._drain(t, bidx)
         state._finish_bucket(is_last)
+    state._check_saving(bidx, fp32_sent, world)
 
     def write(avg):
         if ef:

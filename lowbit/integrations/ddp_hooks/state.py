@@ -3,6 +3,7 @@ the helpers every wire family shares."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -141,6 +142,10 @@ class LowbitHookState:
             if not (isinstance(codec, RandKCodec) and 0 < kept < 1):
                 raise ValueError(f"kept (a fraction in (0, 1) of each bucket) is for a global RandK codec, "
                                  f"got {kept!r} with {type(codec).__name__}")
+        if sum_dtype == torch.int16:
+            raise ValueError("sum_dtype=int16: neither gloo nor NCCL all-reduces int16 (it would travel as int32); "
+                             "valid: int8, int32, int64, or None for the narrowest that cannot overflow (in summable "
+                             "lanes where those are smaller)")
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {seed!r}")
         if error_feedback is None:
@@ -168,6 +173,7 @@ class LowbitHookState:
         self.bucket_numel: dict[int, int] = {}
         self.memory_resets = 0
         self.powersgd_resets = 0
+        self.saves_nothing_warned = False
         self._step_bytes = 0
         # error memory: per bucket {index: (signature, tensor)} or per parameter {name: tensor}
         self.bucket_memory: dict[int, tuple[tuple, torch.Tensor]] = {}
@@ -204,6 +210,7 @@ class LowbitHookState:
     def __setstate__(self, d: dict) -> None:
         d.setdefault("nonfinite", "raise")  # a state pickled before the option
         d.setdefault("per_layer", False)
+        d.setdefault("saves_nothing_warned", False)
         self.__dict__.update(d)
 
     # --- helpers used by the hook ---------------------------------------------------------
@@ -267,6 +274,20 @@ class LowbitHookState:
                 self.param_memory[name] = e[off:off + size].clone()
         else:
             self.bucket_memory[bucket_index] = (sig, e)
+
+    def _check_saving(self, bucket: int, fp32_sent: int, world: int) -> None:
+        """Warn once when a compressing hook sent a bucket in as many bytes as plain fp32 would."""
+        sent = self.bucket_bytes.get(bucket, 0)
+        if self.saves_nothing_warned or self.method in ("allreduce-float", "algorithm") or not 0 < fp32_sent <= sent:
+            return
+        self.saves_nothing_warned = True
+        why = {"allgather": f"an all-gather sends the {world - 1} other ranks' payloads whole, where the fp32 "
+                            f"all-reduce's ring sends 2(N-1)/N of the bucket",
+               "powersgd": "the rank-r factors of these shapes are as large as the matrices"}.get(
+            self.method, f"the sum of {world} ranks' integer codes needs as many bits per element as a float32")
+        warnings.warn(f"{self.codec!r} sent {sent} bytes for a bucket of {self.bucket_numel.get(bucket)} elements, "
+                      f"as many as fp32 (which sends {fp32_sent}): it saves nothing here, since {why}; use fewer "
+                      f"bits (or the fp16 hook)", RuntimeWarning, stacklevel=3)
 
     def _finish_bucket(self, is_last: bool) -> None:
         if is_last:
