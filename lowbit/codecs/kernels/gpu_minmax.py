@@ -42,7 +42,7 @@ def _minmax_decode_kernel(codes_ptr, out_ptr, n, scale_ptr, lo_ptr, BLOCK_: tl.c
 
 
 def minmax_range(x: torch.Tensor) -> tuple[float, float, bool]:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.minmax_range`: ``(min, max, finite)`` of ``x`` in one pass
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_minmax.minmax_range`: ``(min, max, finite)`` of ``x`` in one pass
     (min/max over the finite elements)."""
     from .gpu import stats
     lo, hi, _, _, finite = stats(x.detach())
@@ -51,7 +51,7 @@ def minmax_range(x: torch.Tensor) -> tuple[float, float, bool]:
 
 
 def minmax_encode(x: torch.Tensor, lo: float, scale: float, bits: int, stochastic: bool, key: int) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.minmax_encode`: ``clamp(round((x - lo) * scale), 0, 2^bits -
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_minmax.minmax_encode`: ``clamp(round((x - lo) * scale), 0, 2^bits -
     1)`` packed ``bits`` each."""
     x = x.detach().contiguous()
     n = x.numel()
@@ -65,7 +65,7 @@ def minmax_encode(x: torch.Tensor, lo: float, scale: float, bits: int, stochasti
 
 
 def minmax_decode(data: torch.Tensor, bits: int, n: int, lo: float, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.minmax_decode`: ``unpack(data) / scale + lo`` as ``dtype``
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_minmax.minmax_decode`: ``unpack(data) / scale + lo`` as ``dtype``
     (``scale > 0``; the caller handles ``scale == 0``)."""
     codes = unpack(data, bits, n)
     out = torch.empty(n, dtype=dtype, device=data.device)

@@ -342,7 +342,7 @@ def _modulo_codes(x: torch.Tensor, B: float, levels: int, stochastic: bool,
 
 
 def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: int) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu.modulo_encode`: Moniqua's codes (uint8) of ``x`` modulo ``B`` on
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_modulo.modulo_encode`: Moniqua's codes (uint8) of ``x`` modulo ``B`` on
     ``levels`` levels: eq. (5), rounding stochastic with the stream ``key`` or to nearest."""
     codes, flag = _modulo_codes(x.detach().contiguous(), B, levels, stochastic, key)
     raise_if_flagged(flag, "modulo")
@@ -350,7 +350,7 @@ def modulo_encode(x: torch.Tensor, B: float, levels: int, stochastic: bool, key:
 
 
 def modulo_decode(codes: torch.Tensor, B: float, levels: int, ref: torch.Tensor) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu.modulo_decode`: the point of the ``codes`` closest to ``ref`` on
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_modulo.modulo_decode`: the point of the ``codes`` closest to ``ref`` on
     the grid modulo ``B`` (eq. (5) decoded against the receiver's model)."""
     y = ref.detach().contiguous()
     n = codes.numel()

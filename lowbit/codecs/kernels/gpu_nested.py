@@ -69,7 +69,7 @@ def _nested_decode_kernel(codes_ptr, y_ptr, out_ptr, n, alpha, delta1, delta2, i
 
 
 def nested_encode(x: torch.Tensor, alpha: float, delta1: float, k: int, bits: int, key: int):
-    """``(codes, all finite, max |fine index|)`` of NDQSG's eq. (6) (as :mod:`.cpu_dither`:
+    """``(codes, all finite, max |fine index|)`` of NDQSG's eq. (6) (as :mod:`.cpu_nested`:
     the maximum is exact when it reaches the limit, else only known to be below it); the
     scalars come from one host read. Beyond ``2^24`` (float32) or ``2^52`` (float64) the index is not
     exact: the codec raises, and the codes are then meaningless."""

@@ -64,7 +64,7 @@ def sign_encode(x: torch.Tensor, order: int) -> tuple[torch.Tensor, float, bool]
 
 
 def sign_decode(data: torch.Tensor, n: int, c: float, dtype: torch.dtype) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.sign_decode`: ``+c`` for a bit 1 (x_i >= 0), ``-c`` for a
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_sign.sign_decode`: ``+c`` for a bit 1 (x_i >= 0), ``-c`` for a
     bit 0, as ``dtype``, from ``n`` packed sign bits."""
     out = torch.empty(n, dtype=dtype, device=data.device)
     if n:

@@ -59,7 +59,7 @@ def _terngrad_decode_kernel(data_ptr, out_ptr, bad_ptr, n, nbytes, scale_ptr, BL
 
 
 def terngrad_max_abs(x: torch.Tensor) -> tuple[float, bool]:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.terngrad_max_abs`: ``(max |x|, finite)`` in one pass."""
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_terngrad.terngrad_max_abs`: ``(max |x|, finite)`` in one pass."""
     from .gpu import stats
     _, _, amax, _, finite = stats(x.detach())
     amax, finite = torch.stack([amax.double(), finite.double()]).tolist()  # the one host read
@@ -67,7 +67,7 @@ def terngrad_max_abs(x: torch.Tensor) -> tuple[float, bool]:
 
 
 def terngrad_encode(x: torch.Tensor, scale: float, key: int) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.terngrad_encode`: Packed codes for ``scale`` = max|x|
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_terngrad.terngrad_encode`: Packed codes for ``scale`` = max|x|
     rounded up to float32 (``0``: every ``x_i`` is 0)."""
     x = x.detach().contiguous()
     n = x.numel()
@@ -81,7 +81,7 @@ def terngrad_encode(x: torch.Tensor, scale: float, key: int) -> torch.Tensor:
 
 
 def terngrad_decode(data: torch.Tensor, n: int, scale: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.terngrad_decode`: ``(decoded, valid)``: valid is False when
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_terngrad.terngrad_decode`: ``(decoded, valid)``: valid is False when
     a byte holds more than its trits can."""
     out = torch.empty(n, dtype=dtype, device=data.device)
     if not n:

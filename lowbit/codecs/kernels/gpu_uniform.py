@@ -62,7 +62,7 @@ def _uniform_codes_torch(x: torch.Tensor, step: float, stochastic: bool, key: in
 
 
 def uniform_codes(x: torch.Tensor, step: float, stochastic: bool, key: int):
-    """See :func:`.cpu_plain.uniform_codes`; here the codes minus ``base`` are int32."""
+    """See :func:`.cpu_uniform.uniform_codes`; here the codes minus ``base`` are int32."""
     from .gpu import stats
     x = x.detach().contiguous()
     lo, hi, _, _, finite = stats(x)
@@ -85,14 +85,14 @@ def uniform_codes(x: torch.Tensor, step: float, stochastic: bool, key: int):
 
 
 def uniform_pack(codes: torch.Tensor, shift: int, b: int) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.uniform_pack`: ``codes - shift`` (each then < 2^b, checked
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_uniform.uniform_pack`: ``codes - shift`` (each then < 2^b, checked
     by the caller) packed ``b`` bits each."""
     rel = codes - shift if shift else codes
     return pack(rel.to(torch.uint8) if b <= 8 else rel.to(torch.int64), b)
 
 
 def uniform_decode(data: torch.Tensor, b: int, n: int, offset: int, step: float, dtype: torch.dtype) -> torch.Tensor:
-    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_plain.uniform_decode`: ``(codes + offset) * step`` as ``dtype``
+    """CUDA twin of :func:`lowbit.codecs.kernels.cpu_uniform.uniform_decode`: ``(codes + offset) * step`` as ``dtype``
     from ``n`` codes of ``b`` bits."""
     codes = unpack(data, b, n, torch.uint8 if b <= 8 else torch.int64)
     out = torch.empty(n, dtype=dtype, device=data.device)
