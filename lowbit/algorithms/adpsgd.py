@@ -51,9 +51,8 @@ gradient is applied, which is the staleness the schedule decides). The
 torch runtime ignores the schedule: real time orders the exchanges, and the
 partner choice is the same seeded draw.
 
-Variants: the two share the exchange and differ by their codec only
-(``ADPSGD.codec``: fp32; ``MoniquaAsync.codec``: the modulo codec of its
-``bits``, ``theta`` and ``rounding``).
+Variants: the two share the exchange and differ by their codec only (``ADPSGD.codec``:
+fp32; ``MoniquaAsync.codec``: the modulo codec of its ``bits``, ``theta``, ``rounding``).
 
 Memory: no state tensor between steps (extra_memory_bytes 0, as Moniqua's
 Table 1 and AD-PSGD); the state counts the exchanges of each side. During one

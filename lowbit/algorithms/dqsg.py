@@ -29,40 +29,23 @@ sent in front of the nested payload) against the side information
 ``g_bar / kappa_p``; ``Delta1`` and Theorem 6's ``sigma_z`` are therefore in
 units of ``kappa_p``.
 
-The default (the auto setting: ``--algorithm ndqsg`` with no nested option) is
-the paper's recommendation after Theorem 6: the nested quantizer keeps DQSG's
-variance while it sends ``log2(Delta2 / Delta1)`` bits instead of about
-``log2(2 / Delta)``, provided ``Delta2`` is wide enough for the side
-information's noise ``sigma_z``. So:
+The default (the auto setting: ``--algorithm ndqsg`` with no nested option) is the
+paper's recommendation after Theorem 6: the nested quantizer keeps DQSG's variance while
+it sends ``log2(Delta2 / Delta1)`` bits instead of about ``log2(2 / Delta)``, provided
+``Delta2`` is wide enough for the side information's noise ``sigma_z``. So:
 
-* ``P1`` is DQSG at the run's ``M`` (``bits = 2``: ``M = 1``, 3 levels, what
-  ``--algorithm dqsg`` sends by default); half the workers are in ``P2``.
-* ``k = 2`` (one bit): with 3 DQSG levels, ``k = 2`` is the only nested quantizer
-  that sends fewer bits than DQSG.
-* ``Delta1`` and ``Delta2 = k Delta1`` come from Theorem 6 at every step, with
-  ``alpha = 1``: the remark after Theorem 6 gives DQSG's variance at step
-  ``Delta1`` (eq. (9)) for ``alpha = 1`` and for the matched ``alpha = sqrt(1 -
-  Delta1^2 / (12 sigma_z^2))`` alike; ``alpha = 1`` keeps each correctly decoded
-  gradient unbiased (``g^_p = g_p - e``), where the matched one shrinks it towards
-  ``g_bar`` by ``(1 - alpha^2) z``, which cost 4 points of accuracy on
-  fashion-fc300 with 4 workers (docs/RESULTS.md). ``Delta1`` is the smallest whose
-  decoding-failure probability ``Pr(|z + u| > Delta2 / 2)`` is ``nested_failure``
-  (0.001) for Gaussian ``z`` (the paper's model of SG noise, its footnote 2; the
-  Chebyshev bound (8) cannot go below ``1 / (3 k^2) = 1/12`` at ``k = 2``).
-  :func:`theorem6_codec`.
-* ``sigma_z`` is measured, not assumed: after decoding a ``P2`` payload against
-  ``g_bar``, the decoder knows ``g^_p - g_bar = alpha (alpha z - e)`` and inverts
-  its mean square for ``sigma_z`` (:func:`measured_sigma`); the worker uses the
-  value of the previous step. With ``server="allgather"`` every rank decodes
-  every payload, so each ``P2`` worker knows its own; with ``"ps"`` the server
-  appends the ``n2`` values (float32) to the average it broadcasts. Before the
-  first measurement (the first step, or a restart without the checkpointed
-  value) a ``P2`` worker sends a DQSG payload.
-* A ``P2`` payload of the auto setting starts with ``(Delta1, alpha)`` as float32
-  (8 bytes; ``Delta1 = 0`` marks a DQSG payload), so its decoder needs no state.
-
-Measured on digits, 8 workers, 300 steps, seeds 0-2 (docs/RESULTS.md): 25%
-fewer bytes than ``--algorithm dqsg``, test accuracy within 1 point.
+* ``P1`` is DQSG at the run's ``M`` (``bits = 2``: ``M = 1``, 3 levels); half the
+  workers are in ``P2``, with ``k = 2`` (one bit: the only nested quantizer that sends
+  fewer bits than 3 DQSG levels).
+* ``Delta1`` and ``Delta2 = k Delta1`` come from Theorem 6 every step (:func:`theorem6_codec`),
+  with ``alpha = 1`` (DQSG's variance at step ``Delta1`` as for the matched alpha, and each
+  correctly decoded gradient unbiased): ``Delta1`` is the smallest whose decoding-failure
+  probability ``Pr(|z + u| > Delta2 / 2)`` is ``nested_failure`` for Gaussian ``z``.
+* ``sigma_z`` is measured: the decoder inverts the mean square of ``g^_p - g_bar =
+  alpha (alpha z - e)`` (:func:`measured_sigma`) and the worker uses the previous step's
+  (``"ps"``: the server appends the ``n2`` values to the average it broadcasts). Before
+  the first measurement a ``P2`` worker sends a DQSG payload. An auto payload starts with
+  ``(Delta1, alpha)`` as float32 (``Delta1 = 0``: DQSG follows): no decoder state.
 
 ``--nested-delta1`` (with ``--nested-k``, ``--nested-alpha``) gives a fixed
 codec instead: the paper's Figure 6 setting is ``M = 2`` (``Delta = 0.5``) for
@@ -111,6 +94,28 @@ LEVELS_OPT = Option("levels", None, "DQSG/NDQSG: M (2M+1 indices, Delta = 1/M); 
                     "2M+1 <= 2^bits", int | None)
 
 
+def dqsg_field():
+    """The ``levels`` field of DQSG and NDQSG: ``levels``, or the largest M that ``bits`` holds."""
+    return reads(BITS, LEVELS_OPT, build=lambda cls, cfg: dqsg_levels(cfg.levels, cfg.bits), default=1)
+
+
+def dqsg_codec(levels: int) -> DitheredCodec:
+    """DQSG's quantizer (NDQSG's P1): ``M = levels``, subtractive dither."""
+    return DitheredCodec(levels=levels, subtractive=True)
+
+
+def dqsg_encode(codec: DitheredCodec, ctx, k: int, g: torch.Tensor) -> Payload:
+    """Algorithm 1, worker p at step k: ``kappa_p`` and the indices of ``g`` with the dither ``u_p``
+    drawn from ``shared_generator(seed, k, p)``."""
+    return codec.encode(g, generator=shared_generator(ctx.seed, k, ctx.rank))
+
+
+def dqsg_decode(codec: DitheredCodec, ctx, k: int, sender: int, wire: torch.Tensor) -> torch.Tensor:
+    """Algorithm 1, the server: ``sender``'s gradient in float64, its dither ``u_p`` regenerated."""
+    gen = shared_generator(ctx.seed, k, sender)
+    return codec.decode(codec.payload_from_wire(wire), generator=gen, dtype=torch.float64)
+
+
 @dataclass(frozen=True)
 class DQSG(GatheredAlgorithm):
     """DQSG: every worker sends its gradient quantized with a random dither that the server
@@ -123,7 +128,7 @@ class DQSG(GatheredAlgorithm):
     Algorithm 1 of the paper: ``DitheredCodec``, the dither ``u_p`` from ``shared_generator(seed,
     k, p)``."""
 
-    levels: int = reads(BITS, LEVELS_OPT, build=lambda cls, cfg: dqsg_levels(cfg.levels, cfg.bits), default=1)
+    levels: int = dqsg_field()
     name = "dqsg"
 
     def __post_init__(self):
@@ -132,18 +137,17 @@ class DQSG(GatheredAlgorithm):
 
     @property
     def codec(self) -> DitheredCodec:
-        """P1's (DQSG's) quantizer: ``M`` levels, subtractive dither."""
-        return DitheredCodec(levels=self.levels, subtractive=True)
+        """The quantizer: ``M`` levels, subtractive dither."""
+        return dqsg_codec(self.levels)
 
     def nominal_bits_per_element(self):
         return float(self.codec.bits)
 
     def encode(self, state, ctx, k, g):
-        return self.codec.encode(g, generator=shared_generator(ctx.seed, k, ctx.rank))
+        return dqsg_encode(self.codec, ctx, k, g)
 
     def decode(self, ctx, k, sender, wire):
-        gen = shared_generator(ctx.seed, k, sender)  # the server regenerates u_p
-        return self.codec.decode(self.codec.payload_from_wire(wire), generator=gen, dtype=torch.float64)
+        return dqsg_decode(self.codec, ctx, k, sender, wire)
 
 
 def nested_group_size(world_size: int, fraction) -> int:
@@ -263,7 +267,7 @@ class NDQSGState(State):
 
 
 @dataclass(frozen=True)
-class NDQSG(DQSG):
+class NDQSG(GatheredAlgorithm):
     """NDQSG: like DQSG, but a group of workers sends fewer bits with a nested (coarse-modulo)
     dithered quantizer that the server decodes against the average of the gradients it has
     already decoded (side information).
@@ -275,6 +279,7 @@ class NDQSG(DQSG):
     ``failure``: the auto setting's per-element decoding-failure target. ``server``: see
     :class:`GatheredAlgorithm`. Algorithm 2 of the paper; see the module docstring."""
 
+    levels: int = dqsg_field()
     nested: NestedDitheredCodec | None = reads(NESTED_DELTA1_OPT, NESTED_K_OPT, NESTED_ALPHA_OPT, NESTED_SIGMA_OPT,
                                                NESTED_FAILURE_OPT, build=_nested_from, default=None)
     nested_fraction: float = reads(NESTED_FRACTION_OPT, default=0.5)
@@ -286,11 +291,24 @@ class NDQSG(DQSG):
 
     def __post_init__(self):
         super().__post_init__()
+        dqsg_levels(self.levels, None)
         if self.nested is not None and not isinstance(self.nested, NestedDitheredCodec):
             raise ValueError(f"nested must be a NestedDitheredCodec or None (auto), got {type(self.nested).__name__}")
         if self.nested is not None:
             object.__setattr__(self, "k", self.nested.k)  # the fixed codec's k
         object.__setattr__(self, "failure", float(self.failure))
+
+    @property
+    def codec(self) -> DitheredCodec:
+        """P1's quantizer: DQSG's, ``M`` levels, subtractive dither."""
+        return dqsg_codec(self.levels)
+
+    def nominal_bits_per_element(self):
+        return float(self.codec.bits)
+
+    def decode(self, ctx, k, sender, wire):
+        """A P1 payload (DQSG's)."""
+        return dqsg_decode(self.codec, ctx, k, sender, wire)
 
     @property
     def auto(self) -> bool:
@@ -329,11 +347,11 @@ class NDQSG(DQSG):
 
     def encode(self, state, ctx, k, g):
         if not self.in_p2(ctx, ctx.rank):
-            return super().encode(state, ctx, k, g)
+            return dqsg_encode(self.codec, ctx, k, g)
         if not self.auto:
             return self._encode_nested(ctx, k, g, self.nested)
         if state.sigma_z is None:  # nothing measured yet: this step's payload is DQSG's
-            inner, d1, alpha = super().encode(state, ctx, k, g), 0.0, 0.0
+            inner, d1, alpha = dqsg_encode(self.codec, ctx, k, g), 0.0, 0.0
         else:
             codec = theorem6_codec(state.sigma_z, self.k, self.failure)
             inner, d1, alpha = self._encode_nested(ctx, k, g, codec), codec.delta1, codec.alpha
