@@ -284,3 +284,37 @@ def test_sync_initial_warns_when_it_replaces_a_rank_s_state(differ):
     mine = [str(w.message) for w in caught if issubclass(w.category, InitialStateReplaced)]
     assert len(mine) == (1 if differ else 0)  # rank 1 only: rank 0 keeps its own
     assert all(m.startswith("rank 1: sync_initial=True replaced") for m in mine)
+
+
+@pytest.mark.parametrize("algorithm", ["allreduce", "dpsgd"])
+def test_grad_scaler_with_clipping_on_threads(algorithm):
+    """unscale_, ddp.clip_grad_norm_, scaler.step: the overflow of rank 1 at step 2 is every
+    rank's skipped step (agreed at unscale_, before the clip communicates), and the steps after
+    it communicate and clip as usual."""
+    from lowbit.integrations import GradScaler
+
+    def fn(t):
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.3)
+        ddp = DecentralizedDataParallel(net, opt, algorithm, transport=t)
+        scaler = GradScaler("cpu", init_scale=256.0, growth_interval=100)
+        taken = []
+        for k in range(5):
+            opt.zero_grad()
+            loss = _loss(ddp, t.rank, k) * (float("inf") if (t.rank == 1 and k == 2) else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            ddp.clip_grad_norm_(0.5)
+            before = ddp.step_count
+            scaler.step(opt)
+            scaler.update()
+            taken.append(ddp.step_count > before)
+        finite = bool(torch.isfinite(ddp.flat.data).all())
+        ddp.close()
+        return taken, float(scaler.get_scale()), finite, ddp.flat.data.clone()
+
+    res = run_threads(N, fn)
+    assert [r[0] for r in res] == [[True, True, False, True, True]] * N
+    assert [r[1] for r in res] == [128.0] * N and all(r[2] for r in res)
+    if algorithm == "allreduce":
+        assert torch.equal(res[0][3], res[1][3])  # the replicas stayed equal

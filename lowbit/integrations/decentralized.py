@@ -160,8 +160,11 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         self.on_step = on_step
         self._closed = False
         self._in_step: tuple[int, float] | None = None  # (k, lr) between the optimizer's pre- and post-hook
-        self._skip_agreed: bool | None = None  # agree_skip()'s answer for the step in progress
-        self._early = False  # clip_grad_norm_ ran this step's communication (the pre-hook then does not)
+        # the backward passes (guard.passes) at which agree_skip() agreed to skip / clip_grad_norm_ ran the
+        # step's communication (the pre-hook then does not): valid for those gradients only, not after
+        # another backward (a step skipped by a scaler that does not agree, then the next one)
+        self._skip_agreed: int | None = None
+        self._early: int | None = None
         self._no_sync = False  # inside no_sync()
         self._last_stats: dict[str, float] = {}
         self._totals = LedgerTotals()
@@ -217,10 +220,9 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
                 raise RuntimeError("optimizer.step() inside ddp.no_sync(): no_sync() is for gradient accumulation "
                                    "(the backward passes inside it add up; the algorithm communicates at the "
                                    "optimizer.step() after the block); a step inside it would be a local step")
-            if not self._early:
+            if self._early != self.algorithm.guard.passes:
                 self._pre_step_body()
-            self._early = False
-            self._skip_agreed = None
+            self._early = self._skip_agreed = None
             return replaced
 
     @contextlib.contextmanager
@@ -253,9 +255,9 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         flag = torch.tensor([1.0 if skip else 0.0], device=self.flat.data.device)
         with self.transport.untracked():
             agreed = bool(self.transport.all_reduce(flag, "max").item() > 0)
-        self._skip_agreed = agreed
-        if agreed and self._early:  # the communication clip_grad_norm_ ran for this step is dropped
-            self._in_step, self._early = None, False
+        self._skip_agreed = self.algorithm.guard.passes if agreed else None
+        if agreed and self._early is not None:  # the communication clip_grad_norm_ ran for this step is dropped
+            self._in_step = self._early = None
         return agreed
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -280,10 +282,11 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         parameters (trainable ones the optimizer does not hold) are clipped with the others."""
         if self._closed:
             raise RuntimeError("clip_grad_norm_() after close()")
-        if self.algorithm.family == "centralized" and not self._early and not self._skip_agreed:
+        passes = self.algorithm.guard.passes
+        if self.algorithm.family == "centralized" and passes not in (self._early, self._skip_agreed):
             with self._refusals():
                 self._pre_step_body()
-            self._early = True
+            self._early = passes
         return torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], max_norm,
                                               norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
