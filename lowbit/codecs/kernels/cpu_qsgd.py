@@ -16,7 +16,7 @@ import torch
 
 from ..qsgd import exact_ratio as ratio
 from . import empty_output
-from .cpu import _inline, _jit, as_numba, keys, uniform
+from .cpu import _inline, _jit, _out_dtype, as_numba, keys, uniform
 from .cpu_maxnorm import _norm_stats
 
 __all__ = ["code_dtype", "host_values", "ratio", "qsgd_sumsq", "qsgd_encode", "qsgd_decode"]
@@ -35,7 +35,7 @@ def host_values(*values) -> tuple:
 def _out_buffer(n: int, dtype: torch.dtype) -> torch.Tensor:
     """Decode output: float32/float64 written directly; other dtypes (half types) are
     written in float64 and converted once, as the reference converts."""
-    return empty_output(n, dtype if dtype in (torch.float32, torch.float64) else torch.float64)
+    return empty_output(n, _out_dtype(dtype))
 
 
 # --- kernels ------------------------------------------------------------------------------------
