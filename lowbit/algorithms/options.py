@@ -23,11 +23,12 @@ from __future__ import annotations
 import re
 from dataclasses import field, fields, make_dataclass
 
-from ..codecs import CODECS, ROUNDINGS, Codec, codec_name
+from ..codecs import CODECS, Codec, codec_name
 from . import ALGORITHMS
 from .config import CODEC, Option, options_of
 
 __all__ = ["AlgorithmOptions", "algorithm_table", "all_options", "first_sentence", "opt"]
+
 
 def opt(default, help: str, **meta):
     """A dataclass field of an options table: its default, its help text and CLI metadata."""
