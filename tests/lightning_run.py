@@ -7,7 +7,7 @@ the first epoch's checkpoint (run B), and write what each rank saw to OUT/<case>
 
 A spec: ``name`` (the case), ``algorithm`` (a LowbitStrategy name, or ``"ddp"`` for Lightning's
 plain DDPStrategy), ``options``, and optionally ``precision``, ``accumulate``, ``clip``,
-``epochs``, ``resume`` (default true).
+``epochs``, ``sync_dist`` (log the loss with ``sync_dist=True``), ``resume`` (default true).
 """
 
 import json
@@ -36,15 +36,19 @@ def data():
 
 
 class Net(LightningModule):
-    def __init__(self, seed):
+    def __init__(self, seed, sync_dist=False):
         super().__init__()
+        self.sync_dist = sync_dist  # log the loss with a collective of Lightning's inside training_step
         torch.manual_seed(seed)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.last_grad = None
 
     def training_step(self, batch, _):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x).float(), y)
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        if self.sync_dist:
+            self.log("train_loss", loss, sync_dist=True)
+        return loss
 
     def on_before_optimizer_step(self, optimizer):
         self.last_grad = torch.cat([p.grad.detach().flatten().float() for p in self.parameters()])
@@ -77,7 +81,7 @@ def fit(spec, out, seed, ckpt=None):
                       **precision, accumulate_grad_batches=spec.get("accumulate", 1),
                       gradient_clip_val=spec.get("clip"), callbacks=[rec, cb], enable_progress_bar=False,
                       logger=False, enable_model_summary=False, num_sanity_val_steps=0)
-    model = Net(seed)
+    model = Net(seed, sync_dist=spec.get("sync_dist", False))
     trainer.fit(model, data(), ckpt_path=ckpt)
     params = torch.cat([p.detach().flatten().float() for p in model.parameters()])
     return {"losses": rec.losses, "bytes": rec.bytes, "params": params.tolist(),

@@ -25,7 +25,7 @@ STEPS = 8  # two epochs of 4 steps per rank
 CASES = [
     {"name": "ddp", "algorithm": "ddp", "clip": 0.05, "resume": False},  # Lightning's own DDP, the reference
     {"name": "allreduce", "algorithm": "allreduce", "clip": 0.05},
-    {"name": "dpsgd", "algorithm": "dpsgd", "precision": "16-mixed"},
+    {"name": "dpsgd", "algorithm": "dpsgd", "precision": "16-mixed", "sync_dist": True},
     {"name": "maxnorm", "algorithm": "maxnorm", "options": {"bits": 4, "seed": 3}, "precision": "bf16-mixed",
      "accumulate": 2},
     {"name": "moniqua", "algorithm": "moniqua", "options": {"bits": 2, "theta": 0.5}, "accumulate": 2,

@@ -29,7 +29,9 @@ options (:mod:`lowbit.integrations.routing` decides the way).
 * Decentralized algorithms: the model is moved to ``accelerator.device`` and wrapped in
   :class:`~lowbit.integrations.DecentralizedDataParallel` (not in torch DDP), the optimizer and
   the other objects go through ``accelerator.prepare``; ``comm`` is the wrapper (which is also the
-  returned model). The wrapper communicates in ``optimizer.step()``; there is no averaged
+  returned model), on a process group of its own (:func:`~lowbit.integrations.routing.own_transport`:
+  ``accelerator.gather`` and the like never interleave with its exchanges;
+  ``accelerator.end_training()`` destroys it with the others). The wrapper communicates in ``optimizer.step()``; there is no averaged
   gradient, so ``accelerator.clip_grad_norm_`` clips each rank's own; ``accelerator.accumulate``
   uses the wrapper's ``no_sync()``. Under mixed precision the wrapper's forward runs in
   ``accelerator.autocast()`` and an fp16 scaler becomes :class:`lowbit.integrations.GradScaler`
@@ -50,7 +52,7 @@ from torch import nn
 from .amp import GradScaler
 from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
-from .routing import choose
+from .routing import choose, own_transport
 
 
 def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimizer, *others: Any,
@@ -74,7 +76,7 @@ def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimiz
             model.register_comm_hook(state, hook)
         return (model, optimizer, *others, state)
     model.to(accelerator.device)  # in place: the optimizer's parameters stay the module's
-    wrapper = DecentralizedDataParallel(model, optimizer, algorithm, **options)
+    wrapper = DecentralizedDataParallel(model, optimizer, algorithm, transport=own_transport(), **options)
     if accelerator.mixed_precision != "no":
         wrapper.forward = accelerator.autocast()(wrapper.forward)
     scaler = accelerator.scaler

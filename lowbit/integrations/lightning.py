@@ -21,7 +21,8 @@ that entry point takes (:mod:`lowbit.integrations.routing` decides the way).
   GradScaler sees the same inf on every rank.
 * Decentralized algorithms (``dpsgd``, ``moniqua``, ``choco``...) run under
   :class:`~lowbit.integrations.DecentralizedDataParallel`, which wraps the LightningModule and its
-  one optimizer. There is no averaged gradient: each rank applies its own, so
+  one optimizer, on a process group of its own (a metric logged with ``sync_dist=True`` in
+  ``training_step`` cannot interleave with the wrapper's exchange). There is no averaged gradient: each rank applies its own, so
   ``gradient_clip_val`` clips each rank's local gradient (what a decentralized method with
   clipping does, and what the wrapper's ``clip_grad_norm_`` does for them). Lightning's closure
   runs in the optimizer's step, before the wrapper communicates; accumulation runs in the
@@ -62,7 +63,7 @@ from .amp import GradScaler
 from .checkpoint import load_checkpoint, save_checkpoint
 from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
-from .routing import choose
+from .routing import choose, own_transport
 #: the hook state's counters saved in a hook run's per-rank file
 _HOOK_COUNTERS = ("step", "bytes_sent", "messages", "fp32_bytes_sent", "last_step_bytes", "memory_resets",
                   "powersgd_resets")
@@ -104,6 +105,7 @@ class LowbitStrategy(DDPStrategy):
         self._resume: str | None = None  # this rank's lowbit file, set by load_checkpoint
         self._restored = False  # the wrapper restored this rank's optimizer too
         self._failure: BaseException | None = None  # on_exception's, for teardown
+        self._group = None  # the wrapper's process group
 
     # ---- what runs ----------------------------------------------------------------------
     @property
@@ -136,7 +138,12 @@ class LowbitStrategy(DDPStrategy):
         if len(self.optimizers) != 1:
             raise ValueError(f"{self.algorithm!r} runs under DecentralizedDataParallel, one optimizer per "
                              f"wrapper: configure_optimizers returned {len(self.optimizers)}")
-        self.wrapper = DecentralizedDataParallel(self.model, self.optimizers[0], self.algorithm, **self.options)
+        # a process group of its own: Lightning's collectives (self.log(..., sync_dist=True) in
+        # training_step) cannot interleave with an exchange the wrapper runs during forward and backward
+        transport = own_transport()
+        self._group = transport.group
+        self.wrapper = DecentralizedDataParallel(self.model, self.optimizers[0], self.algorithm, transport=transport,
+                                                 **self.options)
         self.model = self.wrapper
 
     def setup(self, trainer) -> None:
@@ -175,6 +182,9 @@ class LowbitStrategy(DDPStrategy):
             else:  # the other ranks may be anywhere: no agreement
                 self.wrapper.__exit__(type(failure), failure, failure.__traceback__)
             self.model = self.lightning_module
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
         super().teardown()
 
     # ---- checkpoints --------------------------------------------------------------------

@@ -5,12 +5,15 @@
 a decentralized algorithm of :data:`lowbit.algorithms.ALGORITHMS` runs under the wrapper (it
 gossips models; no gradient all-reduce could carry it); a centralized one, a codec hook of
 :data:`~lowbit.integrations.ddp_hooks.HOOKS` (or its former spelling) or typed hook options run
-as :func:`~lowbit.integrations.ddp_hooks.make_hook`'s hook on torch DDP.
+as :func:`~lowbit.integrations.ddp_hooks.make_hook`'s hook on torch DDP. :func:`own_transport`
+gives the wrapper a process group apart from the trainer's.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch.distributed as dist
 
 from ..algorithms import ALGORITHMS, from_options
 from .ddp_hooks import make_hook
@@ -42,3 +45,17 @@ def choose(algorithm: str | HookOptions, options: dict[str, Any]) -> tuple | Non
     if cls is None and algorithm not in hook_names() and algorithm not in RENAMED_HOOKS:
         raise ValueError(f"algorithm must be one of {', '.join(method_names())}, got {algorithm!r}")
     return make_hook(algorithm, **options)
+
+
+def own_transport():
+    """A :class:`~lowbit.comm.distributed.TorchDistributedTransport` on a new process group of all
+    ranks (collective: every rank calls it), for the wrapper inside a trainer: the trainer's own
+    collectives (a metric synced inside the training step) then never interleave with an
+    exchange the wrapper runs during forward and backward. Destroy it with
+    ``torch.distributed.destroy_process_group(transport.group)``."""
+    from ..comm.distributed import TorchDistributedTransport
+
+    if not dist.is_initialized():
+        raise RuntimeError("the decentralized algorithms need the trainer's distributed launch (a default process "
+                           "group): start the script with several processes")
+    return TorchDistributedTransport(process_group=dist.new_group())
