@@ -144,6 +144,7 @@ def test_grad_scaler_skips_the_same_step_on_every_rank():
         assert r["x"][0] == r["x"][1] or algorithm == "dpsgd"  # allreduce: the replicas stay equal
 
 
+@pytest.mark.slow  # a third torchrun launch; the agreement itself is tested above
 def test_torch_grad_scaler_out_of_step_is_named_on_every_rank():
     """torch's own GradScaler: the rank that overflowed skips alone; every rank is told why."""
     _, res, _ = _torchrun("torch-scaler")
