@@ -41,7 +41,7 @@ import torch
 from ..codecs import PowerSGDCodec, QSGDCodec, SignCodec, TernGradCodec
 from ..codecs.base import Codec, Payload
 from ..codecs.kernels import empty_output
-from ..codecs.powersgd import times_thin, transpose_times_thin
+from ..codecs.powersgd import orthogonalize, times_thin, transpose_times_thin
 from ..codecs.rng import shared_generator
 from ..comm.base import Transport, completed, then
 from .base import CentralizedAlgorithm, State
@@ -219,11 +219,6 @@ class OneBitEF(_CodecGathered):
         return payload
 
 
-def orthogonalize(P: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``P`` (reduced QR, float64)."""
-    return torch.linalg.qr(P.to(torch.float64), mode="reduced").Q
-
-
 # One power step of PowerSGD in three parts, around its two all-reduces (of P, then of Q), and the
 # step over a transport (power_step); the algorithm below and the DDP hook
 # (lowbit.integrations.ddp_hooks, per gradient matrix) both use them.
@@ -237,7 +232,7 @@ def power_p(M: torch.Tensor, Q: torch.Tensor) -> torch.Tensor:
 def power_q(M: torch.Tensor, P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """From the all-reduced ``P``: ``P_hat = orthogonalize(P)`` as every worker holds it (float32
     values, in ``M``'s dtype) and this worker's ``Q_m = M^T P_hat`` (in ``M``'s dtype)."""
-    P_hat = orthogonalize(P).to(torch.float32).to(M.dtype)
+    P_hat = orthogonalize(P.to(torch.float64)).to(torch.float32).to(M.dtype)
     return P_hat, transpose_times_thin(M, P_hat)
 
 

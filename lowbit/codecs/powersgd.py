@@ -48,7 +48,7 @@ from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_he
 from .kernels import cpu_kernels, empty_output, fast_backend
 from .quantize import INT32_MAX, check_int_range, check_numel, finite_float64
 
-__all__ = ["PowerSGDCodec", "matrix_shape", "times_thin", "transpose_times_thin"]
+__all__ = ["PowerSGDCodec", "matrix_shape", "orthogonalize", "times_thin", "transpose_times_thin"]
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 #: ``|P_ij| <= 1`` for orthonormal columns; this much more is float32 QR's rounding
@@ -76,6 +76,13 @@ def times_thin(M: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def transpose_times_thin(M: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     """``M^T P`` for an ``n x m`` matrix ``M`` and a thin ``n x r`` ``P`` of ``M``'s dtype."""
     return (P.T @ M).T
+
+
+def orthogonalize(P: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning ``P``: the ``Q`` of its reduced QR, in ``P``'s dtype (the codec
+    orthogonalizes in float32 on its fast path and float64 in its reference; the PowerSGD
+    algorithm and hook pass float64)."""
+    return torch.linalg.qr(P, mode="reduced").Q
 
 
 def _fast_path_on() -> bool:
@@ -208,7 +215,7 @@ class PowerSGDCodec(Codec):
         # P^T M, transpose_times_thin's form, over the two pieces at once)
         row_major = torch.contiguous_format
         P = torch.cat([times_thin(top, q), times_thin(tail, q)])
-        P = torch.linalg.qr(P, mode="reduced").Q.clone(memory_format=row_major)
+        P = orthogonalize(P).clone(memory_format=row_major)
         Q = torch.addmm(P[rows:].T @ tail, P[:rows].T, top).T.clone(memory_format=row_major)
         if not bool(torch.isfinite(P).all() & (Q.abs() <= self.q_limit(N)).all()):  # the one host read
             if not bool(torch.isfinite(x).all()):
@@ -233,7 +240,7 @@ class PowerSGDCodec(Codec):
             self._check_state(state, m, r)
         M = torch.nn.functional.pad(x64, (0, n * m - N)).view(n, m)
         P = M @ state.detach().to(device=x.device, dtype=torch.float64)
-        P = torch.linalg.qr(P, mode="reduced").Q
+        P = orthogonalize(P)
         P32 = P.to(torch.float32)
         Q = M.T @ P32.to(torch.float64)  # with the P the receiver sees
         if float(Q.abs().max()) > self.q_limit(N):
