@@ -46,7 +46,7 @@ __all__ = ["TORCH_PAIRS", "DEFAULT_HOOKS", "GradBucketStandIn", "one_process_gro
 #: lowbit hook name -> the torch hook computing the same thing
 TORCH_PAIRS = {"fp32": "allreduce", "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd"}
 #: the lowbit hooks timed by default (``make_hook`` names)
-DEFAULT_HOOKS = ("fp32", "fp16", "bf16", "powersgd", "qsgd_maxnorm", "qsgd_maxnorm_multiscale", "qsgd", "terngrad",
+DEFAULT_HOOKS = ("fp32", "fp16", "bf16", "powersgd", "qsgd-maxnorm", "qsgd-maxnorm-multiscale", "qsgd", "terngrad",
                  "sign", "dithered")
 
 
@@ -163,11 +163,11 @@ def _lowbit_hook(name: str, rank: int):
 
 def _hook_names(hooks, dev: torch.device) -> tuple[list[str], dict]:
     """The lowbit hooks to time (``hooks`` checked) and those left out, with why."""
-    from ..integrations.ddp_hooks import HOOKS, centralized_names
+    from ..integrations.ddp_hooks.names import RENAMED_HOOKS, hook_names
 
     names = list(DEFAULT_HOOKS) if hooks is None else \
         [h.strip() for h in (hooks.split(",") if isinstance(hooks, str) else hooks) if h.strip()]
-    known = set(HOOKS) | set(centralized_names())
+    known = set(hook_names()) | set(RENAMED_HOOKS)  # a former name: make_hook warns
     bad = [h for h in names if h not in known]
     if bad or not names:
         raise ValueError(f"hooks must name lowbit hooks ({', '.join(sorted(known))}), got {hooks!r}")

@@ -94,12 +94,12 @@ METHODS: dict[str, RaceMethod] = {
                                  hook="powersgd"),
     # lr tuned on the full race's task, loopback, 150 steps (2026-11-27): 0.05 (the race's) fell to
     # chance, 0.01 reached 0.80 at step 120 (0.826 at 150), 0.003 reached 0.754 at 150
-    "lowbit-qsgd-maxnorm-2": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 2 bits", hook="qsgd_maxnorm",
+    "lowbit-qsgd-maxnorm-2": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 2 bits", hook="qsgd-maxnorm",
                                         options={"bits": 2}, lr={"fashion-lenet-tf": 0.01}),
-    "lowbit-qsgd-maxnorm-4": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 4 bits", hook="qsgd_maxnorm",
+    "lowbit-qsgd-maxnorm-4": RaceMethod("hook", "DDP + lowbit QSGDMaxNorm hook, 4 bits", hook="qsgd-maxnorm",
                                         options={"bits": 4}),
     "lowbit-multiscale": RaceMethod("hook", "DDP + lowbit multi-scale max-norm hook (scales 2, 6)",
-                                    hook="qsgd_maxnorm_multiscale"),
+                                    hook="qsgd-maxnorm-multiscale"),
     "lowbit-fp16": RaceMethod("hook", "DDP + lowbit fp16 hook", hook="fp16"),
     "lowbit-powersgd": RaceMethod("hook", "DDP + lowbit PowerSGD hook (error feedback)", hook="powersgd"),
     "moniqua-2": RaceMethod("decentralized", "Moniqua, 2 bits, ring (DecentralizedDataParallel)",

@@ -81,7 +81,7 @@ def _ddp_contender(name: str, n: int | None = None, model: nn.Module | None = No
     if race is not None:
         hook_name, opts = race.hook, dict(race.options)
     elif name.startswith("lowbit-qsgd-maxnorm-"):  # any bits (repro throughput-model times 2, 4 and 8)
-        hook_name, opts = "qsgd_maxnorm", {"bits": int(name.rsplit("-", 1)[1])}
+        hook_name, opts = "qsgd-maxnorm", {"bits": int(name.rsplit("-", 1)[1])}
     else:
         raise ValueError(f"method {name!r} is not a DDP method of the race")
     if hook_name == "powersgd":

@@ -3,7 +3,7 @@
 Usage::
 
     state, hook = make_hook("maxnorm", bits=4, seed=1)         # a lowbit train --algorithm name
-    state, hook = make_hook("qsgd_maxnorm", bits=4)            # or a codec hook; or LowbitHookState(codec)
+    state, hook = make_hook("qsgd-maxnorm", bits=4)            # or a codec hook; or LowbitHookState(codec)
     ddp_model.register_comm_hook(state, hook)
     ...
     state.bytes_sent, state.last_step_bytes                    # the wire cost
