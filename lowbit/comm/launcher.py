@@ -86,7 +86,7 @@ def _loopback_ifname() -> str | None:
 
 
 def _worker(rank: int, world_size: int, env: dict, backend: str, timeout_s: float, deterministic: bool, latency_s: float,
-            fn, args, conn, beats, launcher_pid: int) -> None:
+            fn, args, beats, launcher_pid: int, conn) -> None:
     watch_parent(launcher_pid, what=f"lowbit worker rank {rank}")  # a SIGKILLed launcher leaves no worker behind
     torch.set_num_threads(1)
     os.environ.update(env)
@@ -142,6 +142,28 @@ def launch(
     ``world_size`` ranks: rank r runs inside its namespace and the ranks talk
     over its shaped links (the store is hosted in rank 0's namespace).
     """
+    op_timeout = _check_launch(world_size, fn, timeout_s, stall_timeout_s, collective_timeout_s, latency_s, network)
+    store, env = _rendezvous(world_size, network, op_timeout)  # held until the launch ends
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    beats = ctx.RawArray("d", 2 * world_size)  # per rank: last step, monotonic time of the last beat
+    for r in range(world_size):
+        beats[2 * r], beats[2 * r + 1] = -1.0, time.monotonic()
+    try:
+        for rank in range(world_size):
+            _start_worker(ctx, rank, network, procs, conns, (
+                rank, world_size, env, backend, op_timeout, deterministic, latency_s, fn, args, beats))
+        with sigterm_as_interrupt("launch: received signal {signum} (SIGTERM); workers ended"):
+            results = _collect(procs, conns, timeout_s, stall_timeout_s, beats)
+        for p in procs:  # they leave on their own after a final barrier
+            p.join(timeout=30)
+        return results
+    finally:
+        _end_workers(procs, conns)
+
+
+def _check_launch(world_size, fn, timeout_s, stall_timeout_s, collective_timeout_s, latency_s, network) -> float:
+    """Check :func:`launch`'s arguments; the backend's limit on one collective."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1, got {world_size!r}")
     if not callable(fn):
@@ -156,13 +178,16 @@ def launch(
             raise ValueError(f"{name} must be a number of seconds > 0 (or None), got {v!r}")
     if collective_timeout_s is None:
         raise ValueError("collective_timeout_s must be a number of seconds > 0, got None")
-    op_timeout = collective_timeout_s if timeout_s is None else min(collective_timeout_s, timeout_s)
     if not latency_s >= 0:
         raise ValueError(f"latency_s must be >= 0, got {latency_s!r}")
     if network is not None and network.n != world_size:
         raise ValueError(f"network has {network.n} ranks but world_size={world_size}")
-    # The launcher hosts the rendezvous store, as torchrun's agent does: the OS
-    # picks its port while it is bound, so no other program can take it first.
+    return collective_timeout_s if timeout_s is None else min(collective_timeout_s, timeout_s)
+
+
+def _rendezvous(world_size: int, network, op_timeout: float) -> tuple[Any, dict]:
+    """The rendezvous store, hosted here as torchrun's agent hosts it (the OS picks its port while
+    it is bound, so no other program can take it first), and the environment the workers join with."""
     host = "127.0.0.1" if network is None else network.address(0)
     with _in_namespace(network, 0):
         store = dist.TCPStore(
@@ -177,45 +202,40 @@ def launch(
         lo = _loopback_ifname()
         if lo is not None:  # every rank is on this host: talk over loopback
             env["GLOO_SOCKET_IFNAME"] = lo
+    return store, env
 
-    ctx = mp.get_context("spawn")
-    procs, conns = [], []
-    beats = ctx.RawArray("d", 2 * world_size)  # per rank: last step, monotonic time of the last beat
-    for r in range(world_size):
-        beats[2 * r], beats[2 * r + 1] = -1.0, time.monotonic()
-    try:
-        for rank in range(world_size):
-            recv_end, send_end = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_worker,
-                args=(rank, world_size, env, backend, op_timeout, deterministic, latency_s, fn, args, send_end, beats,
-                      os.getpid()),
-                name=f"lowbit-rank-{rank}",
-                daemon=False,  # fn may start processes of its own (DataLoader workers)
-            )
-            with _in_namespace(network, rank):  # the child inherits this thread's namespace
-                p.start()
-            send_end.close()
-            procs.append(p)
-            conns.append(recv_end)
-        with sigterm_as_interrupt("launch: received signal {signum} (SIGTERM); workers ended"):
-            results = _collect(procs, conns, timeout_s, stall_timeout_s, beats)
-        for p in procs:  # they leave on their own after a final barrier
-            p.join(timeout=30)
-        return results
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                with contextlib.suppress(OSError):  # a stopped worker acts on SIGTERM once continued
-                    os.kill(p.pid, signal.SIGCONT)
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        for c in conns:
-            c.close()
+
+def _start_worker(ctx, rank: int, network, procs: list, conns: list, worker_args: tuple) -> None:
+    """Start worker ``rank`` (in its namespace of ``network``) on :func:`_worker`'s ``worker_args``;
+    its process and the reading end of its pipe join ``procs`` and ``conns``."""
+    recv_end, send_end = ctx.Pipe(duplex=False)
+    p = ctx.Process(
+        target=_worker,
+        args=(*worker_args, os.getpid(), send_end),
+        name=f"lowbit-rank-{rank}",
+        daemon=False,  # fn may start processes of its own (DataLoader workers)
+    )
+    with _in_namespace(network, rank):  # the child inherits this thread's namespace
+        p.start()
+    send_end.close()
+    procs.append(p)
+    conns.append(recv_end)
+
+
+def _end_workers(procs: list, conns: list) -> None:
+    """End the workers still running (SIGTERM, then SIGKILL) and close their pipes."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            with contextlib.suppress(OSError):  # a stopped worker acts on SIGTERM once continued
+                os.kill(p.pid, signal.SIGCONT)
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for c in conns:
+        c.close()
 
 
 def _in_namespace(network, rank: int):

@@ -240,30 +240,40 @@ def run(out: Path, quick: bool = False) -> dict:
     ``results.json``, ``table.md`` and its plots into ``out``, and return the results."""
     base = settings(quick)
     check_data(base["task"])
-    common = {k: v for k, v in base.items() if k != "seeds"}
     t0 = time.perf_counter()
-    rows = []
-    for key, label, opts, budget in CONFIGS:
-        row = {"key": key, "label": label, "options": opts, "bits": budget, "seeds": []}
-        for seed in base["seeds"]:
-            try:
-                cfg = TrainConfig(**common, **opts, seed=seed)
-            except ValueError as e:  # the algorithm rejects this bit budget: say so, no number
-                row["not_runnable"] = str(e)
-                break
-            row["seeds"].append(run_seed(cfg))
-            if not quick:  # a long job: one line per run in the log
-                p = row["seeds"][-1]
-                print(f"moniqua-table2: {label} seed {seed}: accuracy {fmt(p['final_test_accuracy'])}, "
-                      f"diverged {p['diverged']}, {p['wall_seconds']:.0f} s (total {time.perf_counter() - t0:.0f} s)",
-                      file=sys.stderr, flush=True)
-        row["aggregate"] = aggregate(row["seeds"])
-        rows.append(row)
+    rows = [_run_row(key, label, opts, budget, base, quick, t0) for key, label, opts, budget in CONFIGS]
     total = time.perf_counter() - t0
     d = next((p["parameters"] for r in rows for p in r["seeds"] if "parameters" in p), None)
     results = {"experiment": "moniqua-table2", "quick": quick, "settings": base, "parameters": d,
                "mb_bytes": MB, "wall_seconds": total, "rows": rows, "paper": PAPER}
+    write_outputs(out, results, "Table 2 of Moniqua: test accuracy at 1 and 2 bits per parameter, extra memory",
+                  [_table(rows)], notes=_notes(base, d, total))
+    _plot(rows, base, out)
+    return results
 
+
+def _run_row(key: str, label: str, opts: dict, budget, base: dict, quick: bool, t0: float) -> dict:
+    """One configuration's row: its runs over the seeds (or why it cannot run) and their aggregate."""
+    common = {k: v for k, v in base.items() if k != "seeds"}
+    row = {"key": key, "label": label, "options": opts, "bits": budget, "seeds": []}
+    for seed in base["seeds"]:
+        try:
+            cfg = TrainConfig(**common, **opts, seed=seed)
+        except ValueError as e:  # the algorithm rejects this bit budget: say so, no number
+            row["not_runnable"] = str(e)
+            break
+        row["seeds"].append(run_seed(cfg))
+        if not quick:  # a long job: one line per run in the log
+            p = row["seeds"][-1]
+            print(f"moniqua-table2: {label} seed {seed}: accuracy {fmt(p['final_test_accuracy'])}, "
+                  f"diverged {p['diverged']}, {p['wall_seconds']:.0f} s (total {time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+    row["aggregate"] = aggregate(row["seeds"])
+    return row
+
+
+def _table(rows: list[dict]) -> tuple[list[str], list[list]]:
+    """The headers and cells of table.md."""
     headers = ["algorithm", "options", "test accuracy (mean ± std)", "per seed", "diverged", "extra memory (MB/worker)",
                "wire bits/element/step", "wrong blocks repaired", "paper ResNet-20", "paper ResNet-110"]
     table = []
@@ -279,28 +289,34 @@ def run(out: Path, quick: bool = False) -> dict:
                       sum(wrong) if wrong else "-",
                       _paper_cell("ResNet-20", r["key"]),
                       _paper_cell("ResNet-110", r["key"])])
-    mem_paper = ", ".join(f"{a} {m:g}" for a, m in PAPER["ResNet-20"]["extra_memory_mb"].items())
-    notes = (f"Task {base['task']}, {base['workers']} workers on a {base['topology']}, {base['steps']} steps, "
-             f"seeds {base['seeds']}, task defaults for lr/momentum/weight decay/batch, d = {d} parameters. "
-             f"Accuracy: the averaged model's final test accuracy; mean and sample standard deviation over the "
-             f"seeds that produced one. Diverged: final training loss not finite or above the untrained "
-             f"model's (step 0), or training stopped because the model left the float range ('stopped'). "
-             f"Budgets: Moniqua with --bits b and its defaults (at 1 bit the slack matrix and shared dither); "
-             f"the baselines at 1 bit with the scaled sign codec (ECD: 1-bit min-max, stochastic rounding), "
-             f"at 2 bits with min-max and stochastic rounding, ChocoSGD and DeepSqueeze with consensus "
-             f"step 0.1 there (the options column). "
-             f"Extra memory: the run summary's extra_memory_bytes (state kept between steps beyond D-PSGD's "
-             f"model and optimizer, per worker) / 10^6. Wire bits: 8 x bytes a worker really sent per step / d, "
-             f"all its neighbours together (2 on a ring), with DCD/ECD's one fp32 copy of x_0 at step 0 and "
-             f"Moniqua's hashes and repairs included. Wrong blocks repaired: Moniqua's verification "
-             f"(mismatched_blocks, summed over workers and seeds): blocks recovered wrong because theta was "
-             f"below the models' distance there, left out of that step's mix and repaired (16-bit) the next step. "
-             f"The paper's columns are CIFAR-10 with ResNet-20 / "
-             f"ResNet-110 trained to the end (extra memory there, ResNet-20: {mem_paper} MB), not comparable "
-             f"in absolute value with this short run. Total wall time {total:.0f} s.")
-    write_outputs(out, results, "Table 2 of Moniqua: test accuracy at 1 and 2 bits per parameter, extra memory",
-                  [(headers, table)], notes=notes)
+    return headers, table
 
+
+def _notes(base: dict, d: int | None, total: float) -> str:
+    """The notes under the table: the settings, and what each column means."""
+    mem_paper = ", ".join(f"{a} {m:g}" for a, m in PAPER["ResNet-20"]["extra_memory_mb"].items())
+    return (f"Task {base['task']}, {base['workers']} workers on a {base['topology']}, {base['steps']} steps, "
+            f"seeds {base['seeds']}, task defaults for lr/momentum/weight decay/batch, d = {d} parameters. "
+            f"Accuracy: the averaged model's final test accuracy; mean and sample standard deviation over the "
+            f"seeds that produced one. Diverged: final training loss not finite or above the untrained "
+            f"model's (step 0), or training stopped because the model left the float range ('stopped'). "
+            f"Budgets: Moniqua with --bits b and its defaults (at 1 bit the slack matrix and shared dither); "
+            f"the baselines at 1 bit with the scaled sign codec (ECD: 1-bit min-max, stochastic rounding), "
+            f"at 2 bits with min-max and stochastic rounding, ChocoSGD and DeepSqueeze with consensus "
+            f"step 0.1 there (the options column). "
+            f"Extra memory: the run summary's extra_memory_bytes (state kept between steps beyond D-PSGD's "
+            f"model and optimizer, per worker) / 10^6. Wire bits: 8 x bytes a worker really sent per step / d, "
+            f"all its neighbours together (2 on a ring), with DCD/ECD's one fp32 copy of x_0 at step 0 and "
+            f"Moniqua's hashes and repairs included. Wrong blocks repaired: Moniqua's verification "
+            f"(mismatched_blocks, summed over workers and seeds): blocks recovered wrong because theta was "
+            f"below the models' distance there, left out of that step's mix and repaired (16-bit) the next step. "
+            f"The paper's columns are CIFAR-10 with ResNet-20 / "
+            f"ResNet-110 trained to the end (extra memory there, ResNet-20: {mem_paper} MB), not comparable "
+            f"in absolute value with this short run. Total wall time {total:.0f} s.")
+
+
+def _plot(rows: list[dict], base: dict, out: Path) -> None:
+    """accuracy_vs_bits.png: each algorithm's mean accuracy at its bit budgets, the references as lines."""
     from ..plot import plot_series
 
     series = []
@@ -317,4 +333,3 @@ def run(out: Path, quick: bool = False) -> dict:
         plot_series(series, "bits per parameter", "final test accuracy (mean over seeds)",
                     out / "accuracy_vs_bits.png", hlines=refs,
                     title=f"{base['task']}, {base['workers']} workers ring, {base['steps']} steps")
-    return results
