@@ -8,12 +8,8 @@ outer variance" while Moniqua on D2 converges like D2. Here: digits-mlp
 on a ring, D-PSGD, Moniqua (on D-PSGD), D2 and Moniqua on D2; training loss
 and test accuracy of the average model against step. Setting (docs/RESULTS.md,
 "Non-iid data: Moniqua on D2"): momentum 0 and weight decay 0 (D2 rejects
-momentum), lr 0.5, Moniqua at 4 bits with theta 0.2 and slack gamma 0.5. The
-paper's own numbers (2 bits, theta 0.05, lr 0.1) do not work at this scale:
-D2's extrapolation amplifies the quantization noise in the 10-ring's
-eigenvalue -1/3, at D2's stability limit, and the verification then repairs so
-many blocks that nearly nothing is saved; at lr 0.1 fp32 D2 and D-PSGD
-also reach the same average model, so there is no gap to show.
+momentum), lr 0.5, Moniqua at 4 bits with theta 0.2 and slack gamma 0.5
+(why not the paper's 2 bits, theta 0.05, lr 0.1: that section of docs/RESULTS.md).
 
 (b) Asynchronous communication. The paper: 6 workers on a ring, ResNet-110 on
 CIFAR-10, 20 Mbps and 0.15 ms, D-PSGD vs AD-PSGD vs asynchronous Moniqua,
@@ -30,9 +26,8 @@ worker's step costs max(compute, round trip): AD-PSGD takes the gradient at
 the model read before the exchange, so the exchange overlaps it; the round
 trip is its request and then the partner's reply (two message times, the
 reply cannot leave before the request has arrived); the run's clock is the
-slowest worker's own. As in the paper, communication dominates: one fp32
-model (38 KB) takes 15 ms at 20 Mbps, about 15x a step's compute
-(ResNet-110's 6.9 MB take 2.8 s there), so the overlap hides little and the
+slowest worker's own. As in the paper, communication dominates (one fp32
+model, 38 KB, takes 15 ms at 20 Mbps), so the overlap hides little and the
 round trip of AD-PSGD costs about twice D-PSGD's one message time.
 
 An asynchronous run evaluates only at its ends (no global barrier), so its
@@ -40,11 +35,10 @@ curve is made of runs of increasing length: each point is a complete run of N
 steps per worker (its schedule, partner choices, data and rounding seeded per
 (rank, step), as in the longer runs), at x = that run's emulated seconds, or a
 shorter run's where that was longer (the compute of separate runs is measured
-separately: on a loaded machine a run of 300 steps once measured less than the
-run of 275 its first steps repeat).
+separately, so on a loaded machine a longer run can measure less).
 
 Full scale: (a) 300 steps, evaluated every 25; (b) 300 steps, async runs every
-25 steps (2.5 minutes of wall time here). --quick: (a) 40 steps; (b) 30 steps in runs
+25 steps. --quick: (a) 40 steps; (b) 30 steps in runs
 of 10, 20, 30.
 """
 

@@ -37,32 +37,23 @@ with 4 and 8 workers, batch 256 / workers, ``server="ps"``. The Figure 6
 table gives each method's Kbits per worker until its test accuracy first
 reaches a common target, as bits at equal accuracy.
 
-Paper columns. Each Table 1 and 2 cell of a paper model is shown beside the
-paper's value and the relative difference ``(lowbit - paper) / paper``
-(:func:`paper_value`; DQSG M=1, QSGD s=1 and TernGrad stand for the paper's
-3-level DQSGD/QSGD/TernGrad; FC-300-100's DQSG M=2 and NDQSG (Fig. 6) raw cells
-come from Figure 6's text). Cells that differ by construction keep lowbit's
-choice and the table's notes say so: QSGD s=1 scales by the L2 norm (most codes
-are 0, far below the paper's entropy-coded size); One-Bit sends one scale per
-tensor. "NDQSG (default)" is ``--algorithm ndqsg`` without options (the auto
-setting of :mod:`lowbit.algorithms.dqsg`).
+Paper columns. Each Table 1 and 2 cell of a paper model is shown beside the paper's value
+and ``(lowbit - paper) / paper`` (:func:`paper_value`; DQSG M=1, QSGD s=1 and TernGrad stand
+for the paper's 3-level DQSGD/QSGD/TernGrad; FC-300-100's DQSG M=2 and NDQSG raw cells come
+from Figure 6's text). Cells that differ by construction keep lowbit's choice and the notes
+say so (QSGD s=1 scales by the L2 norm; One-Bit sends one scale per tensor). "NDQSG
+(default)" is ``--algorithm ndqsg`` without options (:mod:`lowbit.algorithms.dqsg`'s auto setting).
 
-Scale. Full: Fashion-MNIST stands in for MNIST. The models are the paper's:
-FC-300-100 (``fashion-fc300``, d = 266,610), its LeNet (``fashion-lenet-tf``,
-d = 1,663,370, 32 x d = its Table 1 baseline) and CifarNet
-(``cifar10-cifarnet``, d = 1,068,298). CIFAR-10 is not shipped: when it is not
-found, the CifarNet rows are sizes only (:func:`probe_sizes`: the payload each
-worker's encoder makes for d parameters, which for these fixed-width codes
-depends on d alone; no entropy-coded or wire figures), and the notes say so.
-Bits: 32 workers, 12 steps, the last 4 entropy-coded. Accuracy:
-``fashion-fc300``, 200 steps (Figure 6's horizon), evaluated every 20. Step size
-0.01 (the paper's SGD rate; lowbit's momentum 0.9 kept): at fashion's default
-0.05, DQSG M = 1 diverges (NaN). Full mode needs Fashion-MNIST (``apt-get
-install dataset-fashion-mnist``, or ``--data-dir``/the download cache of
-:mod:`lowbit.data`).
-``--quick`` (CI, no data files): ``digits-mlp --hidden 300`` (FC-300-ish, d =
-22,510) trained, and CifarNet's sizes (with the paper's cells). Bits: 8
-workers, 4 steps. Accuracy: 4 and 8 workers, 40 steps.
+Scale. Full: Fashion-MNIST stands in for MNIST; the paper's models: FC-300-100
+(``fashion-fc300``, d = 266,610), its LeNet (``fashion-lenet-tf``, d = 1,663,370) and CifarNet
+(``cifar10-cifarnet``, d = 1,068,298). Without CIFAR-10 on disk the CifarNet rows are sizes
+only (:func:`probe_sizes`: these fixed-width codes' size depends on d alone), and the notes
+say so. Bits: 32 workers, 12 steps, the last 4 entropy-coded. Accuracy: ``fashion-fc300``,
+200 steps (Figure 6's horizon), evaluated every 20, step size 0.01 (the paper's SGD rate;
+momentum 0.9 kept). Full mode needs Fashion-MNIST (``apt-get install dataset-fashion-mnist``,
+or ``--data-dir``/the download cache of :mod:`lowbit.data`).
+``--quick`` (CI, no data files): ``digits-mlp --hidden 300`` (d = 22,510) and CifarNet's sizes
+(with the paper's cells). Bits: 8 workers, 4 steps. Accuracy: 4 and 8 workers, 40 steps.
 """
 
 from __future__ import annotations

@@ -24,12 +24,9 @@ shared subtractive dither). The baselines at 1 bit: the scaled sign codec
 and DeepSqueeze papers) for DCD, ChocoSGD and DeepSqueeze; ECD needs an
 unbiased codec and takes the 1-bit min-max quantizer with stochastic
 rounding. At 2 bits: the min-max quantizer with stochastic rounding for all,
-and a consensus step of 0.1 for ChocoSGD and DeepSqueeze (at their default
-0.5 both left the float range within 100 steps of fashion-lenet: measured,
-seed 0). With the library defaults instead (min-max with nearest rounding at
-both budgets), DCD, ECD and ChocoSGD diverged at 1 and 2 bits and
-DeepSqueeze at 1 bit in all three seeds. A configuration the run config
-rejects would be reported with the reason instead of a number.
+and a consensus step of 0.1 for ChocoSGD and DeepSqueeze (why these and not
+the library defaults: docs/RESULTS.md, Table 2 of Moniqua). A configuration
+the run config rejects is reported with the reason instead of a number.
 
 Divergence: a seed's run diverged when its final training loss (of the
 averaged model) is not finite or is larger than the untrained model's (step
