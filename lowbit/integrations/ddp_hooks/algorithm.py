@@ -1,4 +1,9 @@
-"""A centralized algorithm that runs as itself on each bucket (method ``algorithm``: NDQSG)."""
+"""A centralized algorithm that runs as itself on each bucket (method ``algorithm``: NDQSG).
+
+The method: ````algorithm`` -- a centralized algorithm (an instance) that runs its own step on the
+bucket over the state's process group (NDQSG), one algorithm state per bucket,
+synchronously (its future is complete when the hook returns).
+"""
 
 from __future__ import annotations
 

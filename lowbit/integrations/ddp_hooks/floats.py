@@ -1,7 +1,12 @@
 """fp32, fp16 and bf16: each rank divides by the world size and casts to the wire dtype (for
 fp16/bf16 on the fast path in one pass), one SUM all-reduce, cast back (method
 ``allreduce-float``): AllReduce SGD's exchange,
-:func:`~lowbit.algorithms.allreduce.allreduce_average`, on the pre-divided wire."""
+:func:`~lowbit.algorithms.allreduce.allreduce_average`, on the pre-divided wire.
+
+The method: ````allreduce-float`` -- fp32 (:class:`IdentityCodec`; the exact reference) and
+fp16/bf16 (:class:`HalfCodec`): each rank divides by the world size, casts to the
+wire dtype (the codec's overflow check applies), one SUM all-reduce, cast back.
+"""
 
 from __future__ import annotations
 

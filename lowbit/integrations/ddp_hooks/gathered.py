@@ -9,7 +9,14 @@ layer by its own ``max |g|``): each parameter's gradient in the bucket is one me
 codec, the messages of a bucket are concatenated into the one wire buffer that is gathered,
 and a receiver splits a sender's buffer at this rank's own message lengths (the same on every
 rank: the bucket layout is, and these codecs' message lengths depend on the count only),
-decoding each message with its parameter's count checked."""
+decoding each message with its parameter's count checked.
+
+The method: ````allgather`` -- codecs whose codes cannot be added (QSGD, TernGrad, sign, DQSG
+dithered, min-max, uniform, RandK with explicit indices): every rank all-gathers
+the packed wire payloads (``payload.to_wire()``, header included) and decodes all
+of them, a subtractive-dither decode with the sender's regenerated generator
+``shared_generator(seed, step, sender, stream)``, then averages.
+"""
 
 from __future__ import annotations
 

@@ -17,7 +17,23 @@ from .state import LowbitHookState, _layer_sizes, _offsets, _signature
 
 
 def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
-    """The DDP communication hook: ``ddp_model.register_comm_hook(state, lowbit_hook)``."""
+    """The DDP communication hook: ``ddp_model.register_comm_hook(state, lowbit_hook)``.
+
+    Asynchrony. The one big transfer of a bucket (the float, integer, gathered or
+    ``Q`` tensor) is the transport's ``all_reduce_async`` / ``all_gather_async``
+    (``async_op=True``), decoded in a ``.then`` callback, so DDP overlaps it with the
+    rest of the backward pass. The small rounds before it (the 4-byte norm MAX and
+    the scale-index MIN of the max-norm codecs, PowerSGD's ``P``) are done
+    synchronously inside the hook, as in the algorithms: a later round needs the
+    earlier one's result to encode, and waiting inside a future callback can
+    deadlock a backend with few worker threads.
+
+    Cost: every family works in the bucket's own dtype; without error memory the fp32, fp16
+    and bf16 hooks divide the bucket in place and all-reduce their wire in place, as torch's
+    do. ``lowbit bench hooks`` times each hook's own compute against torch's
+    ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook`` and
+    ``powerSGD_hook`` (docs/RESULTS.md, "DDP hooks against torch's").
+    """
     if not isinstance(state, LowbitHookState):
         raise ValueError(f"state must be a LowbitHookState, got {type(state).__name__}")
     t = state._comm()

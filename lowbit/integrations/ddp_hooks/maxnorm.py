@@ -1,7 +1,34 @@
 """The max-norm family: the shared scale's rounds, then one SUM all-reduce of integer codes
 (``allreduce-int``), optionally on the global random-k coordinates (``allreduce-randk``): the
 exchange of :class:`~lowbit.algorithms.maxnorm.MaxNormSGD`,
-:func:`~lowbit.algorithms.maxnorm.maxnorm_exchange`, with the scale indices' MIN as bit-planes."""
+:func:`~lowbit.algorithms.maxnorm.maxnorm_exchange`, with the scale indices' MIN as bit-planes.
+
+The methods: ````allreduce-int`` -- summable codecs (QSGDMaxNorm, multi-scale, GlobalRandK around
+them): the max-norm algorithm's exchange; the codec's scale rounds (MAX all-reduce of the float32 norm; for the
+multi-scale codec a MIN of the per-coordinate scale indices), then one SUM
+all-reduce of the integer codes, packed in summable lanes (:mod:`lowbit.codecs.lanes`:
+int64 words of ``log2(2 N s + 1)``-bit lanes that the SUM adds without a carry)
+wherever those are smaller than ``codec.sum_dtype(world_size)`` (int16 is
+widened to int32: neither gloo nor NCCL reduces int16), else in it, then ``decode_sum``.
+The MIN of the scale indices travels as ``N - 1`` packed bit-planes (plane ``p``
+holds ``index >= p``) combined by bitwise AND, which is exactly the MIN, when
+that is narrower than one uint8 per coordinate (``N <= 8`` scales; for the
+paper's two scales one bit per coordinate, its ``ceil(log2 N)``) and the backend
+has a bitwise AND (gloo; NCCL has none); otherwise a uint8 MIN all-reduce. Unpacked,
+integers on the wire take whole bytes (the paper's section on framework support):
+``bits=4`` (codes -7..7) would sum in int8 up to 18 ranks and ``bits=8`` in int32;
+in lanes ``bits=2`` takes 2.37/3.2/4.27/5.33 bits per element on 2/4/8/16 ranks,
+``bits=4`` 4.92/6.4/7.11 on 2/4/8 (int8 from 16 on), ``bits=8`` 9.14 on 2.
+
+````allreduce-randk`` -- :class:`RandKCodec` with ``send_indices=False``: every
+rank keeps the same ``k`` coordinates of a bucket, chosen from the seed
+``derive_seed(seed, step, bucket_index, GLOBAL_RANDK_STREAM)`` (the codec's own
+``seed`` field is replaced by it), and the kept values travel as the inner
+codec does (a summable inner codec: the seeded random-k codec is itself summable and
+travels as ``allreduce-int``, as the GlobalRandK algorithm's; fp32/fp16 floats for an
+identity/half inner codec, all-gather otherwise, the average scattered back, times
+``d / k`` when ``rescale``).
+"""
 
 from __future__ import annotations
 

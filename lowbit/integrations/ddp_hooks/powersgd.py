@@ -1,5 +1,19 @@
 """PowerSGD per gradient tensor of a bucket (method ``powersgd``), with the algorithm's power step
-over the transport (``algorithms.compressed.power_step``, ``power_product``)."""
+over the transport (``algorithms.compressed.power_step``, ``power_product``).
+
+The method: ````powersgd`` -- PowerSGD's distributed rank-r step (Vogels et al., Algorithm 1),
+the codec giving the rank (:class:`PowerSGDCodec`'s own layout, the whole vector
+as one near-square matrix, has no low-rank structure for a bucket of unrelated
+tensors, so the hook delegates to the paper's per-tensor form, as torch's
+PowerSGD hook does): each gradient with 2+ dims is an ``n x m`` matrix ``M``
+(``shape[0]`` rows) compressed when ``(n + m) r < n m``; ``P = M Q`` of all of them,
+together with the uncompressed vectors (biases), in one all-reduce; each ``P``
+orthogonalised (QR, the same on every rank); ``Q = M^T P`` averaged by a second
+all-reduce; output ``P Q^T``. The averaged ``Q`` warm-starts the bucket's next step
+(the first ``Q`` is drawn from the shared seed, the same on every rank). The step is
+the algorithm's (``algorithms.compressed.power_step``, the matrices of the bucket at
+once, the vectors riding in the first all-reduce).
+"""
 
 from __future__ import annotations
 

@@ -122,6 +122,59 @@ class LowbitHookState:
     own message (its own scale: TernGrad's layer-wise scaling). None picks the default: True
     for TernGrad, False otherwise; True needs an all-gathered codec without decode-side dither
     (not RandK, not subtractive dither).
+
+    Mixed precision. The fp16 and bf16 hooks refuse a bucket that does not cast to finite
+    16-bit values (an inf or NaN gradient, or an fp16 overflow) with a clear ValueError. Under
+    ``torch.amp.GradScaler`` such a gradient is expected (the scaler skips the step and lowers
+    its scale): ``make_hook("fp16", nonfinite="propagate")`` casts as torch's
+    ``fp16_compress_hook`` does, unchecked, so the inf or NaN reaches every rank's average and
+    the scaler sees it (:class:`LowbitHookState`; the quantized hooks, whose codes have no inf
+    or NaN, refuse the option).
+
+    Randomness. Rank ``r``'s stochastic rounding / dither for bucket ``b`` at step ``k``
+    comes from ``shared_generator(seed, k, r, HOOK_STREAM + b)``; ``seed`` must be the
+    same on every rank. The step counter ``state.step`` advances once per iteration,
+    when the hook has processed the bucket with ``bucket.is_last()``.
+
+    Error feedback (``error_feedback=True``; the default for the biased sign and
+    PowerSGD codecs, False for the others): rank ``m`` compresses
+    ``x_m = g_m + e_m`` and keeps ``e_m <- x_m - D(C(x_m))``, where ``D(C(x_m))`` is its
+    own contribution to the average (for PowerSGD, ``P Q_m^T`` with its own ``Q_m``, and
+    its own vectors as sent in float32). The memory is kept in the bucket's dtype (as
+    torch's PowerSGD hook keeps it; a float64 memory of an older checkpoint is cast).
+    The memory is keyed
+
+    * per parameter (by name) when the state knows the model
+      (``LowbitHookState(..., model=ddp_model)`` or :meth:`LowbitHookState.bind_model`):
+      a bucket's memory is assembled from, and split back into, the memories of its
+      parameters, so DDP's bucket rebuild after the first iteration, and restoring a
+      checkpoint into a freshly built DDP model, keep the memory exactly;
+    * otherwise per bucket index, with the bucket's signature (its parameters'
+      shapes in bucket order): when DDP's rebuild changes a bucket's size or layout,
+      that bucket's memory is RESET to zero (counted in ``state.memory_resets``), never
+      misapplied.
+
+    PowerSGD's warm-start ``Q`` is always per bucket and is re-drawn on a signature
+    change (counted in ``state.powersgd_resets``).
+
+    Bytes. ``state.bytes_sent`` and ``state.messages`` count what this rank puts on the
+    wire, read from the transport's ledger (:meth:`~lowbit.comm.ledger.Ledger.drain`, after
+    each bucket), which counts as for every algorithm
+    (:func:`lowbit.comm.netmodel.op_messages_and_bytes`: an all-reduce of ``m`` bytes as the
+    ring's ``2(n-1)/n * m``, an all-gather of ``m`` bytes per rank as ``(n-1) m``).
+    ``state.fp32_bytes_sent`` counts what plain fp32 all-reduce of the same buckets would
+    have sent; ``state.last_step_bytes`` is the latest complete iteration's total and
+    ``state.bucket_bytes[b]`` the latest bytes of bucket ``b``.
+
+    Pickling (checkpoints): the state pickles without its process group (restored as
+    the default group, or set ``state.process_group`` again), without its transport and without the
+    parameter-identity map (call :meth:`LowbitHookState.bind_model` with the new
+    model after unpickling, when the memory is per parameter). A restored run
+    continues exactly as the original when the new DDP model meets the same buckets
+    (the randomness, per-bucket memories and PowerSGD's ``Q`` follow the bucket
+    layout); DDP without ``find_unused_parameters`` starts a fresh model with one
+    bucket and rebuilds after the first iteration, so there the first restored step
+    differs (per-parameter error memory still carries over exactly).
     """
 
     def __init__(self, codec: Codec | Algorithm, process_group=None, seed: int = 0,
