@@ -150,3 +150,36 @@ def test_lightning_own_launcher_runs_the_digits_example():
     fp32 = op_messages_and_bytes("all_reduce", 4 * 9610, 2)[1] * int(rows[0][-1])  # the MLP's 9,610 parameters
     assert sent[0] == sent[1] and 0 < sent[0] < fp32 / 4
     assert acc[0] == acc[1] > 0.85
+
+
+def test_hook_state_file_round_trips_counters_and_memories(tmp_path):
+    """What a hook run writes beside Lightning's checkpoint (error memory per parameter and per
+    bucket, PowerSGD's warm start, the counters) loads back with weights_only and restores them."""
+    from lowbit.integrations.checkpoint import load_checkpoint, save_checkpoint
+    from lowbit.integrations.lightning import _hook_state_dict, _load_hook_state
+
+    strategy = LowbitStrategy("sign", seed=5)
+    state = strategy.hook_state
+    state.step, state.bytes_sent, state.messages, state.fp32_bytes_sent = 7, 1234, 14, 9999
+    state.param_memory = {"net.0.weight": torch.randn(16, 8).flatten()}
+    state.bucket_memory = {0: (((16, 8), (16,)), torch.randn(144))}
+    state.powersgd_q = {1: (((4, 3),), torch.randn(3, 2))}
+    path = save_checkpoint(_hook_state_dict(state), tmp_path / "x.ckpt.lowbit-rank0")
+    fresh = LowbitStrategy("sign", seed=5).hook_state
+    _load_hook_state(fresh, load_checkpoint(path), path)
+    assert (fresh.step, fresh.bytes_sent, fresh.messages, fresh.fp32_bytes_sent) == (7, 1234, 14, 9999)
+    assert torch.equal(fresh.param_memory["net.0.weight"], state.param_memory["net.0.weight"])
+    assert fresh.bucket_memory[0][0] == ((16, 8), (16,)) and torch.equal(fresh.bucket_memory[0][1],
+                                                                         state.bucket_memory[0][1])
+    assert fresh.powersgd_q[1][0] == ((4, 3),) and torch.equal(fresh.powersgd_q[1][1], state.powersgd_q[1][1])
+    with pytest.raises(ValueError, match="missing"):
+        _load_hook_state(fresh, {"step": 1}, "somewhere")
+
+
+def test_asynchronous_algorithm_refuses_a_checkpoint_during_training():
+    from types import SimpleNamespace
+
+    strategy = LowbitStrategy("adpsgd")
+    strategy.wrapper = SimpleNamespace(algorithm=SimpleNamespace(synchronous=False))  # as after setup
+    with pytest.raises(RuntimeError, match="enable_checkpointing=False"):
+        strategy._lowbit_state()
