@@ -42,43 +42,6 @@ call ``shared_generator(run_seed, step, sender)`` from :mod:`lowbit.codecs.rng`;
 (no tensor of uniforms is drawn). A generator from another seed gives a
 silently wrong decode (the error is then a difference of two independent
 dithers, not bounded by ``kappa Delta / 2``).
-
-Wire format. Header ``<if``: (numel, kappa_1) with kappa_1 the first part's
-scale as float32 (8 bytes, whatever ``K``). Data: the other ``min(K, n) - 1``
-scales as little-endian float32 (4 bytes each; empty for ``K = 1``), then the
-``n`` codes ``q + M`` of ``2M + 1`` levels packed by
-:func:`~lowbit.codecs.radix.pack_levels`: mixed radix for ``2M + 1 <= 2^16`` (e.g.
-5 trits per byte for ``M = 1``, 1.6 bits; within 1% of ``log2(2M + 1)`` bits),
-``ceil(log2(2M + 1))`` bits each beyond. So ``nbytes = 8 + 4 (min(K, n) - 1) + levels_nbytes(n, 2M + 1)``
-for ``n >= 1`` and 8 for ``n = 0``; ``bits`` is
-:func:`~lowbit.codecs.radix.level_bits` ``(2M + 1)``, the same count. When ``K > n``
-there are ``n`` parts of one element each.
-
-Scales are rounded *up* to float32 on the sender, and both ends use the
-float32 value. The index is ``q = clamp(floor(x s + r), -M, M)`` with
-``s = M / kappa`` computed once per part (correctly rounded), and the
-reconstruction ``(kappa / M) (q - (r - 1/2))``. Non-finite inputs, or scales
-beyond the float32 range, raise ValueError. ``decode`` returns float32 unless
-``dtype`` is given.
-
-Range. A decode reaches ``kappa (M + 1/2) / M`` (subtractive: ``q = +-M`` less the dither)
-or ``kappa`` (half-dithered), so ``encode`` takes finite ``x`` whose part scales, rounded up
-to float32, are at most :attr:`DitheredCodec.scale_limit` (float32's largest value times
-``M / (M + 1/2)`` when subtractive), and raises ValueError naming ``x`` beyond: the float32
-decode is never inf. A payload whose scales are not finite, negative or beyond that
-limit, or whose data length does not match its count, is a PayloadError.
-
-Fast path and reference. ``encode_reference``/``decode_reference`` compute
-in float64 on whole tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dithered`)
-runs the same operations in float64 registers, one element at a time, and
-gives the same bytes and decodes exactly. The CUDA fast path
-(:mod:`.kernels.gpu_dithered`, Triton) computes in float32 for float32/half
-input (float64 for float64): an index may then differ from the reference's
-by one on a tiny fraction of elements, and the subtractive error bound
-``|x~ - x| <= kappa Delta / 2`` holds with the slack ``4 eps32 kappa (M + 1) / M``
-(``eps32 = 2^-24``: relative rounding of ``x s``, of ``x s + r`` and of
-``q - r + 1/2`` and the product by ``kappa / M``, each at most ``eps32`` of
-a value of magnitude at most ``M + 1``, in units of the step ``kappa / M``).
 """
 
 from __future__ import annotations
@@ -146,6 +109,43 @@ class DitheredCodec(Codec):
     of ``g`` taken before encoding.
 
     See the module docstring for the wire format and the error laws.
+
+    Wire format. Header ``<if``: (numel, kappa_1) with kappa_1 the first part's
+    scale as float32 (8 bytes, whatever ``K``). Data: the other ``min(K, n) - 1``
+    scales as little-endian float32 (4 bytes each; empty for ``K = 1``), then the
+    ``n`` codes ``q + M`` of ``2M + 1`` levels packed by
+    :func:`~lowbit.codecs.radix.pack_levels`: mixed radix for ``2M + 1 <= 2^16`` (e.g.
+    5 trits per byte for ``M = 1``, 1.6 bits; within 1% of ``log2(2M + 1)`` bits),
+    ``ceil(log2(2M + 1))`` bits each beyond. So ``nbytes = 8 + 4 (min(K, n) - 1) + levels_nbytes(n, 2M + 1)``
+    for ``n >= 1`` and 8 for ``n = 0``; ``bits`` is
+    :func:`~lowbit.codecs.radix.level_bits` ``(2M + 1)``, the same count. When ``K > n``
+    there are ``n`` parts of one element each.
+
+    Scales are rounded *up* to float32 on the sender, and both ends use the
+    float32 value. The index is ``q = clamp(floor(x s + r), -M, M)`` with
+    ``s = M / kappa`` computed once per part (correctly rounded), and the
+    reconstruction ``(kappa / M) (q - (r - 1/2))``. Non-finite inputs, or scales
+    beyond the float32 range, raise ValueError. ``decode`` returns float32 unless
+    ``dtype`` is given.
+
+    Range. A decode reaches ``kappa (M + 1/2) / M`` (subtractive: ``q = +-M`` less the dither)
+    or ``kappa`` (half-dithered), so ``encode`` takes finite ``x`` whose part scales, rounded up
+    to float32, are at most :attr:`DitheredCodec.scale_limit` (float32's largest value times
+    ``M / (M + 1/2)`` when subtractive), and raises ValueError naming ``x`` beyond: the float32
+    decode is never inf. A payload whose scales are not finite, negative or beyond that
+    limit, or whose data length does not match its count, is a PayloadError.
+
+    Fast path and reference. ``encode_reference``/``decode_reference`` compute
+    in float64 on whole tensors; the CPU fast path (numba, :mod:`.kernels.cpu_dithered`)
+    runs the same operations in float64 registers, one element at a time, and
+    gives the same bytes and decodes exactly. The CUDA fast path
+    (:mod:`.kernels.gpu_dithered`, Triton) computes in float32 for float32/half
+    input (float64 for float64): an index may then differ from the reference's
+    by one on a tiny fraction of elements, and the subtractive error bound
+    ``|x~ - x| <= kappa Delta / 2`` holds with the slack ``4 eps32 kappa (M + 1) / M``
+    (``eps32 = 2^-24``: relative rounding of ``x s``, of ``x s + r`` and of
+    ``q - r + 1/2`` and the product by ``kappa / M``, each at most ``eps32`` of
+    a value of magnitude at most ``M + 1``, in units of the step ``kappa / M``).
     """
 
     levels: int

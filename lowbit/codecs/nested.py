@@ -48,24 +48,6 @@ with ``r_i`` the counter uniforms of one key drawn from ``g`` by ``encode``;
 ``decode`` needs a generator of the same kind built from the same seed
 (``shared_generator(run_seed, step, sender)`` on both ends) and regenerates
 ``r_i`` element by element.
-
-Header ``<i``: numel (4 bytes); ``nbytes = 4 + ceil(n ceil(log2 k) / 8)``.
-``decode`` returns ``ref``'s dtype on ``ref``'s device.
-
-Arithmetic. ``m = floor(t (1/Delta1) + 1/2)`` and ``Q2(r) = Delta2 floor(r
-(1/Delta2) + 1/2)``, with the inverses computed once. The reference
-(``encode_reference``/``decode_reference``) computes in float64 on whole
-tensors; the CPU fast path (numba, :mod:`.kernels.cpu_nested`) runs the same
-float64 operations per element: the same bytes and decodes exactly. The CUDA
-fast path (Triton) computes in float32 for float32/half input: the fine index
-is exact only below ``2^24``, so it raises the ``delta1`` error when
-``|x| / Delta1`` reaches ``2^24`` (float64 input: ``2^52``, as the reference);
-an index may differ from the reference's by one (mod ``k``) on a tiny fraction
-of elements; and with ``|z| < safe_radius`` the decode error ``|x_hat - x + (1 -
-alpha^2) z + alpha e|`` is at most ``4 eps32 (|x| + |y| + Delta2)``
-(``eps32 = 2^-24``; rounding of ``t``, ``r``, the fold and the final sum, each
-of a value of magnitude at most ``|x| + |y| + Delta2``). The coarse decision
-``|alpha z - e| < Delta2 / 2`` can flip only within that slack of the cell edge.
 """
 
 from __future__ import annotations
@@ -312,6 +294,24 @@ class NestedDitheredCodec(Codec):
     float32 on CUDA), where the arithmetic is exact; encode raises ValueError beyond. A
     payload whose count is not ``ref``'s (or ``numel``'s), or whose data is not
     ``levels_nbytes(numel, k)`` bytes, is a PayloadError before any kernel reads it.
+
+    Header ``<i``: numel (4 bytes); ``nbytes = 4 + ceil(n ceil(log2 k) / 8)``.
+    ``decode`` returns ``ref``'s dtype on ``ref``'s device.
+
+    Arithmetic. ``m = floor(t (1/Delta1) + 1/2)`` and ``Q2(r) = Delta2 floor(r
+    (1/Delta2) + 1/2)``, with the inverses computed once. The reference
+    (``encode_reference``/``decode_reference``) computes in float64 on whole
+    tensors; the CPU fast path (numba, :mod:`.kernels.cpu_nested`) runs the same
+    float64 operations per element: the same bytes and decodes exactly. The CUDA
+    fast path (Triton) computes in float32 for float32/half input: the fine index
+    is exact only below ``2^24``, so it raises the ``delta1`` error when
+    ``|x| / Delta1`` reaches ``2^24`` (float64 input: ``2^52``, as the reference);
+    an index may differ from the reference's by one (mod ``k``) on a tiny fraction
+    of elements; and with ``|z| < safe_radius`` the decode error ``|x_hat - x + (1 -
+    alpha^2) z + alpha e|`` is at most ``4 eps32 (|x| + |y| + Delta2)``
+    (``eps32 = 2^-24``; rounding of ``t``, ``r``, the fold and the final sum, each
+    of a value of magnitude at most ``|x| + |y| + Delta2``). The coarse decision
+    ``|alpha z - e| < Delta2 / 2`` can flip only within that slack of the cell edge.
     """
 
     delta1: float
