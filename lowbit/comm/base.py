@@ -65,6 +65,16 @@ class Transport(ABC):
         messages, sent = op_messages_and_bytes(op, nbytes, self.world_size, peers=peers, root=root)
         self.ledger.record(CommRecord(op, nbytes, sent, messages, peers), force=force)
 
+    def _checked_neighbors(self, neighbors: Sequence[int]) -> tuple[int, ...]:
+        """``neighbors`` as a tuple of ints: distinct ranks other than this one (ValueError otherwise)."""
+        neighbors = tuple(int(j) for j in neighbors)
+        if len(set(neighbors)) != len(neighbors):
+            raise ValueError(f"neighbors of rank {self.rank} must be distinct, got {neighbors}")
+        for j in neighbors:
+            if not 0 <= j < self.world_size or j == self.rank:
+                raise ValueError(f"neighbor {j} of rank {self.rank} is not another rank in [0, {self.world_size - 1}]")
+        return neighbors
+
     # ---- the contract ----------------------------------------------------
     def neighbor_exchange(self, buf: torch.Tensor, neighbors: Sequence[int]) -> dict[int, torch.Tensor]:
         """Send the 1-D uint8 ``buf`` to every rank in ``neighbors`` and receive
@@ -72,12 +82,7 @@ class Transport(ABC):
         neighbour relation must be symmetric: j lists i whenever i lists j."""
         if buf.dtype != torch.uint8 or buf.dim() != 1:
             raise TypeError(f"neighbor_exchange sends 1-D uint8 buffers, got {buf.dtype} {tuple(buf.shape)}")
-        neighbors = tuple(int(j) for j in neighbors)
-        if len(set(neighbors)) != len(neighbors):
-            raise ValueError(f"neighbors of rank {self.rank} must be distinct, got {neighbors}")
-        for j in neighbors:
-            if not 0 <= j < self.world_size or j == self.rank:
-                raise ValueError(f"neighbor {j} of rank {self.rank} is not another rank in [0, {self.world_size - 1}]")
+        neighbors = self._checked_neighbors(neighbors)
         self._record("neighbor", buf.numel(), peers=len(neighbors))
         return self._neighbor_exchange(buf, neighbors)
 
@@ -176,12 +181,7 @@ class Transport(ABC):
         step itself); the torch runtime ignores it (real time orders them)."""
         if getattr(self, "_gossip_peers", None) is not None:
             raise RuntimeError(f"rank {self.rank}: gossip_open called twice without gossip_close")
-        peers = tuple(int(j) for j in neighbors)
-        if len(set(peers)) != len(peers):
-            raise ValueError(f"neighbors of rank {self.rank} must be distinct, got {peers}")
-        for j in peers:
-            if not 0 <= j < self.world_size or j == self.rank:
-                raise ValueError(f"neighbor {j} of rank {self.rank} is not another rank in [0, {self.world_size - 1}]")
+        peers = self._checked_neighbors(neighbors)
         if not callable(handler):
             raise TypeError(f"handler must be callable(src, step, request) -> reply, got {handler!r}")
         if clock is not None and not callable(clock):
