@@ -84,6 +84,20 @@ def _stochastic_levels(scaled: torch.Tensor, generator: torch.Generator | None) 
     return low.add_((u < scaled - low).to(scaled.dtype))
 
 
+def _norm_levels_encode(x: torch.Tensor, levels: int, generator) -> tuple:
+    """QSGD's code, as both QSGD papers write it: ``sign(x) * level`` (int8), the level of
+    ``|x| / ||x||_2 * levels`` rounded stochastically, and the L2 norm."""
+    norm = torch.linalg.vector_norm(x)
+    lv = _stochastic_levels(x.abs() / norm * levels, generator)
+    return (lv.mul_(x.sign()).to(torch.int8), norm.reshape(1))
+
+
+def _norm_levels_decode(wire: tuple, levels: int) -> torch.Tensor:
+    """The inverse of :func:`_norm_levels_encode`: ``codes * norm / levels``."""
+    codes, norm = wire
+    return codes.to(norm.dtype) * (norm / levels)
+
+
 def _check_levels(levels: int, name: str, hi: int) -> int:
     if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= hi:
         raise ValueError(f"{name} must be an integer in [1, {hi}] (int8 codes), got {levels!r}")
@@ -99,13 +113,10 @@ class QSGDReference(Reference):
         _check_levels(self.levels, "levels", 127)
 
     def encode(self, x, *, generator=None):
-        norm = torch.linalg.vector_norm(x)
-        lv = _stochastic_levels(x.abs() / norm * self.levels, generator)
-        return (lv.mul_(x.sign()).to(torch.int8), norm.reshape(1))
+        return _norm_levels_encode(x, self.levels, generator)
 
     def decode(self, wire, *, ref=None):
-        codes, norm = wire
-        return codes.to(norm.dtype) * (norm / self.levels)
+        return _norm_levels_decode(wire, self.levels)
 
 
 @dataclass(frozen=True)
@@ -153,13 +164,10 @@ class QSGDMaxNormReference(Reference):
         return (1 << (self.bits - 1)) - 1
 
     def encode(self, x, *, generator=None):
-        W = torch.linalg.vector_norm(x)
-        lv = _stochastic_levels(x.abs() / W * self.levels, generator)
-        return (lv.mul_(x.sign()).to(torch.int8), W.reshape(1))
+        return _norm_levels_encode(x, self.levels, generator)
 
     def decode(self, wire, *, ref=None):
-        codes, W = wire
-        return codes.to(W.dtype) * (W / self.levels)
+        return _norm_levels_decode(wire, self.levels)
 
 
 @dataclass(frozen=True)
