@@ -7,7 +7,8 @@ the first epoch's checkpoint (run B), and write what each rank saw to OUT/<case>
 
 A spec: ``name`` (the case), ``algorithm`` (a LowbitStrategy name, or ``"ddp"`` for Lightning's
 plain DDPStrategy), ``options``, and optionally ``precision``, ``accumulate``, ``clip``,
-``epochs``, ``sync_dist`` (log the loss with ``sync_dist=True``), ``resume`` (default true).
+``epochs``, ``sync_dist`` (log the loss with ``sync_dist=True``), ``resume`` (default true),
+``drop_side_rank`` (that rank deletes its lowbit file before the resume).
 """
 
 import json
@@ -22,7 +23,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lowbit.integrations.lightning import LowbitStrategy
+from lowbit.integrations.lightning import LowbitStrategy, side_path
 
 warnings.filterwarnings("ignore")  # Lightning's advice on num_workers, sync_dist, ...
 LR = 0.1
@@ -102,6 +103,8 @@ def main():
         seed_everything(1, verbose=False)
         result = {"a": fit(spec, out, seed=1)}
         if spec.get("resume", True):
+            if spec.get("drop_side_rank") == rank:  # this rank lost its lowbit file: every rank starts afresh
+                os.remove(side_path(result["a"]["ckpt"], rank))
             result["b"] = fit(spec, out, seed=2, ckpt=result["a"]["ckpt"])
         with open(os.path.join(out, f"{spec['name']}-rank{rank}.json"), "w") as f:
             json.dump(result, f)

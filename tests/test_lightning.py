@@ -30,6 +30,7 @@ CASES = [
      "accumulate": 2},
     {"name": "moniqua", "algorithm": "moniqua", "options": {"bits": 2, "theta": 0.5}, "accumulate": 2,
      "clip": 0.5},
+    {"name": "lost", "algorithm": "dpsgd", "drop_side_rank": 1},  # rank 1's lowbit file is gone at the resume
 ]
 
 
@@ -97,6 +98,18 @@ def test_resume_from_model_checkpoint_continues_curve_and_bytes(runs, case):
         else:
             assert b["losses"] == a["losses"][half:]  # the second epoch again, bit for bit
             assert b["params"] == a["params"]
+
+
+def test_resume_without_every_ranks_file_starts_lowbit_afresh_on_every_rank(runs):
+    a0, b0 = runs["lost"][0]["a"], runs["lost"][0]["b"]
+    a1, b1 = runs["lost"][1]["a"], runs["lost"][1]["b"]
+    per_step = a0["bytes"][0]
+    # no rank restored alone (which would hang the others): both start from rank 0's module,
+    # with the wrapper's ledger and step afresh; Lightning's own loop state is restored
+    assert b0["bytes"] == b1["bytes"] == [per_step * (k + 1) for k in range(STEPS // 2)]
+    assert b0["losses"][0] == a0["losses"][STEPS // 2]  # rank 0 continues from its own module
+    assert b1["losses"][0] != a1["losses"][STEPS // 2]  # rank 1 starts from rank 0's
+    assert b0["global_step"] == b1["global_step"] == STEPS
 
 
 def test_accumulation_communicates_once_per_optimizer_step(runs):

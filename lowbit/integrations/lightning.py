@@ -64,6 +64,7 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
 from .routing import choose, own_transport
+
 #: the hook state's counters saved in a hook run's per-rank file
 _HOOK_COUNTERS = ("step", "bytes_sent", "messages", "fp32_bytes_sent", "last_step_bytes", "memory_resets",
                   "powersgd_resets")
@@ -106,6 +107,7 @@ class LowbitStrategy(DDPStrategy):
         self._restored = False  # the wrapper restored this rank's optimizer too
         self._failure: BaseException | None = None  # on_exception's, for teardown
         self._group = None  # the wrapper's process group
+        self._fitting = False  # set up for fit: the hook registered or the wrapper built
 
     # ---- what runs ----------------------------------------------------------------------
     @property
@@ -129,6 +131,7 @@ class LowbitStrategy(DDPStrategy):
         if self.hook_state.error_feedback:
             self.hook_state.bind_model(self.model)  # memory per parameter: survives bucket rebuilds
         self.model.register_comm_hook(self.hook_state, self._hook)
+        self._fitting = True
 
     def setup_optimizers(self, trainer) -> None:
         """Lightning's optimizers; on the wrapper path, wrap the module and its one optimizer."""
@@ -145,6 +148,7 @@ class LowbitStrategy(DDPStrategy):
         self.wrapper = DecentralizedDataParallel(self.model, self.optimizers[0], self.algorithm, transport=transport,
                                                  **self.options)
         self.model = self.wrapper
+        self._fitting = True
 
     def setup(self, trainer) -> None:
         """DDPStrategy's setup; on the wrapper path a ``16-mixed`` GradScaler becomes
@@ -182,6 +186,7 @@ class LowbitStrategy(DDPStrategy):
             else:  # the other ranks may be anywhere: no agreement
                 self.wrapper.__exit__(type(failure), failure, failure.__traceback__)
             self.model = self.lightning_module
+        self._fitting = False
         if self._group is not None:
             torch.distributed.destroy_process_group(self._group)
             self._group = None
@@ -215,20 +220,23 @@ class LowbitStrategy(DDPStrategy):
         return checkpoint
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
-        """Rank 0's module from Lightning's file, or, where this rank's lowbit file exists, the
-        wrapper's whole state from it (its own module, optimizer, algorithm state and ledger;
-        collective: the ranks agree on the step) / the hook state's step, counters and memory."""
+        """Rank 0's module from Lightning's file, or, when every rank has its lowbit file (one
+        collective decision, so that no rank restores alone), the wrapper's whole state from it
+        (its own module, optimizer, algorithm state and ledger; the ranks check they resume the
+        same step) / the hook state's step, counters and memory."""
         path, self._resume = self._resume, None
-        if self.wrapper is not None and path is not None and os.path.exists(path):
+        if path is None or not self._fitting:  # validate/test from a checkpoint: the module is all there is
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        everywhere = self.reduce_boolean_decision(os.path.exists(path), all=True)
+        if everywhere and self.wrapper is not None:
             self.wrapper.load_checkpoint(path)
             self._restored = True
             return
         super().load_model_state_dict(checkpoint, strict=strict)
-        if path is None or (self.wrapper is None and not self.uses_hook):
-            return  # not fitting (validate/test from a checkpoint): the module is all there is
-        if not os.path.exists(path):
-            warnings.warn(f"{path} not found: the lowbit state (algorithm state, step, byte counts) starts "
-                          "afresh; the module is rank 0's from the Lightning checkpoint", stacklevel=2)
+        if not everywhere:
+            warnings.warn(f"{path} or another rank's lowbit file is missing: the lowbit state (algorithm state, "
+                          "step, byte counts) starts afresh on every rank from rank 0's module", stacklevel=2)
         elif self.uses_hook:
             _load_hook_state(self.hook_state, load_checkpoint(path), path)
 
