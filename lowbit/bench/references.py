@@ -84,18 +84,19 @@ def _stochastic_levels(scaled: torch.Tensor, generator: torch.Generator | None) 
     return low.add_((u < scaled - low).to(scaled.dtype))
 
 
-def _norm_levels_encode(x: torch.Tensor, levels: int, generator) -> tuple:
+class _NormLevels(Reference):
     """QSGD's code, as both QSGD papers write it: ``sign(x) * level`` (int8), the level of
-    ``|x| / ||x||_2 * levels`` rounded stochastically, and the L2 norm."""
-    norm = torch.linalg.vector_norm(x)
-    lv = _stochastic_levels(x.abs() / norm * levels, generator)
-    return (lv.mul_(x.sign()).to(torch.int8), norm.reshape(1))
+    ``|x| / ||x||_2 * levels`` rounded stochastically, and the L2 norm; decoded as
+    ``codes * norm / levels``. A subclass says its ``levels``."""
 
+    def encode(self, x, *, generator=None):
+        norm = torch.linalg.vector_norm(x)
+        lv = _stochastic_levels(x.abs() / norm * self.levels, generator)
+        return (lv.mul_(x.sign()).to(torch.int8), norm.reshape(1))
 
-def _norm_levels_decode(wire: tuple, levels: int) -> torch.Tensor:
-    """The inverse of :func:`_norm_levels_encode`: ``codes * norm / levels``."""
-    codes, norm = wire
-    return codes.to(norm.dtype) * (norm / levels)
+    def decode(self, wire, *, ref=None):
+        codes, norm = wire
+        return codes.to(norm.dtype) * (norm / self.levels)
 
 
 def _check_levels(levels: int, name: str, hi: int) -> int:
@@ -105,18 +106,13 @@ def _check_levels(levels: int, name: str, hi: int) -> int:
 
 
 @dataclass(frozen=True)
-class QSGDReference(Reference):
+class QSGDReference(_NormLevels):
     levels: int
     name = "GRACE QSGD"
 
     def __post_init__(self) -> None:
         _check_levels(self.levels, "levels", 127)
 
-    def encode(self, x, *, generator=None):
-        return _norm_levels_encode(x, self.levels, generator)
-
-    def decode(self, wire, *, ref=None):
-        return _norm_levels_decode(wire, self.levels)
 
 
 @dataclass(frozen=True)
@@ -151,7 +147,7 @@ class SignSGDReference(Reference):
 
 
 @dataclass(frozen=True)
-class QSGDMaxNormReference(Reference):
+class QSGDMaxNormReference(_NormLevels):
     bits: int
     name = "max-norm paper QSGDMaxNorm"
 
@@ -162,12 +158,6 @@ class QSGDMaxNormReference(Reference):
     @property
     def levels(self) -> int:
         return (1 << (self.bits - 1)) - 1
-
-    def encode(self, x, *, generator=None):
-        return _norm_levels_encode(x, self.levels, generator)
-
-    def decode(self, wire, *, ref=None):
-        return _norm_levels_decode(wire, self.levels)
 
 
 @dataclass(frozen=True)
