@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import lowbit.codecs.kernels as kernels
-from lowbit.codecs.kernels import codec_path, cpu_kernels, gpu_kernels, kernels_for
+from lowbit.codecs.kernels import codec_path, cpu_kernels, gpu_kernels, kernels_for, kernels_on
 from lowbit.codecs.kernels.families import FAMILIES, Family, protocol_members
 
 KERNELS_DIR = Path(kernels.__file__).parent
@@ -179,6 +179,17 @@ def test_the_dispatch_answers_for_one_function(monkeypatch):
         for op in protocol_members(fam.cpu):
             got = kernels_for(x, name, op)
             assert got is (None if op in fam.cpu_only or fam.no_gpu else gpu_kernels(name)), (name, op)
+
+
+def test_kernels_on_names_the_backend():
+    assert kernels_on("numba", "radix") is cpu_kernels("radix")
+    assert kernels_on("numba", "core", "within") is cpu_kernels("core")
+    assert kernels_on("triton", "lanes") is None and kernels_on("triton", "lanes", "pack") is None
+    assert kernels_on("triton", "core", "within") is None  # CPU-only
+    with pytest.raises(ValueError, match=r"backend must be one of \('numba', 'triton'\), got 'cuda'"):
+        kernels_on("cuda", "core")
+    with pytest.raises(ValueError, match="op must be one of the 'lanes' family's functions"):
+        kernels_on("triton", "lanes", "select")
 
 
 def test_a_family_without_a_gpu_side_says_why():

@@ -10,8 +10,8 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
 
 from lowbit.codecs.dithered import DitheredCodec  # noqa: E402
-from lowbit.codecs.kernels import (cpu_dithered, cpu_nested, cpu_qsgd, gpu_dithered, gpu_kernels,  # noqa: E402
-                                  gpu_nested, gpu_qsgd)
+from lowbit.codecs.kernels import (cpu_dithered, cpu_nested, cpu_qsgd, gpu_dithered, gpu_nested,  # noqa: E402
+                                  gpu_qsgd, kernels_on)
 from lowbit.codecs.nested import NestedDitheredCodec  # noqa: E402
 from lowbit.codecs.qsgd import QSGDCodec, exact_ratio, round_up_float32  # noqa: E402
 
@@ -139,11 +139,10 @@ def triton_route(monkeypatch):
     import lowbit.codecs.nested as nested
     import lowbit.codecs.qsgd as qsgd
     import lowbit.codecs.radix as radix
-    from lowbit.codecs.kernels import gpu, gpu_radix
     for mod in (dithered, nested, qsgd):
-        monkeypatch.setattr(mod, "kernels_for", lambda x, family="core": gpu_kernels(family))
+        monkeypatch.setattr(mod, "kernels_for", lambda x, family="core", op=None: kernels_on("triton", family, op))
     # the codes are packed by the Triton radix kernels (the core's for a power of two / > 2^16 levels)
-    monkeypatch.setattr(radix, "kernels_for", lambda x, family="core": gpu_radix if family == "radix" else gpu)
+    monkeypatch.setattr(radix, "kernels_for", lambda x, family="core", op=None: kernels_on("triton", family, op))
 
 
 def _codes_of(payload_data, skip, levels, n):

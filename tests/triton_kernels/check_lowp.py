@@ -10,14 +10,14 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
 
 from lowbit.codecs import HalfCodec, lowp  # noqa: E402
-from lowbit.codecs.kernels import gpu_lowp  # noqa: E402
+from lowbit.codecs.kernels import gpu_lowp, kernels_on  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @pytest.fixture(autouse=True)
 def triton_path(monkeypatch):
-    monkeypatch.setattr(lowp, "kernels_for", lambda x, family="core": gpu_lowp)
+    monkeypatch.setattr(lowp, "kernels_for", lambda x, family="core", op=None: kernels_on("triton", family, op))
 
 
 def _patterns() -> torch.Tensor:

@@ -15,7 +15,7 @@ from lowbit.codecs import (HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, Ter
                            UniformCodec, shared_generator)
 from lowbit.codecs import identity, lowp, minmax, sign, terngrad, uniform  # noqa: E402
 from lowbit.codecs.base import Payload  # noqa: E402
-from lowbit.codecs.kernels import gpu, gpu_kernels  # noqa: E402
+from lowbit.codecs.kernels import gpu, kernels_on  # noqa: E402
 
 EPS32 = 2.0**-24  # float32's unit roundoff
 N = 1500
@@ -24,7 +24,7 @@ N = 1500
 @pytest.fixture
 def triton_path(monkeypatch):
     """The codecs take the Triton kernels for CPU tensors (as they do for CUDA tensors)."""
-    pick = lambda x, family="core": gpu_kernels(family)  # noqa: E731
+    pick = lambda x, family="core", op=None: kernels_on("triton", family, op)  # noqa: E731
     for module in (identity, lowp, minmax, sign, terngrad, uniform):
         monkeypatch.setattr(module, "kernels_for", pick)
 
@@ -47,7 +47,7 @@ def test_minmax(bits, rounding, dtype, monkeypatch):
     x = _x(dtype, bits)
     cpu_p = codec.encode(x, generator=shared_generator(0, bits, 1))
     cpu_y = codec.decode(cpu_p, dtype=torch.float64)
-    pick = lambda t, family="core": gpu_kernels(family)  # noqa: E731
+    pick = lambda t, family="core", op=None: kernels_on("triton", family, op)  # noqa: E731
     monkeypatch.setattr(minmax, "kernels_for", pick)
     p = codec.encode(x, generator=shared_generator(0, bits, 1))
     assert torch.equal(p.header, cpu_p.header)  # min and max are exact

@@ -13,7 +13,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
 
 from lowbit.codecs import radix  # noqa: E402
-from lowbit.codecs.kernels import gpu, gpu_radix  # noqa: E402
+from lowbit.codecs.kernels import gpu_radix, kernels_on  # noqa: E402
 from lowbit.codecs.radix import (pack_levels, pack_levels_fast, pack_radix_reference, radix_group,  # noqa: E402
                                  radix_nbytes, unpack_levels_fast, unpack_radix_reference)
 
@@ -63,7 +63,7 @@ def test_bad_group_values_are_counted(L, n, nbad):
 @pytest.fixture
 def triton_radix(monkeypatch):
     """radix's fast path takes the Triton kernels for CPU tensors (as it does for CUDA tensors)."""
-    monkeypatch.setattr(radix, "kernels_for", lambda x, family="core": gpu_radix if family == "radix" else gpu)
+    monkeypatch.setattr(radix, "kernels_for", lambda x, family="core", op=None: kernels_on("triton", family, op))
 
 
 @pytest.mark.parametrize("L", [3, 4, 5, 61, 255, 300, 1061, 65537])

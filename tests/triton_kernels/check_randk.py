@@ -10,7 +10,7 @@ import torch
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton_interpret.py"
 
 from lowbit.codecs import QSGDMaxNormCodec, RandKCodec, randk, shared_generator  # noqa: E402
-from lowbit.codecs.kernels import codec_path, gpu_kernels, gpu_randk  # noqa: E402
+from lowbit.codecs.kernels import codec_path, gpu_randk, kernels_on  # noqa: E402
 from lowbit.codecs.randk import feistel_params, round_keys, select_reference  # noqa: E402
 
 
@@ -24,7 +24,7 @@ def test_selection_is_the_reference_set(d, k):
 
 
 def test_codec_selects_on_the_device(monkeypatch):
-    pick = lambda x, family="core": gpu_kernels(family)  # noqa: E731
+    pick = lambda x, family="core", op=None: kernels_on("triton", family, op)  # noqa: E731
     monkeypatch.setattr(randk, "kernels_for", pick)
     randk.clear_selection_cache()
     c = RandKCodec(QSGDMaxNormCodec(bits=4), k=3000, seed=5)

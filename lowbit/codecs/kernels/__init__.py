@@ -23,7 +23,8 @@ The kernels come in families, one per codec module (:mod:`.families`: each famil
 :class:`typing.Protocol`, its CPU-only functions and their reasons). This module is the one
 place that picks a family's module for a tensor: :func:`kernels_for` (``cpu_<family>``
 with numba on the CPU, ``gpu_<family>`` with Triton on CUDA, ``cpu``/``gpu`` for the
-"core" family), :func:`cpu_kernels` and :func:`gpu_kernels`.
+"core" family), :func:`kernels_on` for a named backend, :func:`cpu_kernels` and
+:func:`gpu_kernels`.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ import threading
 
 import torch
 
-__all__ = ["fast_backend", "kernels_for", "codec_path", "PATHS", "cpu_kernels", "gpu_kernels", "empty_output",
-           "native_target"]
+__all__ = ["fast_backend", "kernels_for", "kernels_on", "BACKENDS", "codec_path", "PATHS", "cpu_kernels",
+           "gpu_kernels", "empty_output", "native_target"]
 
 PATHS = ("fast", "reference")
+BACKENDS = ("numba", "triton")
 _local = threading.local()
 
 
@@ -151,21 +153,32 @@ def _offers(backend: str, family: str, op: str) -> bool:
     return backend == "numba" or op not in fam.cpu_only
 
 
+def kernels_on(backend: str, family: str = "core", op: str | None = None):
+    """The kernel module of ``family`` for ``backend`` ("numba" or "triton"), or None where
+    there is none: no module for the backend, its compiler cannot be imported, or (with
+    ``op``, one of the family's functions) the backend lacks that function (a CPU-only one
+    on CUDA: ``FAMILIES[family].cpu_only`` says why)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    module = _module(backend, family)
+    if op is None:
+        return module
+    offered = _offers(backend, family, op)  # checks op's name, with or without a module
+    return module if offered else None
+
+
 def kernels_for(x: torch.Tensor, family: str = "core", op: str | None = None):
     """The kernel module of ``family`` (a name of :data:`.families.FAMILIES`) for ``x``'s fast
-    path (numba on the CPU, Triton on CUDA), or None: take the reference. With ``op`` (one of
-    the family's functions), None also where that backend lacks it (a CPU-only function on
-    CUDA: ``FAMILIES[family].cpu_only`` says why)."""
+    path (numba on the CPU, Triton on CUDA: :func:`kernels_on` of :func:`fast_backend`), or
+    None: take the reference. With ``op`` (one of the family's functions), None also where
+    that backend lacks it."""
     backend = fast_backend(x)
     if backend is None:
         _family(family)  # an unknown name is an error on every path
         if op is not None:
             _offers("numba", family, op)
         return None
-    module = _module(backend, family)
-    if op is None or module is None:
-        return module
-    return module if _offers(backend, family, op) else None
+    return kernels_on(backend, family, op)
 
 
 #: Allocations of this many bytes or more get a fresh mapping from glibc at every call (its
