@@ -208,8 +208,9 @@ def _family_strings(source: str) -> set[str]:
               and isinstance(n.value.value, str)}
     found = set()
     for n in ast.walk(tree):
-        if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("kernels_for", "cpu_kernels", "gpu_kernels"):
-            args = n.args[1:] if n.func.id == "kernels_for" else n.args
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) in ("kernels_for", "kernels_on", "cpu_kernels",
+                                                                       "gpu_kernels"):
+            args = n.args[1:] if n.func.id in ("kernels_for", "kernels_on") else n.args
             for a in args[:1]:
                 if isinstance(a, ast.Constant):
                     found.add(a.value)
@@ -237,5 +238,6 @@ def test_the_codecs_name_existing_families():
 
 
 def test_the_family_string_scan_finds_names():
-    src = 'F = "qsgd"\nclass C:\n    kernel_family = F\nK = kernels_for(x, "radix")\nJ = cpu_kernels(G)\nG = "lanes"\n'
-    assert _family_strings(src) == {"qsgd", "radix", "lanes"}
+    src = ('F = "qsgd"\nclass C:\n    kernel_family = F\nK = kernels_for(x, "radix")\nJ = cpu_kernels(G)\nG = "lanes"\n'
+           'M = kernels_on("triton", "sign", "sign_encode")\n')
+    assert _family_strings(src) == {"qsgd", "radix", "lanes", "sign"}
