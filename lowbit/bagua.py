@@ -91,8 +91,8 @@ def with_bagua(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
     node = default_node_size(ddp.transport) if algorithm.node_size is None else algorithm.node_size
     if algorithm.hierarchical and n > 1 and node == n:
         warnings.warn(f"hierarchical=True with all {n} ranks on one node (node_size {node}): the model is averaged "
-                      f"in fp32 inside the node and nothing is sent quantized: about twice the bytes of 8-bit "
-                      f"gossip (rank 0 sends 32 bits per element per step on 2 ranks, 96 on 4, against 16 with "
+                      f"in fp32 inside the node and nothing is sent quantized: twice the bytes of 8-bit gossip or more "
+                      f"(rank 0 sends 32 bits per element per step on 2 ranks, 96 on 4, against 16 with "
                       f"hierarchical=False); pass LowPrecisionDecentralizedAlgorithm(hierarchical=False) to gossip 8-bit "
                       f"between the ranks", UserWarning, stacklevel=2)
     return ddp

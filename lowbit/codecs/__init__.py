@@ -1,4 +1,20 @@
-"""Codecs: flat float tensor -> wire payload (real, packed bytes) -> tensor."""
+"""Codecs: flat float tensor -> wire payload (real, packed bytes) -> tensor::
+
+    codec = make_codec("qsgd-maxnorm", bits=3)        # or QSGDMaxNormCodec(bits=3)
+    payload = codec.encode(x, generator=g)            # payload.nbytes: what travels
+    x_hat = codec.decode(payload)
+
+The registry (:data:`CODECS`) is computed from :data:`REGISTERED`, one line per codec class;
+each class declares its name and capabilities (:class:`Codec`), from which the lists elsewhere
+are computed (:func:`codec_names`: the replica baselines' codecs, the DDP hooks' wire methods).
+
+Names. One spelling per codec and algorithm, the same in the registry, the DDP hooks, the CLI
+(``--codec``, ``--algorithm``) and the docs: lowercase, words joined by hyphens
+(``qsgd-maxnorm``, ``bagua-minmax``, ``grandk-maxnorm``). Former spellings (:data:`RENAMED`:
+``half``, ``qsgd_maxnorm``...) still work, with a DeprecationWarning naming the current one.
+A new codec usable everywhere: its module (the class, its name and capabilities), its kernels
+(:mod:`lowbit.codecs.kernels`), and one line of :data:`REGISTERED`.
+"""
 
 from __future__ import annotations
 
