@@ -32,11 +32,15 @@ def run(accelerator, spec):
     else:
         model, opt, loader, comm = lowbit_prepare(accelerator, net, opt, loader, algorithm=spec["algorithm"],
                                                   **spec.get("options", {}))
+    dtypes = {}
+    net[0].register_forward_hook(lambda m, i, o: dtypes.__setitem__("inner", str(o.dtype)))
     losses, sent, grad = [], [], None
     for _ in range(2):
         for xb, yb in loader:
             with accelerator.accumulate(model):
-                loss = nn.functional.mse_loss(model(xb), yb)
+                out = model(xb)
+                dtypes["output"] = str(out.dtype)
+                loss = nn.functional.mse_loss(out, yb)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     if spec.get("clip"):
@@ -49,7 +53,8 @@ def run(accelerator, spec):
     if comm is not None and hasattr(comm, "close"):
         comm.close()
     params = torch.cat([p.detach().flatten() for p in net.parameters()])
-    return {"losses": losses, "bytes": sent, "params": params.tolist(), "grad": grad, "numel": params.numel()}
+    return {"losses": losses, "bytes": sent, "params": params.tolist(), "grad": grad, "numel": params.numel(),
+            "dtypes": dtypes}
 
 
 def main():

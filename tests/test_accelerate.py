@@ -29,17 +29,20 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("accelerate")
+def _launch(out, cases, precision="no"):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "1", "PYTHONWARNINGS": "ignore"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-           os.path.join(HERE, "accelerate_run.py"), str(out), *map(json.dumps, CASES)]
+           "--num_machines", "1", "--mixed_precision", precision, "--dynamo_backend", "no", "--main_process_port", "0",
+           os.path.join(HERE, "accelerate_run.py"), str(out), *map(json.dumps, cases)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return {c["name"]: [json.load(open(os.path.join(out, f"{c['name']}-rank{r}.json"))) for r in range(2)]
-            for c in CASES}
+            for c in cases}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("accelerate"), CASES)
 
 
 def _params(result):
@@ -101,3 +104,15 @@ def test_bad_algorithm_or_option_is_refused_before_prepare():
         lowbit_prepare(NoPrepare(), net, opt, algorithm="qsgd", theta=0.5)
     with pytest.raises(ValueError, match="optimizer"):
         lowbit_prepare(NoPrepare(), net, "sgd", algorithm="allreduce")
+
+
+@pytest.mark.slow
+def test_bf16_runs_the_wrapper_forward_under_autocast(tmp_path):
+    cases = [{"name": "maxnorm", "algorithm": "maxnorm", "options": {"bits": 4, "seed": 3}},
+             {"name": "moniqua", "algorithm": "moniqua", "options": {"bits": 2, "theta": 0.5}}]
+    runs = _launch(tmp_path, cases, precision="bf16")
+    for case in ("maxnorm", "moniqua"):  # the prepared DDP model and the wrapper alike
+        for rank in runs[case]:
+            assert rank["dtypes"] == {"inner": "torch.bfloat16", "output": "torch.float32"}
+            assert rank["bytes"][1] > 0 and rank["losses"][-1] < rank["losses"][0] * 2
+    assert torch.equal(_params(runs["maxnorm"][0]), _params(runs["maxnorm"][1]))

@@ -31,13 +31,14 @@ options (:mod:`lowbit.integrations.routing` decides the way).
   the other objects go through ``accelerator.prepare``; ``comm`` is the wrapper (which is also the
   returned model), on a process group of its own (:func:`~lowbit.integrations.routing.own_transport`:
   ``accelerator.gather`` and the like never interleave with its exchanges;
-  ``accelerator.end_training()`` destroys it with the others). The wrapper communicates in ``optimizer.step()``; there is no averaged
-  gradient, so ``accelerator.clip_grad_norm_`` clips each rank's own; ``accelerator.accumulate``
-  uses the wrapper's ``no_sync()``. Under mixed precision the wrapper's forward runs in
-  ``accelerator.autocast()`` and an fp16 scaler becomes :class:`lowbit.integrations.GradScaler`
-  (a step skipped on one rank is skipped on all). Checkpoints are per rank:
-  ``comm.save_checkpoint(f"ckpt/rank{accelerator.process_index}.pt")`` and ``comm.load_checkpoint``
-  (``accelerator.save_state`` saves rank 0's model only).
+  ``accelerator.end_training()`` destroys it with the others). The wrapper communicates in
+  ``optimizer.step()``; there is no averaged gradient, so ``accelerator.clip_grad_norm_`` clips
+  each rank's own; ``accelerator.accumulate`` uses the wrapper's ``no_sync()``. Under mixed
+  precision the wrapper's forward runs in ``accelerator.autocast()`` with its outputs cast to
+  fp32 (what ``accelerator.prepare`` does to a model) and an fp16 scaler becomes
+  :class:`lowbit.integrations.GradScaler` (a step skipped on one rank is skipped on all).
+  Checkpoints are per rank: ``comm.save_checkpoint(f"ckpt/rank{accelerator.process_index}.pt")``
+  and ``comm.load_checkpoint`` (``accelerator.save_state`` saves rank 0's model only).
 
 Build the optimizer over the model's parameters before calling this, as for ``accelerator.prepare``.
 """
@@ -77,8 +78,10 @@ def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimiz
         return (model, optimizer, *others, state)
     model.to(accelerator.device)  # in place: the optimizer's parameters stay the module's
     wrapper = DecentralizedDataParallel(model, optimizer, algorithm, transport=own_transport(), **options)
-    if accelerator.mixed_precision != "no":
-        wrapper.forward = accelerator.autocast()(wrapper.forward)
+    if accelerator.native_amp:  # what accelerator.prepare does to a model's forward
+        from accelerate.utils import convert_outputs_to_fp32
+
+        wrapper.forward = convert_outputs_to_fp32(accelerator.autocast()(wrapper.forward))
     scaler = accelerator.scaler
     if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, GradScaler):
         agreed = GradScaler(accelerator.device.type, enabled=scaler.is_enabled())  # before the optimizer takes it
