@@ -22,9 +22,10 @@ that entry point takes (:mod:`lowbit.integrations.routing` decides the way).
 * Decentralized algorithms (``dpsgd``, ``moniqua``, ``choco``...) run under
   :class:`~lowbit.integrations.DecentralizedDataParallel`, which wraps the LightningModule and its
   one optimizer, on a process group of its own (a metric logged with ``sync_dist=True`` in
-  ``training_step`` cannot interleave with the wrapper's exchange). There is no averaged gradient: each rank applies its own, so
-  ``gradient_clip_val`` clips each rank's local gradient (what a decentralized method with
-  clipping does, and what the wrapper's ``clip_grad_norm_`` does for them). Lightning's closure
+  ``training_step`` cannot interleave with the wrapper's exchange). There is no averaged
+  gradient: each rank applies its own, so ``gradient_clip_val`` clips each rank's local
+  gradient (what a decentralized method with clipping does, and what the wrapper's
+  ``clip_grad_norm_`` does for them). Lightning's closure
   runs in the optimizer's step, before the wrapper communicates; accumulation runs in the
   wrapper's ``no_sync()`` (nothing is sent before the step). Under ``precision="16-mixed"`` the
   scaler is :class:`lowbit.integrations.GradScaler`: a step skipped on one rank is skipped on all.
