@@ -155,28 +155,21 @@ def _check_lr(value, name: str) -> float:
     return float(value)
 
 
-def bench_race(task: str | None = None, workers: int | None = None, networks=None, methods=None,
-               steps: int | None = None, eval_every: int | None = None, target: float | None = None,
-               batch: int | None = None, lr: float | None = None, momentum: float = 0.9, quick: bool = False,
-               backend: str = "gloo", seed: int = 0, warmup: int | None = None, compute_steps: int = 5,
-               eval_samples: int | None = None, task_options: dict | None = None, plot_dir: str | None = None,
-               progress=print) -> dict:
-    """Run the race (module doc) and return its report: ``{"networks": {NETWORK: {METHOD: {...}}},
-    "settings": {...}, "methods": {...}, "shaping": ...}``. Unset arguments take the full race's
-    settings (:data:`FULL`), or ``--quick``'s (:data:`QUICK`) with ``quick``. ``plot_dir``: write
-    ``race-NETWORK.png`` (accuracy against training seconds) there. ``progress``: a callable taking
-    one line of text (None: silent). ``warmup``: the first steps left out of ``step_seconds``
-    (default ``min(5, steps // 4)``). ``task_options``: keyword arguments of the task (default: the
-    preset's, e.g. ``--quick``'s MLP width, when its task is the preset's)."""
+def _settings(quick: bool, task_options, given: dict) -> tuple[dict, dict]:
+    """The race's settings: the ``given`` ones, the preset's (:data:`FULL` or :data:`QUICK`) for
+    those unset; and the task's options (the preset's go with the preset's task only)."""
     base = dict(QUICK if quick else FULL)
     preset_options = dict(base.pop("task_options", {}))
-    given = dict(task=task, workers=workers, steps=steps, eval_every=eval_every, target=target, batch=batch, lr=lr,
-                 eval_samples=eval_samples)
-    if task_options is None:  # the preset's options go with the preset's task only
-        task_options = preset_options if task in (None, base["task"]) else {}
+    if task_options is None:
+        task_options = preset_options if given["task"] in (None, base["task"]) else {}
     if not isinstance(task_options, dict):
         raise ValueError(f"task_options must be a dict of the task's keyword arguments, got {task_options!r}")
-    s = {k: (v if v is not None else base[k]) for k, v in given.items()}
+    return {k: (v if v is not None else base[k]) for k, v in given.items()}, task_options
+
+
+def _check_settings(s: dict, task_options: dict, compute_steps, warmup, momentum, backend, seed) -> int:
+    """Check the settings before any process starts (the task's data set on disk included);
+    the warm-up steps (default ``min(5, steps // 4)``)."""
     from ..train.tasks import TASKS
 
     if s["task"] not in TASKS:
@@ -205,6 +198,43 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    return warmup
+
+
+def _runnable(nets: list[str], why: str | None, report: dict) -> list[str]:
+    """The networks that run (a shaped one is skipped, with why, where shaping is unavailable);
+    ``report["shaping"]`` says how the links are shaped."""
+    runnable = []
+    for net in nets:
+        if NETWORKS[net] is not None and why is not None:
+            report["skipped_networks"][net] = f"real shaping unavailable: {why}"
+        else:
+            runnable.append(net)
+    shaped = any(NETWORKS[n] is not None for n in runnable)
+    if not shaped:
+        report["shaping"] = "none: loopback only" + (f" (shaping unavailable: {why})" if why else "")
+    elif "loopback" in runnable:
+        report["shaping"] += "; loopback: the same links with the tbf taken off"
+    return runnable
+
+
+def bench_race(task: str | None = None, workers: int | None = None, networks=None, methods=None,
+               steps: int | None = None, eval_every: int | None = None, target: float | None = None,
+               batch: int | None = None, lr: float | None = None, momentum: float = 0.9, quick: bool = False,
+               backend: str = "gloo", seed: int = 0, warmup: int | None = None, compute_steps: int = 5,
+               eval_samples: int | None = None, task_options: dict | None = None, plot_dir: str | None = None,
+               progress=print) -> dict:
+    """Run the race (module doc) and return its report: ``{"networks": {NETWORK: {METHOD: {...}}},
+    "settings": {...}, "methods": {...}, "shaping": ...}``. Unset arguments take the full race's
+    settings (:data:`FULL`), or ``--quick``'s (:data:`QUICK`) with ``quick``. ``plot_dir``: write
+    ``race-NETWORK.png`` (accuracy against training seconds) there. ``progress``: a callable taking
+    one line of text (None: silent). ``warmup``: the first steps left out of ``step_seconds``
+    (default ``min(5, steps // 4)``). ``task_options``: keyword arguments of the task (default: the
+    preset's, e.g. ``--quick``'s MLP width, when its task is the preset's)."""
+    s, task_options = _settings(quick, task_options, dict(
+        task=task, workers=workers, steps=steps, eval_every=eval_every, target=target, batch=batch, lr=lr,
+        eval_samples=eval_samples))
+    warmup = _check_settings(s, task_options, compute_steps, warmup, momentum, backend, seed)
     nets = _names(networks, list(NETWORKS), "networks")
     chosen = _names(methods, list(METHODS), "methods")
     say = progress or (lambda line: None)
@@ -231,17 +261,8 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
                                                 "loadavg_start": _loadavg()},
               "methods": {n: {"description": METHODS[n].description, "lr": specs[n]["lr"]} for n in chosen},
               "shaping": why or "tc tbf per rank (network namespaces)", "networks": {}, "skipped_networks": {}}
-    runnable = []
-    for net in nets:
-        if NETWORKS[net] is not None and why is not None:
-            report["skipped_networks"][net] = f"real shaping unavailable: {why}"
-        else:
-            runnable.append(net)
+    runnable = _runnable(nets, why, report)
     shaped = any(NETWORKS[n] is not None for n in runnable)
-    if not shaped:
-        report["shaping"] = "none: loopback only" + (f" (shaping unavailable: {why})" if why else "")
-    elif "loopback" in runnable:
-        report["shaping"] += "; loopback: the same links with the tbf taken off"
     t0 = time.perf_counter()
     say(f"race: {', '.join(runnable)}: {len(chosen)} methods on {s['workers']} {backend} processes ...")
     records = _race(runnable, s["workers"], backend, cfg, specs, shaped, say)
