@@ -8,7 +8,8 @@ the first epoch's checkpoint (run B), and write what each rank saw to OUT/<case>
 A spec: ``name`` (the case), ``algorithm`` (a LowbitStrategy name, or ``"ddp"`` for Lightning's
 plain DDPStrategy), ``options``, and optionally ``precision``, ``accumulate``, ``clip``,
 ``epochs``, ``sync_dist`` (log the loss with ``sync_dist=True``), ``resume`` (default true),
-``drop_side_rank`` (that rank deletes its lowbit file before the resume).
+``drop_side_rank`` (that rank deletes its lowbit file before the resume), ``overflow_at`` (rank 1's
+loss is inf at that batch of the first epoch).
 """
 
 import json
@@ -37,16 +38,19 @@ def data():
 
 
 class Net(LightningModule):
-    def __init__(self, seed, sync_dist=False):
+    def __init__(self, seed, sync_dist=False, overflow_at=None):
         super().__init__()
         self.sync_dist = sync_dist  # log the loss with a collective of Lightning's inside training_step
+        self.overflow_at = overflow_at  # rank 1's gradient is inf at this batch of the first epoch
         torch.manual_seed(seed)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
         self.last_grad = None
 
-    def training_step(self, batch, _):
+    def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).float(), y)
+        if (self.global_rank, self.current_epoch, batch_idx) == (1, 0, self.overflow_at):
+            loss = loss * float("inf")
         if self.sync_dist:
             self.log("train_loss", loss, sync_dist=True)
         return loss
@@ -82,13 +86,19 @@ def fit(spec, out, seed, ckpt=None):
                       **precision, accumulate_grad_batches=spec.get("accumulate", 1),
                       gradient_clip_val=spec.get("clip"), callbacks=[rec, cb], enable_progress_bar=False,
                       logger=False, enable_model_summary=False, num_sanity_val_steps=0)
-    model = Net(seed, sync_dist=spec.get("sync_dist", False))
+    model = Net(seed, sync_dist=spec.get("sync_dist", False), overflow_at=spec.get("overflow_at"))
     trainer.fit(model, data(), ckpt_path=ckpt)
     params = torch.cat([p.detach().flatten().float() for p in model.parameters()])
     return {"losses": rec.losses, "bytes": rec.bytes, "params": params.tolist(),
             "grad": model.last_grad.tolist(), "global_step": trainer.global_step,
             "files": sorted(os.listdir(folder)), "ckpt": os.path.join(folder, "epoch=0.ckpt"),
-            "numel": params.numel(), "scaler": _qualname(getattr(trainer.precision_plugin, "scaler", None))}
+            "numel": params.numel(), "scaler": _qualname(getattr(trainer.precision_plugin, "scaler", None)),
+            "scale": _scale(trainer)}
+
+
+def _scale(trainer):
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    return None if scaler is None else float(scaler.get_scale())
 
 
 def _qualname(obj):

@@ -31,6 +31,7 @@ CASES = [
     {"name": "moniqua", "algorithm": "moniqua", "options": {"bits": 2, "theta": 0.5}, "accumulate": 2,
      "clip": 0.5},
     {"name": "lost", "algorithm": "dpsgd", "drop_side_rank": 1},  # rank 1's lowbit file is gone at the resume
+    {"name": "overflow", "algorithm": "dpsgd", "precision": "16-mixed", "overflow_at": 1, "resume": False},
 ]
 
 
@@ -110,6 +111,20 @@ def test_resume_without_every_ranks_file_starts_lowbit_afresh_on_every_rank(runs
     assert b0["losses"][0] == a0["losses"][STEPS // 2]  # rank 0 continues from its own module
     assert b1["losses"][0] != a1["losses"][STEPS // 2]  # rank 1 starts from rank 0's
     assert b0["global_step"] == b1["global_step"] == STEPS
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
+    """rank 1's gradient is inf at the second step: every rank skips it, both scalers halve, and
+    the ranks stay in step to the end (torch's own scaler would skip on rank 1 only, and the ranks
+    would fall out of step). The skipped step's exchange (overlapped: sent during its forward) is
+    kept for the step that follows, as x_k is unchanged: one step fewer on the wire."""
+    r = runs["overflow"]
+    clean = runs["dpsgd"][0]["a"]  # the same run without the overflow
+    for rank in r:
+        assert rank["a"]["bytes"][2] == rank["a"]["bytes"][1] == clean["bytes"][1]
+        assert rank["a"]["bytes"][-1] == clean["bytes"][-2]
+        assert rank["a"]["scale"] == clean["scale"] / 2
+    assert r[0]["a"]["params"] != r[1]["a"]["params"] and r[0]["a"]["global_step"] == r[1]["a"]["global_step"]
 
 
 def test_accumulation_communicates_once_per_optimizer_step(runs):
