@@ -134,6 +134,17 @@ def loads(data: bytes | bytearray | memoryview, *, sender: str, max_nbytes: int)
         return BadPeerData(f"{sender} sent a result that is not a well-formed lowbit frame ({why}); it was "
                            f"refused unread: a corrupt or hostile peer")
 
+    head, offset = _read_header(data, max_nbytes, bad)
+    tensors = _read_tensors(data, head["t"], offset, bad)
+    used: set[int] = set()
+    value = _decode(head["v"], 0, tensors, used, bad)
+    if len(used) != len(tensors):
+        raise bad(f"{len(tensors) - len(used)} of its tensors are not referenced")
+    return value
+
+
+def _read_header(data: memoryview, max_nbytes: int, bad) -> tuple[dict, int]:
+    """The frame's JSON header, checked, and the offset of its first tensor's bytes."""
     if len(data) > max_nbytes:
         raise bad(f"{len(data)} bytes, more than the {max_nbytes} accepted")
     if len(data) < _HEAD.size:
@@ -149,8 +160,14 @@ def loads(data: bytes | bytearray | memoryview, *, sender: str, max_nbytes: int)
         raise bad(f"its header is not JSON: {type(e).__name__}") from None
     if not (isinstance(head, dict) and set(head) == {"v", "t"} and isinstance(head["t"], list)):
         raise bad("its header is not {\"v\": ..., \"t\": [...]}")
-    tensors, offset = [], _HEAD.size + hlen
-    for i, desc in enumerate(head["t"]):
+    return head, _HEAD.size + hlen
+
+
+def _read_tensors(data: memoryview, descs: list, offset: int, bad) -> list[tuple[torch.Tensor, str]]:
+    """The tensors ``descs`` describe, read from ``data`` at ``offset`` on: ``(CPU tensor, device)``;
+    their bytes must fill the rest of the frame exactly."""
+    tensors = []
+    for i, desc in enumerate(descs):
         if not (isinstance(desc, list) and len(desc) == 3 and desc[0] in _DTYPES and isinstance(desc[1], list)
                 and isinstance(desc[2], str) and len(desc[1]) <= MAX_DEPTH
                 and all(type(s) is int and s >= 0 for s in desc[1])):
@@ -168,57 +185,69 @@ def loads(data: bytes | bytearray | memoryview, *, sender: str, max_nbytes: int)
         offset += nbytes
     if offset != len(data):
         raise bad(f"{len(data) - offset} bytes follow its last tensor")
-    used: set[int] = set()
+    return tensors
 
-    def dec(v, depth):
-        if depth > MAX_DEPTH:
-            raise bad(f"nested more than {MAX_DEPTH} levels deep")
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return v
-        if isinstance(v, list):
-            return [dec(x, depth + 1) for x in v]
-        if not (isinstance(v, dict) and len(v) in (1, 2)):
-            raise bad(f"an object {str(v)[:60]} is not a tag")
-        (tag, body), *rest = v.items()
-        if tag == "T" and not rest and isinstance(body, list):
-            return tuple(dec(x, depth + 1) for x in body)
-        if tag == "D" and not rest and isinstance(body, list):
-            out = {}
-            for pair in body:
-                if not (isinstance(pair, list) and len(pair) == 2):
-                    raise bad("a dict entry is not a [key, value] pair")
-                k = dec(pair[0], depth + 1)
-                try:
-                    out[k] = dec(pair[1], depth + 1)
-                except TypeError:
-                    raise bad(f"a dict key of type {type(k).__name__} cannot be hashed") from None
-            return out
-        if tag == "X" and not rest and type(body) is int:
-            if not 0 <= body < len(tensors) or body in used:
-                raise bad(f"tensor reference {body} is not one of its {len(tensors)} tensors, each used once")
-            used.add(body)
-            t, device = tensors[body]
-            return _on_device(t, device)
-        if tag == "B" and not rest and isinstance(body, str):
-            try:
-                return bytes.fromhex(body)
-            except ValueError:
-                raise bad("a bytes value is not hex") from None
-        if tag == "C" and len(rest) == 1 and rest[0][0] == "F" and isinstance(body, str) \
-                and isinstance(rest[0][1], dict):
-            cls = _registered(body)
-            if cls is None:
-                raise bad(f"it names the type {body[:80]!r}, which is not a registered dataclass")
-            names = {f.name for f in dataclasses.fields(cls) if f.init}
-            if set(rest[0][1]) != names:
-                raise bad(f"its {body} has the fields {sorted(rest[0][1])[:20]}, not {sorted(names)}")
-            return cls(**{k: dec(x, depth + 1) for k, x in rest[0][1].items()})
-        raise bad(f"an object with the keys {[k[:20] for k in v][:2]} is not a tag")
 
-    value = dec(head["v"], 0)
-    if len(used) != len(tensors):
-        raise bad(f"{len(tensors) - len(used)} of its tensors are not referenced")
-    return value
+def _decode(v, depth: int, tensors: list, used: set, bad):
+    """The value the header's tree ``v`` stands for (tensor references into ``tensors``, each used
+    once: ``used`` collects them)."""
+    if depth > MAX_DEPTH:
+        raise bad(f"nested more than {MAX_DEPTH} levels deep")
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+
+    def dec(x):
+        return _decode(x, depth + 1, tensors, used, bad)
+
+    if isinstance(v, list):
+        return [dec(x) for x in v]
+    if not (isinstance(v, dict) and len(v) in (1, 2)):
+        raise bad(f"an object {str(v)[:60]} is not a tag")
+    (tag, body), *rest = v.items()
+    if tag == "T" and not rest and isinstance(body, list):
+        return tuple(dec(x) for x in body)
+    if tag == "D" and not rest and isinstance(body, list):
+        return _decode_dict(body, dec, bad)
+    if tag == "X" and not rest and type(body) is int:
+        if not 0 <= body < len(tensors) or body in used:
+            raise bad(f"tensor reference {body} is not one of its {len(tensors)} tensors, each used once")
+        used.add(body)
+        t, device = tensors[body]
+        return _on_device(t, device)
+    if tag == "B" and not rest and isinstance(body, str):
+        try:
+            return bytes.fromhex(body)
+        except ValueError:
+            raise bad("a bytes value is not hex") from None
+    if tag == "C" and len(rest) == 1 and rest[0][0] == "F" and isinstance(body, str) \
+            and isinstance(rest[0][1], dict):
+        return _decode_dataclass(body, rest[0][1], dec, bad)
+    raise bad(f"an object with the keys {[k[:20] for k in v][:2]} is not a tag")
+
+
+def _decode_dict(body: list, dec, bad) -> dict:
+    """A dict from its ``[key, value]`` pairs."""
+    out = {}
+    for pair in body:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise bad("a dict entry is not a [key, value] pair")
+        k = dec(pair[0])
+        try:
+            out[k] = dec(pair[1])
+        except TypeError:
+            raise bad(f"a dict key of type {type(k).__name__} cannot be hashed") from None
+    return out
+
+
+def _decode_dataclass(name: str, fields: dict, dec, bad):
+    """An instance of the registered dataclass ``name`` from exactly its init ``fields``."""
+    cls = _registered(name)
+    if cls is None:
+        raise bad(f"it names the type {name[:80]!r}, which is not a registered dataclass")
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    if set(fields) != names:
+        raise bad(f"its {name} has the fields {sorted(fields)[:20]}, not {sorted(names)}")
+    return cls(**{k: dec(x) for k, x in fields.items()})
 
 
 def _on_device(t: torch.Tensor, device: str) -> torch.Tensor:
