@@ -27,7 +27,7 @@ from lowbit.models import lenet_tf
 
 CASES = {  # hook: (make_hook options now, the same hook as before)
     "qsgd": ({"bits": 4}, {"bits": 4, "bucket": None}),
-    "qsgd_maxnorm": ({"bits": 4}, {"bits": 4, "bucket": None}),
+    "qsgd-maxnorm": ({"bits": 4}, {"bits": 4, "bucket": None}),
     "terngrad": ({}, {"clip": None, "per_layer": False}),
 }
 
