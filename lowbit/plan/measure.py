@@ -65,6 +65,51 @@ def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[
     return out
 
 
+def _ddp_steps(ddp, rec: _Recorder, clock: _Clock, loss_fn, batch, dev, warmup: int, repeats: int) -> tuple:
+    """``warmup + repeats + 1`` SGD steps of ``ddp`` (DDP rebuilds its buckets after the first):
+    the timed steps' forward, backward and optimizer seconds, and when each bucket became ready
+    (seconds from the end of forward); ``rec`` keeps the last step's gradients."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    fwd, bwd, opt_t, ready = [], [], [], []
+    total = warmup + repeats + 1
+    for i in range(total):
+        rec.buckets = []
+        rec.keep = i == total - 1
+        opt.zero_grad()
+        clock.start()
+        loss = loss_fn(ddp, batch)
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
+            raise ValueError(f"model: loss_fn(model, batch) must return a scalar tensor that requires grad, got "
+                             f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        f_end = clock.mark()
+        loss.backward()
+        b_end = clock.mark()
+        opt.step()
+        o_end = clock.mark()
+        _sync(dev)
+        s = clock.seconds()
+        # marks: forward end, one per bucket (recorded during backward), backward end, step end
+        if i > warmup:
+            fwd.append(s[f_end])
+            bwd.append(s[b_end] - s[f_end])
+            opt_t.append(s[o_end] - s[b_end])
+            ready.append([t - s[f_end] for t in s[f_end + 1:b_end]])
+    return fwd, bwd, opt_t, ready
+
+
+def _buckets(rec: _Recorder, ready: list[list[float]]) -> list[Bucket]:
+    """The buckets of the last step, each ready at its median time over the timed steps (kept in
+    the order DDP called them)."""
+    if len({len(r) for r in ready}) != 1:
+        raise RuntimeError(f"DDP called its hook a different number of times at different steps: "
+                           f"{[len(r) for r in ready]}")
+    buckets = [Bucket(idx, params, grad, statistics.median(r[j] for r in ready))
+               for j, (idx, params, grad) in enumerate(rec.buckets)]
+    for j in range(1, len(buckets)):
+        buckets[j].ready_seconds = max(buckets[j].ready_seconds, buckets[j - 1].ready_seconds)
+    return buckets
+
+
 def measure(workload: Workload, device: str | torch.device = "cpu", workers: Sequence[int] = DEFAULT_WORKERS,
             methods: Sequence[str] = METHODS, repeats: int = 5, warmup: int = 2, threads: int | None = None) -> Profile:
     """Measure ``workload``'s step on ``device`` (see the module doc): forward, backward and
@@ -86,42 +131,12 @@ def measure(workload: Workload, device: str | torch.device = "cpu", workers: Seq
     model = workload.model.to(dev)
     batch = _to(workload.batch, dev)
     clock = _Clock(dev)
-    fwd, bwd, opt_t, ready = [], [], [], []
     with one_process_group(dev, "plan measures"):
         ddp = DDP(model, device_ids=[dev] if dev.type == "cuda" else None)
         rec = _Recorder(clock)
         ddp.register_comm_hook(None, rec.hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        total = warmup + repeats + 1  # DDP rebuilds its buckets after the first iteration
-        for i in range(total):
-            rec.buckets = []
-            rec.keep = i == total - 1
-            opt.zero_grad()
-            clock.start()
-            loss = workload.loss_fn(ddp, batch)
-            if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.requires_grad):
-                raise ValueError(f"model: loss_fn(model, batch) must return a scalar tensor that requires grad, got "
-                                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-            f_end = clock.mark()
-            loss.backward()
-            b_end = clock.mark()
-            opt.step()
-            o_end = clock.mark()
-            _sync(dev)
-            s = clock.seconds()
-            # marks: forward end, one per bucket (recorded during backward), backward end, step end
-            if i > warmup:
-                fwd.append(s[f_end])
-                bwd.append(s[b_end] - s[f_end])
-                opt_t.append(s[o_end] - s[b_end])
-                ready.append([t - s[f_end] for t in s[f_end + 1:b_end]])
-        if len({len(r) for r in ready}) != 1:
-            raise RuntimeError(f"DDP called its hook a different number of times at different steps: "
-                               f"{[len(r) for r in ready]}")
-        buckets = [Bucket(idx, params, grad, statistics.median(r[j] for r in ready))
-                   for j, (idx, params, grad) in enumerate(rec.buckets)]
-        for j in range(1, len(buckets)):  # medians of each bucket: keep the order DDP called them in
-            buckets[j].ready_seconds = max(buckets[j].ready_seconds, buckets[j - 1].ready_seconds)
+        fwd, bwd, opt_t, ready = _ddp_steps(ddp, rec, clock, workload.loss_fn, batch, dev, warmup, repeats)
+        buckets = _buckets(rec, ready)
         backward = max(statistics.median(bwd), buckets[-1].ready_seconds)
         ddp_methods = [m for m in methods if m in DDP_METHODS]
         hook_seconds = _time_hooks(buckets, ddp_methods, dev, repeats, model=model)
