@@ -142,15 +142,7 @@ def run(out: Path, quick: bool = False, models: tuple[Model, ...] | None = None)
     ``results.json``, ``table.md`` and its plots into ``out``, and return the results.
     ``models``: already measured inputs (default: :func:`measure_models` on this device)."""
     models = measure_models(quick) if models is None else models
-    rows = []
-    for model in models:
-        for gbps in BANDWIDTHS_GBPS:
-            for wire in (False, True):
-                base = iteration(model, None, gbps, wire=wire)
-                for bits in (*BITS, None):
-                    r = iteration(model, bits, gbps, wire=wire)
-                    r["speedup_vs_fp32"] = r["images_per_second"] / base["images_per_second"]
-                    rows.append(r)
+    rows = _rows(models)
     inputs = {"nodes": NODES, "gpus_per_node": GPUS_PER_NODE, "batch_per_gpu": BATCH_PER_GPU,
               "models": [{**asdict(m), "encode_seconds": {str(k): v for k, v in m.encode_seconds.items()},
                           "wire_bytes": {str(k): v for k, v in m.wire_bytes.items()}} for m in models],
@@ -161,28 +153,9 @@ def run(out: Path, quick: bool = False, models: tuple[Model, ...] | None = None)
               "lowbit wire" if r["wire"] else "nominal", r["message_bytes"], r["compute_seconds"],
               r["encode_seconds"], r["intra_seconds"], r["inter_seconds"], round(r["images_per_second"]),
               r["speedup_vs_fp32"]] for r in rows]
-    inputs_table = [["nodes x GPUs per node", f"{NODES} x {GPUS_PER_NODE}", "paper 004, section 5.6"],
-                    ["minibatch per GPU", BATCH_PER_GPU, "paper 004, section 5 (128 per worker)"],
-                    *[[f"{m.name} parameters", m.parameters, "paper 004; lowbit.plan_models counts the same"]
-                      for m in models],
-                    *[[f"{m.name} compute per iteration (s)", m.compute_seconds,
-                       f"measured by lowbit plan on {m.device} at batch {m.compute_batch}"
-                       + ("" if m.compute_batch == BATCH_PER_GPU else
-                          f", scaled x{BATCH_PER_GPU // m.compute_batch} to {BATCH_PER_GPU} (assumed linear)")]
-                      for m in models],
-                    *[[f"{m.name} encode+decode per iteration (s), bits " + ", ".join(
-                        "fp32" if b is None else str(b) for b in m.encode_seconds),
-                       ", ".join(f"{v:.4g}" for v in m.encode_seconds.values()),
-                       f"measured: qsgd_maxnorm hook (fp32: allreduce_hook) on the DDP buckets, {m.device}"]
-                      for m in models],
-                    ["NVLink ring bandwidth (GB/s), latency (us)",
-                     f"{NVLINK_BANDWIDTH / 8e9:g}, {NVLINK_LATENCY * 1e6:g}", "assumed: NVLink 2.0, one link"],
-                    ["Ethernet bandwidth (Gbps), latency (us)",
-                     f"{' and '.join(map(str, BANDWIDTHS_GBPS))}; {ETHERNET_LATENCY * 1e6:g}",
-                     "paper 004 (bandwidths); latency assumed"]]
     write_outputs(
         out, results, "Throughput model (paper 004 section 5.6, Wen et al. 2017's model)",
-        [(["input", "value", "source"], inputs_table),
+        [(["input", "value", "source"], _inputs_table(models)),
          (["model", "Ethernet Gbps", "bits", "message", "message bytes", "compute s", "encode s", "intra-node s",
            "inter-node s", "images/s", "speedup vs fp32"], table)],
         notes="Iteration = compute + encode/decode + ring all-reduce inside the node (NVLink) + ring all-reduce "
@@ -190,6 +163,50 @@ def run(out: Path, quick: bool = False, models: tuple[Model, ...] | None = None)
               "norm, fp32 sends 4 d bytes; 'lowbit wire' rows send what lowbit's qsgd_maxnorm hook sends for "
               f"{NODES * GPUS_PER_NODE} workers. Compute and encode measured by lowbit plan on this device "
               "(not the paper's V100s).")
+    _plot(models, rows, out)
+    return results
+
+
+def _rows(models: tuple[Model, ...]) -> list[dict]:
+    """One :func:`iteration` per model, bandwidth, message (nominal or lowbit's wire) and bits,
+    with its speedup over fp32."""
+    rows = []
+    for model in models:
+        for gbps in BANDWIDTHS_GBPS:
+            for wire in (False, True):
+                base = iteration(model, None, gbps, wire=wire)
+                for bits in (*BITS, None):
+                    r = iteration(model, bits, gbps, wire=wire)
+                    r["speedup_vs_fp32"] = r["images_per_second"] / base["images_per_second"]
+                    rows.append(r)
+    return rows
+
+
+def _inputs_table(models: tuple[Model, ...]) -> list[list]:
+    """The table of the model's inputs, each with where it comes from."""
+    return [["nodes x GPUs per node", f"{NODES} x {GPUS_PER_NODE}", "paper 004, section 5.6"],
+            ["minibatch per GPU", BATCH_PER_GPU, "paper 004, section 5 (128 per worker)"],
+            *[[f"{m.name} parameters", m.parameters, "paper 004; lowbit.plan_models counts the same"]
+              for m in models],
+            *[[f"{m.name} compute per iteration (s)", m.compute_seconds,
+               f"measured by lowbit plan on {m.device} at batch {m.compute_batch}"
+               + ("" if m.compute_batch == BATCH_PER_GPU else
+                  f", scaled x{BATCH_PER_GPU // m.compute_batch} to {BATCH_PER_GPU} (assumed linear)")]
+              for m in models],
+            *[[f"{m.name} encode+decode per iteration (s), bits " + ", ".join(
+                "fp32" if b is None else str(b) for b in m.encode_seconds),
+               ", ".join(f"{v:.4g}" for v in m.encode_seconds.values()),
+               f"measured: qsgd_maxnorm hook (fp32: allreduce_hook) on the DDP buckets, {m.device}"]
+              for m in models],
+            ["NVLink ring bandwidth (GB/s), latency (us)",
+             f"{NVLINK_BANDWIDTH / 8e9:g}, {NVLINK_LATENCY * 1e6:g}", "assumed: NVLink 2.0, one link"],
+            ["Ethernet bandwidth (Gbps), latency (us)",
+             f"{' and '.join(map(str, BANDWIDTHS_GBPS))}; {ETHERNET_LATENCY * 1e6:g}",
+             "paper 004 (bandwidths); latency assumed"]]
+
+
+def _plot(models: tuple[Model, ...], rows: list[dict], out: Path) -> None:
+    """throughput_MODEL.png: images per second against bits, per bandwidth and message; fp32 as lines."""
     from ..plot import plot_series
 
     for model in models:
@@ -204,4 +221,3 @@ def run(out: Path, quick: bool = False, models: tuple[Model, ...] | None = None)
         slug = model.name.lower().replace("-", "")
         plot_series(series, "bits per element", "images per second", out / f"throughput_{slug}.png",
                     logy=True, hlines=hlines)
-    return results
