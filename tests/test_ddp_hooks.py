@@ -616,14 +616,14 @@ def test_half_hooks_raise_or_propagate_a_nonfinite_bucket():
     its vectorised loop and 0x7FC0 in its scalar one)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 
-    from lowbit.bench.hooks import _Bucket
+    from lowbit.bench.hooks import GradBucketStandIn
 
     g = torch.randn(64 * 64, generator=torch.Generator().manual_seed(0)) * 0.01
     g[5], g[77] = 1e5, float("nan")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for name, torch_hook in (("fp16", dh.fp16_compress_hook), ("bf16", dh.bf16_compress_hook)):
-            bucket = _Bucket(g, 64, 64)
+            bucket = GradBucketStandIn([torch.nn.Parameter(torch.empty(64, 64, device=g.device))], g)
             expected = torch_hook(None, bucket).wait().clone()
             bucket.buffer().copy_(g)
             state, hook = make_hook(name)
@@ -637,7 +637,7 @@ def test_half_hooks_raise_or_propagate_a_nonfinite_bucket():
             assert torch.equal(out[~nan].view(torch.int32), expected[~nan].view(torch.int32)), name
             assert (name == "fp16") == bool(torch.isinf(out[5])) and bool(torch.isnan(out[77]))
         g[77] = 0.0  # the overflow alone
-        bucket = _Bucket(g, 64, 64)
+        bucket = GradBucketStandIn([torch.nn.Parameter(torch.empty(64, 64, device=g.device))], g)
         with pytest.raises(ValueError, match="overflows fp16"):
             make_hook("fp16")[1](make_hook("fp16")[0], bucket)
     finally:
@@ -681,14 +681,14 @@ def test_hooks_work_in_a_half_buckets_dtype():
     """fp16 and bf16 buckets (a half-precision model): every family returns the bucket's dtype,
     finite; with one process the fp32 hook gives the bucket back exactly (PowerSGD multiplies
     a half bucket in float32)."""
-    from lowbit.bench.hooks import _Bucket
+    from lowbit.bench.hooks import GradBucketStandIn
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         for dt in (torch.float16, torch.bfloat16):
             g = (torch.randn(64 * 64, generator=torch.Generator().manual_seed(0)) * 0.01).to(dt)
             for name in ("fp32", "fp16", "bf16", "powersgd", "qsgd-maxnorm", "qsgd", "sign"):
-                bucket = _Bucket(g, 64, 64)
+                bucket = GradBucketStandIn([torch.nn.Parameter(torch.empty(64, 64, device=g.device))], g)
                 state, hook = make_hook(name)
                 for _ in range(2):  # the second step with error memory and PowerSGD's warm start
                     bucket.buffer().copy_(g)
@@ -698,7 +698,7 @@ def test_hooks_work_in_a_half_buckets_dtype():
                     assert torch.equal(out, g)
         # entries of 1e4: P = M Q reaches ~8e4, past fp16's 65504, so the products must be float32
         big = (torch.randn(64 * 64, generator=torch.Generator().manual_seed(1)) * 1e4).to(torch.float16)
-        bucket = _Bucket(big, 64, 64)
+        bucket = GradBucketStandIn([torch.nn.Parameter(torch.empty(64, 64, device=big.device))], big)
         state, hook = make_hook("powersgd")
         assert bool(torch.isfinite(hook(state, bucket).wait()).all())
     finally:
