@@ -430,11 +430,27 @@ def _write(out: Path, results: dict, sc: dict, acc_label: str) -> None:
            r["nominal_bits_per_element"], r["raw_kbits"]] for r in acc_rows]
     t6 = [[r["workers"], r["label"], r["final_test_accuracy"], r["raw_kbits"], r["target_accuracy"],
            r["steps_to_target"], r["kbits_to_target"]] for r in fig6]
+    write_outputs(
+        out, results, "Paper 002: DQSG and NDQSG bits (Tables 1-2), accuracy (Table 3 style), Figure 6",
+        [(["model", "method", "d", "bits/element", "nominal Kbits", "raw Kbits (ledger)", "paper Kbits",
+           "vs paper", "wire Kbits"], t1),
+         (["model", "method", "raw Kbits", "entropy-coded Kbits (ANS)", "entropy Kbits", "coded / raw",
+           "paper Kbits", "vs paper"], t2),
+         (["workers", "method", "final test acc", "best test acc", "final train loss", "nominal bits/element",
+           "raw Kbits/step"], t3),
+         (["workers", "method", "final test acc", "raw Kbits/step", "target acc", "steps to target",
+           "Kbits to target"], t6)],
+        notes=_notes(bits_rows, sc, acc_label))
+    _plot(acc_rows, sc, acc_label, out)
+
+
+def _notes(bits_rows: list[dict], sc: dict, acc_label: str) -> str:
+    """The notes under the tables: how each column is measured, and where lowbit differs from the paper."""
     nd = [r for r in bits_rows if r["label"] == "NDQSG (Fig. 6)"]
     groups = "; ".join(f"{r['model']}: P1 {fmt(r['p1_raw_kbits'])}, P2 {fmt(r['p2_raw_kbits'])} Kbits"
                        for r in nd)
     untrained = sorted({r["model"] for r in bits_rows if not r["trained"]})
-    notes = (
+    return (
         f"Tables 1-2: {sc['bits_workers']} workers, {sc['bits_steps']} SGD steps from the seeded model "
         f"(batch {TOTAL_BATCH} // workers each), no evaluation; raw = the buffer a sending worker hands to the "
         "op carrying its gradient, from the ledger (parameter server at rank 0 for the gathered methods; rank 0 "
@@ -464,17 +480,10 @@ def _write(out: Path, results: dict, sc: dict, acc_label: str) -> None:
         f"{sc['lr'] if sc['lr'] is not None else 'the task default (0.1)'}, seed 0; the gathered methods "
         "use server=ps. Figure 6: target = 0.98 x the lower best accuracy of DQSG M=2 and NDQSG; Kbits to target "
         "= raw Kbits per worker per step x steps until the first evaluation at or above it.")
-    write_outputs(
-        out, results, "Paper 002: DQSG and NDQSG bits (Tables 1-2), accuracy (Table 3 style), Figure 6",
-        [(["model", "method", "d", "bits/element", "nominal Kbits", "raw Kbits (ledger)", "paper Kbits",
-           "vs paper", "wire Kbits"], t1),
-         (["model", "method", "raw Kbits", "entropy-coded Kbits (ANS)", "entropy Kbits", "coded / raw",
-           "paper Kbits", "vs paper"], t2),
-         (["workers", "method", "final test acc", "best test acc", "final train loss", "nominal bits/element",
-           "raw Kbits/step"], t3),
-         (["workers", "method", "final test acc", "raw Kbits/step", "target acc", "steps to target",
-           "Kbits to target"], t6)],
-        notes=notes)
+
+
+def _plot(acc_rows: list[dict], sc: dict, acc_label: str, out: Path) -> None:
+    """Per number of workers: test accuracy against step, and against raw Kbits sent (Figure 6)."""
     from ..plot import plot_series
 
     for workers in sc["acc_workers"]:
