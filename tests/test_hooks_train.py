@@ -173,7 +173,10 @@ def _gen(seed: int) -> torch.Generator:
 
 def _grad_like(n: int, seed: int = 0) -> torch.Tensor:
     """A gradient-like vector: layers of very different scales, heavy-tailed."""
-    g = torch.randn(n, generator=_gen(seed)) * torch.distributions.StudentT(3.0).sample((n,))
+    with torch.random.fork_rng():  # StudentT draws from the global generator: seeded here, the same every run
+        torch.manual_seed(seed)
+        tails = torch.distributions.StudentT(3.0).sample((n,))
+    g = torch.randn(n, generator=_gen(seed)) * tails
     return g * torch.logspace(-3, 0, n).flip(0)
 
 
