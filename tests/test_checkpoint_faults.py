@@ -144,6 +144,30 @@ def test_train_both_files_of_a_rank_refused_is_an_error_naming_both(tmp_path, tr
         train(TrainConfig(**BASE, resume=str(folder), checkpoint_every=5))
 
 
+def _train_format_1(state: dict) -> dict:
+    """``state`` (a checkpoint of ``lowbit train`` now: the wrapper's, with the run's fields) in the
+    layout of lowbit train's own former format 1: the parameters as one flat tensor, no module."""
+    params = torch.cat([v.reshape(-1) for k, v in state["module"].items()])
+    return {"format": 1, "rank": state["rank"], "world_size": state["world_size"], "step": state["step"],
+            "config": state["config"], "params": params, "optimizer": state["optimizer"],
+            "algorithm_state": state["algorithm_state"], "data_gen": state["data_gen"], "ledger": state["ledger"],
+            "compute": state["compute"], "evals": state["evals"]}
+
+
+def test_train_refuses_its_former_format_1_by_name_with_the_way_out(tmp_path, trained):
+    folder = _folder(tmp_path / "ck", trained[0])
+    assert load_checkpoint(folder / "rank0.pt")["format"] == 2  # lowbit train writes the wrapper's format
+    for name in trained[0]:
+        state = _train_format_1(load_checkpoint(folder / name))
+        (folder / name).unlink()
+        save_checkpoint(state, folder / name)
+    with pytest.raises(CheckpointError) as e:
+        train(TrainConfig(**BASE, resume=str(folder)))
+    msg = str(e.value)
+    assert f"checkpoint {folder / 'rank0.pt'} is of lowbit train's checkpoint format 1" in msg
+    assert "start it afresh (without --resume, or with another --checkpoint-dir)" in msg
+
+
 def _outcome(fn, *args):
     try:
         fn(*args)

@@ -111,6 +111,13 @@ class Transport(ABC):
         return 1
 
     @property
+    def local_rank(self) -> int | None:
+        """This worker's index on its host when every worker is a process of its own (its GPU is
+        this index, modulo the GPUs there); None (default) when the workers share one process
+        (the thread runtime: they use the process's current device)."""
+        return None
+
+    @property
     def channel(self) -> tuple:
         """A hashable key of the channel this transport's operations travel on: transports with
         equal keys share it (one process group; one rank of a thread world), and ranks must issue

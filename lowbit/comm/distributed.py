@@ -112,6 +112,11 @@ class TorchDistributedTransport(GlooGossip, Transport):
         return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     @property
+    def local_rank(self) -> int:
+        """``LOCAL_RANK`` as torchrun sets it (this rank if unset)."""
+        return int(os.environ.get("LOCAL_RANK", self.rank))
+
+    @property
     def channel(self) -> tuple:
         """The default process group of this process (:attr:`~lowbit.comm.base.Transport.channel`)."""
         return ("torch.distributed",)

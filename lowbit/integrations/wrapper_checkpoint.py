@@ -204,9 +204,16 @@ class CheckpointMixin:
             raise agreed from local
 
 
+def checkpoint_fields(extra: dict | None = None) -> dict:
+    """The fields (:func:`~lowbit.integrations.checkpoint.check_fields`) a checkpoint of the current
+    format must hold, with ``extra``: the fields a driver saves beside the wrapper's in the same file
+    (``lowbit train``: its config, data stream, compute times and evaluations)."""
+    return {**_FIELDS, "rng": RNG_FIELDS, **(extra or {})}
+
+
 def _fields(state: dict) -> dict:
     """The fields a checkpoint of ``state``'s format must hold (format 2: RNG states as tensors)."""
-    return {**_FIELDS, "rng": RNG_FIELDS} if state.get("format") == _FORMAT else _FIELDS
+    return checkpoint_fields() if state.get("format") == _FORMAT else _FIELDS
 
 
 def check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:

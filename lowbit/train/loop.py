@@ -1,5 +1,11 @@
-"""The per-worker training loop (SPMD): the same function runs on every
-worker of either runtime, against a :class:`~lowbit.comm.Transport`."""
+"""The per-worker training loop of ``lowbit train`` (SPMD): the same function runs on every
+worker of either runtime, against a :class:`~lowbit.comm.Transport`.
+
+The loop owns the task, the data, the timing, the evaluations and the results; the algorithm
+runs under :class:`~lowbit.integrations.DecentralizedDataParallel` (``overlap=False``), whose
+optimizer step hooks are the one place an algorithm's step is called, and whose checkpoint
+(:mod:`lowbit.integrations.wrapper_checkpoint`) is the one format, with the run's own fields
+(:data:`_TRAIN_FIELDS`) beside it in the same file."""
 
 from __future__ import annotations
 
@@ -18,20 +24,17 @@ from ..algorithms.faults import PeerPayloadError
 from ..codecs.rng import derive_seed
 from ..comm.base import Transport
 from ..comm.inprocess import blocking
-from ..integrations import FlatParams, TensorBoardStats
+from ..integrations import DecentralizedDataParallel, FlatParams, TensorBoardStats
+from ..integrations.checkpoint import (REFUSED, Candidate, CheckpointError, agree_outcome, agree_resume, candidates,
+                                       check_fields, save_checkpoint)
+from ..integrations.wrapper_checkpoint import checkpoint_fields
 from ..topology import make_topology
-from ..integrations.checkpoint import (ALGORITHM_STATE_FIELDS, LEDGER_FIELDS, OPTIMIZER_FIELDS, CheckpointError,
-                                       agree_outcome, agree_resume, candidates, ledger_state, restore_ledger,
-                                       save_checkpoint)
 from .config import TrainConfig, resolve_device
 from .errors import Diverged, strict_json, unwritable
 from .tasks import TASKS
 
-_CKPT_FORMAT = 1
-# what a checkpoint of format 1 must hold (besides "step"), checked before any rank resumes from it
-_CKPT_FIELDS = {"format": int, "rank": int, "world_size": int, "config": dict, "params": torch.Tensor,
-                "optimizer": OPTIMIZER_FIELDS, "algorithm_state": ALGORITHM_STATE_FIELDS, "data_gen": torch.Tensor,
-                "ledger": LEDGER_FIELDS, "compute": torch.Tensor, "evals": list}
+# what lowbit train saves beside the wrapper's checkpoint (integrations/wrapper_checkpoint.py), in the same file
+_TRAIN_FIELDS = {"config": dict, "data_gen": torch.Tensor, "compute": torch.Tensor, "evals": list}
 # options that may differ between a checkpointed run and the run resuming it
 RESUME_MAY_DIFFER = ("steps", "timeout", "stall_timeout", "collective_timeout", "tensorboard", "checkpoint_every",
                      "checkpoint_dir", "resume", "resume_fallback", "device")
@@ -101,14 +104,11 @@ def _compute_clock(device: torch.device) -> Callable[[], float]:
 
 
 def worker_device(cfg: TrainConfig, transport: Transport) -> torch.device:
-    """Where this worker computes (:func:`~lowbit.train.config.resolve_device` of ``cfg.device``). A worker process
-    of a torch.distributed run uses its local rank (``LOCAL_RANK`` under torchrun, else
-    its rank); the thread runtime's workers share the process's current device."""
-    from ..comm.distributed import TorchDistributedTransport
-
-    if not isinstance(transport, TorchDistributedTransport):
-        return resolve_device(cfg.device, None)
-    return resolve_device(cfg.device, int(os.environ.get("LOCAL_RANK", transport.rank)))
+    """Where this worker computes (:func:`~lowbit.train.config.resolve_device` of ``cfg.device``). A worker
+    that is a process of its own uses its index on the host (:attr:`~lowbit.comm.Transport.local_rank`:
+    ``LOCAL_RANK`` under torchrun, else its rank); the thread runtime's workers share the process's
+    current device."""
+    return resolve_device(cfg.device, transport.local_rank)
 
 
 def _save_checkpoint(state: dict, path: str) -> None:
@@ -135,17 +135,33 @@ def _gather(transport: Transport):
     return gather
 
 
-def _resume(cfg: TrainConfig, folder: str, transport: Transport) -> tuple[dict | None, dict]:
-    """This rank's state of the newest step that every rank has a good checkpoint of in
-    ``folder`` (current or previous file; a refused newest file is a warning naming it, or an
-    error with ``resume_fallback="error"``), and what the ranks agreed; collective."""
-    found = candidates(checkpoint_path(folder, transport.rank), _CKPT_FIELDS)
-    chosen, info = agree_resume(found, _gather(transport), folder, transport.rank, cfg.resume_fallback)
-    return (None if chosen is None else {**chosen.state, "path": chosen.path}), info
+def _train_file_fields(state: dict, path: str) -> None:
+    """A :class:`CheckpointError` naming ``path`` unless ``state`` is a checkpoint of ``lowbit train`` in the
+    current format: the wrapper's checkpoint with :data:`_TRAIN_FIELDS` beside it."""
+    if state.get("format") == 1 and "params" in state and "module" not in state:
+        raise CheckpointError(f"checkpoint {path} is of lowbit train's checkpoint format 1 (lowbit before the "
+                              "training loop ran on DecentralizedDataParallel), which this version does not read: "
+                              "finish that run with the lowbit that wrote it, or start it afresh (without "
+                              "--resume, or with another --checkpoint-dir)")
+    check_fields(state, checkpoint_fields(_TRAIN_FIELDS), path)
+
+
+def _candidates(path: str) -> list[Candidate]:
+    """:func:`~lowbit.integrations.checkpoint.candidates` of ``path``, a file that is not a
+    checkpoint of ``lowbit train`` in the current format refused with the reason."""
+    out = []
+    for c in candidates(path):
+        if c.state is not None:
+            try:
+                _train_file_fields(c.state, c.path)
+            except CheckpointError as e:
+                c = Candidate(c.path, REFUSED, None, str(e))
+        out.append(c)
+    return out
 
 
 def _check_resumable(cfg: TrainConfig, folder: str, state: dict, n: int, d: int) -> None:
-    if state["format"] != _CKPT_FORMAT or state["world_size"] != n:
+    if state["world_size"] != n:
         raise CheckpointError(f"cannot resume from {folder}: its checkpoints are of {state['world_size']} "
                               f"workers, this run has {n}")
     theirs, mine = _comparable(state["config"]), _comparable(cfg.to_dict())
@@ -153,32 +169,12 @@ def _check_resumable(cfg: TrainConfig, folder: str, state: dict, n: int, d: int)
     if differ:
         raise CheckpointError(f"cannot resume from {folder}: the run differs from the checkpointed one in "
                               + ", ".join(f"{k} ({theirs.get(k)!r} there, {mine.get(k)!r} here)" for k in differ))
-    if state["params"].numel() != d:
-        raise CheckpointError(f"cannot resume from {folder}: {state['params'].numel()} parameters, the model has {d}")
+    if state["numel"] != d:
+        raise CheckpointError(f"cannot resume from {folder}: {state['numel']} parameters, the model has {d}")
     if state["step"] > cfg.steps:
         raise CheckpointError(f"cannot resume from {folder}: it is at step {state['step']}, beyond steps={cfg.steps}")
 
 
-def _restore(cfg: TrainConfig, state: dict, transport: Transport, d: int, flat, opt, algo,
-             data_gen) -> tuple[list[float], list[dict], int]:
-    """Check ``state`` against this run and load it (compute seconds, evaluations and step out);
-    collective: a failure on any rank is the same :class:`CheckpointError` on every rank."""
-    error = None
-    try:
-        _check_resumable(cfg, cfg.resume, state, transport.world_size, d)
-        with torch.no_grad():
-            flat.data.copy_(state["params"].to(flat.data.device))
-        opt.load_state_dict(state["optimizer"])
-        algo.load_state_dict(state["algorithm_state"])
-        data_gen.set_state(state["data_gen"])
-        restore_ledger(transport.ledger, state["ledger"])
-        restored = [float(c) for c in state["compute"].tolist()], list(state["evals"]), int(state["step"])
-    except CheckpointError as e:
-        error = str(e)
-    except Exception as e:  # noqa: BLE001 - any failure to restore ends every rank, with this message
-        error = f"cannot resume from {state['path']}: {type(e).__name__}: {e}"
-    agree_outcome(_gather(transport), int(state["step"]), error)
-    return restored
 class _MetricsStream:
     """Rank 0 appends each evaluation row to ``path`` as the run goes (flushed), so that a run
     that stops early keeps its metrics; the finished run's rows are written over it by train().
@@ -227,7 +223,33 @@ def run_worker(transport: Transport, cfg: TrainConfig, progress: bool = False, *
     return _run_worker(transport, cfg, progress, evaluate, instrument, stream)
 
 
-def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> WorkerResult:
+@dataclass
+class _Run:
+    """One worker's training as :func:`_set_up` builds it: the task, the model under
+    :class:`~lowbit.integrations.DecentralizedDataParallel` (which runs the algorithm at every
+    ``optimizer.step()``), this worker's data, and what the run has recorded so far."""
+
+    cfg: TrainConfig
+    transport: Transport
+    task: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    ddp: DecentralizedDataParallel
+    eval_model: torch.nn.Module
+    eval_flat: FlatParams
+    shard: object
+    data_gen: torch.Generator
+    now: Callable[[], float]
+    compute: list[float] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
+    start: int = 0  # the first step to run (a resumed run: the checkpoint's)
+    resumed: dict = field(default_factory=dict)
+
+
+def _set_up(transport: Transport, cfg: TrainConfig, instrument) -> _Run:
+    """The task, the model (every worker the same x_0), the optimizer and the wrapper running the
+    algorithm on them, without overlap (the loop times compute and communication apart) and without
+    the initial broadcast (every worker draws the same x_0)."""
     rank, n = transport.rank, transport.world_size
     if n != cfg.workers:
         raise ValueError(f"the runtime has {n} workers but workers={cfg.workers}")
@@ -237,119 +259,140 @@ def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> Worke
         torch.manual_seed(cfg.seed)  # A4: every worker starts from the same x_0 (drawn on the CPU)
         model = task.make_model().to(device)
         eval_model = task.make_model().to(device)
-    flat, eval_flat = FlatParams(model), FlatParams(eval_model)
-    d = flat.data.numel()
-    from ..comm.distributed import TorchDistributedTransport, max_payload_nbytes
-
-    if isinstance(transport, TorchDistributedTransport):  # a peer's stated sizes are bounded by the model's
-        transport.max_message_bytes = max_payload_nbytes(d)
+    d = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if cfg.k is not None and cfg.k >= 1 and cfg.k > d and "k" in ALGORITHMS[cfg.algorithm].options:
         raise ValueError(f"k={cfg.k:g} coordinates kept is more than the model's d={d} parameters; "
                          f"use k in [1, {d}] or a fraction in (0, 1)")
-    algo = build_algorithm(cfg, transport)
-    algo.setup(flat.data)
-    if instrument is not None:
-        instrument(algo)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    shard = task.shard(rank, n, cfg.seed)
+    ddp = DecentralizedDataParallel(model, opt, build_algorithm(cfg, transport), overlap=False, sync_initial=False)
+    if instrument is not None:
+        instrument(ddp.algorithm)
     data_gen = torch.Generator().manual_seed(derive_seed(cfg.seed, 0, rank, stream=1))
+    return _Run(cfg, transport, task, model, opt, ddp, eval_model, FlatParams(eval_model),
+                task.shard(rank, n, cfg.seed), data_gen, _compute_clock(device))
 
+
+def _resume(run: _Run) -> None:
+    """Continue from the newest step of which every rank has a good checkpoint in ``cfg.resume``
+    (current or previous file; a refused newest file is a warning naming it, or an error with
+    ``resume_fallback="error"``); collective: a failure to load on any rank is the same
+    :class:`CheckpointError` on every rank."""
+    cfg, transport = run.cfg, run.transport
+    found = _candidates(checkpoint_path(cfg.resume, transport.rank))
+    chosen, run.resumed = agree_resume(found, _gather(transport), cfg.resume, transport.rank, cfg.resume_fallback)
+    if chosen is None:
+        if not cfg.checkpoint_every:  # a restart with nothing saved yet starts afresh; a --resume needs one
+            raise CheckpointError(f"resume={cfg.resume!r}: no checkpoint (rank*.pt) there")
+        return
+    state = chosen.state
+    error = None
+    try:
+        _check_resumable(cfg, cfg.resume, state, transport.world_size, len(run.ddp.flat))
+        run.ddp.load_checkpoint_state(state)
+        run.data_gen.set_state(state["data_gen"])
+        run.compute, run.evals = [float(c) for c in state["compute"].tolist()], list(state["evals"])
+        run.start = int(state["step"])
+    except CheckpointError as e:
+        error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure to restore ends every rank, with this message
+        error = f"cannot resume from {chosen.path}: {type(e).__name__}: {e}"
+    agree_outcome(_gather(transport), int(state["step"]), error)
+
+
+def _save(run: _Run, step: int) -> None:
+    """This rank's checkpoint at ``step`` (between steps): the wrapper's, with the run's own fields
+    (:data:`_TRAIN_FIELDS`)."""
+    state = {**run.ddp.checkpoint_state(), "config": strict_json(run.cfg.to_dict())[0],
+             "data_gen": run.data_gen.get_state(), "compute": torch.tensor(run.compute, dtype=torch.float64),
+             "evals": run.evals}
+    _save_checkpoint(state, checkpoint_path(run.cfg.checkpoint_dir, run.transport.rank))
+
+
+def _evaluate_into(run: _Run, k: int, metrics: _MetricsStream) -> None:
+    run.evals.append(_evaluate(k, run.task, run.model, run.ddp.flat, run.transport, run.eval_model, run.eval_flat))
+    metrics.write(run.evals[-1])
+
+
+def _step(run: _Run, k: int, slow: float) -> None:
+    """Step ``k``: the learning rate, the gradient of a sampled batch, the ``--slow`` delay, then
+    ``optimizer.step()``, whose hooks run the algorithm (the agreement, before_update, the
+    optimizer's update, after_update)."""
+    cfg, flat, now = run.cfg, run.ddp.flat, run.now
+    run.transport.set_step(k)  # the heartbeat of step k, before its compute
+    t0 = now()
+    lr = cfg.lr_at(k)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.ddp.zero_grad()
+    loss = run.task.loss(run.model, run.task.sample(run.shard, cfg.batch_size, run.data_gen))
+    run.ddp.algorithm.guard.note(k, "training loss", loss.detach())
+    loss.backward()
+    # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
+    extra = (slow - 1.0) * (now() - t0)
+    if extra > 0:
+        with blocking():  # a thread worker lets another compute meanwhile
+            time.sleep(extra)
+    # A fault on any rank (non-finite loss, gradient or model; a rank at another step) ends
+    # every rank in the step's agreement, with the same Diverged, before anything derived from it is sent.
+    try:
+        run.optimizer.step()
+    except PeerPayloadError:
+        raise
+    except (ValueError, RuntimeError) as e:  # e.g. a codec refusing a non-finite model
+        for what, t in (("gradient", flat.grad), ("model", flat.data)):
+            if not torch.isfinite(t).all():
+                raise Diverged(k, what, run.transport.rank) from e
+        raise
+    run.compute.append(now() - t0 + extra)
+
+
+def _train(run: _Run, evaluate: bool, metrics: _MetricsStream, bar) -> None:
+    """Steps ``run.start`` to ``cfg.steps``, the evaluations and checkpoints between them, then the
+    wrapper's close (the algorithm's finish and the last agreement) and the final evaluation."""
+    cfg, sync = run.cfg, run.ddp.algorithm.synchronous
+    slow = cfg.slow_factors().get(run.transport.rank, 1.0)
+    for row in run.evals:
+        metrics.write(row)
+    for k in range(run.start, cfg.steps):
+        # An asynchronous algorithm has no global barrier: evaluate (a collective) only at the ends.
+        if evaluate and k % cfg.eval_every == 0 and (sync or k == 0):
+            _evaluate_into(run, k, metrics)
+        _step(run, k, slow)
+        if bar is not None:
+            bar.update(1)
+        if cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0 and k + 1 < cfg.steps:
+            _save(run, k + 1)
+    run.ddp.close()
+    if evaluate:
+        _evaluate_into(run, cfg.steps, metrics)
+
+
+def _result(run: _Run) -> WorkerResult:
+    flat, algo, rank = run.ddp.flat, run.ddp.algorithm, run.transport.rank
+    if not torch.isfinite(flat.data).all():
+        raise Diverged(run.cfg.steps, "model", rank)
+    flat.check_aliasing()
+    return WorkerResult(rank=rank, params=flat.data.detach().cpu().clone(), ledger_rows=run.transport.ledger.to_rows(),
+                        compute_seconds=run.compute, extra_memory_bytes=algo.extra_memory_bytes(),
+                        nominal_bits_per_element=float(algo.nominal_bits_per_element()), report=algo.report(),
+                        evals=run.evals, resume=run.resumed)
+
+
+def _run_worker(transport, cfg, progress, evaluate, instrument, stream) -> WorkerResult:
+    run = _set_up(transport, cfg, instrument)
+    if cfg.resume is not None:
+        _resume(run)
     bar = None
-    if progress and rank == 0:
+    if progress and transport.rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{n}", unit="step", leave=False, mininterval=0.5)
-    slow = cfg.slow_factors().get(rank, 1.0)
-    now = _compute_clock(device)
-    compute: list[float] = []
-    evals: list[dict] = []
-    start = 0
-    resumed: dict = {}
-    if cfg.resume is not None:
-        state, resumed = _resume(cfg, cfg.resume, transport)
-        if state is None:
-            if not cfg.checkpoint_every:  # a restart with nothing saved yet starts afresh; a --resume needs one
-                raise CheckpointError(f"resume={cfg.resume!r}: no checkpoint (rank*.pt) there")
-        else:
-            compute, evals, start = _restore(cfg, state, transport, d, flat, opt, algo, data_gen)
-    metrics = _MetricsStream(stream, rank, cfg.tensorboard)
-    guard = algo.guard
-
-    at_start = algo.agrees_before_update  # else the step's one agreement is before after_update
-
-    def agree(k: int, point: int) -> None:
-        # an asynchronous algorithm has no collective per step: its gossip carries faults
-        guard.agree(k, point, flat.data.device) if algo.synchronous else guard.check_local()
-    if bar is not None and start:
-        bar.update(start)
+        bar = tqdm(total=cfg.steps, initial=run.start, desc=f"{cfg.algorithm} x{cfg.workers}", unit="step",
+                   leave=False, mininterval=0.5)
+    metrics = _MetricsStream(stream, transport.rank, cfg.tensorboard)
     try:
-        for row in evals:
-            metrics.write(row)
-        for k in range(start, cfg.steps):
-            # An asynchronous algorithm has no global barrier: evaluate (a collective) only at the ends.
-            if evaluate and k % cfg.eval_every == 0 and (algo.synchronous or k == 0):
-                evals.append(_evaluate(k, task, model, flat, transport, eval_model, eval_flat))
-                metrics.write(evals[-1])
-            transport.set_step(k)
-            t0 = now()
-            lr = cfg.lr_at(k)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            flat.zero_grad()
-            loss = task.loss(model, task.sample(shard, cfg.batch_size, data_gen))
-            guard.note(k, "training loss", loss.detach())
-            loss.backward()
-            # --slow: this worker's gradient takes `slow` times longer (sleeping, so the cores stay free)
-            extra = (slow - 1.0) * (now() - t0)
-            if extra > 0:
-                with blocking():  # a thread worker lets another compute meanwhile
-                    time.sleep(extra)
-            # A fault on any rank (non-finite loss, gradient or model; a rank at another step) ends
-            # every rank here, with the same Diverged, before anything derived from it is sent.
-            guard.note(k, "gradient", flat.grad)
-            guard.note(k, "model", flat.data)
-            if at_start:
-                agree(k, 0)
-            try:
-                algo.before_update(k, flat.data, flat.grad, lr)
-                opt.step()
-                if algo.acts_after_update:
-                    guard.note(k, "model", flat.data)
-                    agree(k, 1)
-                algo.after_update(k, flat.data, flat.grad, lr)
-            except PeerPayloadError:
-                raise
-            except (ValueError, RuntimeError) as e:  # e.g. a codec refusing a non-finite model
-                for what, t in (("gradient", flat.grad), ("model", flat.data)):
-                    if not torch.isfinite(t).all():
-                        raise Diverged(k, what, rank) from e
-                raise
-            compute.append(now() - t0 + extra)
-            if bar is not None:
-                bar.update(1)
-            if cfg.checkpoint_every and (k + 1) % cfg.checkpoint_every == 0 and k + 1 < cfg.steps:
-                _save_checkpoint({
-                    "format": _CKPT_FORMAT, "rank": rank, "world_size": n, "step": k + 1,
-                    "config": strict_json(cfg.to_dict())[0], "params": flat.data.detach().cpu().clone(),
-                    "optimizer": opt.state_dict(), "algorithm_state": algo.state_dict(),
-                    "data_gen": data_gen.get_state(), "ledger": ledger_state(transport.ledger),
-                    "compute": torch.tensor(compute, dtype=torch.float64), "evals": evals,
-                }, checkpoint_path(cfg.checkpoint_dir, rank))
-        algo.finish()
-        transport.set_step(cfg.steps)
-        guard.note(cfg.steps, "model", flat.data)
-        agree(cfg.steps, 2)
-        if evaluate:
-            evals.append(_evaluate(cfg.steps, task, model, flat, transport, eval_model, eval_flat))
-            metrics.write(evals[-1])
+        _train(run, evaluate, metrics, bar)
     finally:
         metrics.close()
-    if bar is not None:
-        bar.close()
-    if not torch.isfinite(flat.data).all():
-        raise Diverged(cfg.steps, "model", rank)
-    flat.check_aliasing()
-    return WorkerResult(rank=rank, params=flat.data.detach().cpu().clone(), ledger_rows=transport.ledger.to_rows(),
-                        compute_seconds=compute, extra_memory_bytes=algo.extra_memory_bytes(),
-                        nominal_bits_per_element=float(algo.nominal_bits_per_element()), report=algo.report(),
-                        evals=evals, resume=resumed)
+        if bar is not None:
+            bar.close()
+    return _result(run)
