@@ -16,7 +16,7 @@ pass, adding in the kernels' fixed lane order; ``encode_reference`` computes tha
 with :func:`~lowbit.codecs.quantize.lane_sums_reference`, the same order, so the two
 send the same bytes. (Torch's
 float32 CPU norm is not used: at 1e7 equal elements its 1-norm is 14% low, see
-docs/ARCHITECTURE.md.) On CUDA the bits are exact and the scale is torch's norm in float32 on
+docs/KERNELS.md.) On CUDA the bits are exact and the scale is torch's norm in float32 on
 the device (about 1e-6 relative to the CPU's).
 """
 

@@ -18,7 +18,7 @@ compaction (one sequential read of ``x``). The compaction is a second intrinsic
 (:func:`_compactor`): 16 lanes at a time, LLVM's vector compress (AVX-512's
 ``vpcompressd`` into a register, then one full store; the store form is slow on some
 CPUs), or the same stores lane by lane on an LLVM without it; numba's own scalar loop
-tested every signed index for wraparound (docs/RESULTS.md has the bench before and after).
+tested every signed index for wraparound (docs/CHANGELOG.md, issue 10, has the bench before and after).
 """
 
 from __future__ import annotations
