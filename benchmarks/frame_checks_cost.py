@@ -27,7 +27,7 @@ printed before and after: the machine may be shared, which the interleaving make
 noisier. An A/A run (the same tree on both sides) shows how far the harness itself reads
 from 1.0 on the machine at hand: on the project's loaded 2-core machine, calls under ~0.4 ms
 read up to 1.26 with identical code (each worker keeps its own allocator state and memory
-layout), longer ones within 0.97-1.07 (docs/RESULTS.md).
+layout), longer ones within 0.97-1.07 (docs/CHANGELOG.md, issue 32).
 
 Workers talk to the driver in JSON lines (no pickle).
 """
