@@ -233,3 +233,24 @@ def test_auto_device_is_cuda_only_when_present(monkeypatch):
     assert resolve_device(TrainConfig(device="cpu").device, 0) == torch.device("cpu")
     with pytest.raises(ValueError, match=r"GPU index must be in \[0, 3\]"):
         TrainConfig(device="cuda:4")
+
+
+def test_a_worker_computes_on_the_device_its_transport_names(monkeypatch):
+    """worker_device asks the transport (Transport.local_rank): a thread world's workers share the
+    process's current GPU; a torch.distributed process uses LOCAL_RANK, else its rank."""
+    from lowbit.comm.distributed import TorchDistributedTransport
+    from lowbit.comm.inprocess import run_threads
+    from lowbit.train.loop import worker_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    cfg = TrainConfig(device="auto")
+    threads = run_threads(2, lambda t: (t.local_rank, worker_device(cfg, t)))
+    assert threads == [(None, torch.device("cuda", 2))] * 2
+    proc = object.__new__(TorchDistributedTransport)  # no process group: only its rank is read
+    proc.rank = 6
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert proc.local_rank == 6 and worker_device(cfg, proc) == torch.device("cuda", 2)  # 6 on 4 GPUs
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert proc.local_rank == 1 and worker_device(cfg, proc) == torch.device("cuda", 1)
