@@ -124,11 +124,11 @@ CASES: list[Case] = [
     Case("moniqua-async-2bit", "moniqua-async", bits=2, theta=0.5),
     Case("adpsgd", "adpsgd", default=True),
     # The replica-gossip baselines, each of their codecs.
-    *_variants("choco", [None, "uniform", "fp32", "half", "sign", "terngrad"]),
+    *_variants("choco", [None, "uniform", "fp32", "fp16", "sign", "terngrad"]),
     Case("choco-gamma", "choco", gamma=0.25),
-    *_variants("dcd", [None, "uniform", "fp32", "half", "sign", "terngrad"]),
+    *_variants("dcd", [None, "uniform", "fp32", "fp16", "sign", "terngrad"]),
     *_variants("ecd", [None, "uniform", "terngrad", "fp32"]),
-    *_variants("deepsqueeze", [None, "uniform", "fp32", "half", "sign", "terngrad"]),
+    *_variants("deepsqueeze", [None, "uniform", "fp32", "fp16", "sign", "terngrad"]),
     # Bagua's low precision decentralized SGD: its codecs, peer selection, hierarchy, interval, buckets.
     *_variants("lowprec-decentralized", [None, "minmax", "fp32"]),
     Case("lowprec-decentralized-shift-one", "lowprec-decentralized", peer_selection="shift_one"),

@@ -300,7 +300,7 @@ def test_divergence_is_one_behaviour(tmp_path, capsys, algorithm):
     (["--weight-decay", "nan"], "weight_decay must be a finite number"),
     (["--weight-decay", "inf"], "weight_decay must be a finite number"),
     (["--task", "quadratic", "--noise", "nan"], "noise must be a finite number"),
-    (["--nested-failure", "inf"], "nested_failure must be a finite number"),
+    (["--algorithm", "ndqsg", "--nested-failure", "inf"], "nested_failure must be a number in (0, 1), got inf"),
     (["--algorithm", "grandk-maxnorm", "--k", "1000000", "--task", "quadratic"], "more than the model's d=16"),
 ])
 def test_bad_floats_and_k_are_one_line_errors(capsys, argv, needle):
