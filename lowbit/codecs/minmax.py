@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, pack_header
-from .kernels import kernels_for
+from .base import CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, pack_header
+from .fastpath import FastPathCodec
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .quantize import Rounded, check_int_range, check_numel, check_rounding, round_to_int
 from .rng import draw_key
@@ -35,7 +35,7 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
-class MinMaxCodec(Rounded, Codec):
+class MinMaxCodec(Rounded, FastPathCodec):
     """Header ``<iff``: (numel, min, max) with min/max as float32; data: codes
     ``round((x - min) * scale)`` in ``0..2^b - 1``, ``scale = (2^b - 1) / (max - min)``,
     packed ``b`` bits each (all codes 0 when ``max == min``).
@@ -93,11 +93,7 @@ class MinMaxCodec(Rounded, Codec):
         return Payload(header=pack_header(self.header_format, 0, 0.0, 0.0, device=x.device),
                        data=torch.empty(0, dtype=torch.uint8, device=x.device))
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        n = check_numel(x)
-        K = kernels_for(x, self.kernel_family)
-        if K is None:
-            return self.encode_reference(x, generator=generator)
+    def encode_fast(self, K, x: torch.Tensor, n: int, generator: torch.Generator | None) -> Payload:
         if n == 0:
             return self._empty(x)
         lo, hi = self._header_range(*K.minmax_range(x))
@@ -115,12 +111,7 @@ class MinMaxCodec(Rounded, Codec):
         frame_nbytes(self, payload.data, packed_nbytes(n, self.bits), lambda: f"{n} codes of {self.bits} bits")
         return n, lo, hi
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-               numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, self.kernel_family)
-        if K is None:
-            return self.decode_reference(payload, dtype=dtype, numel=numel)
+    def decode_fast(self, K, payload: Payload, dtype: torch.dtype | None, numel: int | None) -> torch.Tensor:
         n, lo, hi = self._frame(payload, numel)
         dtype = torch.float32 if dtype is None else dtype
         scale = self._scale(lo, hi)

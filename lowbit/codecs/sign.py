@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, pack_header
-from .kernels import kernels_for
+from .base import CodecKind, Payload, frame_count, frame_header, frame_nbytes, frame_scale, pack_header
+from .fastpath import FastPathCodec
 from .packing import pack_bits, packed_nbytes, unpack_bits
-from .quantize import check_numel, finite_float64, lane_sums_reference
+from .quantize import finite_float64, lane_sums_reference
 
 __all__ = ["SignCodec", "SIGN_SCALES"]
 
@@ -39,7 +39,7 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
-class SignCodec(Codec):
+class SignCodec(FastPathCodec):
     """``decode = scale * sign(x)`` with one bit per element.
 
     ``scale``: ``"mean_abs"`` (default) sends ``||x||_1 / d``, the scale of
@@ -96,13 +96,9 @@ class SignCodec(Codec):
             raise ValueError(f"the {self.scale} scale {c:.6g} does not fit the float32 header")
         return Payload(header=pack_header(self.header_format, n, c, device=device), data=data)
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+    def encode_fast(self, K, x: torch.Tensor, n: int, generator: torch.Generator | None) -> Payload:
         """One pass: the sign bits, the finiteness flag and the scale's float64 sum (in the
         reference's lane order: the same bytes)."""
-        n = check_numel(x)
-        K = kernels_for(x, self.kernel_family)
-        if K is None:
-            return self.encode_reference(x, generator=generator)
         data, total, finite = K.sign_encode(x, self.order)
         if not finite:
             raise ValueError("x must be finite for the sign codec")
@@ -116,12 +112,7 @@ class SignCodec(Codec):
         frame_nbytes(self, payload.data, packed_nbytes(n, 1), lambda: f"{n} sign bits")
         return n, c
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-               numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, self.kernel_family)
-        if K is None:
-            return self.decode_reference(payload, dtype=dtype, numel=numel)
+    def decode_fast(self, K, payload: Payload, dtype: torch.dtype | None, numel: int | None) -> torch.Tensor:
         n, c = self._frame(payload, numel)
         return K.sign_decode(payload.data, n, c, torch.float32 if dtype is None else dtype)
 

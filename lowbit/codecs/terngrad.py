@@ -28,12 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, frame_scale, \
+from .base import CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, frame_scale, \
     pack_header
-from .kernels import kernels_for
+from .fastpath import FastPathCodec
 from .radix import level_bits, levels_nbytes, pack_levels, unpack_levels
 from .qsgd import float32_up
-from .quantize import check_numel, finite_float64, round_to_int
+from .quantize import finite_float64, round_to_int
 from .rng import draw_key
 
 __all__ = ["TernGradCodec"]
@@ -42,7 +42,7 @@ _F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @dataclass(frozen=True)
-class TernGradCodec(Codec):
+class TernGradCodec(FastPathCodec):
     """Ternary stochastic quantizer; unbiased.
 
     Header ``<if``: (numel, scale) with ``scale = max|x|`` rounded *up* to
@@ -116,11 +116,7 @@ class TernGradCodec(Codec):
         """``max |x|`` rounded up to float32 (ValueError beyond float32)."""
         return float(float32_up(torch.tensor([max_abs], dtype=torch.float64), "scale")[0])
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
-        n = check_numel(x)
-        K = kernels_for(x, self.kernel_family)
-        if K is None:
-            return self.encode_reference(x, generator=generator)
+    def encode_fast(self, K, x: torch.Tensor, n: int, generator: torch.Generator | None) -> Payload:
         scale = 0.0
         if n:
             max_abs, finite = K.terngrad_max_abs(x)
@@ -138,12 +134,7 @@ class TernGradCodec(Codec):
         frame_nbytes(self, payload.data, levels_nbytes(n, 3), lambda: f"{n} trits")
         return n, scale
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-               numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, self.kernel_family)
-        if K is None:
-            return self.decode_reference(payload, dtype=dtype, numel=numel)
+    def decode_fast(self, K, payload: Payload, dtype: torch.dtype | None, numel: int | None) -> torch.Tensor:
         n, scale = self._frame(payload, numel)
         x, valid = K.terngrad_decode(payload.data, n, scale, torch.float32 if dtype is None else dtype)
         if not valid:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, pack_header
-from .kernels import kernels_for
+from .base import CodecKind, Payload, PayloadError, frame_count, frame_header, frame_nbytes, pack_header
+from .fastpath import FastPathCodec
 from .quantize import INT32_MAX, Rounded, check_numel, check_positive, check_rounding, error_bound, round_to_int
 from .radix import level_width, levels_nbytes, pack_levels, pack_levels_fast, radix_applies, unpack_levels, \
     unpack_levels_fast
@@ -42,7 +42,7 @@ def _radix_word(L: int) -> int:
 
 
 @dataclass(frozen=True)
-class UniformCodec(Rounded, Codec):
+class UniformCodec(Rounded, FastPathCodec):
     """``x -> n = round(x / step)`` (integers), sent at ``log2`` of their number of levels.
 
     Header ``<iiI``: (numel, offset = min n, top = max n - min n); data: ``n - offset``,
@@ -122,14 +122,10 @@ class UniformCodec(Rounded, Codec):
         return Payload(header=pack_header(self.header_format, 0, 0, 0, device=x.device),
                        data=torch.empty(0, dtype=torch.uint8, device=x.device))
 
-    def encode(self, x: torch.Tensor, *, generator: torch.Generator | None = None) -> Payload:
+    def encode_fast(self, K, x: torch.Tensor, n: int, generator: torch.Generator | None) -> Payload:
         """The codes' range is bounded by ``x``'s (one statistics pass), the codes are written
         against that bound in the narrowest unsigned dtype (one pass), then re-based on the
         codes' own smallest value and packed (see ``uniform_codes`` in the kernel modules)."""
-        n = check_numel(x)
-        K = kernels_for(x, self.kernel_family)
-        if K is None:
-            return self.encode_reference(x, generator=generator)
         if n == 0:
             return self._empty(x)
         stochastic = self.rounding == "stochastic"
@@ -146,12 +142,7 @@ class UniformCodec(Rounded, Codec):
             data = K.uniform_pack(codes, offset - base, level_width(L))
         return Payload(header=pack_header(self.header_format, n, offset, top, device=x.device), data=data)
 
-    def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
-               generator: torch.Generator | None = None, dtype: torch.dtype | None = None,
-               numel: int | None = None) -> torch.Tensor:
-        K = kernels_for(payload.data, self.kernel_family)
-        if K is None:
-            return self.decode_reference(payload, dtype=dtype, numel=numel)
+    def decode_fast(self, K, payload: Payload, dtype: torch.dtype | None, numel: int | None) -> torch.Tensor:
         n, offset, top = self._frame(payload, numel)
         L = max(2, top + 1)
         out = torch.float32 if dtype is None else dtype
