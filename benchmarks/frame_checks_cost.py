@@ -82,7 +82,7 @@ def _worker_cases(size: int) -> dict[str, dict]:
         if K is None:
             continue
         gen = lambda: c.shared_generator(seed, 0, 0)  # noqa: E731
-        msg, x_hat_i = frame.send(codec, x, gen(), {}, 0, K)
+        msg, x_hat_i = frame.send(codec, x, gen(), {}, K)
         delta = torch.zeros_like(ref)
 
         def receive(codec=codec, frame=frame, msg=msg, x_hat_i=x_hat_i, K=K, delta=delta):
@@ -90,7 +90,7 @@ def _worker_cases(size: int) -> dict[str, dict]:
             return frame.receive(codec, {1: msg}, ref, K, v=None, x_hat_i=x_hat_i, w={1: 0.5}, delta=delta)
 
         out[f"moniqua fused b={bits}"] = {
-            "send": lambda codec=codec, frame=frame, K=K: frame.send(codec, x, gen(), {}, 0, K),
+            "send": lambda codec=codec, frame=frame, K=K: frame.send(codec, x, gen(), {}, K),
             "receive": receive}
     return out
 

@@ -13,7 +13,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/test_triton
 
 from lowbit.codecs import (HalfCodec, IdentityCodec, MinMaxCodec, SignCodec, TernGradCodec,  # noqa: E402
                            UniformCodec, shared_generator)
-from lowbit.codecs import identity, lowp, minmax, sign, terngrad, uniform  # noqa: E402
+from lowbit.codecs import fastpath, identity, lowp  # noqa: E402
 from lowbit.codecs.base import Payload  # noqa: E402
 from lowbit.codecs.kernels import gpu, kernels_on  # noqa: E402
 
@@ -25,7 +25,7 @@ N = 1500
 def triton_path(monkeypatch):
     """The codecs take the Triton kernels for CPU tensors (as they do for CUDA tensors)."""
     pick = lambda x, family="core", op=None: kernels_on("triton", family, op)  # noqa: E731
-    for module in (identity, lowp, minmax, sign, terngrad, uniform):
+    for module in (identity, lowp, fastpath):  # fastpath: min-max, uniform, sign, TernGrad
         monkeypatch.setattr(module, "kernels_for", pick)
 
 
@@ -48,7 +48,7 @@ def test_minmax(bits, rounding, dtype, monkeypatch):
     cpu_p = codec.encode(x, generator=shared_generator(0, bits, 1))
     cpu_y = codec.decode(cpu_p, dtype=torch.float64)
     pick = lambda t, family="core", op=None: kernels_on("triton", family, op)  # noqa: E731
-    monkeypatch.setattr(minmax, "kernels_for", pick)
+    monkeypatch.setattr(fastpath, "kernels_for", pick)
     p = codec.encode(x, generator=shared_generator(0, bits, 1))
     assert torch.equal(p.header, cpu_p.header)  # min and max are exact
     _codes_close(gpu.unpack(p.data, bits, N), gpu.unpack(cpu_p.data, bits, N), dtype)
