@@ -19,28 +19,13 @@ from torch import nn
 from lowbit.comm import run_threads
 from lowbit.integrations import DecentralizedDataParallel
 from lowbit.integrations.decentralized import InitialStateReplaced
+from test_wrapper_loop import Net  # noqa: E402 - tests/ is on sys.path under pytest
+from wrapper_models import rank_batch as _batch  # noqa: E402
 
 N, BATCH = 2, 8
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class Net(nn.Module):
-    def __init__(self, seed=0):
-        super().__init__()
-        self.body = nn.Linear(5, 6)
-        self.head = nn.Linear(6, 3)
-        g = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for p in self.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.body(x)))
-
-
-def _batch(rank, k):
-    g = torch.Generator().manual_seed(1000 * rank + k)
-    return torch.randn(BATCH, 5, generator=g) + rank, torch.randint(0, 3, (BATCH,), generator=g)
 
 
 def _loss(model, rank, k):
