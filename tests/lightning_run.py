@@ -118,7 +118,10 @@ def main():
             result["b"] = fit(spec, out, seed=2, ckpt=result["a"]["ckpt"])
         with open(os.path.join(out, f"{spec['name']}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    torch.distributed.destroy_process_group()  # before exit: gloo's threads end with the group
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # not a teardown at exit: it sometimes aborts after the work is done (docs/FAULTS.md)
 
 
 if __name__ == "__main__":
