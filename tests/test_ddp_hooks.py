@@ -206,6 +206,58 @@ def _checkpoint(rank: int) -> dict:
     return out
 
 
+def _state_dict_resume(rank: int) -> dict:
+    """LowbitHookState.state_dict / load_state_dict on plain DDP, which rebuilds its buckets
+    after the first step (one bucket in parameter order, then gradient order; with a small cap
+    several buckets): saved mid-training with torch.save, loaded with weights_only into a fresh
+    DDP model's state, the run continues bit for bit. A state that knows no model cannot replay
+    the layout: its first restored step runs the fresh layout (a warning) and differs."""
+    import io
+    import warnings
+
+    out = {}
+    for name, opts in [("maxnorm", {"bits": 3}), ("qsgd", {"bits": 4}), ("powersgd", {"powersgd_rank": 1}),
+                       ("sign", {})]:
+        for cap in (None, 0.0001):  # the small cap: several buckets after the rebuild
+            def fresh():
+                return DDP(_net(), **({} if cap is None else {"bucket_cap_mb": cap}))
+
+            def run(model, optim, state, start):
+                for t in range(start, start + 3):
+                    optim.zero_grad()
+                    _loss(model, rank, 300 + t).backward()
+                    optim.step()
+                return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), dict(state.bucket_layout)
+
+            m = fresh()
+            state, hook = make_hook(name, seed=2, **opts)
+            state.bind_model(m)
+            m.register_comm_hook(state, hook)
+            opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+            run(m, opt, state, 0)
+            blob = io.BytesIO()
+            torch.save({"hook": state.state_dict(), "model": m.module.state_dict(), "opt": opt.state_dict()}, blob)
+            original, layout = run(m, opt, state, 3)
+            for bind in (True, False) if not state.error_feedback else (True,):
+                saved = torch.load(io.BytesIO(blob.getvalue()), weights_only=True)
+                m2 = fresh()
+                m2.module.load_state_dict(saved["model"])
+                opt2 = torch.optim.SGD(m2.parameters(), lr=0.05, momentum=0.9)
+                opt2.load_state_dict(saved["opt"])
+                state2, hook2 = make_hook(name, seed=2, **opts)
+                if bind:
+                    state2.bind_model(m2)
+                state2.load_state_dict(saved["hook"])
+                m2.register_comm_hook(state2, hook2)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    restored, layout2 = run(m2, opt2, state2, 3)
+                out[f"{name} cap={cap} bind={bind}"] = (
+                    torch.equal(original, restored), state2.step, state2.bytes_sent == state.bytes_sent,
+                    len(layout), layout2 == layout, any("differs" in str(w.message) for w in caught))
+    return out
+
+
 def _timed(out: dict, key: str, fn, *args):
     t0 = time.perf_counter()
     out[key] = fn(*args)
@@ -219,6 +271,7 @@ def _worker2(transport):
     _timed(out, "ef", _ef_identity, rank)
     _timed(out, "train", _train, rank)
     _timed(out, "ckpt", _checkpoint, rank)
+    _timed(out, "state_dict", _state_dict_resume, rank)
     return out
 
 
@@ -395,6 +448,34 @@ def test_checkpoint_continues_identically(two):
         for name, (diff, no_group, step2, step1, same_bytes) in res["ckpt"].items():
             assert diff <= 1e-7, (name, diff)
             assert no_group and step2 == step1 == 6 and same_bytes
+
+
+def test_state_dict_resume_replays_the_bucket_layout_bit_for_bit(two):
+    for res in two:
+        cases = res["state_dict"]
+        assert len(cases) == 12  # four hooks, two caps; the bound state alone for the two with memory
+        for key, (same, step, same_bytes, buckets, same_layout, warned) in cases.items():
+            if key.endswith("bind=True"):
+                assert same and same_layout and not warned and same_bytes and step == 6, key
+            else:  # no model bound: the fresh layout's first step, told, and another result
+                assert warned and not same, key
+        # the small cap rebuilds into several buckets, which the first restored step replays
+        assert cases["maxnorm cap=0.0001 bind=True"][3] > 1 and cases["maxnorm cap=None bind=True"][3] == 1
+
+
+def test_state_dict_refuses_another_hook_and_unbound_memory():
+    state, _ = make_hook("sign", seed=3)
+    saved = state.state_dict()
+    with pytest.raises(ValueError, match="seed=3"):
+        make_hook("sign", seed=4)[0].load_state_dict(saved)
+    with pytest.raises(ValueError, match="method='allgather'"):
+        make_hook("fp16")[0].load_state_dict(saved)
+    with pytest.raises(ValueError, match="missing"):
+        state.load_state_dict({"step": 1})
+    state.per_parameter = True
+    state.param_memory = {"0.weight": torch.ones(3)}
+    with pytest.raises(ValueError, match="bind_model"):
+        make_hook("sign", seed=3)[0].load_state_dict(state.state_dict())
 
 
 # --- every centralized algorithm by its lowbit train name ----------------------------------

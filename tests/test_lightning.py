@@ -26,13 +26,20 @@ CASES = [
     {"name": "ddp", "algorithm": "ddp", "clip": 0.05, "resume": False},  # Lightning's own DDP, the reference
     {"name": "allreduce", "algorithm": "allreduce", "clip": 0.05},
     {"name": "dpsgd", "algorithm": "dpsgd", "precision": "16-mixed", "sync_dist": True},
-    {"name": "maxnorm", "algorithm": "maxnorm", "options": {"bits": 4, "seed": 3}, "precision": "bf16-mixed",
-     "accumulate": 2},
+    {"name": "maxnorm", "algorithm": "maxnorm", "options": {"bits": 4, "seed": 3}, "noreplay": True,
+     "precision": "bf16-mixed", "accumulate": 2},
     {"name": "moniqua", "algorithm": "moniqua", "options": {"bits": 2, "theta": 0.5}, "accumulate": 2,
      "clip": 0.5},
+    # hooks with a seed (their randomness per step and bucket), error feedback, PowerSGD's warm start
+    {"name": "powersgd", "algorithm": "powersgd", "options": {"seed": 2}, "noreplay": True, "clip": 0.5},
+    {"name": "onebit-ef", "algorithm": "onebit-ef"},  # error memory per parameter; one scale per bucket
+    {"name": "qsgd", "algorithm": "qsgd", "options": {"bits": 4, "seed": 1}, "noreplay": True},
     {"name": "lost", "algorithm": "dpsgd", "drop_side_rank": 1},  # rank 1's lowbit file is gone at the resume
     {"name": "overflow", "algorithm": "dpsgd", "precision": "16-mixed", "overflow_at": 1, "resume": False},
+    # asynchronous: refused at setup with a ModelCheckpoint; saved after fit without one
+    {"name": "adpsgd", "algorithm": "adpsgd", "resume": False, "async_checkpoint": True},
 ]
+HOOK_RESUMES = ["allreduce", "maxnorm", "powersgd", "onebit-ef", "qsgd"]
 
 
 def _torchrun(out, cases, timeout=240):
@@ -81,8 +88,11 @@ def test_dpsgd_wrapper_bytes_and_gossip_consensus(runs):
     assert torch.allclose(diff, expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["allreduce", "dpsgd", "maxnorm", "moniqua"])
+@pytest.mark.parametrize("case", HOOK_RESUMES + ["dpsgd", "moniqua"])
 def test_resume_from_model_checkpoint_continues_curve_and_bytes(runs, case):
+    """Run B, resumed from run A's first epoch, is run A's second epoch bit for bit: the hook
+    state (step, error memory, PowerSGD's Q, the bucket layout DDP had rebuilt, which the first
+    restored step replays) or the wrapper's whole state comes back from each rank's file."""
     accumulate = next(c.get("accumulate", 1) for c in CASES if c["name"] == case)
     for rank in runs[case]:
         a, b = rank["a"], rank["b"]
@@ -91,14 +101,42 @@ def test_resume_from_model_checkpoint_continues_curve_and_bytes(runs, case):
         assert a["global_step"] == b["global_step"] == STEPS // accumulate
         for f in ("epoch=0.ckpt", "epoch=1.ckpt"):  # every rank's own lowbit file beside Lightning's
             assert f in a["files"] and all(os.path.basename(side_path(f, r)) in a["files"] for r in (0, 1))
-        if case == "maxnorm":
-            # torch DDP builds a fresh model's bucket in parameter order and rebuilds it in gradient
-            # order after the first step: the quantizer's 512-coordinate blocks then differ once
-            assert b["losses"][:accumulate] == a["losses"][half:half + accumulate]
-            assert torch.allclose(torch.tensor(b["losses"]), torch.tensor(a["losses"][half:]), rtol=0.05)
-        else:
-            assert b["losses"] == a["losses"][half:]  # the second epoch again, bit for bit
-            assert b["params"] == a["params"]
+        assert b["losses"] == a["losses"][half:]  # the second epoch again, bit for bit
+        assert b["params"] == a["params"]
+    if case in HOOK_RESUMES:  # run B's hook saw run A's rebuilt bucket layout from its first step on
+        a, b = runs[case][0]["a"], runs[case][0]["b"]
+        assert all(layout == a["layouts"][-1] for layout in b["layouts"][accumulate - 1:])
+
+
+def test_quantized_hooks_change_the_curve_a_resume_must_replay(runs):
+    """The resume test above could not pass by accident: each hook's curve differs from plain
+    fp32 all-reduce, and the layout replay is what makes it exact (a run resumed without it,
+    in the fresh bucket order, departs from run A at the first restored step: the quantizer's
+    random numbers and blocks follow the layout, PowerSGD's warm start is kept per bucket
+    signature). onebit-ef's sign and bucket-wide scale do not depend on the order: its resume
+    checks the error memory alone."""
+    fp32 = runs["allreduce"][0]["a"]["losses"]
+    for case in ("maxnorm", "powersgd", "qsgd"):
+        a = runs[case][0]["a"]
+        assert a["losses"][2:] != fp32[2:]
+        noreplay = runs[case][0]["c"]
+        half = len(a["losses"]) // 2
+        accumulate = next(c.get("accumulate", 1) for c in CASES if c["name"] == case)
+        assert noreplay["losses"][:accumulate] == a["losses"][half:half + accumulate]
+        # DDP's fresh bucket is in parameter order, the rebuilt one (run A's) in gradient order
+        assert noreplay["layouts"][accumulate - 1] != a["layouts"][-1] == noreplay["layouts"][-1]
+        assert noreplay["params"] != a["params"]
+
+
+def test_asynchronous_algorithm_with_model_checkpoint_is_refused_at_setup(runs):
+    for rank in runs["adpsgd"]:
+        error = rank["refused"]
+        assert error.startswith("ValueError") and "'adpsgd' is asynchronous" in error
+        assert "enable_checkpointing=False" in error
+        assert rank["refused_files"] == [] and rank["refused_bytes"] == []  # no file, no step
+        # without the callback it trains, and trainer.save_checkpoint after fit writes each rank's state
+        assert rank["a"]["bytes"][-1] > 0 and rank["a"]["global_step"] == STEPS
+        assert rank["saved_after_fit"] == ["final.ckpt", "final.ckpt.lowbit-rank0", "final.ckpt.lowbit-rank1"]
 
 
 def test_resume_without_every_ranks_file_starts_lowbit_afresh_on_every_rank(runs):
@@ -180,34 +218,33 @@ def test_lightning_own_launcher_runs_the_digits_example():
     assert acc[0] == acc[1] > 0.85
 
 
-def test_hook_state_file_round_trips_counters_and_memories(tmp_path):
-    """What a hook run writes beside Lightning's checkpoint (error memory per parameter and per
-    bucket, PowerSGD's warm start, the counters) loads back with weights_only and restores them."""
+def test_hook_state_file_round_trips_through_the_side_file(tmp_path):
+    """What a hook run writes beside Lightning's checkpoint is the hook state's state_dict; it
+    loads back with weights_only (lowbit's checkpoint file) into a fresh strategy's state."""
     from lowbit.integrations.checkpoint import load_checkpoint, save_checkpoint
-    from lowbit.integrations.lightning import _hook_state_dict, _load_hook_state
 
-    strategy = LowbitStrategy("sign", seed=5)
-    state = strategy.hook_state
-    state.step, state.bytes_sent, state.messages, state.fp32_bytes_sent = 7, 1234, 14, 9999
-    state.param_memory = {"net.0.weight": torch.randn(16, 8).flatten()}
-    state.bucket_memory = {0: (((16, 8), (16,)), torch.randn(144))}
-    state.powersgd_q = {1: (((4, 3),), torch.randn(3, 2))}
-    path = save_checkpoint(_hook_state_dict(state), tmp_path / "x.ckpt.lowbit-rank0")
-    fresh = LowbitStrategy("sign", seed=5).hook_state
-    _load_hook_state(fresh, load_checkpoint(path), path)
-    assert (fresh.step, fresh.bytes_sent, fresh.messages, fresh.fp32_bytes_sent) == (7, 1234, 14, 9999)
-    assert torch.equal(fresh.param_memory["net.0.weight"], state.param_memory["net.0.weight"])
-    assert fresh.bucket_memory[0][0] == ((16, 8), (16,)) and torch.equal(fresh.bucket_memory[0][1],
-                                                                         state.bucket_memory[0][1])
-    assert fresh.powersgd_q[1][0] == ((4, 3),) and torch.equal(fresh.powersgd_q[1][1], state.powersgd_q[1][1])
-    with pytest.raises(ValueError, match="missing"):
-        _load_hook_state(fresh, {"step": 1}, "somewhere")
+    net = torch.nn.Linear(8, 16)
+    state = LowbitStrategy("onebit-ef", seed=5).hook_state
+    state.bind_model(net)  # as LowbitStrategy does: memory per parameter name
+    state.step, state.bytes_sent = 7, 1234
+    state.param_memory = {"weight": torch.randn(16, 8).flatten()}
+    state.bucket_layout = {0: ("bias", "weight")}
+    path = save_checkpoint(state.state_dict(), tmp_path / "x.ckpt.lowbit-rank0")
+    fresh = LowbitStrategy("onebit-ef", seed=5).hook_state
+    fresh.bind_model(net)
+    fresh.load_state_dict(load_checkpoint(path))
+    assert (fresh.step, fresh.bytes_sent) == (7, 1234) and fresh.bucket_layout == state.bucket_layout
+    assert torch.equal(fresh.param_memory["weight"], state.param_memory["weight"])
+    with pytest.raises(ValueError, match="seed=5"):
+        LowbitStrategy("onebit-ef", seed=6).hook_state.load_state_dict(load_checkpoint(path))
 
 
-def test_asynchronous_algorithm_refuses_a_checkpoint_during_training():
+def test_asynchronous_algorithm_refuses_a_checkpoint_while_the_wrapper_runs():
+    """trainer.save_checkpoint called by hand during fit (no callback): refused before any file."""
     from types import SimpleNamespace
 
     strategy = LowbitStrategy("adpsgd")
     strategy.wrapper = SimpleNamespace(algorithm=SimpleNamespace(synchronous=False))  # as after setup
+    strategy._fitting = True
     with pytest.raises(RuntimeError, match="enable_checkpointing=False"):
-        strategy._lowbit_state()
+        strategy.save_checkpoint({}, "nowhere.ckpt")

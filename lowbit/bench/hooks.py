@@ -37,6 +37,7 @@ import statistics
 
 import torch
 
+from ..integrations.ddp_hooks.replay import GradBucketStandIn  # noqa: F401 -- the stand-in the hooks replay with
 from .table import Column, span_column, table_lines
 from .timing import check_positive_int, measure, median_ratio, pinned_threads, spread
 
@@ -53,48 +54,6 @@ DEFAULT_HOOKS = ("fp32", "fp16", "bf16", "powersgd", "qsgd-maxnorm", "qsgd-maxno
 #: why the CPU bench cannot time torch's PowerSGD hook on a machine with CUDA
 _TORCH_POWERSGD_ON_CPU = ("torch's powerSGD_hook, which fails on a CPU bucket where CUDA is available "
                           "(its callback calls torch.cuda.synchronize on the bucket's device)")
-
-
-class GradBucketStandIn:
-    """What lowbit's and torch's DDP hooks read of a ``torch.distributed.GradBucket``: ``params``'
-    gradients as views of one flat buffer (in their order), filled from ``grad``; the bucket's
-    ``index`` and whether it ``is_last``. :meth:`refill` copies ``grad`` in again (a hook
-    overwrites its bucket with the average)."""
-
-    def __init__(self, params, grad: torch.Tensor, index: int = 0, last: bool = True) -> None:
-        self.params = list(params)
-        self.grad = grad
-        self._index = index
-        self._last = last
-        self._buf = grad.clone()
-        self._views, at = [], 0
-        for p in self.params:
-            self._views.append(self._buf[at:at + p.numel()].view(p.shape))
-            at += p.numel()
-
-    def refill(self) -> torch.Tensor:
-        """Copy the gradient into the buffer again."""
-        return self._buf.copy_(self.grad)
-
-    def buffer(self) -> torch.Tensor:
-        """The flat buffer."""
-        return self._buf
-
-    def index(self) -> int:
-        """The bucket's index."""
-        return self._index
-
-    def is_last(self) -> bool:
-        """Whether it is the last bucket of the iteration."""
-        return self._last
-
-    def parameters(self) -> list:
-        """The parameters whose gradients it holds."""
-        return self.params
-
-    def gradients(self) -> list:
-        """The gradients: views of the buffer."""
-        return self._views
 
 
 class one_process_group:

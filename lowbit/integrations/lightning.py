@@ -40,11 +40,14 @@ Lightning's file (rank 0's module), every rank writes its own lowbit state to
 ``<ckpt>.lowbit-rank<r>`` (:func:`~lowbit.integrations.checkpoint.save_checkpoint`: atomic,
 checksummed, loads with ``weights_only=True``): for the wrapper its whole
 :meth:`~lowbit.integrations.DecentralizedDataParallel.checkpoint_state` (each rank's own model,
-optimizer, algorithm state, ledger), for a hook the hook state's step, counters and error
-memory. A resume restores each rank from its own file (the ranks check that they resume the
-same step), so the curve and the byte counts continue. ``remove_checkpoint`` removes them too.
-The asynchronous algorithms (``adpsgd``, ``moniqua-async``) checkpoint only after training
-(pass ``enable_checkpointing=False`` or checkpoint after ``fit``).
+optimizer, algorithm state, ledger), for a hook the hook state's
+:meth:`~lowbit.integrations.ddp_hooks.LowbitHookState.state_dict` (step, counters, error memory,
+PowerSGD's warm start, the bucket layout DDP had rebuilt, which the first restored step replays).
+A resume restores each rank from its own file (the ranks check that they resume the same step),
+so the curve and the byte counts continue bit for bit. ``remove_checkpoint`` removes them too.
+The asynchronous algorithms (``adpsgd``, ``moniqua-async``) have no consistent cut while they
+train: ``fit`` with a checkpoint callback is refused at setup (ValueError); pass
+``enable_checkpointing=False`` and call ``trainer.save_checkpoint(path)`` after ``fit``.
 """
 
 from __future__ import annotations
@@ -58,18 +61,15 @@ from typing import Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
+from ..algorithms import ALGORITHMS
 from .amp import GradScaler
 from .checkpoint import load_checkpoint, save_checkpoint
 from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
 from .routing import choose, own_transport
-
-#: the hook state's counters saved in a hook run's per-rank file
-_HOOK_COUNTERS = ("step", "bytes_sent", "messages", "fp32_bytes_sent", "last_step_bytes", "memory_resets",
-                  "powersgd_resets")
-
 
 def side_path(filepath: str | os.PathLike, rank: int) -> str:
     """The per-rank lowbit file written beside the Lightning checkpoint ``filepath``."""
@@ -117,6 +117,11 @@ class LowbitStrategy(DDPStrategy):
         return self.hook_state is not None
 
     @property
+    def _asynchronous(self) -> bool:
+        cls = ALGORITHMS.get(self.algorithm) if isinstance(self.algorithm, str) else None
+        return cls is not None and not cls.synchronous
+
+    @property
     def bytes_sent(self) -> int:
         """Bytes this rank has sent so far (the hook state's or the wrapper's ledger; 0 before setup)."""
         if self.uses_hook:
@@ -129,8 +134,8 @@ class LowbitStrategy(DDPStrategy):
         if not self.uses_hook:
             return
         super().configure_ddp()  # torch DDP; it registers no hook here (none was given to DDPStrategy)
-        if self.hook_state.error_feedback:
-            self.hook_state.bind_model(self.model)  # memory per parameter: survives bucket rebuilds
+        # parameter names: error memory per parameter, and the bucket layout a resume replays
+        self.hook_state.bind_model(self.model)
         self.model.register_comm_hook(self.hook_state, self._hook)
         self._fitting = True
 
@@ -144,7 +149,12 @@ class LowbitStrategy(DDPStrategy):
                              f"wrapper: configure_optimizers returned {len(self.optimizers)}")
         # a process group of its own: Lightning's collectives (self.log(..., sync_dist=True) in
         # training_step) cannot interleave with an exchange the wrapper runs during forward and backward
-        transport = own_transport()
+        if self._asynchronous:  # the gossip opens a group of its own and needs the default group's store
+            from ..comm.distributed import TorchDistributedTransport
+
+            transport = TorchDistributedTransport()
+        else:
+            transport = own_transport()
         self._group = transport.group
         self.wrapper = DecentralizedDataParallel(self.model, self.optimizers[0], self.algorithm, transport=transport,
                                                  **self.options)
@@ -153,7 +163,14 @@ class LowbitStrategy(DDPStrategy):
 
     def setup(self, trainer) -> None:
         """DDPStrategy's setup; on the wrapper path a ``16-mixed`` GradScaler becomes
-        :class:`lowbit.integrations.GradScaler` (same state), whose skipped steps every rank skips."""
+        :class:`lowbit.integrations.GradScaler` (same state), whose skipped steps every rank skips.
+        An asynchronous algorithm with a checkpoint callback in ``fit``: ValueError, before any step."""
+        if self._asynchronous and trainer.checkpoint_callbacks and trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(f"{self.algorithm!r} is asynchronous: its ranks' models change while a checkpoint "
+                             "callback would save them (no consistent cut before close()), so LowbitStrategy cannot "
+                             "checkpoint it during training; pass Trainer(enable_checkpointing=False) without a "
+                             "ModelCheckpoint and call trainer.save_checkpoint(path) after fit (each rank's "
+                             "consistent state, written beside it)")
         super().setup(trainer)
         scaler = getattr(self.precision_plugin, "scaler", None)
         if self.wrapper is not None and isinstance(scaler, torch.amp.GradScaler) and \
@@ -201,8 +218,8 @@ class LowbitStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options: Any | None = None) -> None:
         """Lightning's file (rank 0) and every rank's own lowbit state beside it."""
+        state = self._lowbit_state()  # refuses before anything is written
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        state = self._lowbit_state()
         if state is not None:
             save_checkpoint(state, side_path(filepath, self.global_rank))
 
@@ -239,7 +256,7 @@ class LowbitStrategy(DDPStrategy):
             warnings.warn(f"{path} or another rank's lowbit file is missing: the lowbit state (algorithm state, "
                           "step, byte counts) starts afresh on every rank from rank 0's module", stacklevel=2)
         elif self.uses_hook:
-            _load_hook_state(self.hook_state, load_checkpoint(path), path)
+            self.hook_state.load_state_dict(load_checkpoint(path))
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         """Lightning's (rank 0's) optimizer state, unless the wrapper restored this rank's own."""
@@ -250,39 +267,11 @@ class LowbitStrategy(DDPStrategy):
 
     def _lowbit_state(self) -> dict | None:
         if self.wrapper is not None:
-            if not self.wrapper.algorithm.synchronous:
+            if self._fitting and not self.wrapper.algorithm.synchronous:
                 raise RuntimeError(f"{self.algorithm} is asynchronous: a checkpoint during training would not be "
-                                   "consistent; pass Trainer(enable_checkpointing=False) and save after fit "
-                                   "(DecentralizedDataParallel.checkpoint_state after close())")
+                                   "consistent; pass Trainer(enable_checkpointing=False) and call "
+                                   "trainer.save_checkpoint(path) after fit")
             return self.wrapper.checkpoint_state()
         if self.uses_hook:
-            return _hook_state_dict(self.hook_state)
+            return self.hook_state.state_dict()
         return None
-
-
-def _hook_state_dict(state) -> dict:
-    """The hook state's step, counters, error memory and PowerSGD warm start (tensors and plain
-    values only). A hook that runs an algorithm per bucket (NDQSG) keeps state that is not saved."""
-    if state.algorithm_states:
-        raise RuntimeError(f"the {state.codec.name} hook keeps per-bucket algorithm state that LowbitStrategy "
-                           "does not checkpoint; pass Trainer(enable_checkpointing=False)")
-    return {"format": 1, **{k: int(getattr(state, k)) for k in _HOOK_COUNTERS},
-            "param_memory": dict(state.param_memory),
-            "bucket_memory": {int(i): [list(map(list, sig)), e] for i, (sig, e) in state.bucket_memory.items()},
-            "powersgd_q": {int(i): [list(map(list, sig)), q] for i, (sig, q) in state.powersgd_q.items()}}
-
-
-def _load_hook_state(state, saved: dict, path: str) -> None:
-    """Restore what :func:`_hook_state_dict` saved into ``state`` (the same hook)."""
-    missing = [k for k in (*_HOOK_COUNTERS, "param_memory", "bucket_memory", "powersgd_q") if k not in saved]
-    if missing:
-        raise ValueError(f"{path} is not a LowbitStrategy hook state (missing {', '.join(missing)})")
-    for k in _HOOK_COUNTERS:
-        setattr(state, k, int(saved[k]))
-    state.param_memory = dict(saved["param_memory"])
-
-    def entries(d: dict) -> dict:
-        return {int(i): (tuple(tuple(s) for s in sig), t) for i, (sig, t) in d.items()}
-
-    state.bucket_memory = entries(saved["bucket_memory"])
-    state.powersgd_q = entries(saved["powersgd_q"])

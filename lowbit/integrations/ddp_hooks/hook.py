@@ -13,6 +13,7 @@ from .floats import float_allreduce, write_average
 from .gathered import allgather
 from .maxnorm import int_allreduce, randk_allreduce
 from .powersgd import powersgd_step
+from .replay import replay_layout
 from .state import LowbitHookState, _layer_sizes, _offsets, _signature
 
 
@@ -36,12 +37,21 @@ def lowbit_hook(state: LowbitHookState, bucket) -> torch.futures.Future:
     """
     if not isinstance(state, LowbitHookState):
         raise ValueError(f"state must be a LowbitHookState, got {type(state).__name__}")
+    if state._replay is not None:  # the first step after load_state_dict: the saved buckets
+        return replay_layout(state, bucket, run_bucket)
+    return run_bucket(state, bucket)
+
+
+def run_bucket(state: LowbitHookState, bucket) -> torch.futures.Future:
+    """One bucket (a ``GradBucket`` or :class:`~.replay.GradBucketStandIn`) through the state's wire method."""
     t = state._comm()
     world, rank = t.world_size, t.rank
     buf = bucket.buffer()
     bidx = bucket.index()
     is_last = bucket.is_last()
     sig = _signature(bucket)
+    if state._param_names is not None:  # the layout a restored run replays (LowbitHookState.state_dict)
+        state.bucket_layout[bidx] = tuple(state._names(bucket))
     state.bucket_bytes[bidx] = 0
     state.bucket_numel[bidx] = buf.numel()
     fp32_msgs, fp32_sent = op_messages_and_bytes("all_reduce", 4 * buf.numel(), world)

@@ -34,6 +34,13 @@ HOOK_CLIP = 2.5
 #: ``LowbitHookState(nonfinite=...)``: what the half-precision hooks do with an inf, NaN or overflow
 NONFINITE = ("raise", "propagate")
 
+#: the counters :meth:`LowbitHookState.state_dict` saves
+STATE_COUNTERS = ("step", "bytes_sent", "messages", "fp32_bytes_sent", "last_step_bytes", "memory_resets",
+                  "powersgd_resets")
+
+#: :meth:`LowbitHookState.state_dict`'s ``format`` (1: LowbitStrategy's files before the layout and settings)
+STATE_FORMAT = 2
+
 WIRE_METHODS = ("allreduce-float", "allreduce-int", "allreduce-randk", "allgather", "powersgd", "algorithm")
 
 
@@ -166,15 +173,20 @@ class LowbitHookState:
     have sent; ``state.last_step_bytes`` is the latest complete iteration's total and
     ``state.bucket_bytes[b]`` the latest bytes of bucket ``b``.
 
-    Pickling (checkpoints): the state pickles without its process group (restored as
-    the default group, or set ``state.process_group`` again), without its transport and without the
-    parameter-identity map (call :meth:`LowbitHookState.bind_model` with the new
-    model after unpickling, when the memory is per parameter). A restored run
-    continues exactly as the original when the new DDP model meets the same buckets
-    (the randomness, per-bucket memories and PowerSGD's ``Q`` follow the bucket
-    layout); DDP without ``find_unused_parameters`` starts a fresh model with one
-    bucket and rebuilds after the first iteration, so there the first restored step
-    differs (per-parameter error memory still carries over exactly).
+    Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (tensors and plain values: saves
+    with ``torch.save`` and loads with ``weights_only=True``) carry the step, the counters, the
+    error memory, PowerSGD's warm start and the bucket layout. The layout matters because
+    randomness, per-bucket memory, PowerSGD's ``Q`` and the quantizer's 512-coordinate blocks
+    follow it, and DDP starts a fresh model with one bucket in parameter order and rebuilds it
+    in gradient order after the first iteration. When the state knows the model
+    (:meth:`bind_model`), it records each bucket's parameter names, and after
+    :meth:`load_state_dict` the first step runs the saved buckets (index, order) out of the fresh
+    one (:mod:`.replay`), so a restored run continues exactly, bit for bit. Without a bound
+    model the first restored step follows the fresh layout and differs.
+
+    Pickling: the state pickles without its process group (restored as the default group, or
+    set ``state.process_group`` again), without its transport and without the parameter-identity
+    map (call :meth:`LowbitHookState.bind_model` with the new model after unpickling).
     """
 
     def __init__(self, codec: Codec | Algorithm, process_group=None, seed: int = 0,
@@ -238,6 +250,8 @@ class LowbitHookState:
         self.algorithm_states: dict[int, tuple[tuple, Any]] = {}  # "algorithm": per bucket
         self._transport = None  # the process group's transport, made at the first bucket
         self._param_names: dict[int, str] | None = None
+        self.bucket_layout: dict[int, tuple[str, ...]] = {}  # each bucket's parameter names (bound model)
+        self._replay: dict[int, tuple[str, ...]] | None = None  # a restored layout, for the first step
         if model is not None:
             self.bind_model(model)
 
@@ -264,7 +278,59 @@ class LowbitHookState:
         d.setdefault("nonfinite", "raise")  # a state pickled before the option
         d.setdefault("per_layer", False)
         d.setdefault("saves_nothing_warned", False)
+        d.setdefault("bucket_layout", {})
+        d.setdefault("_replay", None)
         self.__dict__.update(d)
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs, as tensors and plain values (``torch.save``; loads with
+        ``weights_only=True``): the step and counters (:data:`STATE_COUNTERS`), the error
+        memory, PowerSGD's warm-start ``Q``, the bucket layout, and the settings it must be
+        restored into (method, seed, error feedback). A hook that runs an algorithm per bucket
+        (NDQSG) keeps state it cannot save: RuntimeError."""
+        if self.algorithm_states:
+            raise RuntimeError(f"the {self.codec.name} hook keeps per-bucket algorithm state that has no "
+                               "state_dict; checkpoint its run by pickling the state")
+
+        def entries(d: dict) -> dict:
+            return {int(i): [list(map(list, sig)), t] for i, (sig, t) in d.items()}
+
+        return {"format": STATE_FORMAT, "method": self.method, "seed": self.seed,
+                "error_feedback": self.error_feedback, **{k: int(getattr(self, k)) for k in STATE_COUNTERS},
+                "param_memory": dict(self.param_memory), "bucket_memory": entries(self.bucket_memory),
+                "powersgd_q": entries(self.powersgd_q),
+                "bucket_layout": {int(i): list(names) for i, names in self.bucket_layout.items()}}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """Restore what :meth:`state_dict` returned into this state (the same hook: method,
+        seed and error feedback must match; ValueError otherwise). The next step runs the saved
+        bucket layout when the state knows the model (see the class docstring)."""
+        if not isinstance(saved, dict):
+            raise ValueError(f"saved must be a dict from LowbitHookState.state_dict, got {type(saved).__name__}")
+        missing = [k for k in (*STATE_COUNTERS, "param_memory", "bucket_memory", "powersgd_q") if k not in saved]
+        if missing:
+            raise ValueError(f"not a LowbitHookState.state_dict (missing {', '.join(missing)})")
+        for key in ("method", "seed", "error_feedback"):  # format 1 (LowbitStrategy's first files) has none
+            if key in saved and saved[key] != getattr(self, key):
+                raise ValueError(f"the saved hook state has {key}={saved[key]!r}, this state {getattr(self, key)!r}: "
+                                 "restore it into a state built with the same hook options")
+
+        if saved["param_memory"] and not self.per_parameter:
+            raise ValueError("the saved error memory is per parameter: call state.bind_model(model) before "
+                             "load_state_dict")
+
+        def entries(d: dict) -> dict:
+            return {int(i): (tuple(tuple(s) for s in sig), t) for i, (sig, t) in d.items()}
+
+        for k in STATE_COUNTERS:
+            setattr(self, k, int(saved[k]))
+        self.param_memory = dict(saved["param_memory"])
+        self.bucket_memory = entries(saved["bucket_memory"])
+        self.powersgd_q = entries(saved["powersgd_q"])
+        self.bucket_layout = {int(i): tuple(names) for i, names in saved.get("bucket_layout", {}).items()}
+        self._replay = dict(self.bucket_layout) or None
 
     # --- helpers used by the hook ---------------------------------------------------------
 
