@@ -38,7 +38,10 @@ options (:mod:`lowbit.integrations.routing` decides the way).
   fp32 (what ``accelerator.prepare`` does to a model) and an fp16 scaler becomes
   :class:`lowbit.integrations.GradScaler` (a step skipped on one rank is skipped on all).
   Checkpoints are per rank: ``comm.save_checkpoint(f"ckpt/rank{accelerator.process_index}.pt")``
-  and ``comm.load_checkpoint`` (``accelerator.save_state`` saves rank 0's model only).
+  and ``comm.load_checkpoint`` (``accelerator.save_state`` saves rank 0's model only). On the
+  hook path ``comm.state_dict()`` / ``comm.load_state_dict()`` (per rank, beside the model and
+  optimizer) resume the hook bit for bit. An asynchronous algorithm's wrapper runs on the
+  default group (its gossip opens one of its own); checkpoint it after ``comm.close()``.
 
 Build the optimizer over the model's parameters before calling this, as for ``accelerator.prepare``.
 """
@@ -72,12 +75,11 @@ def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimiz
         state, hook = pair
         model, optimizer, *others = accelerator.prepare(model, optimizer, *others)
         if isinstance(model, nn.parallel.DistributedDataParallel):
-            if state.error_feedback:
-                state.bind_model(model)
+            state.bind_model(model)  # error memory per parameter; the bucket layout a resume replays
             model.register_comm_hook(state, hook)
         return (model, optimizer, *others, state)
     model.to(accelerator.device)  # in place: the optimizer's parameters stay the module's
-    wrapper = DecentralizedDataParallel(model, optimizer, algorithm, transport=own_transport(), **options)
+    wrapper = DecentralizedDataParallel(model, optimizer, algorithm, transport=own_transport(algorithm), **options)
     if accelerator.native_amp:  # what accelerator.prepare does to a model's forward
         from accelerate.utils import convert_outputs_to_fp32
 

@@ -149,12 +149,7 @@ class LowbitStrategy(DDPStrategy):
                              f"wrapper: configure_optimizers returned {len(self.optimizers)}")
         # a process group of its own: Lightning's collectives (self.log(..., sync_dist=True) in
         # training_step) cannot interleave with an exchange the wrapper runs during forward and backward
-        if self._asynchronous:  # the gossip opens a group of its own and needs the default group's store
-            from ..comm.distributed import TorchDistributedTransport
-
-            transport = TorchDistributedTransport()
-        else:
-            transport = own_transport()
+        transport = own_transport(self.algorithm)  # the default group's for an asynchronous algorithm
         self._group = transport.group
         self.wrapper = DecentralizedDataParallel(self.model, self.optimizers[0], self.algorithm, transport=transport,
                                                  **self.options)

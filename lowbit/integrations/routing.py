@@ -47,15 +47,20 @@ def choose(algorithm: str | HookOptions, options: dict[str, Any]) -> tuple | Non
     return make_hook(algorithm, **options)
 
 
-def own_transport():
+def own_transport(algorithm: str | None = None):
     """A :class:`~lowbit.comm.distributed.TorchDistributedTransport` on a new process group of all
     ranks (collective: every rank calls it), for the wrapper inside a trainer: the trainer's own
     collectives (a metric synced inside the training step) then never interleave with an
     exchange the wrapper runs during forward and backward. Destroy it with
-    ``torch.distributed.destroy_process_group(transport.group)``."""
+    ``torch.distributed.destroy_process_group(transport.group)``. For an asynchronous
+    ``algorithm`` (``adpsgd``, ``moniqua-async``) the default group's transport (``group`` None):
+    their gossip opens a group of its own and agrees on its end through the default group's store."""
     from ..comm.distributed import TorchDistributedTransport
 
     if not dist.is_initialized():
         raise RuntimeError("the decentralized algorithms need the trainer's distributed launch (a default process "
                            "group): start the script with several processes")
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    if cls is not None and not cls.synchronous:
+        return TorchDistributedTransport()
     return TorchDistributedTransport(process_group=dist.new_group())
