@@ -50,8 +50,9 @@ def run_bucket(state: LowbitHookState, bucket) -> torch.futures.Future:
     bidx = bucket.index()
     is_last = bucket.is_last()
     sig = _signature(bucket)
-    if state._param_names is not None:  # the layout a restored run replays (LowbitHookState.state_dict)
-        state.bucket_layout[bidx] = tuple(state._names(bucket))
+    names = state._names(bucket) if state._param_names is not None else None
+    if names is not None:  # the layout a restored run replays (LowbitHookState.state_dict)
+        state.bucket_layout[bidx] = tuple(names)
     state.bucket_bytes[bidx] = 0
     state.bucket_numel[bidx] = buf.numel()
     fp32_msgs, fp32_sent = op_messages_and_bytes("all_reduce", 4 * buf.numel(), world)
@@ -62,7 +63,7 @@ def run_bucket(state: LowbitHookState, bucket) -> torch.futures.Future:
     layout = mem = None
     if ef:
         if state.per_parameter:
-            layout = list(zip(state._names(bucket), _offsets(bucket)))
+            layout = list(zip(names if names is not None else state._names(bucket), _offsets(bucket)))
         mem = state._load_memory(bucket, buf)
         x = compensate(x, mem, out=x)  # p = g + e in the bucket, which the average overwrites anyway
     t.set_step(state.step)

@@ -179,7 +179,7 @@ class LowbitHookState:
     randomness, per-bucket memory, PowerSGD's ``Q`` and the quantizer's 512-coordinate blocks
     follow it, and DDP starts a fresh model with one bucket in parameter order and rebuilds it
     in gradient order after the first iteration. When the state knows the model
-    (:meth:`bind_model`), it records each bucket's parameter names, and after
+    (:meth:`bind_model`), it records each bucket's parameter names (``state.bucket_layout``), and after
     :meth:`load_state_dict` the first step runs the saved buckets (index, order) out of the fresh
     one (:mod:`.replay`), so a restored run continues exactly, bit for bit. Without a bound
     model the first restored step follows the fresh layout and differs.
