@@ -60,8 +60,8 @@ from ..topology import Topology
 from .flat import FlatParams
 from .gradients import BUFFER_POLICIES, GradientsMixin, InitialStateReplaced
 from .overlap import Exchange, ForwardHook, OverlapMixin, wait_channel
-from .stepping import (CountPasses, LedgerTotals, attach_hooks, check_not_hooked, detach_hooks, optimizer_params,
-                       run_closure, wrapper_of)
+from .stepping import (CountPasses, LedgerTotals, StepState, attach_hooks, check_not_hooked, detach_hooks,
+                       optimizer_params, run_closure, wrapper_of)
 from .wrapper_checkpoint import CheckpointMixin, check_resume_steps, check_scheduler
 
 __all__ = ["DecentralizedDataParallel", "InitialStateReplaced", "BUFFER_POLICIES", "check_resume_steps", "wrapper_of"]
@@ -156,33 +156,40 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
             wait_channel(transport)
             self._broadcast_from_rank0()
         self.algorithm.setup(self.flat.data)
-        self.step_count = 0  # k of the next step
+        # the fields that change every step (k, the step in progress, ...): a plain object, whose
+        # attributes cost no Module.__setattr__ (stepping.StepState)
+        self._step_state = StepState()
+        self._refusals = Refusals(transport)
         self.on_step = on_step
         self._closed = False
-        self._in_step: tuple[int, float] | None = None  # (k, lr) between the optimizer's pre- and post-hook
-        # the backward passes (guard.passes) at which agree_skip() agreed to skip / clip_grad_norm_ ran the
-        # step's communication (the pre-hook then does not): valid for those gradients only, not after
-        # another backward (a step skipped by a scaler that does not agree, then the next one)
-        self._skip_agreed: int | None = None
-        self._early: int | None = None
-        self._no_sync = False  # inside no_sync()
-        self._last_stats: dict[str, float] = {}
         self._totals = LedgerTotals()
         # overlap: the algorithm's exchange of step k runs during its forward and backward
         self.overlap = overlap and bool(getattr(self.algorithm, "overlap", False))
-        self._exchange: Exchange | None = None  # the exchange in flight (started by a forward)
-        self._x_half: torch.Tensor | None = None  # where it writes x_{k+1/2}
-        self._overlapped = 0  # whether the step in progress was overlapped (stats)
+        self._x_half: torch.Tensor | None = None  # where the exchange in flight writes x_{k+1/2}
+        self._views_layout: tuple | None = None  # the parameters' and gradients' layout the last step found
         self._hooks = attach_hooks(optimizer, self)
         # the training backward passes, counted for the agreement: a rank that skips or repeats an
         # optimizer.step() (a GradScaler skips it on an inf gradient) is found at the next step
-        self._pass_hook = torch.autograd.graph.register_multi_grad_hook(
-            self.flat.params, CountPasses(self.algorithm.guard), mode="any")
+        self._pass_hook = CountPasses(self.algorithm.guard, self.flat.params)
         if self.overlap:
             self._hooks += (module.register_forward_pre_hook(ForwardHook(self)),)
 
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self._modules["module"](*args, **kwargs)  # self.module, without Module.__getattr__
+
+    @property
+    def step_count(self) -> int:
+        """The index k of the next step (the number of steps taken, a resumed run's included)."""
+        return self._step_state.k
+
+    @step_count.setter
+    def step_count(self, k: int) -> None:
+        self._step_state.k = k
+
+    @property
+    def _exchange(self) -> Exchange | None:
+        """The overlapped exchange in flight (started by a training forward), or None."""
+        return self._step_state.exchange
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """``optimizer.step(closure)``, which runs the algorithm through the optimizer's
@@ -194,35 +201,19 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
 
     optimizer_step = step
 
-    @contextlib.contextmanager
-    def _refusals(self):
-        """Around the wrapper's communication: a payload this rank refuses ends it, out of step
-        with the others, so it posts the refusal first (``Transport.post_refusal``); a rank whose
-        communication then fails raises that refusal, naming the sender, instead of its own
-        "connection closed" (:mod:`lowbit.algorithms.faults`)."""
-        try:
-            yield
-        except PeerPayloadError as e:
-            self.transport.post_refusal(refusal_text(e))
-            raise
-        except (RuntimeError, threading.BrokenBarrierError) as e:  # a communication failure
-            err = refusal_error(self.transport.posted_refusal(), self.world_size, self.rank, e)
-            if err is None:
-                raise
-            raise err from e
-
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> tuple | None:
         """The optimizer's step pre-hook: the closure if one is given, set_step(k), before_update
         (unless :meth:`clip_grad_norm_` has run it already for this step)."""
-        with self._refusals():
+        with self._refusals:
             replaced = run_closure(args, kwargs)
-            if self._no_sync:
+            s = self._step_state
+            if s.no_sync:
                 raise RuntimeError("optimizer.step() inside ddp.no_sync(): no_sync() is for gradient accumulation "
                                    "(the backward passes inside it add up; the algorithm communicates at the "
                                    "optimizer.step() after the block); a step inside it would be a local step")
-            if self._early != self.algorithm.guard.passes:
+            if s.early != self.algorithm.guard.passes:
                 self._pre_step_body()
-            self._early = self._skip_agreed = None
+            s.early = s.skip_agreed = None
             return replaced
 
     @contextlib.contextmanager
@@ -235,11 +226,12 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         model and apply it). ``optimizer.step()`` inside the block is a RuntimeError. Without
         ``no_sync()`` accumulation works the same (the wrapper communicates only at the step);
         the block only keeps an overlapped exchange from starting early."""
-        before, self._no_sync = self._no_sync, True
+        s = self._step_state
+        before, s.no_sync = s.no_sync, True
         try:
             yield
         finally:
-            self._no_sync = before
+            s.no_sync = before
 
     def agree_skip(self, skip: bool) -> bool:
         """Collective: whether any rank skips this step (``skip`` is this rank's wish: a
@@ -255,9 +247,10 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         flag = torch.tensor([1.0 if skip else 0.0], device=self.flat.data.device)
         with self.transport.untracked():
             agreed = bool(self.transport.all_reduce(flag, "max").item() > 0)
-        self._skip_agreed = self.algorithm.guard.passes if agreed else None
-        if agreed and self._early is not None:  # the communication clip_grad_norm_ ran for this step is dropped
-            self._in_step = self._early = None
+        s = self._step_state
+        s.skip_agreed = self.algorithm.guard.passes if agreed else None
+        if agreed and s.early is not None:  # the communication clip_grad_norm_ ran for this step is dropped
+            s.in_step = s.early = None
         return agreed
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -282,34 +275,34 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         parameters (trainable ones the optimizer does not hold) are clipped with the others."""
         if self._closed:
             raise RuntimeError("clip_grad_norm_() after close()")
-        passes = self.algorithm.guard.passes
-        if self.algorithm.family == "centralized" and passes not in (self._early, self._skip_agreed):
-            with self._refusals():
+        passes, s = self.algorithm.guard.passes, self._step_state
+        if self.algorithm.family == "centralized" and passes not in (s.early, s.skip_agreed):
+            with self._refusals:
                 self._pre_step_body()
-            self._early = passes
+            s.early = passes
         return torch.nn.utils.clip_grad_norm_([p for p in self.module.parameters() if p.requires_grad], max_norm,
                                               norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach)
 
     def _pre_step_body(self) -> None:
-        self._restore_grad_views()
-        self.flat.check_aliasing()
-        k = self.step_count
+        self._restore_grad_views()  # after it every parameter and .grad points into the flat buffers
+        s, flat, algorithm = self._step_state, self.flat, self.algorithm
+        k = s.k
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if self._exchange is not None:  # started by the forward: x <- x_{k+1/2}
+        if s.exchange is not None:  # started by the forward: x <- x_{k+1/2}
             self._finish_exchange(check=True)
-            self.flat.data.copy_(self._x_half)
+            flat.data.copy_(self._x_half)
             # the gradient is only applied here: a non-finite one is reported at the next agreement
-            self.algorithm.guard.note(k, "gradient", self.flat.grad)
-            self._overlapped = 1
+            algorithm.guard.note(k, "gradient", flat.grad)
+            s.overlapped = 1
         else:
             wait_channel(self.transport)
             self.transport.set_step(k)
-            self.algorithm.guard.note(k, "gradient", self.flat.grad)
-            if self.algorithm.agrees_before_update:  # else before after_update, in the post-hook
+            algorithm.guard.note(k, "gradient", flat.grad)
+            if algorithm.agrees_before_update:  # else before after_update, in the post-hook
                 self._agree(k, 0)
-            self.algorithm.before_update(k, self.flat.data, self.flat.grad, lr)
-            self._overlapped = 0
-        self._in_step = (k, lr)
+            algorithm.before_update(k, flat.data, flat.grad, lr)
+            s.overlapped = 0
+        s.in_step = (k, lr)
 
     def _agree(self, k: int, point: int) -> None:
         """The ranks agree that none has a non-finite gradient or model and that all are at step
@@ -326,22 +319,23 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         """The optimizer's step post-hook: after_update, the step counter, stats, ``on_step``."""
-        with self._refusals():
+        with self._refusals:
             self._post_step_body(optimizer, args, kwargs)
 
     def _post_step_body(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-        if self._in_step is None:
+        s, algorithm = self._step_state, self.algorithm
+        if s.in_step is None:
             raise RuntimeError("the optimizer's step post-hook ran without its pre-hook")
-        k, lr = self._in_step
-        self._in_step = None
+        k, lr = s.in_step
+        s.in_step = None
         wait_channel(self.transport)
-        if self.algorithm.acts_after_update:
+        if algorithm.acts_after_update:
             self._agree(k, 1)
-        self.algorithm.after_update(k, self.flat.data, self.flat.grad, lr)
-        self.step_count = k + 1
-        self._last_stats = self._step_stats(k, lr)
+        algorithm.after_update(k, self.flat.data, self.flat.grad, lr)
+        s.k = k + 1
+        s.stats = self._step_stats(k, lr)
         if self.on_step is not None:
-            self.on_step(k, dict(self._last_stats))
+            self.on_step(k, dict(s.stats))
 
     def stats(self) -> dict[str, float]:
         """The figures of the last step (an empty dict before the first):
@@ -356,7 +350,7 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
           (Moniqua: ``theta``, ``mismatched_blocks``, ``mismatched_messages``,
           ``theta_doublings``, counters since the start).
         """
-        return dict(self._last_stats)
+        return dict(self._step_state.stats)
 
     def _step_stats(self, k: int, lr: float) -> dict[str, float]:
         step_bytes, step_messages, total_bytes, total_messages = self._totals.update(self.transport.ledger, k)
@@ -365,13 +359,15 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
             "bytes_sent_step": step_bytes, "bytes_sent": total_bytes,
             "messages_step": step_messages, "messages_sent": total_messages,
             "wire_bits_per_element": 8.0 * step_bytes / len(self.flat),
-            "overlapped": self._overlapped,
+            "overlapped": self._step_state.overlapped,
         }
         report = self.algorithm.report()
-        clash = sorted(set(report) & set(out))
-        if clash:
-            raise RuntimeError(f"{self.algorithm.name}.report() uses the names {clash} of the wrapper's own figures")
-        out.update(report)
+        if report:
+            clash = sorted(out.keys() & report.keys())
+            if clash:
+                raise RuntimeError(f"{self.algorithm.name}.report() uses the names {clash} of the wrapper's own "
+                                   "figures")
+            out.update(report)
         return out
 
     def close(self) -> None:
@@ -391,11 +387,11 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         detach_hooks(self.optimizer, self._hooks)
         self._pass_hook.remove()
         try:
-            if self._exchange is not None:  # a forward without its step: its result is dropped
+            if self._step_state.exchange is not None:  # a forward without its step: its result is dropped
                 self._finish_exchange(check=False)
             if agree:
                 wait_channel(self.transport)
-                with self._refusals():
+                with self._refusals:
                     self._agree(self.step_count, 2)
         finally:
             wait_channel(self.transport)
@@ -422,6 +418,34 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
     def bytes_sent(self) -> int:
         """Bytes this rank has sent so far (the ledger)."""
         return self.transport.ledger.bytes_sent
+
+
+class Refusals:
+    """Around the wrapper's communication (``with ddp._refusals:``): a payload this rank refuses
+    ends it, out of step with the others, so it posts the refusal first
+    (``Transport.post_refusal``); a rank whose communication then fails raises that refusal,
+    naming the sender, instead of its own "connection closed" (:mod:`lowbit.algorithms.faults`).
+    A class rather than a generator's context manager: it is entered twice per step."""
+
+    __slots__ = ("transport",)
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, e, tb) -> bool:
+        if e is None:
+            return False
+        if isinstance(e, PeerPayloadError):
+            self.transport.post_refusal(refusal_text(e))
+        elif isinstance(e, (RuntimeError, threading.BrokenBarrierError)):  # a communication failure
+            t = self.transport
+            err = refusal_error(t.posted_refusal(), t.world_size, t.rank, e)
+            if err is not None:
+                raise err from e
+        return False
 
 
 def _bound_messages(transport: Transport, numel: int) -> None:

@@ -52,7 +52,28 @@ class GradientsMixin:
     def _restore_grad_views(self) -> None:
         """Undo ``optimizer.zero_grad()`` (set_to_none, PyTorch's default):
         copy any gradient that autograd put in a fresh tensor into the flat
-        buffer (zero where a parameter got none) and make ``.grad`` a view again."""
+        buffer (zero where a parameter got none) and make ``.grad`` a view again.
+        Afterwards every parameter and every ``.grad`` points into the flat buffers
+        (what :meth:`~lowbit.integrations.FlatParams.check_aliasing` checks).
+
+        Where nothing moved since the last call (every parameter's and gradient's address
+        and dtype as they were then: the usual step, after ``ddp.zero_grad()``), there
+        is nothing to undo, and the walk over the parameters is skipped."""
+        layout = self._grad_layout()
+        if layout == self._views_layout:
+            return
+        self._restore_grad_views_walk()
+        self._views_layout = self._grad_layout()
+
+    def _grad_layout(self) -> tuple:
+        """Where the flat buffers and every parameter and gradient are: their addresses (None
+        for a missing gradient) and the parameters' dtypes."""
+        flat = self.flat
+        ps = flat.params
+        return (flat.data.data_ptr(), flat.grad.data_ptr(), [p.data_ptr() for p in ps],
+                [None if (g := p.grad) is None else g.data_ptr() for p in ps], [p.dtype for p in ps])
+
+    def _restore_grad_views_walk(self) -> None:
         data = self.flat.data
         lo, hi = data.data_ptr(), data.data_ptr() + data.numel() * data.element_size()
         if any(not (lo <= p.data_ptr() < hi) or p.dtype != data.dtype for p in self.flat.params):

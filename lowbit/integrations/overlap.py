@@ -51,20 +51,21 @@ class OverlapMixin:
     def _forward_pre(self, module: nn.Module, args: tuple) -> None:
         """The module's forward pre-hook: start step k's exchange on a copy of x_k (training
         forwards only; a second forward before the step reuses the exchange in flight)."""
-        with self._refusals():
+        with self._refusals:
             self._forward_pre_body(module, args)
 
     def _forward_pre_body(self, module: nn.Module, args: tuple) -> None:
-        if not (module.training and torch.is_grad_enabled()) or self._closed or self._no_sync:
+        s = self._step_state
+        if not (module.training and torch.is_grad_enabled()) or self._closed or s.no_sync:
             return
-        ex = self._exchange
+        ex = s.exchange
         if ex is not None:
             if ex.done() and ex.error is not None:
                 self._finish_exchange(check=False)  # raises the thread's error now
             if ex.versions != self._versions():
                 self._finish_exchange(check=True)  # raises: x changed under the exchange
             return
-        k = self.step_count
+        k = s.k
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self._x_half is None:
             self._x_half = torch.empty_like(self.flat.data)
@@ -73,7 +74,7 @@ class OverlapMixin:
         wait_channel(self.transport)
         self.transport.set_step(k)
         self._agree(k, 0)
-        self._exchange = Exchange(self.algorithm, k, self._x_half, lr, self._versions())
+        s.exchange = Exchange(self.algorithm, k, self._x_half, lr, self._versions())
 
     def _versions(self) -> tuple[int, ...]:
         """The in-place version counters of the flat buffer and of every parameter (views of
@@ -83,7 +84,8 @@ class OverlapMixin:
     def _finish_exchange(self, check: bool) -> None:
         """Wait for the exchange in flight (a thread worker lets another compute meanwhile),
         re-raise its error; ``check``: raise if the parameters changed since it started."""
-        ex, self._exchange = self._exchange, None
+        s = self._step_state
+        ex, s.exchange = s.exchange, None
         with blocking():
             ex.join()
         if ex.error is not None:
@@ -98,30 +100,35 @@ class OverlapMixin:
         """Before the wrapper uses the transport between steps: wait for its exchange in flight
         (keeping the result for the step, re-raising its error) and for any other wrapper's on
         the same process group."""
-        ex = self._exchange
+        s = self._step_state
+        ex = s.exchange
         if ex is not None:
             with blocking():
                 ex.join()
             if ex.error is not None:
-                self._exchange = None
+                s.exchange = None
                 raise ex.error
         wait_channel(self.transport)
 
     def _no_exchange(self, what: str) -> None:
-        if self._exchange is not None:
+        ex = self._step_state.exchange
+        if ex is not None:
             raise RuntimeError(f"{what} between a training forward and optimizer.step(): the exchange of step "
-                               f"{self._exchange.k} is in flight (overlap=True); call it between steps")
+                               f"{ex.k} is in flight (overlap=True); call it between steps")
 
 
 def wait_channel(transport: Transport) -> None:
     """Wait for the exchanges in flight of the open wrappers on ``transport``'s channel (their
     errors are those wrappers' to raise)."""
-    key = transport.channel
+    key = None
     for ddp in open_wrappers():
-        ex = ddp._exchange
-        if ex is not None and not ex.done() and ddp.transport.channel == key:
-            with blocking():
-                ex.join()
+        ex = ddp._step_state.exchange
+        if ex is not None and not ex.done():
+            if key is None:
+                key = transport.channel
+            if ddp.transport.channel == key:
+                with blocking():
+                    ex.join()
 
 
 class ForwardHook:

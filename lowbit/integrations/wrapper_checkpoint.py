@@ -122,7 +122,7 @@ class CheckpointMixin:
         if "ledger" in state:
             restore_ledger(self.transport.ledger, state["ledger"])
         self._totals = LedgerTotals()
-        self._last_stats = {}
+        self._step_state.stats = {}
         self.transport.set_step(self.step_count)
         rng = state.get("rng", {})
         if "numpy_keys" in rng:
