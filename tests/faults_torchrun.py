@@ -6,11 +6,13 @@ fault's step (None if it never did: an asynchronous rank may be stopped before) 
 python -m torch.distributed.run --nproc-per-node N tests/faults_torchrun.py MODE [ALGORITHM ...]
 
 MODE ``sync``: for each algorithm, under DecentralizedDataParallel, rank 1 injects NaN into its
-gradient at step 2; then rank 1 skips optimizer.step() at step 2 (as a GradScaler does on an
+gradient at step 2 (``nan``; ``late``, for the asynchronous algorithms: rank 1 reaches its step 2
+only once every other rank has taken all its steps and gone on to close its gossip, the order in
+which a rank could once end normally); then rank 1 skips optimizer.step() at step 2 (as a GradScaler does on an
 inf gradient); then the training loop (lowbit train's run_worker) with a non-finite loss on
 rank 1 at step 2; then the all-gather algorithms with a payload one byte short on rank 1. The
 ranks agree on every fault, so the process group stays usable for the next case.
-MODE ``payload``: rank 1 sends dpsgd neighbours a payload one byte short at step 2; the others
+MODE ``payload``: rank 1 sends naive's neighbours a payload one byte short at step 2; the others
 name it (then every process leaves: the hostile rank is still waiting).
 """
 
@@ -37,6 +39,18 @@ def emit(case, rank, error, at):
     os.write(1, (json.dumps({"case": case, "rank": rank, "error": error, "at": at, "end": time.time()}) + "\n").encode())
 
 
+def _late(t, name, last):
+    """Mode ``late``: rank BAD waits at its faulty step until every other rank has taken its last
+    step (``last``: called by them before close(); the store, no sleep)."""
+    from torch.distributed import distributed_c10d
+
+    store, key = distributed_c10d._get_default_store(), f"test/late/{name}"
+    if last and t.rank != BAD and store.add(f"{key}/n", 1) == t.world_size - 1:
+        store.set(f"{key}/all", "1")
+    if not last and t.rank == BAD:
+        store.wait([f"{key}/all"])
+
+
 def wrapper_case(t, name, mode):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
@@ -49,8 +63,10 @@ def wrapper_case(t, name, mode):
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * t.rank + k))
             net(x).pow(2).mean().backward()
             if k == AT:
+                if mode == "late":
+                    _late(t, name, last=False)
                 t0 = time.time()
-                if t.rank == BAD and mode == "nan":
+                if t.rank == BAD and mode in ("nan", "late"):
                     net[0].weight.grad[0, 0] = float("nan")
                 if t.rank == BAD and mode == "skip":
                     continue
@@ -58,6 +74,8 @@ def wrapper_case(t, name, mode):
                     orig = t.all_gather_async
                     t.all_gather_async = lambda w: orig(w[:-1])
             opt.step()
+        if mode == "late":
+            _late(t, name, last=True)
         m.close()
         return None, t0
     except Exception as e:  # noqa: BLE001 - reported
@@ -119,6 +137,9 @@ def main():
         for name in ("qsgd", "terngrad", "onebit-ef", "dqsg"):
             if name in names:
                 emit(f"short/{name}", t.rank, *wrapper_case(t, name, "short"))
+        for name in ("adpsgd", "moniqua-async"):
+            if name in names:
+                emit(f"late/{name}", t.rank, *wrapper_case(t, name, "late"))
         for name in ("moniqua-async",):
             if name in names:
                 emit(f"loop/{name}", t.rank, *loop_case(t, name))

@@ -28,7 +28,9 @@ algorithms (no collective per step) carry the same information in their gossip:
 gossip framing (``Transport.gossip_fault``; forwarded from neighbour to
 neighbour, so every rank that gossips hears it), and every rank that hears it
 raises the same :class:`Diverged` (:func:`fault_from_code`, in ``adpsgd``) at
-its next exchange or when it closes its gossip. A fault-free run sends the same
+its next exchange or when it closes its gossip (closing waits until every rank
+has closed or one has posted a fault: a rank done before the fault raises it
+too; :mod:`lowbit.comm.gloo_gossip`). A fault-free run sends the same
 bytes as before (the header is framing, outside the ledger).
 
 :func:`received_from` is the receive path's check: a payload a peer sent that
@@ -47,6 +49,8 @@ import contextlib
 import json
 
 import torch
+
+from ..comm.base import GossipFault
 
 __all__ = ["Diverged", "PeerPayloadError", "StepGuard", "POINTS", "WHAT", "check_decoded", "fault_code",
            "fault_from_code", "received_from", "refusal_error", "refusal_text", "verdict"]
@@ -211,7 +215,10 @@ class StepGuard:
         code, step = self._row(0, 0, torch.device("cpu")).tolist()[:2]
         if code:
             err = Diverged(step, WHAT[code], self.transport.rank)
-            self.transport.gossip_fault(fault_code(err), step)
+            try:
+                self.transport.gossip_fault(fault_code(err), step)
+            except GossipFault as e:  # another rank's fault came first: every rank raises that one
+                raise fault_from_code(e.word, e.step, self.transport.world_size, e.src) from None
             raise err
 
 
