@@ -285,3 +285,37 @@ def test_torchrun_user_loop_calls_only_optimizer_step():
     # the models agree: gossip keeps them within a small fraction of what local steps drift apart
     assert res["consensus"] < 0.2 * res["consensus_local"]
     assert res["local_bytes_sent"] == 0 and res["local_steps_counted"] == 0
+
+
+def test_backward_passes_are_counted_as_torch_counts_them_in_bounded_memory():
+    """The wrapper's count of backward passes (the agreement's, stepping.CountPasses) equals torch's
+    register_multi_grad_hook(mode="any") count: a pass that reaches any communicated parameter counts
+    once, one that reaches only some counts, one that reaches none does not, a reentrant checkpoint's
+    inner pass is a pass of its own; it remembers only the last passes; remove() stops it."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import checkpoint
+
+    from lowbit.integrations.stepping import CountPasses
+
+    torch.manual_seed(0)
+    net, other = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), nn.Linear(4, 1)
+    params = list(net.parameters())
+    guard, torch_count = SimpleNamespace(passes=0), [0]
+    counter = CountPasses(guard, params)
+    handle = torch.autograd.graph.register_multi_grad_hook(
+        params, lambda g: torch_count.__setitem__(0, torch_count[0] + 1), mode="any")
+    x = torch.randn(3, 4, requires_grad=True)
+    passes = [lambda: net(x).sum().backward(),  # every parameter
+              lambda: net[0](x).sum().backward(),  # some
+              lambda: other(x).sum().backward(),  # none
+              lambda: net[1](checkpoint(net[0], x, use_reentrant=True)).sum().backward(),  # an inner pass too
+              lambda: torch.autograd.grad(net(x).sum(), params[:1])]  # autograd.grad over one parameter
+    for i in range(3 * CountPasses.REMEMBERED):
+        passes[i % len(passes)]()
+    handle.remove()
+    assert guard.passes == torch_count[0] > 2 * CountPasses.REMEMBERED
+    assert len(counter.seen) <= CountPasses.REMEMBERED
+    counter.remove()
+    net(x).sum().backward()
+    assert guard.passes == torch_count[0]
