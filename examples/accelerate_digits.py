@@ -9,6 +9,7 @@ and print each rank's bytes sent and test accuracy.
 """
 
 import argparse
+import gc
 import json
 
 import torch
@@ -62,6 +63,13 @@ def main():
             print(f"{args.algorithm} rank {rank}: bytes_sent {int(b)}  test accuracy {a:.4f}  steps {steps}")
     if comm is not None and hasattr(comm, "close"):
         comm.close()
+    # torch's gloo teardown can abort a process at interpreter exit after the work is done
+    # (docs/FAULTS.md): every rank here, Accelerate's references dropped and collected, before
+    # the process group is destroyed
+    accelerator.wait_for_everyone()
+    del model, opt, loader, comm
+    accelerator.free_memory()
+    gc.collect()
     accelerator.end_training()
 
 
