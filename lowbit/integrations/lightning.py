@@ -64,12 +64,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
-from ..algorithms import ALGORITHMS
 from .amp import GradScaler
 from .checkpoint import load_checkpoint, save_checkpoint
 from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
-from .routing import choose, own_transport
+from .routing import asynchronous, choose, own_transport
+
 
 def side_path(filepath: str | os.PathLike, rank: int) -> str:
     """The per-rank lowbit file written beside the Lightning checkpoint ``filepath``."""
@@ -117,11 +117,6 @@ class LowbitStrategy(DDPStrategy):
         return self.hook_state is not None
 
     @property
-    def _asynchronous(self) -> bool:
-        cls = ALGORITHMS.get(self.algorithm) if isinstance(self.algorithm, str) else None
-        return cls is not None and not cls.synchronous
-
-    @property
     def bytes_sent(self) -> int:
         """Bytes this rank has sent so far (the hook state's or the wrapper's ledger; 0 before setup)."""
         if self.uses_hook:
@@ -160,7 +155,7 @@ class LowbitStrategy(DDPStrategy):
         """DDPStrategy's setup; on the wrapper path a ``16-mixed`` GradScaler becomes
         :class:`lowbit.integrations.GradScaler` (same state), whose skipped steps every rank skips.
         An asynchronous algorithm with a checkpoint callback in ``fit``: ValueError, before any step."""
-        if self._asynchronous and trainer.checkpoint_callbacks and trainer.state.fn == TrainerFn.FITTING:
+        if asynchronous(self.algorithm) and trainer.checkpoint_callbacks and trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(f"{self.algorithm!r} is asynchronous: its ranks' models change while a checkpoint "
                              "callback would save them (no consistent cut before close()), so LowbitStrategy cannot "
                              "checkpoint it during training; pass Trainer(enable_checkpointing=False) without a "

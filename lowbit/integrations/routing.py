@@ -47,6 +47,13 @@ def choose(algorithm: str | HookOptions, options: dict[str, Any]) -> tuple | Non
     return make_hook(algorithm, **options)
 
 
+def asynchronous(algorithm) -> bool:
+    """True for the name of an asynchronous algorithm (``adpsgd``, ``moniqua-async``): no step is a
+    consistent cut of the ranks' models (a checkpoint needs the wrapper closed)."""
+    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
+    return cls is not None and not cls.synchronous
+
+
 def own_transport(algorithm: str | None = None):
     """A :class:`~lowbit.comm.distributed.TorchDistributedTransport` on a new process group of all
     ranks (collective: every rank calls it), for the wrapper inside a trainer: the trainer's own
@@ -60,7 +67,6 @@ def own_transport(algorithm: str | None = None):
     if not dist.is_initialized():
         raise RuntimeError("the decentralized algorithms need the trainer's distributed launch (a default process "
                            "group): start the script with several processes")
-    cls = ALGORITHMS.get(algorithm) if isinstance(algorithm, str) else None
-    if cls is not None and not cls.synchronous:
+    if asynchronous(algorithm):
         return TorchDistributedTransport()
     return TorchDistributedTransport(process_group=dist.new_group())
