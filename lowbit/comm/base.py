@@ -139,6 +139,13 @@ class Transport(ABC):
         self._record("all_gather", t.numel() * t.element_size())
         return self._all_gather(t)
 
+    def all_gather_fixed(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`all_gather` of a tensor whose shape and dtype the program itself fixes on every
+        rank (a control row, as the fault agreement's): a runtime may skip the size round it
+        runs before a payload's all-gather, a round that is itself such a row (one int64)."""
+        self._record("all_gather", t.numel() * t.element_size())
+        return self._all_gather_fixed(t)
+
     def all_gather_async(self, t: torch.Tensor) -> torch.futures.Future:
         """:meth:`all_gather` issued now, its list of tensors a future (recorded like it, at issue)."""
         self._record("all_gather", t.numel() * t.element_size())
@@ -298,6 +305,10 @@ class Transport(ABC):
     def _all_reduce_async(self, t, op, inplace: bool = False) -> torch.futures.Future:
         """A completed future of :meth:`_all_reduce` (a runtime that can overlap overrides it)."""
         return completed(self._all_reduce(t, op))
+
+    def _all_gather_fixed(self, t) -> list[torch.Tensor]:
+        """:meth:`_all_gather` (a runtime that agrees sizes first overrides it)."""
+        return self._all_gather(t)
 
     def _all_gather_async(self, t) -> torch.futures.Future:
         """A completed future of :meth:`_all_gather` (a runtime that can overlap overrides it)."""

@@ -210,6 +210,11 @@ class TorchDistributedTransport(GlooGossip, Transport):
         self._delay(self.world_size - 1)
         return _wait(*self._start_gather_all(t, async_op=False))
 
+    def _all_gather_fixed(self, t):
+        self._beat()
+        self._delay(self.world_size - 1)
+        return _wait(*self._start_gather_all(t, async_op=False, agree_sizes=False))
+
     def _all_gather_async(self, t):
         self._beat()
         self._delay(self.world_size - 1)
@@ -228,12 +233,14 @@ class TorchDistributedTransport(GlooGossip, Transport):
         dist.all_gather(sizes, mine, group=self.group)
         check_equal_sizes(self.rank, [int(v) for v in torch.cat(sizes).tolist()], what)
 
-    def _start_gather_all(self, t, async_op: bool):
-        """Issue an all-gather of ``t`` (no delay, no beat; the sizes agreed first, synchronously):
+    def _start_gather_all(self, t, async_op: bool, agree_sizes: bool = True):
+        """Issue an all-gather of ``t`` (no delay, no beat; the sizes agreed first, synchronously,
+        unless ``agree_sizes`` is False: a shape fixed by the program, :meth:`all_gather_fixed`):
         (its work, None when synchronous; a function giving every rank's tensor in rank order on
         ``t``'s device once it is done)."""
         x = self._staged(t, copy=False)
-        self._agree_sizes(x, "an all-gather payload")
+        if agree_sizes:
+            self._agree_sizes(x, "an all-gather payload")
         outs = [torch.empty_like(x) for _ in range(self.world_size)]
         work = dist.all_gather(outs, x, group=self.group, async_op=async_op)
         return work, lambda: [o.to(t.device) for o in outs]
