@@ -33,6 +33,7 @@ P and Q travel as float32.
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -99,7 +100,7 @@ class ErrorState(State):
 
 
 @dataclass(frozen=True)
-class GatheredAlgorithm(CentralizedAlgorithm):
+class GatheredAlgorithm(CentralizedAlgorithm, abc.ABC):
     """Base of the centralized algorithms whose packed payloads are gathered
     (``server="ps"``) or all-gathered (``"allgather"``) and decoded one by one.
 
@@ -109,13 +110,13 @@ class GatheredAlgorithm(CentralizedAlgorithm):
     server: str = reads(SERVER_OPT, default="allgather")
 
     # what a subclass provides -------------------------------------------------------
+    @abc.abstractmethod
     def encode(self, state: State, ctx, k: int, g: torch.Tensor) -> Payload:
         """This worker's gradient at step k as a payload of the same size on every rank."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def decode(self, ctx, k: int, sender: int, wire: torch.Tensor) -> torch.Tensor:
         """The float64 gradient of ``sender`` from its wire buffer."""
-        raise NotImplementedError
 
     def average(self, ctx, k: int, wires: list[torch.Tensor]) -> torch.Tensor:
         """The float64 average of the decoded payloads (rank order; :func:`decode_average`)."""
