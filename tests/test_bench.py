@@ -114,9 +114,9 @@ def test_clocks():
 
 def test_select_by_family_or_label_and_rejects_unknown():
     cases = default_cases()
-    assert [c.label for c in select(cases, "qsgd_maxnorm b=4,sign")] == ["qsgd_maxnorm b=4", "sign", "sign rms", "sign none"]
-    assert [c.label for c in select(cases, "qsgd_maxnorm b=4,sign rms")] == ["qsgd_maxnorm b=4", "sign rms"]
-    assert all(c.family == "qsgd" for c in select(cases, ["qsgd"]))  # not qsgd_maxnorm
+    assert [c.label for c in select(cases, "qsgd-maxnorm b=4,sign")] == ["qsgd-maxnorm b=4", "sign", "sign rms", "sign none"]
+    assert [c.label for c in select(cases, "qsgd-maxnorm b=4,sign rms")] == ["qsgd-maxnorm b=4", "sign rms"]
+    assert all(c.family == "qsgd" for c in select(cases, ["qsgd"]))  # not qsgd-maxnorm
     with pytest.raises(ValueError, match="unknown 'nope'; choose from: .*qsgd"):
         select(cases, "sign,nope")
     with pytest.raises(ValueError, match="at least one codec"):
@@ -141,8 +141,8 @@ def test_reference_bench_pairs_and_wire_sizes():
     assert by["sign (unscaled)"]["lowbit_bytes"] < size / 8 + 64
     assert by["powersgd r=2"]["lowbit_bytes"] == by["powersgd r=2"]["reference_bytes"]  # P and Q as float32 both
     # global random-k: the k = 40 kept values' 8-bit codes, W and d, neither sends the indices
-    assert by["globalrandk 1% b=8"]["reference_bytes"] == size // 100 + 8
-    assert by["globalrandk 1% b=8"]["lowbit_bytes"] < size // 100 + 64
+    assert by["randk 1% qsgd-maxnorm b=8"]["reference_bytes"] == size // 100 + 8
+    assert by["randk 1% qsgd-maxnorm b=8"]["lowbit_bytes"] < size // 100 + 64
 
 
 # --- the reference codecs compute what they claim ------------------------------------------
@@ -338,7 +338,7 @@ def test_cli_prints_thread_pin_and_writes_json(tmp_path, capsys):
 # --- the codec bench's options: the reference path, RandK's kept counts ------------------------
 
 def test_codec_bench_times_the_reference_path_too():
-    report = bench_codecs(size=2048, rounds=2, codecs="fp16,qsgd_maxnorm b=2", min_run_time=FAST, path="both")
+    report = bench_codecs(size=2048, rounds=2, codecs="fp16,qsgd-maxnorm b=2", min_run_time=FAST, path="both")
     assert report["path"] == "both" and report["fresh_buffer_x_memcpy"] > 0
     for r in report["rows"]:
         assert set(r["rounds"][0]) == {"memcpy", "encode", "decode", "ref_encode", "ref_decode"}
@@ -352,7 +352,7 @@ def test_codec_bench_times_the_reference_path_too():
 def test_randk_cases_and_a_new_selection_per_encode():
     from lowbit.bench.codecs import bench_data, codec_calls, randk_cases
 
-    assert [c.label for c in randk_cases(1000)] == ["globalrandk 1% maxnorm b=8", "randk k=d/2 maxnorm b=8"]
+    assert [c.label for c in randk_cases(1000)] == ["randk 1% qsgd-maxnorm b=8", "randk k=d/2 qsgd-maxnorm b=8"]
     assert [c.make().k for c in randk_cases(1000)] == [10, 500]
     assert [c.make().k for c in randk_cases(1000, [3, 1000])] == [3, 1000]
     for bad in (0, 1001, 2.5):
@@ -363,14 +363,14 @@ def test_randk_cases_and_a_new_selection_per_encode():
     seeds = {bytes(enc().header[4:12].tolist()) for _ in range(3)}  # the header's selection seed
     assert len(seeds) == 3 and torch.equal(dec(), dec())
     report = bench_codecs(size=1000, rounds=1, codecs="randk", min_run_time=FAST, randk_k=[7])
-    assert [r["codec"] for r in report["rows"]] == ["randk k=7 maxnorm b=8"]
+    assert [r["codec"] for r in report["rows"]] == ["randk k=7 qsgd-maxnorm b=8"]
 
 
 def test_cli_codec_bench_options(capsys):
     assert main(["bench", "codecs", "--size", "1024", "--rounds", "1", "--codecs", "randk,sign", "--min-run-time",
                  "0.001", "--path", "both", "--randk-k", "10,512"]) == 0
     text = capsys.readouterr().out
-    assert "randk k=10 maxnorm b=8" in text and "randk k=512" in text and "ref enc" in text and "fresh buffer" in text
+    assert "randk k=10 qsgd-maxnorm b=8" in text and "randk k=512" in text and "ref enc" in text and "fresh buffer" in text
     assert main(["bench", "codecs", "--randk-k", "d/2"]) == 2
     assert "--randk-k must be comma-separated integers, got 'd/2'" in capsys.readouterr().err
     assert main(["bench", "codecs", "--against", "references", "--path", "both"]) == 2

@@ -83,6 +83,12 @@ class ReferencePair:
         return self.label.split()[0]
 
 
+def _label(cls: type[Codec], variant: str = "") -> str:
+    """A case's label: the codec class's registered name (its family, what ``--codecs``
+    selects), then the variant."""
+    return f"{cls.name} {variant}".rstrip()
+
+
 THETA = 0.1  # Moniqua's bound in the benchmark; the data keeps |x - ref| < 0.005 < theta
 
 
@@ -93,12 +99,12 @@ def randk_cases(size: int, ks: list[int] | None = None) -> list[BenchCase]:
 
     inner = lambda: c.QSGDMaxNormCodec(bits=8)  # noqa: E731
     if ks is None:
-        return [BenchCase("globalrandk 1% maxnorm b=8", lambda: c.RandKCodec(inner(), k=max(1, size // 100), seed=1)),
-                BenchCase("randk k=d/2 maxnorm b=8", lambda: c.RandKCodec(inner(), k=max(1, size // 2), seed=1))]
+        return [BenchCase(_label(c.RandKCodec, f"1% {inner().name} b=8"), lambda: c.RandKCodec(inner(), k=max(1, size // 100), seed=1)),
+                BenchCase(_label(c.RandKCodec, f"k=d/2 {inner().name} b=8"), lambda: c.RandKCodec(inner(), k=max(1, size // 2), seed=1))]
     for k in ks:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= size:
             raise ValueError(f"randk_k: each kept count must be an integer in [1, size={size}], got {k!r}")
-    return [BenchCase(f"randk k={k} maxnorm b=8", lambda k=k: c.RandKCodec(inner(), k=k, seed=1)) for k in ks]
+    return [BenchCase(_label(c.RandKCodec, f"k={k} {inner().name} b=8"), lambda k=k: c.RandKCodec(inner(), k=k, seed=1)) for k in ks]
 
 
 def default_cases(size: int = 1_000_000, randk_k: list[int] | None = None) -> list[BenchCase]:
@@ -106,34 +112,34 @@ def default_cases(size: int = 1_000_000, randk_k: list[int] | None = None) -> li
     ``randk_k``)."""
     from .. import codecs as c
 
-    cases = [BenchCase("fp32", c.IdentityCodec), BenchCase("fp16", lambda: c.HalfCodec("fp16")),
-             BenchCase("fp16 out=", lambda: c.HalfCodec("fp16"), decode_out=True),
-             BenchCase("bf16", lambda: c.HalfCodec("bf16"))]
+    cases = [BenchCase(_label(c.IdentityCodec), c.IdentityCodec), BenchCase(_label(c.HalfCodec), lambda: c.HalfCodec("fp16")),
+             BenchCase(_label(c.HalfCodec, "out="), lambda: c.HalfCodec("fp16"), decode_out=True),
+             BenchCase(_label(c.HalfCodec, "bf16"), lambda: c.HalfCodec("bf16"))]
     for b in (1, 2, 4, 8):
         if b >= 2:
-            cases.append(BenchCase(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA)))
-        cases.append(BenchCase(f"minmax b={b}", lambda b=b: c.MinMaxCodec(bits=b)))
-    cases.append(BenchCase("minmax b=4 stochastic", lambda: c.MinMaxCodec(bits=4, rounding="stochastic")))
-    cases.append(BenchCase("uniform step=0.01", lambda: c.UniformCodec(step=0.01)))
-    cases.append(BenchCase("uniform step=0.01 nearest", lambda: c.UniformCodec(step=0.01, rounding="nearest")))
+            cases.append(BenchCase(_label(c.ModuloCodec, f"b={b}"), lambda b=b: c.ModuloCodec(bits=b, theta=THETA)))
+        cases.append(BenchCase(_label(c.MinMaxCodec, f"b={b}"), lambda b=b: c.MinMaxCodec(bits=b)))
+    cases.append(BenchCase(_label(c.MinMaxCodec, "b=4 stochastic"), lambda: c.MinMaxCodec(bits=4, rounding="stochastic")))
+    cases.append(BenchCase(_label(c.UniformCodec, "step=0.01"), lambda: c.UniformCodec(step=0.01)))
+    cases.append(BenchCase(_label(c.UniformCodec, "step=0.01 nearest"), lambda: c.UniformCodec(step=0.01, rounding="nearest")))
     for m in (1, 3, 7):  # 2, 3, 4 bits
-        cases.append(BenchCase(f"dithered M={m}", lambda m=m: c.DitheredCodec(levels=m)))
+        cases.append(BenchCase(_label(c.DitheredCodec, f"M={m}"), lambda m=m: c.DitheredCodec(levels=m)))
     # 61 levels: mixed radix in 89-bit groups of 15 codes (wider than a 64-bit word: the limb kernels)
-    cases.append(BenchCase("dithered M=30", lambda: c.DitheredCodec(levels=30)))
-    cases.append(BenchCase("dithered M=3 half", lambda: c.DitheredCodec(levels=3, subtractive=False)))
-    cases.append(BenchCase("dithered M=7 K=64", lambda: c.DitheredCodec(levels=7, partitions=64)))
-    cases.append(BenchCase("nested k=4", lambda: c.NestedDitheredCodec(delta1=0.005, k=4)))
-    cases.append(BenchCase("nested k=8 alpha=0.9", lambda: c.NestedDitheredCodec(delta1=0.005, k=8, alpha=0.9)))
+    cases.append(BenchCase(_label(c.DitheredCodec, "M=30"), lambda: c.DitheredCodec(levels=30)))
+    cases.append(BenchCase(_label(c.DitheredCodec, "M=3 half"), lambda: c.DitheredCodec(levels=3, subtractive=False)))
+    cases.append(BenchCase(_label(c.DitheredCodec, "M=7 K=64"), lambda: c.DitheredCodec(levels=7, partitions=64)))
+    cases.append(BenchCase(_label(c.NestedDitheredCodec, "k=4"), lambda: c.NestedDitheredCodec(delta1=0.005, k=4)))
+    cases.append(BenchCase(_label(c.NestedDitheredCodec, "k=8 alpha=0.9"), lambda: c.NestedDitheredCodec(delta1=0.005, k=8, alpha=0.9)))
     for s in (1, 7, 127):
-        cases.append(BenchCase(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s)))
-    cases.append(BenchCase("qsgd s=7 bucket=512", lambda: c.QSGDCodec(levels=7, bucket=512)))
+        cases.append(BenchCase(_label(c.QSGDCodec, f"s={s}"), lambda s=s: c.QSGDCodec(levels=s)))
+    cases.append(BenchCase(_label(c.QSGDCodec, "s=7 bucket=512"), lambda: c.QSGDCodec(levels=7, bucket=512)))
     for b in (2, 3, 4, 8):
-        cases.append(BenchCase(f"qsgd_maxnorm b={b}", lambda b=b: c.QSGDMaxNormCodec(bits=b)))
-    cases.append(BenchCase("multiscale (2,6)", lambda: c.MultiScaleMaxNormCodec(scales=(2, 6))))
+        cases.append(BenchCase(_label(c.QSGDMaxNormCodec, f"b={b}"), lambda b=b: c.QSGDMaxNormCodec(bits=b)))
+    cases.append(BenchCase(_label(c.MultiScaleMaxNormCodec, "(2,6)"), lambda: c.MultiScaleMaxNormCodec(scales=(2, 6))))
     cases += randk_cases(size, randk_k)
-    cases += [BenchCase("terngrad", c.TernGradCodec), BenchCase("sign", c.SignCodec),
-              BenchCase("sign rms", lambda: c.SignCodec("rms")), BenchCase("sign none", lambda: c.SignCodec("none")),
-              BenchCase("powersgd r=2", lambda: c.PowerSGDCodec(rank=2))]
+    cases += [BenchCase(_label(c.TernGradCodec), c.TernGradCodec), BenchCase(_label(c.SignCodec), c.SignCodec),
+              BenchCase(_label(c.SignCodec, "rms"), lambda: c.SignCodec("rms")), BenchCase(_label(c.SignCodec, "none"), lambda: c.SignCodec("none")),
+              BenchCase(_label(c.PowerSGDCodec, "r=2"), lambda: c.PowerSGDCodec(rank=2))]
     return cases
 
 
@@ -144,19 +150,19 @@ def reference_pairs(size: int = 1_000_000) -> list[ReferencePair]:
 
     check_positive_int(size, "size")
 
-    pairs = [ReferencePair(f"qsgd s={s}", lambda s=s: c.QSGDCodec(levels=s), lambda s=s: refs.QSGDReference(s))
+    pairs = [ReferencePair(_label(c.QSGDCodec, f"s={s}"), lambda s=s: c.QSGDCodec(levels=s), lambda s=s: refs.QSGDReference(s))
              for s in (7, 127)]
-    pairs.append(ReferencePair("terngrad", c.TernGradCodec, refs.TernGradReference))
-    pairs.append(ReferencePair("sign (unscaled)", lambda: c.SignCodec(scale="none"), refs.SignSGDReference))
-    pairs += [ReferencePair(f"qsgd_maxnorm b={b}", lambda b=b: c.QSGDMaxNormCodec(bits=b),
+    pairs.append(ReferencePair(_label(c.TernGradCodec), c.TernGradCodec, refs.TernGradReference))
+    pairs.append(ReferencePair(_label(c.SignCodec, "(unscaled)"), lambda: c.SignCodec(scale="none"), refs.SignSGDReference))
+    pairs += [ReferencePair(_label(c.QSGDMaxNormCodec, f"b={b}"), lambda b=b: c.QSGDMaxNormCodec(bits=b),
                             lambda b=b: refs.QSGDMaxNormReference(b)) for b in (2, 4, 8)]
-    pairs += [ReferencePair(f"modulo b={b}", lambda b=b: c.ModuloCodec(bits=b, theta=THETA),
+    pairs += [ReferencePair(_label(c.ModuloCodec, f"b={b}"), lambda b=b: c.ModuloCodec(bits=b, theta=THETA),
                             lambda b=b: refs.MoniquaReference(b, THETA)) for b in (2, 4)]
     k = max(1, size // 100)
-    pairs.append(ReferencePair("globalrandk 1% b=8", lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=k, seed=1),
+    pairs.append(ReferencePair(_label(c.RandKCodec, f"1% {c.QSGDMaxNormCodec.name} b=8"), lambda: c.RandKCodec(c.QSGDMaxNormCodec(bits=8), k=k, seed=1),
                                lambda: refs.GlobalRandKMaxNormReference(8, k)))
-    pairs.append(ReferencePair("fp16", lambda: c.HalfCodec("fp16"), refs.HalfReference, decode_out=True))
-    pairs.append(ReferencePair("powersgd r=2", lambda: c.PowerSGDCodec(rank=2), lambda: refs.PowerSGDReference(2)))
+    pairs.append(ReferencePair(_label(c.HalfCodec), lambda: c.HalfCodec("fp16"), refs.HalfReference, decode_out=True))
+    pairs.append(ReferencePair(_label(c.PowerSGDCodec, "r=2"), lambda: c.PowerSGDCodec(rank=2), lambda: refs.PowerSGDReference(2)))
     return pairs
 
 
