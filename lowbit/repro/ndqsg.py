@@ -37,12 +37,8 @@ with 4 and 8 workers, batch 256 / workers, ``server="ps"``. The Figure 6
 table gives each method's Kbits per worker until its test accuracy first
 reaches a common target, as bits at equal accuracy.
 
-Paper columns. Each Table 1 and 2 cell of a paper model is shown beside the paper's value
-and ``(lowbit - paper) / paper`` (:func:`paper_value`; DQSG M=1, QSGD s=1 and TernGrad stand
-for the paper's 3-level DQSGD/QSGD/TernGrad; FC-300-100's DQSG M=2 and NDQSG raw cells come
-from Figure 6's text). Cells that differ by construction keep lowbit's choice and the notes
-say so (QSGD s=1 scales by the L2 norm; One-Bit sends one scale per tensor). "NDQSG
-(default)" is ``--algorithm ndqsg`` without options (:mod:`lowbit.algorithms.dqsg`'s auto setting).
+Paper columns: each paper cell beside ``(lowbit - paper) / paper`` (:func:`paper_value`); the
+notes written under the tables say which cells differ by construction and why.
 
 Scale. Full: Fashion-MNIST stands in for MNIST; the paper's models: FC-300-100
 (``fashion-fc300``, d = 266,610), its LeNet (``fashion-lenet-tf``, d = 1,663,370) and CifarNet
@@ -220,7 +216,13 @@ def ledger_kbits(opts: dict, rows_by_rank: list, steps: int, ranks: list[int] | 
     ranks = senders(opts, n) if ranks is None else ranks
     raw = [b for r in ranks for b in uplink_bits(rows_by_rank[r], steps)]
     wire = [sum(8 * row[3] for row in rows if 0 <= row[0] < steps) for rows in rows_by_rank]
-    return {"raw_kbits": math.fsum(raw) / len(raw) / 1000, "wire_kbits": math.fsum(wire) / (n * steps) / 1000}
+    return {"raw_kbits": _mean(raw) / 1000, "wire_kbits": math.fsum(wire) / (n * steps) / 1000}
+
+
+def _mean(values) -> float:
+    """The exactly rounded sum of ``values`` over their count."""
+    values = list(values)
+    return math.fsum(values) / len(values)
 
 
 # --- the bits probe: 32 workers, a few real steps, payloads captured ------------------------
@@ -263,25 +265,20 @@ def probe_bits(cfg: TrainConfig, opts: dict, entropy_steps: int) -> dict:
     send = senders(opts, n)
     rows = [r["ledger_rows"] for r in res]
     out = {"d": d, "workers": n, "steps": steps, "senders": send, **ledger_kbits(opts, rows, steps, send),
-           "nominal_bits": math.fsum(res[r]["nominal_bits"] for r in send) / len(send)}
+           "nominal_bits": _mean(res[r]["nominal_bits"] for r in send)}
     out["nominal_kbits"] = d * out["nominal_bits"] / 1000
     # the ledger counts exactly the captured payloads (the same bytes, nothing else on the uplink)
     coded = [(r, c) for r in send for c in res[r]["coded"]]
     out["ledger_matches_payloads"] = all(uplink_bits(rows[r], steps)[c["step"]] == c["payload_bits"]
                                          for r, c in coded)
     if coded:
-        m = len(coded)
-        out["coded_kbits"] = math.fsum(c["coded_bits"] for _, c in coded) / m / 1000
-        out["entropy_kbits"] = math.fsum(c["entropy_bits"] for _, c in coded) / m / 1000
+        out["coded_kbits"] = _mean(c["coded_bits"] for _, c in coded) / 1000
+        out["entropy_kbits"] = _mean(c["entropy_bits"] for _, c in coded) / 1000
         out["header_bits"] = max(c["header_bits"] for _, c in coded)
         out["coded_steps"] = sorted({c["step"] for _, c in coded})
     else:
         out.update(coded_kbits=None, entropy_kbits=None, header_bits=0, coded_steps=[])
-    if opts.get("algorithm") == "ndqsg":
-        p1, p2 = _groups(opts, n, send)
-        out["p1_raw_kbits"] = ledger_kbits(opts, rows, steps, p1)["raw_kbits"]
-        out["p2_raw_kbits"] = ledger_kbits(opts, rows, steps, p2)["raw_kbits"]
-    return out
+    return {**out, **_group_kbits(opts, n, send, lambda ranks: ledger_kbits(opts, rows, steps, ranks)["raw_kbits"])}
 
 
 # --- sizes only: a model whose data is not on this machine ------------------------------------
@@ -312,23 +309,22 @@ def probe_sizes(cfg: TrainConfig, opts: dict, d: int) -> dict:
     with pinned_threads(1):
         res = run_threads(cfg.workers, functools.partial(_size_worker, cfg=cfg, d=d))
     send = senders(opts, cfg.workers)
-    out = {"d": d, "workers": cfg.workers, "steps": 0, "senders": send,
-           "raw_kbits": math.fsum(res[r]["payload_bits"] for r in send) / len(send) / 1000, "wire_kbits": None,
-           "nominal_bits": math.fsum(res[r]["nominal_bits"] for r in send) / len(send),
+    kbits = lambda ranks: _mean(res[r]["payload_bits"] for r in ranks) / 1000  # noqa: E731
+    out = {"d": d, "workers": cfg.workers, "steps": 0, "senders": send, "raw_kbits": kbits(send), "wire_kbits": None,
+           "nominal_bits": _mean(res[r]["nominal_bits"] for r in send),
            "ledger_matches_payloads": None, "coded_kbits": None, "entropy_kbits": None, "header_bits": None,
            "coded_steps": []}
     out["nominal_kbits"] = d * out["nominal_bits"] / 1000
-    if opts.get("algorithm") == "ndqsg":
-        p1, p2 = _groups(opts, cfg.workers, send)
-        out["p1_raw_kbits"] = math.fsum(res[r]["payload_bits"] for r in p1) / len(p1) / 1000
-        out["p2_raw_kbits"] = math.fsum(res[r]["payload_bits"] for r in p2) / len(p2) / 1000
-    return out
+    return {**out, **_group_kbits(opts, cfg.workers, send, kbits)}
 
 
-def _groups(opts: dict, n: int, send: list[int]) -> tuple[list[int], list[int]]:
-    """NDQSG's sending ranks in P1 and in P2."""
+def _group_kbits(opts: dict, n: int, send: list[int], kbits) -> dict:
+    """NDQSG's ``kbits(ranks)`` over its sending ranks in P1 and in P2; {} for another algorithm."""
+    if opts.get("algorithm") != "ndqsg":
+        return {}
     n2 = nested_group_size(n, opts.get("nested_fraction", 0.5))
-    return [r for r in send if r < n - n2], [r for r in send if r >= n - n2]
+    return {"p1_raw_kbits": kbits([r for r in send if r < n - n2]),
+            "p2_raw_kbits": kbits([r for r in send if r >= n - n2])}
 
 
 # --- accuracy runs ----------------------------------------------------------------------------
@@ -347,10 +343,12 @@ def _accuracy_row(label: str, opts: dict, run, cfg: TrainConfig) -> dict:
 
 def kbits_to_reach(row: dict, target: float) -> float | None:
     """Raw Kbits one worker sent until the first evaluation at or above ``target`` accuracy."""
-    for step, acc in zip(row["steps"], row["test_accuracy"]):
-        if acc >= target:
-            return step * row["raw_kbits"]
-    return None
+    step = _steps_to_reach(row, target)
+    return None if step is None else step * row["raw_kbits"]
+
+
+def _steps_to_reach(row: dict, target: float) -> int | None:
+    return next((s for s, a in zip(row["steps"], row["test_accuracy"]) if a >= target), None)
 
 
 def run(out: Path, quick: bool = False) -> dict:
@@ -404,9 +402,7 @@ def run(out: Path, quick: bool = False) -> dict:
         for r in [mine["Baseline (fp32)"], *pair]:
             fig6.append({"workers": workers, "label": r["label"], "target_accuracy": target,
                          "final_test_accuracy": r["final_test_accuracy"], "raw_kbits": r["raw_kbits"],
-                         "kbits_to_target": kbits_to_reach(r, target),
-                         "steps_to_target": next((s for s, a in zip(r["steps"], r["test_accuracy"]) if a >= target),
-                                                 None)})
+                         "kbits_to_target": kbits_to_reach(r, target), "steps_to_target": _steps_to_reach(r, target)})
     results = {"experiment": NAME, "quick": quick, "scale": {k: v for k, v in sc.items()},
                "seed": seed, "total_batch": TOTAL_BATCH, "bits": bits_rows, "accuracy": acc_rows, "figure6": fig6,
                "paper": {"table1": PAPER_TABLE1, "table2": PAPER_TABLE2, "figure6_kbits": PAPER_FIG6_KBITS}}
