@@ -103,12 +103,8 @@ class ModuloFrame:
         """The one-call kernels (``moniqua_send``/``moniqua_receive``) where they apply to a step's
         ``y`` and model dtype, else None (the codec's calls). Chosen once per step and handed to
         :meth:`send` and every :meth:`receive`."""
-        if not self.verify or self.entropy is not None or self.bits not in (1, 2, 4, 8):
-            return None
-        if x_dtype not in (torch.float32, torch.float64) or not y.is_contiguous():
-            return None
-        K = kernels_for(y, "modulo")
-        return K
+        fits = self.verify and self.entropy is None and self.bits in (1, 2, 4, 8) and y.is_contiguous()
+        return kernels_for(y, "modulo") if fits and x_dtype in (torch.float32, torch.float64) else None
 
     # ---- the sender -------------------------------------------------------------------
     def send(self, codec: ModuloCodec, y: torch.Tensor, generator, requests: dict[int, set[int]],
