@@ -6,8 +6,10 @@ Run (from the repository root; ``PYTHONPATH=TREE`` measures another tree's lowbi
 
     python benchmarks/wrapper_step_cost.py                        # dpsgd and allreduce
     PYTHONPATH=/tmp/before python benchmarks/wrapper_step_cost.py --algorithms dpsgd --rounds 41
+    python benchmarks/wrapper_step_cost.py --workers 4              # as lowbit train's thread runtime
 
-Method. One thread worker (``run_threads(1, ...)``, one torch thread), digits-mlp's model shape
+Method. One thread worker (``run_threads``, one torch thread; ``--workers`` more, rank 0's
+figures), digits-mlp's model shape
 (64 -> 128 -> 10, SGD with momentum, a fixed batch of 32), ``overlap=False`` and no initial
 broadcast, as ``lowbit train`` runs the wrapper. Per round, ``--steps`` steps of each way (their
 order alternating), timed by the thread's CPU clock (``time.thread_time``: the work, not the
@@ -15,7 +17,7 @@ waiting for a core); the figure is the median over rounds of the per-round diffe
 wrapper - direct, in microseconds per step. One worker: the algorithm's communication is trivial,
 so the difference is the wrapper's own work (the hooks, the step bookkeeping, ``stats()``, the
 backward-pass count); in ``lowbit train``'s thread runtime the workers' Python shares one
-interpreter lock, so ``--workers`` workers pay about that many times it per step.
+interpreter lock, so a step of n workers pays about n times it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 
-def measure(algorithm: str, steps: int, rounds: int) -> tuple[float, float, float]:
+def measure(algorithm: str, steps: int, rounds: int, workers: int = 1) -> tuple[float, float, float]:
     """(median wrapper step, median direct step, median per-round difference), microseconds."""
     from lowbit.algorithms import build_worker
     from lowbit.comm import run_threads
@@ -92,7 +94,7 @@ def measure(algorithm: str, steps: int, rounds: int) -> tuple[float, float, floa
         ddp.close()
         return times
 
-    times = run_threads(1, body)[0]
+    times = run_threads(workers, body)[0]
     diffs = [a - b for a, b in zip(times["wrapper"], times["direct"])]
     return statistics.median(times["wrapper"]), statistics.median(times["direct"]), statistics.median(diffs)
 
@@ -102,8 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--algorithms", default="dpsgd,allreduce", help="comma-separated (default dpsgd,allreduce)")
     ap.add_argument("--steps", type=int, default=200, help="steps of each way per round (default 200)")
     ap.add_argument("--rounds", type=int, default=21, help="rounds (default 21)")
+    ap.add_argument("--workers", type=int, default=1, help="thread workers (default 1)")
     args = ap.parse_args(argv)
-    for name in ("steps", "rounds"):
+    for name in ("steps", "rounds", "workers"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"lowbit from {lowbit.__file__}")
     for algorithm in args.algorithms.split(","):
-        w, d, diff = measure(algorithm, args.steps, args.rounds)
+        w, d, diff = measure(algorithm, args.steps, args.rounds, args.workers)
         print(f"{algorithm:10s} wrapper {w:8.1f} us/step  direct {d:8.1f} us/step  wrapper - direct {diff:7.1f} us/step",
               flush=True)
 
