@@ -82,6 +82,7 @@ class GlooGossip:
         self._g_lock = threading.Lock()
         # set when the responder ends or hears a fault: gossip_close waits on it (and the store)
         self._g_wake = threading.Event()
+        self._g_ended: list = [None]  # the fault this session ended on (its responder's, once replaced)
         self._g_thread = threading.Thread(target=self._responder, args=(tuple(neighbors),),
                                           name=f"lowbit-gossip-responder-{self.rank}", daemon=True)
         self._g_thread.start()
@@ -115,8 +116,11 @@ class GlooGossip:
 
     # ---- the responder ----------------------------------------------------------
     def _responder(self, neighbors) -> None:
-        """Answer requests until every neighbour has sent DONE."""
-        g, open_peers = self._g_group, set(neighbors)
+        """Answer requests until every neighbour has sent DONE. A responder left answering after
+        its session ended on a fault (gossip_close raised it) keeps to that session: once the
+        transport has opened another, it answers its requests with the old session's fault and
+        touches nothing of the new one."""
+        g, wake, ended, open_peers = self._g_group, self._g_wake, self._g_ended, set(neighbors)
         try:
             while open_peers:
                 hdr = torch.empty(3, dtype=torch.int64)
@@ -127,13 +131,15 @@ class GlooGossip:
                 if kind == _KIND_DONE:
                     open_peers.discard(src)
                     continue
+                current = self._g_group is g
                 if kind == _KIND_FAULT:
-                    self._heard_fault(n, step, src)
+                    if current:
+                        self._heard_fault(n, step, src)
                     continue
                 req = torch.empty(self._check_stated(n, src, "gossip request"), dtype=torch.uint8)
                 if n:
                     dist.recv(req, src=src, group=g, tag=_TAG_REQ_DATA)
-                fault = self._g_fault
+                fault = self._g_fault if current else ended[0]
                 if fault is not None:  # a rank that stopped answers with the fault, not a reply
                     dist.send(torch.tensor([_KIND_FAULT, fault[0], fault[1]], dtype=torch.int64), dst=src, group=g,
                               tag=_TAG_REP)
@@ -144,9 +150,10 @@ class GlooGossip:
                 if reply.numel():
                     dist.send(reply, dst=src, group=g, tag=_TAG_REP_DATA)
         except BaseException as e:  # noqa: BLE001 - re-raised on the worker's own thread
-            self._g_error = e
+            if self._g_group is g:
+                self._g_error = e
         finally:
-            self._g_wake.set()
+            wake.set()
 
     def _heard_fault(self, word: int, step: int, src: int) -> None:
         """The responder heard a FAULT header from ``src``: keep the first, forward it once to the
@@ -272,6 +279,7 @@ class GlooGossip:
         if fault is not None:
             with self._g_lock:
                 self._g_fault = self._g_fault or fault  # the responder answers requests with it
+                self._g_ended[0] = self._g_fault
             self._raise_fault()  # unless this rank sent or raised it already
             return  # the responder stays, answering those still training with the fault
         if outcome != "closed":
