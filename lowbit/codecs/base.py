@@ -138,6 +138,19 @@ def frame_nbytes(codec, data: torch.Tensor, need: int, what) -> torch.Tensor:
     return data
 
 
+def frame_counted(codec, payload: "Payload", numel: int | None, nbytes, what, *, ref: torch.Tensor | None = None,
+                  ref_needs: str | None = None) -> int:
+    """The count ``n`` of a payload whose header holds only it, the frame checked: the header,
+    :func:`frame_count` (``numel``, ``ref``), ``ref`` by :func:`check_ref` when ``ref_needs`` is
+    given, then ``nbytes(n)`` data bytes, the size of ``what(n)`` (:func:`frame_nbytes`)."""
+    (n,) = frame_header(codec, payload)
+    frame_count(codec, n, numel, ref=ref)
+    if ref_needs is not None:
+        check_ref(ref, n, ref_needs)
+    frame_nbytes(codec, payload.data, nbytes(n), lambda: what(n))
+    return n
+
+
 def frame_scale(codec, value: float, field: str, limit: float, low: float = 0.0) -> float:
     """A scale a header carries: finite and in ``[low, limit]`` (the values the codec's encode
     sends); PayloadError naming ``field`` otherwise. A NaN fails every comparison."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, pack_header
+from .base import Codec, CodecKind, Payload, frame_counted, pack_header
 from .kernels import empty_output, kernels_for
 from .quantize import check_numel
 
@@ -58,10 +58,7 @@ class IdentityCodec(Codec):
 
     def _check(self, payload: Payload, numel: int | None) -> int:
         """The frame: header, count (``numel``), ``4 n`` data bytes (PayloadError)."""
-        (n,) = frame_header(self, payload)
-        frame_count(self, n, numel)
-        frame_nbytes(self, payload.data, 4 * n, lambda: f"{n} float32 values")
-        return n
+        return frame_counted(self, payload, numel, lambda n: 4 * n, lambda n: f"{n} float32 values")
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,

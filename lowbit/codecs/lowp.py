@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, frame_count, frame_header, frame_nbytes, pack_header
+from .base import Codec, CodecKind, Payload, frame_counted, pack_header
 from .identity import bytes_as
 from .kernels import empty_output, kernels_for
 from .quantize import check_numel
@@ -166,10 +166,7 @@ class HalfCodec(Codec):
 
     def _check(self, payload: Payload, numel: int | None) -> int:
         """The frame: header, count (``numel``), ``2 n`` data bytes (PayloadError)."""
-        (n,) = frame_header(self, payload)
-        frame_count(self, n, numel)
-        frame_nbytes(self, payload.data, 2 * n, lambda: f"{n} {self.dtype} values")
-        return n
+        return frame_counted(self, payload, numel, lambda n: 2 * n, lambda n: f"{n} {self.dtype} values")
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, dtype: torch.dtype | None = None,

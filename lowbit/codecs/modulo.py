@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_ref, frame_count, frame_header, frame_nbytes, pack_header
+from .base import Codec, CodecKind, Payload, frame_counted, pack_header
 from .kernels import kernels_for
 from .packing import pack_bits, packed_nbytes, unpack_bits
 from .quantize import (Rounded, check_int_range, check_numel, check_positive, check_rounding, finite_float64,
@@ -198,11 +198,9 @@ class ModuloCodec(Rounded, Codec):
     def _frame(self, payload: Payload, ref: torch.Tensor | None, numel: int | None) -> int:
         """The payload's count ``n``, its frame checked (PayloadError): the header, ``n`` against
         ``numel`` and ``ref``'s length, the data's ``ceil(n bits / 8)`` bytes; ``ref`` checked."""
-        (n,) = frame_header(self, payload)
-        frame_count(self, n, numel, ref=ref)
-        check_ref(ref, n, "ModuloCodec: the receiver's own model y with |x - y| < theta")
-        frame_nbytes(self, payload.data, packed_nbytes(n, self.bits), lambda: f"{n} codes of {self.bits} bits")
-        return n
+        return frame_counted(self, payload, numel, lambda n: packed_nbytes(n, self.bits),
+                             lambda n: f"{n} codes of {self.bits} bits", ref=ref,
+                             ref_needs="ModuloCodec: the receiver's own model y with |x - y| < theta")
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, numel: int | None = None) -> torch.Tensor:

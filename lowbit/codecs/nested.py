@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Codec, CodecKind, Payload, check_ref, frame_count, frame_header, frame_nbytes, pack_header
+from .base import Codec, CodecKind, Payload, frame_counted, pack_header
 from .dithered import _uniforms
 from .kernels import kernels_for
 from .radix import level_bits, levels_nbytes, pack_levels, pack_levels_fast, unpack_levels, unpack_levels_fast
@@ -431,11 +431,9 @@ class NestedDitheredCodec(Codec):
     def _frame(self, payload: Payload, ref: torch.Tensor | None, numel: int | None) -> int:
         """The payload's count ``n``, its frame checked (PayloadError): the header, ``n`` against
         ``numel`` and ``ref``'s length, the data's length; ``ref`` checked."""
-        (n,) = frame_header(self, payload)
-        frame_count(self, n, numel, ref=ref)
-        check_ref(ref, n, "NestedDitheredCodec: the receiver's side information y, close to x")
-        frame_nbytes(self, payload.data, levels_nbytes(n, self.k), lambda: f"{n} codes of {self.k} levels")
-        return n
+        return frame_counted(self, payload, numel, lambda n: levels_nbytes(n, self.k),
+                             lambda n: f"{n} codes of {self.k} levels", ref=ref,
+                             ref_needs="NestedDitheredCodec: the receiver's side information y, close to x")
 
     def decode(self, payload: Payload, *, ref: torch.Tensor | None = None,
                generator: torch.Generator | None = None, numel: int | None = None) -> torch.Tensor:
