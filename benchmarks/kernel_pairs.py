@@ -1,9 +1,10 @@
 """Two CPU kernel pairs kept apart for speed, each against its one-loop merge, at 1e6 codes:
 ``cpu_lanes.pack_words`` (``R``, ``k`` at run time) against ``specialised(R, k)``'s
 ``pack_all``, and ``cpu_sign._sign_encode`` (separate order-0 loop) against one loop with
-the lane sums behind an ``order != 0`` test. Results are checked equal first; then the two
-are timed interleaved (thread CPU time, median of 5 blocks of 20 calls, order alternating per
-round) and the median of the per-round ratios merged / kept is printed, with min and max.
+the lane sums behind an ``order != 0`` test, or with order 0 adding 0.0. Results are checked
+equal first; then the two are timed interleaved (thread CPU time, median of 5 blocks of 20
+calls, order alternating per round) and the median of the per-round ratios merged / kept is
+printed, with min and max.
 
 Run: ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/kernel_pairs.py``.
 """
@@ -31,6 +32,32 @@ def sign_merged(x, order, out):
             acc |= (1 if v >= 0.0 else 0) << k
             if order != 0:
                 lanes[k] += abs(v) if order == 1 else v * v
+        out[j] = np.uint8(acc)
+    if full * 8 < n:
+        acc = 0
+        for k in range(n - full * 8):
+            v = np.float64(x[8 * full + k])
+            bad |= nonfinite(v)
+            acc |= (1 if v >= 0.0 else 0) << k
+            lanes[k] += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
+        out[full] = np.uint8(acc)
+    total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
+    return total, bad
+
+@_jit
+def sign_merged_add(x, order, out):
+    """``_sign_encode`` as one loop: order 0 adds 0.0 to the lane sums."""
+    n = x.shape[0]
+    full = n // 8
+    bad = False
+    lanes = np.zeros(8)
+    for j in range(full):
+        acc = 0
+        for k in range(8):
+            v = np.float64(x[8 * j + k])
+            bad |= nonfinite(v)
+            acc |= (1 if v >= 0.0 else 0) << k
+            lanes[k] += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
         out[j] = np.uint8(acc)
     if full * 8 < n:
         acc = 0
@@ -83,4 +110,6 @@ o2 = o1.copy()
 for order in (0, 1, 2):
     r1, r2 = S._sign_encode(x, order, o1), sign_merged(x, order, o2)
     assert r1 == r2 and (o1 == o2).all(), order
-    race(f"sign order={order}", lambda: S._sign_encode(x, order, o1), lambda: sign_merged(x, order, o2))
+    assert sign_merged_add(x, order, o2) == r1 and (o1 == o2).all(), order
+    race(f"sign order={order} (if order != 0)", lambda: S._sign_encode(x, order, o1), lambda: sign_merged(x, order, o2))
+    race(f"sign order={order} (add 0.0)", lambda: S._sign_encode(x, order, o1), lambda: sign_merged_add(x, order, o2))

@@ -108,7 +108,7 @@ def specialised(R: int, k: int):
     TOP = np.uint64(R ** (k - (NG - 1) * G))  # the last limb's bound
     opts = dict(nogil=True, boundscheck=False, error_model="numpy")
 
-    # kept: pack_words costs up to 1.08x pack_all by layout at 1e6 codes (benchmarks/kernel_pairs.py, 1 thread)
+    # kept: pack_words is 0.71-1.08x pack_all by layout, 1e6 codes, 1 thread (benchmarks/kernel_pairs.py)
     # the inner loops index slices from 0 (codes[b + j] kept LLVM from vectorising: 10x slower)
     @numba.njit(**opts)
     def pack_all(codes, out):

@@ -30,7 +30,7 @@ def _sign_encode(x, order, out):
     full = n // 8
     bad = False
     lanes = np.zeros(8)
-    # two loops: one costs 1.17x at order 1-2 or 4.2x at order 0 (benchmarks/kernel_pairs.py, 1 thread)
+    # two loops: one loop costs 1.17x at order 1-2 or 4.1x at order 0 (benchmarks/kernel_pairs.py, 1 thread)
     if order == 0:
         for j in range(full):
             acc = 0
