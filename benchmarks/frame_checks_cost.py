@@ -62,9 +62,10 @@ def _worker_cases(size: int) -> dict[str, dict]:
     dev = torch.device("cpu")
     x, ref = bench_data(size, dev, seed)
     cases = default_cases(size)
-    cases += [BenchCase("bagua_minmax", c.BaguaMinMaxCodec),
-              BenchCase("entropy bz2 minmax b=2", lambda: c.EntropyCodedCodec(c.MinMaxCodec(bits=2))),
-              BenchCase("entropy ans qsgd_maxnorm b=2",
+    cases += [BenchCase(c.BaguaMinMaxCodec.name, c.BaguaMinMaxCodec),
+              BenchCase(f"{c.EntropyCodedCodec.name} bz2 {c.MinMaxCodec.name} b=2",
+                        lambda: c.EntropyCodedCodec(c.MinMaxCodec(bits=2))),
+              BenchCase(f"{c.EntropyCodedCodec.name} ans {c.QSGDMaxNormCodec.name} b=2",
                         lambda: c.EntropyCodedCodec(c.QSGDMaxNormCodec(bits=2), method="ans"))]
     out: dict[str, dict] = {}
     for case in cases:
