@@ -120,7 +120,8 @@ class GlooGossip:
         its session ended on a fault (gossip_close raised it) keeps to that session: once the
         transport has opened another, it answers its requests with the old session's fault and
         touches nothing of the new one."""
-        g, wake, ended, open_peers = self._g_group, self._g_wake, self._g_ended, set(neighbors)
+        g, wake, ended, handler = self._g_group, self._g_wake, self._g_ended, self._g_handler
+        open_peers = set(neighbors)
         try:
             while open_peers:
                 hdr = torch.empty(3, dtype=torch.int64)
@@ -144,7 +145,7 @@ class GlooGossip:
                     dist.send(torch.tensor([_KIND_FAULT, fault[0], fault[1]], dtype=torch.int64), dst=src, group=g,
                               tag=_TAG_REP)
                     continue
-                reply = self._g_handler(src, step, req).detach().cpu().contiguous()
+                reply = handler(src, step, req).detach().cpu().contiguous()
                 dist.send(torch.tensor([_KIND_REPLY, reply.numel(), step], dtype=torch.int64), dst=src, group=g,
                           tag=_TAG_REP)
                 if reply.numel():
@@ -260,13 +261,15 @@ class GlooGossip:
     # ---- the end of the session --------------------------------------------------
     def _gossip_close(self):
         g, failed = self._g_group, None
-        with self._g_lock:  # no fault is forwarded after DONE
+        with self._g_lock:  # no fault is forwarded after DONE (the forwards issued before go first)
             self._g_done = True
-            for j in self._gossip_peers:
-                try:
-                    dist.send(torch.tensor([_KIND_DONE, 0, 0], dtype=torch.int64), dst=j, group=g, tag=_TAG_REQ)
-                except RuntimeError as e:  # that neighbour is gone
-                    failed = failed or (e, f"its DONE to rank {j} failed")
+        # (not under the lock: a DONE waits for the neighbour's responder, which may be waiting for
+        # its own main thread's lock, held while it sends its DONE to this rank)
+        for j in self._gossip_peers:
+            try:
+                dist.send(torch.tensor([_KIND_DONE, 0, 0], dtype=torch.int64), dst=j, group=g, tag=_TAG_REQ)
+            except RuntimeError as e:  # that neighbour is gone
+                failed = failed or (e, f"its DONE to rank {j} failed")
         if failed is not None:
             self._failed(*failed)
             raise failed[0]
