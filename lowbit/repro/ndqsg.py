@@ -40,16 +40,11 @@ reaches a common target, as bits at equal accuracy.
 Paper columns: each paper cell beside ``(lowbit - paper) / paper`` (:func:`paper_value`); the
 notes written under the tables say which cells differ by construction and why.
 
-Scale. Full: Fashion-MNIST stands in for MNIST; the paper's models: FC-300-100
-(``fashion-fc300``, d = 266,610), its LeNet (``fashion-lenet-tf``, d = 1,663,370) and CifarNet
-(``cifar10-cifarnet``, d = 1,068,298). Without CIFAR-10 on disk the CifarNet rows are sizes
-only (:func:`probe_sizes`: these fixed-width codes' size depends on d alone), and the notes
-say so. Bits: 32 workers, 12 steps, the last 4 entropy-coded. Accuracy: ``fashion-fc300``,
-200 steps (Figure 6's horizon), evaluated every 20, step size 0.01 (the paper's SGD rate;
-momentum 0.9 kept). Full mode needs Fashion-MNIST (``apt-get install dataset-fashion-mnist``,
-or ``--data-dir``/the download cache of :mod:`lowbit.data`).
-``--quick`` (CI, no data files): ``digits-mlp --hidden 300`` (d = 22,510) and CifarNet's sizes
-(with the paper's cells). Bits: 8 workers, 4 steps. Accuracy: 4 and 8 workers, 40 steps.
+Scale (workers, steps, step size: ``_scale``). Full: Fashion-MNIST stands in for MNIST, on the
+paper's models FC-300-100 (``fashion-fc300``), LeNet (``fashion-lenet-tf``) and CifarNet
+(``cifar10-cifarnet``: sizes only, :func:`probe_sizes`, without CIFAR-10 on disk); it needs
+Fashion-MNIST (``apt-get install dataset-fashion-mnist``, or :mod:`lowbit.data`'s cache).
+``--quick`` (CI, no data files): ``digits-mlp --hidden 300`` and CifarNet's sizes.
 """
 
 from __future__ import annotations
