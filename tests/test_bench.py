@@ -461,3 +461,12 @@ def test_syncs_within_counts_only_the_reads_inside_the_call_and_names_their_call
     result, where = syncs_within(fn, start=lambda: None,
                                  stop=lambda: warnings.warn("called a synchronizing CUDA operation"))
     assert result == 7 and where == [f"{__file__}:{line}"]
+
+
+def test_every_codec_bench_label_starts_with_a_registered_name():
+    from lowbit.bench.codecs import default_cases, reference_pairs
+    from lowbit.codecs import CODECS
+
+    for case in default_cases(1000) + reference_pairs(1000):
+        assert case.family in CODECS, case.label
+        assert type(case.make()).name == case.family, case.label
