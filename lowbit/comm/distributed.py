@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from .base import Transport, check_equal_sizes, then
-from .gloo_gossip import GlooGossip
+from .gloo_gossip import GlooGossip, store_text
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -299,9 +299,7 @@ class TorchDistributedTransport(GlooGossip, Transport):
         if store is None:
             return super()._posted_refusal()
         try:
-            if not store.check([_REFUSAL_KEY]):  # (get would wait for the key)
-                return None
-            return store.get(_REFUSAL_KEY)[:self.MAX_REFUSAL_CHARS].decode("utf-8", "replace") or None
+            return store_text(store, _REFUSAL_KEY, self.MAX_REFUSAL_CHARS) or None
         except RuntimeError:
             return None
 

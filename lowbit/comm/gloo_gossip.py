@@ -48,6 +48,14 @@ import torch.distributed as dist
 
 from .base import GossipFault
 
+
+def store_text(store, key: str, limit: int) -> str | None:
+    """The text ``store`` holds under ``key`` (its first ``limit`` bytes, decoded), or None while
+    the key is unset (checked first: ``get`` would wait for it)."""
+    if not store.check([key]):
+        return None
+    return store.get(key)[:limit].decode("utf-8", "replace")
+
 # message tags on the gossip group, and header kinds
 _TAG_REQ, _TAG_REQ_DATA, _TAG_REP, _TAG_REP_DATA = 701, 702, 703, 704
 _KIND_REQUEST, _KIND_DONE, _KIND_FAULT, _KIND_REPLY = 1, 2, 3, 4
@@ -94,10 +102,7 @@ class GlooGossip:
         return out.decode("utf-8", "replace") if isinstance(out, bytes) else str(out)
 
     def _outcome(self) -> str | None:
-        store = self._store()
-        if not store.check([self._g_key + "outcome"]):  # (get would wait for the key)
-            return None
-        return store.get(self._g_key + "outcome")[:256].decode("utf-8", "replace")
+        return store_text(self._store(), self._g_key + "outcome", 256)
 
     def _fault_of(self, text: str | None) -> tuple[int, int, int] | None:
         """The (word, step, rank) of an outcome ``fault WORD STEP RANK``; None for another outcome;
