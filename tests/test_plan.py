@@ -13,8 +13,9 @@ import torch
 
 from lowbit.comm.ledger import CommRecord
 from lowbit.comm.netmodel import NetworkModel, overlap_backward
-from lowbit.plan import (BASELINE, DDP_METHODS, GOSSIP_METHODS, METHODS, Bucket, MirrorTransport, Profile,
-                         _rec, load_model_function, load_workload, measure, plan, predict, torch_powersgd_ops)
+from lowbit.plan import (BASELINE, DDP_METHODS, GOSSIP_METHODS, METHODS, Bucket, MirrorTransport, Profile, Round,
+                         RoundCosts, _rec, calibrate, load_model_function, load_workload, measure, plan, predict,
+                         torch_powersgd_ops)
 
 # --- the overlap model -------------------------------------------------------------------------
 
@@ -150,6 +151,10 @@ def test_torch_powersgd_ops_counts_by_hand():
     ops = torch_powersgd_ops([w, small, b], 8, rank=2)
     assert [r.nbytes for _, r in ops] == [(12 + 100) * 4, 200 * 4, 100 * 4]
     assert all(k == "async" for k, _ in ops)
+    # awaited in the hook (the race on gloo): every round blocks backward
+    assert [k for k, _ in torch_powersgd_ops([w, small, b], 8, rank=2, kind="sync")] == ["sync"] * 3
+    with pytest.raises(ValueError, match="kind"):
+        torch_powersgd_ops([w], 8, kind="later")
 
 
 def test_lowbit_powersgd_sends_p_synchronously():
@@ -157,6 +162,99 @@ def test_lowbit_powersgd_sends_p_synchronously():
                                            torch.nn.Parameter(torch.empty(100))])
     assert [k for k, _ in ops] == ["sync", "async"]
     assert ops[0][1].nbytes == (100 * 2 + 100) * 4 and ops[1][1].nbytes == 50 * 2 * 4
+
+
+# --- rounds: every call of a step, priced by the model and by a calibration ----------------------
+
+
+def test_mirror_records_every_round_the_untracked_too():
+    t = MirrorTransport(4)
+    x = torch.zeros(5, dtype=torch.int64)
+    with t.untracked():
+        t.all_gather_fixed(x)
+    t.neighbor_exchange(torch.zeros(7, dtype=torch.uint8), [1, 3])
+    t.all_reduce_async(torch.zeros(3)).wait()
+    t.all_reduce(torch.zeros(2), "max")
+    assert t.rounds == [Round("all_gather_fixed", 40), Round("neighbor_exchange", 7, 2),
+                        Round("all_reduce_async", 12), Round("all_reduce", 8)]
+    assert len(t.ledger.records[0]) == 3  # the ledger holds the tracked ones only
+
+
+def test_a_round_is_priced_with_the_transports_framing():
+    from lowbit.plan.rounds import model_seconds
+
+    net = NetworkModel(8e6, 1e-3)  # 1 MB/s, 1 ms a message
+    # an exchange states its size (8 bytes) to each neighbour first, then sends the payload
+    assert model_seconds(Round("neighbor_exchange", 1000, 2), 8, net) == pytest.approx((1e-3 + 8e-6) + (1e-3 + 1e-3))
+    # a fixed-shape all-gather of 40 bytes on 4 ranks: 3 messages, no size round
+    assert model_seconds(Round("all_gather_fixed", 40), 4, net) == pytest.approx(3 * (1e-3 + 40e-6))
+    assert model_seconds(Round("all_gather", 40), 4, net) == pytest.approx(3 * (1e-3 + 8e-6) + 3 * (1e-3 + 40e-6))
+    assert model_seconds(Round("torch_all_reduce", 4000), 2, net) == pytest.approx(2e-3 + 4e-3)
+    with pytest.raises(ValueError, match="call must be one of"):
+        Round("all_to_all", 8)
+
+
+def _costs(**kw):
+    # calibrated on loopback (no bandwidth limit) between 2 processes, 0.1 ms a message
+    base = dict(processes=2, link="loopback", rate=None, latency_s=1e-4,
+                rounds={"choco": [Round("all_gather_fixed", 40), Round("neighbor_exchange", 1000, 1)]},
+                seconds={"choco": [0.0012, 0.0005]}, compute_solo_seconds=0.002, compute_shared_seconds=0.003)
+    return RoundCosts(**{**base, **kw})
+
+
+def test_round_costs_add_what_the_model_missed_by_hand():
+    from lowbit.plan.rounds import step_seconds
+
+    c = _costs()
+    assert c.compute_factor == pytest.approx(1.5)
+    # the model on loopback: the all-gather 1 message (0.1 ms), the exchange 2 (0.2 ms)
+    assert c.extra_seconds("choco", c.rounds["choco"]) == pytest.approx([1.1e-3, 0.3e-3])
+    net = NetworkModel(8e6, 1e-3)
+    rounds = [Round("all_gather_fixed", 40), Round("neighbor_exchange", 1000, 2)]
+    model = [7 * (1e-3 + 40e-6), (1e-3 + 8e-6) + 2e-3]
+    # another method's step (other calls in another order) takes the nearest round of each call
+    assert step_seconds("choco", rounds, 8, net, c) == pytest.approx([model[0] + 1.1e-3, model[1] + 0.3e-3])
+    assert step_seconds("other", rounds[::-1], 8, net, c) == pytest.approx([model[1] + 0.3e-3, model[0] + 1.1e-3])
+    assert step_seconds("choco", rounds, 8, net, None) == pytest.approx(model)
+    # a round faster than the model's time there adds nothing (the model is a floor)
+    fast = _costs(seconds={"choco": [0.0, 0.0]})
+    assert fast.extra_seconds("choco", rounds) == [0.0, 0.0]
+    assert step_seconds("x", [Round("broadcast", 8)], 8, net, c) == pytest.approx([3 * (1e-3 + 8e-6)])
+    assert set(c.to_json()) >= {"compute_factor", "rounds", "latency_s"}
+
+
+def test_calibrated_gossip_and_ddp_predictions_by_hand():
+    rounds = [[Round("all_gather_fixed", 40), Round("neighbor_exchange", 1000, 2)]] * 3
+    recs = [[CommRecord("neighbor", 1000, 2000, 2, 2)]] * 3
+    p = _profile(gossip={"choco": {3: {"overhead_seconds": 0.004, "records": recs, "world": 3, "rounds": rounds}}})
+    c = _costs()
+    plain, cal = (predict(p, [8], ["8Mbit"], ["1ms"], costs=x)[0]["methods"] for x in (None, c))
+    model = 7 * (1e-3 + 40e-6) + (1e-3 + 8e-6) + 2e-3  # the untracked all-gather and the size round priced
+    assert plain["choco"]["comm_seconds"] == pytest.approx(model)
+    assert plain["choco"]["step_seconds"] == pytest.approx(0.075 + 0.004 + model)
+    assert cal["choco"]["step_seconds"] == pytest.approx(1.5 * (0.075 + 0.004) + model + 1.4e-3)
+    assert cal["choco"]["bytes_per_step"] == plain["choco"]["bytes_per_step"] == 2000
+    # DDP: compute (forward, backward, ready times, hooks) x1.5; its all-reduces were not replayed
+    ddp = predict(_profile(), [2], ["1Gbit"], ["0s"], costs=c)[0]["methods"][BASELINE]
+    # bucket 0 ready 0.03, hook to 0.0315, wire 0.0315..0.0635; bucket 1 ready 0.075 + 0.0015, hook
+    # to 0.078, wire to 0.094; backward 0.09 + 0.003
+    assert ddp["step_seconds"] == pytest.approx(0.015 + 0.094 + 0.0075)
+
+
+def test_calibrate_replays_steps_on_two_processes():
+    """A small calibration: two real processes, a tiny MLP's step, then each method's rounds."""
+    steps = {"a": [Round("all_gather_fixed", 40), Round("neighbor_exchange", 1000, 2)],
+             "b": [Round("torch_all_reduce", 4000), Round("all_reduce_async", 4000), Round("all_reduce", 4)]}
+    c = calibrate({"task": "digits-mlp", "batch_size": 8, "task_options": {"hidden": 32}}, steps, processes=2,
+                  repeats=3, warmup=1, ping_samples=5)
+    assert c.processes == 2 and c.link == "loopback" and c.latency_s > 0
+    # an exchange on two processes has one neighbour
+    assert c.rounds["a"] == [Round("all_gather_fixed", 40), Round("neighbor_exchange", 1000, 1)]
+    assert c.rounds["b"] == steps["b"]
+    assert all(len(c.seconds[m]) == len(steps[m]) and all(s > 0 for s in c.seconds[m]) for m in steps)
+    assert c.compute_solo_seconds > 0 and c.compute_shared_seconds > 0
+    with pytest.raises(ValueError, match="processes"):
+        calibrate({"task": "digits-mlp"}, steps, processes=1)
 
 
 # --- module:function ---------------------------------------------------------------------------
@@ -358,7 +456,7 @@ def test_compare_with_a_given_race_report():
     race = {"settings": {"task": "digits-mlp", "task_options": {"hidden": 32}, "batch": 8, "workers": 2},
             "networks": {"100Mbit": {"torch-ddp-fp32": {"step_seconds": 0.01, "bytes_per_step": 1000},
                                      "torch-fp16": {"step_seconds": None, "failed": "it crashed"}}}}
-    cmp = compare_with_race(race, latency="0s", repeats=1, networks=("100Mbit", "1Gbit"))
+    cmp = compare_with_race(race, latency="0s", repeats=1, networks=("100Mbit", "1Gbit"), calibrate=False)
     d = cmp["plan"]["parameters"]
     assert d == 64 * 32 + 32 + 32 * 10 + 10
     assert set(cmp["errors"]) == {"100Mbit/torch-ddp-fp32"}
@@ -369,4 +467,4 @@ def test_compare_with_a_given_race_report():
     assert rows["torch-fp16"]["relative_error"] is None and rows["torch-fp16"]["failed"] == "it crashed"
     assert "race FAILED: it crashed" in format_race_comparison(cmp)
     with pytest.raises(ValueError, match="none of the networks"):
-        compare_with_race(race, latency="0s", networks=("1Gbit",))
+        compare_with_race(race, latency="0s", networks=("1Gbit",), calibrate=False)

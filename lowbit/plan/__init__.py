@@ -60,9 +60,11 @@ from .mirror import MirrorTransport
 from .predict import format_plan_report, plan, plot_plan, predict
 from .profile import Bucket, Profile, _device
 from .race import compare_with_race, format_race_comparison, measure_latency
+from .rounds import Round, RoundCosts, calibrate, method_steps
 from .workload import Workload, load_model_function, load_workload
 
 __all__ = ["METHODS", "DDP_METHODS", "GOSSIP_METHODS", "BASELINE", "DEFAULT_WORKERS", "DEFAULT_BANDWIDTHS",
            "DEFAULT_LATENCY", "Workload", "load_workload", "load_model_function", "MirrorTransport", "Profile",
            "measure", "predict", "plan", "format_plan_report", "plot_plan", "torch_powersgd_ops",
-           "compare_with_race", "measure_latency", "format_race_comparison"]
+           "compare_with_race", "measure_latency", "format_race_comparison", "method_steps", "Round", "RoundCosts",
+           "calibrate"]

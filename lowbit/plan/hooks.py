@@ -26,11 +26,16 @@ def _rec(op: str, nbytes: int, n: int, peers: int = 1) -> CommRecord:
 
 
 def torch_powersgd_ops(params: Sequence[torch.Tensor], n: int, rank: int = POWERSGD_RANK,
-                       min_compression_rate: float = 2.0, element_size: int = 4) -> list[tuple[str, CommRecord]]:
+                       min_compression_rate: float = 2.0, element_size: int = 4,
+                       kind: str = "async") -> list[tuple[str, CommRecord]]:
     """The all-reduces torch's ``powerSGD_hook`` issues for one bucket holding ``params``: the
     uncompressed tensors (1-D ones, and matrices that torch's ``_should_compress`` leaves
     alone) in one, then every ``P`` (rows x rank), then every ``Q`` (columns x rank), each
-    waiting for the one before (asynchronous: chained in the hook's futures)."""
+    waiting for the one before (``kind`` ``"async"``: chained in the hook's futures; ``"sync"``
+    where the hook's future is awaited before it returns, as ``lowbit bench race`` runs it on
+    gloo, :func:`lowbit.bench.race_worker.powersgd_hook_in_order`)."""
+    if kind not in ("sync", "async"):
+        raise ValueError(f"kind must be 'sync' or 'async', got {kind!r}")
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
 
     dense, p_elems, q_elems = 0, 0, 0
@@ -45,10 +50,10 @@ def torch_powersgd_ops(params: Sequence[torch.Tensor], n: int, rank: int = POWER
             q_elems += cols * r
         else:
             dense += t.numel()
-    ops = [("async", _rec("all_reduce", dense * element_size, n))] if dense else []
+    ops = [(kind, _rec("all_reduce", dense * element_size, n))] if dense else []
     if p_elems:
-        ops += [("async", _rec("all_reduce", p_elems * element_size, n)),
-                ("async", _rec("all_reduce", q_elems * element_size, n))]
+        ops += [(kind, _rec("all_reduce", p_elems * element_size, n)),
+                (kind, _rec("all_reduce", q_elems * element_size, n))]
     return ops
 
 
@@ -94,14 +99,15 @@ def _ddp_contender(name: str, n: int | None = None, model: nn.Module | None = No
     return hook, state, mirror
 
 
-def _torch_ops(name: str, b: Bucket, n: int) -> list[tuple[str, CommRecord]]:
+def _torch_ops(name: str, b: Bucket, n: int, dev) -> list[tuple[str, CommRecord]]:
     es = b.grad.element_size()
     hook = _race_methods()[name].hook
     if hook is None:  # DDP's own all-reduce of the bucket
         return [("async", _rec("all_reduce", b.numel * es, n))]
     if hook == "fp16":
         return [("async", _rec("all_reduce", b.numel * 2, n))]
-    return torch_powersgd_ops(b.params, n, element_size=es)
+    # on gloo (the CPU) the race awaits the hook's chained collectives before backward goes on
+    return torch_powersgd_ops(b.params, n, element_size=es, kind="sync" if torch.device(dev).type == "cpu" else "async")
 
 
 def _run_pass(hook, state, mirror, buckets: list[GradBucketStandIn], dev):
@@ -126,7 +132,7 @@ def _hook_ops(name: str, buckets: list[Bucket], n: int, dev) -> list[list[tuple[
     mirror of ``n`` ranks (the codes in the width ``n`` workers need, as the hook packs them);
     torch's hooks as torch's code issues them (:func:`torch_powersgd_ops`)."""
     if not name.startswith("lowbit-"):
-        return [_torch_ops(name, b, n) for b in buckets]
+        return [_torch_ops(name, b, n, dev) for b in buckets]
     hook, state, mirror = _ddp_contender(name, n)
     hbs = _stand_ins(buckets)
     return _run_pass(hook, state, mirror, hbs, dev)[1]

@@ -22,8 +22,10 @@ from .workload import Workload, _to
 def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[str], dev, repeats: int,
                  warmup: int, world: int = GOSSIP_RING) -> dict:
     """Per decentralized method: the wrapper's step time minus a plain step's (medians of
-    interleaved steps) and the ledger of every step, on a ring of ``world`` mirrored ranks (3:
-    two neighbours, as on any larger ring; 2: the one neighbour of a ring of two)."""
+    interleaved steps), the ledger of every step and every call of its transport (as
+    :class:`~lowbit.plan.rounds.Round`: the untracked ones too), on a ring of ``world``
+    mirrored ranks (3: two neighbours, as on any larger ring; 2: the one neighbour of a ring of
+    two)."""
     import copy
 
     from ..integrations.decentralized import DecentralizedDataParallel
@@ -45,23 +47,26 @@ def _time_gossip(workload: Workload, model: nn.Module, batch, methods: Sequence[
                 workload.loss_fn(module, batch).backward()
                 o.step()
 
-            diffs, steps = [], []
+            diffs, steps, rounds = [], [], []
             for i in range(warmup + repeats):
                 _sync(dev)
                 t0 = time.perf_counter()
                 step(plain, plain_opt)
                 _sync(dev)
                 t1 = time.perf_counter()
+                before = len(mirror.rounds)
                 step(wrapped, opt)
                 _sync(dev)
                 t2 = time.perf_counter()
                 if i >= warmup:
                     diffs.append((t2 - t1) - (t1 - t0))
                     steps.append(wrapped.step_count - 1)
+                    rounds.append(mirror.rounds[before:])
             records = [list(mirror.ledger.records.get(k, [])) for k in steps]
         finally:
             wrapped.close()
-        out[m] = {"overhead_seconds": max(0.0, statistics.median(diffs)), "records": records, "world": world}
+        out[m] = {"overhead_seconds": max(0.0, statistics.median(diffs)), "records": records, "world": world,
+                  "rounds": rounds}
     return out
 
 

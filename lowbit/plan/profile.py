@@ -113,7 +113,9 @@ class Profile:
     buckets: list[Bucket]
     hook_seconds: dict  # DDP method -> [seconds of its hook per bucket]
     hook_ops: dict  # DDP method -> {workers: [[(kind, CommRecord), ...] per bucket]}
-    gossip: dict  # method -> {ring size: {"overhead_seconds", "records": [[CommRecord...] per step], "world"}}
+    # method -> {ring size: {"overhead_seconds", "records": [[CommRecord...] per step], "world",
+    #                        "rounds": [[Round...] per step] (every transport call, untracked ones too)}}
+    gossip: dict
 
     def to_json(self) -> dict:
         """The measurements as plain JSON values."""
