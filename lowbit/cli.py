@@ -173,6 +173,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--methods", default=None, help=f"comma-separated methods (default all: {', '.join(METHODS)})")
     p.add_argument("--min-speedup", type=float, default=1.1,
                    help="recommend a method only when predicted this many times faster than DDP fp32")
+    p.add_argument("--processes", type=int, default=None,
+                   help="worker processes sharing this host's cores (CPU): replay each method's step on that many "
+                        "gloo processes here and add what each round costs beyond the network model, and scale compute "
+                        "by the measured slow-down (default: not calibrated)")
     p.add_argument("--json", default=None, help="also write the report to this JSON file")
     p.add_argument("--plot", default=None, help="PNG path: one plot per bandwidth and latency (default: beside "
                    "--json, when given)")
@@ -188,7 +192,7 @@ def _plan(args) -> int:
                   bandwidths=args.bandwidth, latencies=args.latency, batch_size=args.batch_size,
                   repeats=args.repeats, warmup=args.warmup, threads=args.threads,
                   methods=METHODS if args.methods is None else args.methods, min_speedup=args.min_speedup,
-                  seq_len=args.seq_len)
+                  seq_len=args.seq_len, processes=args.processes)
     print(format_plan_report(report))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
