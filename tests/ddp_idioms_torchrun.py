@@ -2,8 +2,10 @@
 under DecentralizedDataParallel against torch's DistributedDataParallel in the same processes.
 ``python ddp_idioms_torchrun.py CASE``; rank 0 prints one JSON line.
 
-- ``scaler``: lowbit's GradScaler, rank 1 alone overflows at step 3: every rank skips it;
-- ``torch-scaler``: torch's GradScaler in the same run (the ranks fall out of step: the error);
+- ``scaler`` (``scaler-cuda``: on cuda:0): torch's own GradScaler, rank 1 alone overflows at step 3 (``one``), against the same
+  run where both ranks overflow there (``both``), for gossip and gradient averaging, with
+  ``unscale_`` and ``ddp.clip_grad_norm_`` (``clip``) and with a fused optimizer (``fused``), and
+  torch's DDP with the same scaler and overflow (``ddp``);
 - ``ddp``: allreduce + ddp.clip_grad_norm_ against DDP + clip_grad_norm_ (and the plain call),
   and 2 micro-batches, the first under no_sync, against DDP + no_sync (and one summed loss)."""
 
@@ -12,13 +14,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lowbit.integrations import DecentralizedDataParallel, GradScaler
+from lowbit.integrations import DecentralizedDataParallel
 
 STEPS, BATCH, OVERFLOW_STEP = 8, 16, 3
 
@@ -33,37 +36,61 @@ def batch(rank: int, k: int, micro: int = 0):
     return torch.randn(BATCH, 6, generator=g) * 3 + 2 * rank, torch.randint(0, 3, (BATCH,), generator=g)
 
 
-def loss_of(net, rank, k, micro=0):
+def loss_of(net, rank, k, micro=0, device="cpu"):
     x, y = batch(rank, k, micro)
-    return nn.functional.cross_entropy(net(x), y)
+    return nn.functional.cross_entropy(net(x.to(device)), y.to(device))
 
 
 def flat(net) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
 
 
-def scaler_run(scaler_cls, algorithm):
-    net = model()
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    ddp = DecentralizedDataParallel(net, opt, algorithm)
-    scaler = scaler_cls("cpu", init_scale=1024.0, growth_interval=2)
-    rank, taken, scales, error = ddp.rank, [], [], None
+def scaler_run(algorithm, overflow_ranks, clip=False, fused=False, device="cpu"):
+    """8 steps under fp16 autocast and torch's GradScaler; ``overflow_ranks``' gradients are inf
+    at OVERFLOW_STEP. ``algorithm`` None: torch's DDP."""
+    rank = dist.get_rank()
+    net = model().to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, fused=fused or None)
+    ddp = DecentralizedDataParallel(net, opt, algorithm) if algorithm else DDP(net)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0, growth_interval=2)
+    taken, scales, error, steps = [], [], None, None
     try:
         for k in range(STEPS):
             opt.zero_grad()
-            loss = loss_of(ddp, rank, k)
-            if rank == 1 and k == OVERFLOW_STEP:
+            with torch.autocast(device, dtype=torch.float16):
+                loss = loss_of(ddp, rank, k, device=device)
+            if rank in overflow_ranks and k == OVERFLOW_STEP:
                 loss = loss * float("inf")  # this rank's fp16 gradients overflow
             scaler.scale(loss).backward()
-            before = ddp.step_count
+            if clip:
+                scaler.unscale_(opt)
+                ddp.clip_grad_norm_(1.0)
+            before = opt.state[net[0].weight].get("momentum_buffer")
+            before = None if before is None else before.clone()
             scaler.step(opt)
             scaler.update()
-            taken.append(ddp.step_count > before)
+            after = opt.state[net[0].weight].get("momentum_buffer")
+            taken.append(after is not None and (before is None or not torch.equal(before, after)))
             scales.append(float(scaler.get_scale()))
-        ddp.close()
-    except Exception as e:  # noqa: BLE001 - reported: the state before this change
+        if algorithm:
+            steps = ddp.step_count
+            ddp.close()
+    except Exception as e:  # noqa: BLE001 - reported
         error = f"{type(e).__name__}: {str(e)[:300]}"
-    return {"taken": taken, "scales": scales, "error": error, "x": flat(net)}
+    return {"taken": taken, "scales": scales, "error": error, "steps": steps, "x": flat(net)}
+
+
+def scaler_runs(device="cpu"):
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:  # torch warns on some of a scaler's paths
+        warnings.simplefilter("always")
+        for algorithm in ("dpsgd", "allreduce"):
+            for variant, extra in (("", {}), ("clip-", {"clip": True}), ("fused-", {"fused": True})):
+                for who, ranks in (("one", (1,)), ("both", (0, 1))):
+                    out[f"{algorithm}/{variant}{who}"] = scaler_run(algorithm, ranks, device=device, **extra)
+        out["ddp/one"] = scaler_run(None, (1,), device=device)
+    out["warnings"] = {"messages": [f"{w.category.__name__}: {w.message}"[:200] for w in caught]}
+    return out
 
 
 def clip_runs():
@@ -139,10 +166,8 @@ def gathered(result: dict) -> dict:
 
 def main(case: str) -> None:
     dist.init_process_group("gloo")
-    if case == "scaler":
-        res = {a: gathered(scaler_run(GradScaler, a)) for a in ("dpsgd", "allreduce")}
-    elif case == "torch-scaler":
-        res = {"dpsgd": gathered(scaler_run(torch.amp.GradScaler, "dpsgd"))}
+    if case in ("scaler", "scaler-cuda"):  # scaler-cuda: both processes on cuda:0
+        res = {name: gathered(r) for name, r in scaler_runs("cuda" if case == "scaler-cuda" else "cpu").items()}
     elif case == "ddp":
         res = {"clip": gathered(clip_runs()), "no_sync": gathered(no_sync_runs())}
     else:

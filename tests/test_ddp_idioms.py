@@ -28,6 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 
+def _fp16():
+    return torch.autocast("cpu", dtype=torch.float16)
+
+
 def _loss(model, rank, k):
     x, y = _batch(rank, k)
     return nn.functional.cross_entropy(model(x), y)
@@ -116,25 +120,31 @@ def _torchrun(case):
     return out.returncode, json.loads(lines[-1]), out.stderr
 
 
-def test_grad_scaler_skips_the_same_step_on_every_rank():
-    rc, res, err = _torchrun("scaler")
+@pytest.mark.parametrize("case", ["scaler", pytest.param("scaler-cuda", marks=pytest.mark.gpu)])
+def test_torch_grad_scaler_skips_the_same_step_on_every_rank(case):
+    """torch's own GradScaler, rank 1 alone overflowing at step 3: every rank finishes, skips
+    exactly that step (the optimizer's update and the wrapper's step), keeps the same scale, and
+    ends where the run in which both ranks overflow there ends, bit for bit; with allreduce, where
+    torch's DDP with the same scaler ends. Also after unscale_ + ddp.clip_grad_norm_, and with a
+    fused optimizer (which unscales in its own step)."""
+    rc, res, err = _torchrun(case)
     assert rc == 0, err
+    expect = [k != 3 for k in range(8)]
     for algorithm in ("dpsgd", "allreduce"):  # overlapped gossip, and gradient averaging
-        r = res[algorithm]
-        assert r["error"] == [None, None]
-        # rank 1 alone overflowed at step 3: both ranks skipped it, and only it
-        expect = [k != 3 for k in range(8)]
-        assert r["taken"] == [expect, expect]
-        assert r["scales"][0] == r["scales"][1] and r["scales"][0][3] == r["scales"][0][2] / 2
-        assert r["x"][0] == r["x"][1] or algorithm == "dpsgd"  # allreduce: the replicas stay equal
-
-
-@pytest.mark.slow  # a third torchrun launch; the agreement itself is tested above
-def test_torch_grad_scaler_out_of_step_is_named_on_every_rank():
-    """torch's own GradScaler: the rank that overflowed skips alone; every rank is told why."""
-    _, res, _ = _torchrun("torch-scaler")
-    errors = res["dpsgd"]["error"]
-    assert all(e and "ranks out of step" in e and "GradScaler" in e for e in errors), errors
+        for variant in ("", "clip-", "fused-"):
+            one, both = res[f"{algorithm}/{variant}one"], res[f"{algorithm}/{variant}both"]
+            for r in (one, both):
+                assert r["error"] == [None, None], (algorithm, variant, r["error"])
+                assert r["taken"] == [expect, expect] and r["steps"] == [7, 7]
+                assert r["scales"][0] == r["scales"][1] and r["scales"][0][3] == r["scales"][0][2] / 2
+            assert one["scales"] == both["scales"] and one["x"] == both["x"], (algorithm, variant)
+            if algorithm == "allreduce":
+                assert one["x"][0] == one["x"][1]  # the replicas stay equal
+        assert res[f"{algorithm}/one"]["x"] != res[f"{algorithm}/clip-one"]["x"]  # the clip did clip
+    assert res["warnings"]["messages"] == [[], []]  # not one warning from torch, on any path
+    ddp = res["ddp/one"]
+    assert ddp["taken"] == [expect, expect] and ddp["scales"] == res["allreduce/one"]["scales"]
+    assert ddp["x"] == res["allreduce/one"]["x"]  # what torch's DDP does, bit for bit
 
 
 def test_clip_and_no_sync_equal_torch_ddp():
@@ -272,35 +282,130 @@ def test_sync_initial_warns_when_it_replaces_a_rank_s_state(differ):
     assert all(m.startswith("rank 1: sync_initial=True replaced") for m in mine)
 
 
-@pytest.mark.parametrize("algorithm", ["allreduce", "dpsgd"])
-def test_grad_scaler_with_clipping_on_threads(algorithm):
+@pytest.mark.parametrize("algorithm,scaler_cls", [("allreduce", "torch"), ("dpsgd", "torch"), ("allreduce", "lowbit")])
+def test_grad_scaler_with_clipping_on_threads(algorithm, scaler_cls):
     """unscale_, ddp.clip_grad_norm_, scaler.step: the overflow of rank 1 at step 2 is every
-    rank's skipped step (agreed at unscale_, before the clip communicates), and the steps after
-    it communicate and clip as usual."""
+    rank's skipped step (agreed at the end of backward, so the clip communicates nothing for it),
+    and the steps after it communicate and clip as usual. lowbit.integrations.GradScaler is
+    torch's scaler under the name kept for the code that uses it."""
     from lowbit.integrations import GradScaler
+
+    cls = GradScaler if scaler_cls == "lowbit" else torch.amp.GradScaler
 
     def fn(t):
         net = Net()
         opt = torch.optim.SGD(net.parameters(), lr=0.3)
         ddp = DecentralizedDataParallel(net, opt, algorithm, transport=t)
-        scaler = GradScaler("cpu", init_scale=256.0, growth_interval=100)
-        taken = []
+        scaler = cls("cpu", init_scale=256.0, growth_interval=100)
+        taken, sent = [], []
         for k in range(5):
             opt.zero_grad()
-            loss = _loss(ddp, t.rank, k) * (float("inf") if (t.rank == 1 and k == 2) else 1.0)
+            with _fp16():
+                loss = _loss(ddp, t.rank, k) * (float("inf") if (t.rank == 1 and k == 2) else 1.0)
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
             ddp.clip_grad_norm_(0.5)
+            sent.append(ddp.bytes_sent)
             before = ddp.step_count
             scaler.step(opt)
             scaler.update()
             taken.append(ddp.step_count > before)
         finite = bool(torch.isfinite(ddp.flat.data).all())
         ddp.close()
-        return taken, float(scaler.get_scale()), finite, ddp.flat.data.clone()
+        return taken, float(scaler.get_scale()), finite, ddp.flat.data.clone(), sent
 
     res = run_threads(N, fn)
     assert [r[0] for r in res] == [[True, True, False, True, True]] * N
     assert [r[1] for r in res] == [128.0] * N and all(r[2] for r in res)
+    for r in res:  # four steps' bytes in five iterations: nothing sent twice for the skipped step
+        steps = [b - a for a, b in zip([0] + r[4][:-1], r[4])]  # (gossip: sent by the forward, kept)
+        assert steps.count(0) == 1 and len(set(steps) - {0}) == 1
     if algorithm == "allreduce":
         assert torch.equal(res[0][3], res[1][3])  # the replicas stayed equal
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overflow_without_a_scaler_names_the_rank(overlap):
+    """fp16 autocast, no scaler: a step on the gradient that overflowed on rank 1 (and that the
+    end of backward spread to rank 0) raises the same Diverged on every rank, naming rank 1, as
+    the step's own agreement does without autocast."""
+    from lowbit.algorithms.faults import Diverged
+
+    def fn(t):
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ddp = DecentralizedDataParallel(net, opt, "dpsgd", transport=t, overlap=overlap)
+        try:
+            for k in range(4):
+                opt.zero_grad()
+                with _fp16():
+                    loss = _loss(ddp, t.rank, k) * (float("inf") if (t.rank == 1 and k == 1) else 1.0)
+                loss.backward()
+                opt.step()
+        except Diverged as e:
+            ddp._close(agree=False)
+            return e.step, e.what, e.rank
+        return None
+
+    assert run_threads(N, fn) == [(1, "gradient", 1)] * N
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_overflow_agreement_runs_under_fp16_only_and_changes_no_bit(dtype):
+    """One all-reduce per backward pass under fp16 autocast, none under bf16 (nor inside
+    no_sync()); without an overflow the run is bit for bit the one without the agreement."""
+    def fn(t, quiet):
+        calls = [0]
+        all_reduce = t.all_reduce
+
+        def counted(*a, **kw):
+            calls[0] += 1
+            return all_reduce(*a, **kw)
+
+        t.all_reduce = counted
+        net = Net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        ddp = DecentralizedDataParallel(net, opt, "dpsgd", transport=t, overlap=False)  # dpsgd: no all-reduce
+        try:
+            for k in range(4):
+                opt.zero_grad()
+                with torch.autocast("cpu", dtype=dtype):
+                    loss = _loss(ddp, t.rank, k)
+                with ddp.no_sync() if quiet else contextlib.nullcontext():
+                    loss.backward()
+                opt.step()
+            ddp.close()
+        finally:
+            del t.all_reduce
+        return ddp.flat.data.clone(), calls[0]
+
+    agreed, quiet = run_threads(N, lambda t: fn(t, False)), run_threads(N, lambda t: fn(t, True))
+    assert [c for _, c in agreed] == [4 if dtype == torch.float16 else 0] * N and [c for _, c in quiet] == [0] * N
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(agreed, quiet))
+
+
+
+@pytest.mark.gpu
+def test_thread_workers_sharing_a_gpu_warn_instead_of_hanging():
+    """Thread workers on one GPU: autograd ends every rank's backward on its one device thread,
+    where the overflow agreement would wait for ever; it warns once and does not run."""
+    def fn(t):
+        net = Net().cuda()
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        ddp = DecentralizedDataParallel(net, opt, "allreduce", transport=t)
+        scaler = torch.amp.GradScaler("cuda")
+        for k in range(3):
+            opt.zero_grad()
+            x, y = (v.cuda() for v in _batch(t.rank, k))
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(ddp(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        ddp.close()
+        return ddp.step_count
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert run_threads(N, fn) == [3] * N
+    assert sum("overflow agreement does not run" in str(w.message) for w in caught) == N

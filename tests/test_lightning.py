@@ -75,8 +75,8 @@ def test_allreduce_hook_sends_fp32_all_reduce_bytes_and_ranks_agree_exactly(runs
 
 def test_dpsgd_wrapper_bytes_and_gossip_consensus(runs):
     r = runs["dpsgd"]
-    for rank in r:  # 16-mixed: the scaler whose skipped steps every rank skips together
-        assert rank["a"]["scaler"] == rank["b"]["scaler"] == "lowbit.integrations.amp.GradScaler"
+    for rank in r:  # 16-mixed: Lightning's own scaler, torch's (its skipped steps agreed by the wrapper)
+        assert rank["a"]["scaler"] == rank["b"]["scaler"] == "torch.amp.grad_scaler.GradScaler"
     numel = r[0]["a"]["numel"]
     per_step = len(IdentityCodec().encode(torch.zeros(numel)).to_wire())  # x_k to the one neighbour
     for rank in r:
@@ -152,9 +152,9 @@ def test_resume_without_every_ranks_file_starts_lowbit_afresh_on_every_rank(runs
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(runs):
-    """rank 1's gradient is inf at the second step: every rank skips it, both scalers halve, and
-    the ranks stay in step to the end (torch's own scaler would skip on rank 1 only, and the ranks
-    would fall out of step). The skipped step's exchange (overlapped: sent during its forward) is
+    """rank 1's gradient is inf at the second step: Lightning's own scaler (torch's) skips it on
+    every rank, both scalers halve, and the ranks stay in step to the end (the wrapper agrees the
+    overflow at the end of backward, as DDP's all-reduce spreads it). The skipped step's exchange (overlapped: sent during its forward) is
     kept for the step that follows, as x_k is unchanged: one step fewer on the wire."""
     r = runs["overflow"]
     clean = runs["dpsgd"][0]["a"]  # the same run without the overflow

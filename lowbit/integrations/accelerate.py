@@ -35,8 +35,8 @@ options (:mod:`lowbit.integrations.routing` decides the way).
   ``optimizer.step()``; there is no averaged gradient, so ``accelerator.clip_grad_norm_`` clips
   each rank's own; ``accelerator.accumulate`` uses the wrapper's ``no_sync()``. Under mixed
   precision the wrapper's forward runs in ``accelerator.autocast()`` with its outputs cast to
-  fp32 (what ``accelerator.prepare`` does to a model) and an fp16 scaler becomes
-  :class:`lowbit.integrations.GradScaler` (a step skipped on one rank is skipped on all).
+  fp32 (what ``accelerator.prepare`` does to a model); Accelerate's own fp16 scaler skips a step
+  on every rank when any rank's gradient overflows (:mod:`lowbit.integrations.amp`).
   Checkpoints are per rank: ``comm.save_checkpoint(f"ckpt/rank{accelerator.process_index}.pt")``
   and ``comm.load_checkpoint`` (``accelerator.save_state`` saves rank 0's model only). On the
   hook path ``comm.state_dict()`` / ``comm.load_state_dict()`` (per rank, beside the model and
@@ -53,7 +53,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .amp import GradScaler
 from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
 from .routing import choose, own_transport
@@ -84,10 +83,5 @@ def lowbit_prepare(accelerator, model: nn.Module, optimizer: torch.optim.Optimiz
         from accelerate.utils import convert_outputs_to_fp32
 
         wrapper.forward = convert_outputs_to_fp32(accelerator.autocast()(wrapper.forward))
-    scaler = accelerator.scaler
-    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, GradScaler):
-        agreed = GradScaler(accelerator.device.type, enabled=scaler.is_enabled())  # before the optimizer takes it
-        agreed.load_state_dict(scaler.state_dict())
-        accelerator.scaler = agreed
     optimizer, *others = accelerator.prepare(optimizer, *others)
     return (wrapper, optimizer, *others, wrapper)

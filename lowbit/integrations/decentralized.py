@@ -29,8 +29,8 @@ averaged). One wrapper per optimizer; :meth:`~DecentralizedDataParallel.close` r
 hooks, after which ``optimizer.step()`` is a plain local step.
 
 DDP's idioms keep DDP's meaning: ``optimizer.step(closure)`` runs the closure first and
-returns its loss; :class:`lowbit.integrations.GradScaler` makes every rank skip the same
-step; :meth:`~DecentralizedDataParallel.clip_grad_norm_` clips the averaged gradient (the
+returns its loss; torch's ``GradScaler`` skips the same steps on every rank
+(:mod:`lowbit.integrations.amp`); :meth:`~DecentralizedDataParallel.clip_grad_norm_` clips the averaged gradient (the
 centralized algorithms) or the local one (gossip, which has no averaged gradient);
 :meth:`~DecentralizedDataParallel.no_sync` accumulates without communicating.
 
@@ -58,6 +58,7 @@ from ..algorithms.faults import PeerPayloadError, refusal_error, refusal_text
 from ..comm.base import Transport
 from ..topology import Topology
 from .flat import FlatParams
+from .amp import AmpMixin
 from .gradients import BUFFER_POLICIES, GradientsMixin, InitialStateReplaced
 from .overlap import Exchange, ForwardHook, OverlapMixin, wait_channel
 from .stepping import (CountPasses, LedgerTotals, StepState, attach_hooks, check_not_hooked, detach_hooks,
@@ -69,7 +70,7 @@ __all__ = ["DecentralizedDataParallel", "InitialStateReplaced", "BUFFER_POLICIES
 StepCallback = Callable[[int, dict], None]  # on_step(step, stats)
 
 
-class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, nn.Module):
+class DecentralizedDataParallel(AmpMixin, OverlapMixin, GradientsMixin, CheckpointMixin, nn.Module):
     """Wrap ``module`` and ``optimizer`` so that ``optimizer.step()`` runs ``algorithm``.
 
     ``optimizer``: its parameters, trainable parameters of ``module`` (all of
@@ -169,12 +170,14 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
         self._views_layout: tuple | None = None  # the parameters' and gradients' layout the last step found
         self._hooks = attach_hooks(optimizer, self)
         # the training backward passes, counted for the agreement: a rank that skips or repeats an
-        # optimizer.step() (a GradScaler skips it on an inf gradient) is found at the next step
-        self._pass_hook = CountPasses(self.algorithm.guard, self.flat.params)
+        # optimizer.step() is found at the next step; at the end of each, the ranks agree whether a
+        # gradient overflowed, so that a GradScaler skips the same steps on every rank (amp.py)
+        self._pass_hook = CountPasses(self.algorithm.guard, self.flat.params, at_end=self._backward_end)
         if self.overlap:
             self._hooks += (module.register_forward_pre_hook(ForwardHook(self)),)
 
     def forward(self, *args, **kwargs):
+        self._note_autocast()  # fp16 autocast: a GradScaler's overflow is agreed at the end of backward
         return self._modules["module"](*args, **kwargs)  # self.module, without Module.__getattr__
 
     @property
@@ -211,7 +214,7 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
                 raise RuntimeError("optimizer.step() inside ddp.no_sync(): no_sync() is for gradient accumulation "
                                    "(the backward passes inside it add up; the algorithm communicates at the "
                                    "optimizer.step() after the block); a step inside it would be a local step")
-            if s.early != self.algorithm.guard.passes:
+            if not self._amp_pre_step(optimizer) and s.early != self.algorithm.guard.passes:
                 self._pre_step_body()
             s.early = s.skip_agreed = None
             return replaced
@@ -232,26 +235,6 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
             yield
         finally:
             s.no_sync = before
-
-    def agree_skip(self, skip: bool) -> bool:
-        """Collective: whether any rank skips this step (``skip`` is this rank's wish: a
-        GradScaler that found an inf or NaN gradient). Every rank gets the same answer, so
-        every rank then skips, or takes, the same ``optimizer.step()``, as under DDP, whose
-        gradient all-reduce spreads an inf to every rank. One all-reduce of one number,
-        outside the ledger (:class:`lowbit.integrations.GradScaler` calls it). A step
-        skipped after :meth:`clip_grad_norm_` communicated is dropped (the algorithm's step
-        ``k`` is taken again by the next ``optimizer.step()``)."""
-        if self._closed:
-            raise RuntimeError("agree_skip() after close()")
-        self._wait_exchange()  # an exchange started by the forward stays valid: x_k is unchanged by a skip
-        flag = torch.tensor([1.0 if skip else 0.0], device=self.flat.data.device)
-        with self.transport.untracked():
-            agreed = bool(self.transport.all_reduce(flag, "max").item() > 0)
-        s = self._step_state
-        s.skip_agreed = self.algorithm.guard.passes if agreed else None
-        if agreed and s.early is not None:  # the communication clip_grad_norm_ ran for this step is dropped
-            s.in_step = s.early = None
-        return agreed
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: bool | None = None) -> torch.Tensor:
@@ -324,6 +307,9 @@ class DecentralizedDataParallel(OverlapMixin, GradientsMixin, CheckpointMixin, n
 
     def _post_step_body(self, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
         s, algorithm = self._step_state, self.algorithm
+        if s.skipping:  # a step the GradScaler skips (amp.py): nothing to do
+            s.skipping = False
+            return
         if s.in_step is None:
             raise RuntimeError("the optimizer's step post-hook ran without its pre-hook")
         k, lr = s.in_step

@@ -27,8 +27,9 @@ that entry point takes (:mod:`lowbit.integrations.routing` decides the way).
   gradient (what a decentralized method with clipping does, and what the wrapper's
   ``clip_grad_norm_`` does for them). Lightning's closure
   runs in the optimizer's step, before the wrapper communicates; accumulation runs in the
-  wrapper's ``no_sync()`` (nothing is sent before the step). Under ``precision="16-mixed"`` the
-  scaler is :class:`lowbit.integrations.GradScaler`: a step skipped on one rank is skipped on all.
+  wrapper's ``no_sync()`` (nothing is sent before the step). Under ``precision="16-mixed"``
+  Lightning's own GradScaler skips a step on every rank when any rank's gradient overflows
+  (:mod:`lowbit.integrations.amp`).
 
 Options: ``topology``, ``overlap``, ``buffers``, ``sync_initial``, ``seed``, ``weights`` and the
 algorithm's options go to the wrapper; ``seed``, ``error_feedback``, ``nonfinite``, ``bucket``,
@@ -64,7 +65,6 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 
-from .amp import GradScaler
 from .checkpoint import load_checkpoint, save_checkpoint
 from .ddp_hooks.options import HookOptions
 from .decentralized import DecentralizedDataParallel
@@ -152,9 +152,8 @@ class LowbitStrategy(DDPStrategy):
         self._fitting = True
 
     def setup(self, trainer) -> None:
-        """DDPStrategy's setup; on the wrapper path a ``16-mixed`` GradScaler becomes
-        :class:`lowbit.integrations.GradScaler` (same state), whose skipped steps every rank skips.
-        An asynchronous algorithm with a checkpoint callback in ``fit``: ValueError, before any step."""
+        """DDPStrategy's setup. An asynchronous algorithm with a checkpoint callback in ``fit``:
+        ValueError, before any step."""
         if asynchronous(self.algorithm) and trainer.checkpoint_callbacks and trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(f"{self.algorithm!r} is asynchronous: its ranks' models change while a checkpoint "
                              "callback would save them (no consistent cut before close()), so LowbitStrategy cannot "
@@ -162,12 +161,6 @@ class LowbitStrategy(DDPStrategy):
                              "ModelCheckpoint and call trainer.save_checkpoint(path) after fit (each rank's "
                              "consistent state, written beside it)")
         super().setup(trainer)
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        if self.wrapper is not None and isinstance(scaler, torch.amp.GradScaler) and \
-                not isinstance(scaler, GradScaler):
-            agreed = GradScaler(self.root_device.type, enabled=scaler.is_enabled())
-            agreed.load_state_dict(scaler.state_dict())
-            self.precision_plugin.scaler = agreed
 
     @contextmanager
     def block_backward_sync(self) -> Generator:

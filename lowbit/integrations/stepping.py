@@ -127,18 +127,24 @@ class StepState:
     docstring): ``k``, the index of the next step (the wrapper's ``step_count``);
     ``in_step``, ``(k, lr)`` between the optimizer's pre- and post-hook; ``early`` /
     ``skip_agreed``, the backward pass (``guard.passes``) at which ``clip_grad_norm_`` ran the
-    step's communication / ``agree_skip`` agreed to skip (valid for those gradients only);
-    ``no_sync``, inside ``no_sync()``; ``exchange``, the overlapped exchange in flight;
-    ``overlapped``, whether the step in progress was overlapped; ``stats``, the last step's
-    figures."""
+    step's communication / the ranks agreed that a gradient overflowed (valid for those
+    gradients only; :mod:`lowbit.integrations.amp`); ``overflow_from``, the first rank whose
+    gradient overflowed then; ``skipping``, the optimizer's step in progress is one a
+    GradScaler skips; ``fp16``, the last training forward ran under fp16 autocast; ``no_sync``, inside ``no_sync()``; ``exchange``, the overlapped exchange
+    in flight; ``overlapped``, whether the step in progress was overlapped; ``stats``, the last
+    step's figures."""
 
-    __slots__ = ("k", "in_step", "early", "skip_agreed", "no_sync", "exchange", "overlapped", "stats")
+    __slots__ = ("k", "in_step", "early", "skip_agreed", "overflow_from", "skipping", "fp16", "no_sync",
+                 "exchange", "overlapped", "stats")
 
     def __init__(self):
         self.k = 0
         self.in_step: tuple[int, float] | None = None
         self.early: int | None = None
         self.skip_agreed: int | None = None
+        self.overflow_from: int | None = None
+        self.skipping = False
+        self.fp16 = False
         self.no_sync = False
         self.exchange = None
         self.overlapped = 0
@@ -152,13 +158,16 @@ class CountPasses:
     ``torch.autograd.graph.register_multi_grad_hook(mode="any")`` does. That one takes a lock
     and keeps a dict entry per pass, never freed; here the next parameter of the pass just
     counted costs one comparison, and the passes remembered are the last :attr:`REMEMBERED`
-    (passes run by other threads at the same time are counted once each). :meth:`remove`
-    removes the hooks."""
+    (passes run by other threads at the same time are counted once each). ``at_end``, if
+    given (a bound method, held weakly), is called with no arguments at the end of every pass
+    counted (autograd's ``queue_callback``: after every gradient of the pass is accumulated,
+    inside ``backward()``, which raises what it raises). :meth:`remove` removes the hooks."""
 
     REMEMBERED = 64
 
-    def __init__(self, guard, params):
+    def __init__(self, guard, params, at_end=None):
         self.guard = guard
+        self.at_end = weakref.WeakMethod(at_end) if at_end is not None else None
         self.last = -1  # the graph task whose hook ran last
         self.seen: dict[int, None] = {}  # the graph tasks counted, oldest first
         self.lock = threading.Lock()
@@ -176,6 +185,9 @@ class CountPasses:
             if len(self.seen) > self.REMEMBERED:
                 del self.seen[next(iter(self.seen))]
             self.guard.passes += 1
+        at_end = self.at_end() if self.at_end is not None else None
+        if at_end is not None:
+            torch.autograd.Variable._execution_engine.queue_callback(at_end)
 
     def remove(self) -> None:
         """Remove the hooks."""

@@ -1,0 +1,134 @@
+"""What the GradScaler's overflow agreement costs a step (:mod:`lowbit.integrations.amp`): the
+same fp16-autocast loop under :class:`~lowbit.integrations.DecentralizedDataParallel` with the
+agreement at the end of every backward pass, and with it switched off, beside torch's DDP.
+
+Run (from the repository root)::
+
+    python benchmarks/amp_overflow_agreement.py                  # allreduce and dpsgd, 15 rounds of 50 steps
+
+Method. Two gloo processes on loopback, one thread each, the model, data and rounds of
+``benchmarks/wrapper_vs_ddp.py`` (digits-mlp's shape, SGD with momentum, ``--batch`` samples),
+every step ``opt.zero_grad(); with torch.autocast("cpu", dtype=torch.float16): loss = ...;
+scaler.scale(loss).backward(); scaler.step(opt); scaler.update()`` with torch's GradScaler (no
+overflow happens). Per method two wrappers: ``agreed`` (as shipped) and ``off`` (the wrapper's
+autocast note disabled, so no agreement runs). A round runs every loop once, in an order that
+rotates; a loop's time in a round is the slowest rank's. The figure is the median over rounds of
+the per-round ratio agreed / off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from lowbit.comm.distributed import TorchDistributedTransport
+    from lowbit.integrations import DecentralizedDataParallel
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [(torch.randn(args.batch, 64, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
+               for _ in range(args.steps)]
+
+    def model() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
+        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    runs = {}
+    net, opt = model()
+    runs["torch-ddp"] = (torch.nn.parallel.DistributedDataParallel(net), opt)
+    for name in args.methods:
+        for how in ("agreed", "off"):
+            net, opt = model()
+            transport = TorchDistributedTransport(process_group=dist.new_group())
+            ddp = DecentralizedDataParallel(net, opt, name, transport=transport)
+            if how == "off":
+                ddp._note_autocast = lambda: None  # the forward never notes fp16: no agreement
+            runs[f"{name}/{how}"] = (ddp, opt)
+    scalers = {n: torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for n in runs}
+    loss_fn = nn.CrossEntropyLoss()
+
+    def steps(name: str) -> float:
+        wrapped, opt = runs[name]
+        scaler = scalers[name]
+        dist.barrier()
+        t0 = time.perf_counter()
+        for x, y in batches:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(wrapped(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        slowest = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(slowest, dist.ReduceOp.MAX)
+        return slowest.item() / args.steps
+
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.warmup + args.rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            t = steps(name)
+            if r >= args.warmup:
+                times[name].append(t)
+    for name in names[1:]:
+        runs[name][0].close()
+    if rank == 0:
+        out.put(times)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--methods", default="allreduce,dpsgd", help="lowbit algorithms, comma-separated")
+    ap.add_argument("--rounds", type=int, default=15, help="counted rounds (default 15)")
+    ap.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
+    ap.add_argument("--steps", type=int, default=50, help="steps of each loop per round (default 50)")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden units (default 128: 9,610 parameters)")
+    args = ap.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    for name, lo in (("rounds", 1), ("warmup", 0), ("steps", 1), ("batch", 1), ("hidden", 1)):
+        if getattr(args, name) < lo:
+            ap.error(f"--{name} must be at least {lo}, got {getattr(args, name)}")
+    from lowbit.algorithms import ALGORITHMS
+
+    unknown = [m for m in args.methods if m not in ALGORITHMS]
+    if unknown or not args.methods:
+        ap.error(f"--methods must name lowbit algorithms ({', '.join(ALGORITHMS)}), got {args.methods}")
+
+    import torch.multiprocessing as mp
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(2, _free_port(), args, out), nprocs=2, start_method="spawn")
+    times = out.get()
+    print(f"{'loop':16s} {'median step':>12s}  agreed / off per round")
+    for name, t in times.items():
+        print(f"{name:16s} {statistics.median(t) * 1e3:9.3f} ms")
+    for name in args.methods:
+        ratios = [a / b for a, b in zip(times[f"{name}/agreed"], times[f"{name}/off"])]
+        print(f"{name:16s} agreed / off {statistics.median(ratios):.3f}  {[round(x, 3) for x in ratios]}")
+
+
+if __name__ == "__main__":
+    main()
