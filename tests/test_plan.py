@@ -246,7 +246,7 @@ def test_calibrate_replays_steps_on_two_processes():
     steps = {"a": [Round("all_gather_fixed", 40), Round("neighbor_exchange", 1000, 2)],
              "b": [Round("torch_all_reduce", 4000), Round("all_reduce_async", 4000), Round("all_reduce", 4)]}
     c = calibrate({"task": "digits-mlp", "batch_size": 8, "task_options": {"hidden": 32}}, steps, processes=2,
-                  repeats=3, warmup=1, ping_samples=5)
+                  repeats=3, warmup=1, ping_samples=5, work={"a": 0.001})
     assert c.processes == 2 and c.link == "loopback" and c.latency_s > 0
     # an exchange on two processes has one neighbour
     assert c.rounds["a"] == [Round("all_gather_fixed", 40), Round("neighbor_exchange", 1000, 1)]
@@ -255,6 +255,8 @@ def test_calibrate_replays_steps_on_two_processes():
     assert c.compute_solo_seconds > 0 and c.compute_shared_seconds > 0
     with pytest.raises(ValueError, match="processes"):
         calibrate({"task": "digits-mlp"}, steps, processes=1)
+    with pytest.raises(ValueError, match="work"):
+        calibrate({"task": "digits-mlp"}, steps, work={"a": -1.0})
 
 
 # --- module:function ---------------------------------------------------------------------------
@@ -351,10 +353,17 @@ def test_plan_report_schema_and_cli(user_module, tmp_path):
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", f"{user_module}:build", "--workers", "2,8", "--bandwidth", "100Mbit,1000Tbit",
                "--latency", "0s", "--repeats", "2", "--warmup", "1", "--threads", "1", "--json", str(out),
-               "--min-speedup", "1.5"])  # wide: a loaded machine's timing noise on a 1 ms step
+               "--min-speedup", "1.5", "--processes", "2"])  # wide: a loaded machine's timing noise on a 1 ms step
     assert rc == 0
     r = json.loads(out.read_text())
     assert set(r["methods"]) == set(METHODS)
+    # calibrated on 2 processes: every method's step replayed, the gossip's untracked all-gather too
+    c = r["calibration"]
+    assert c["processes"] == 2 and c["compute_factor"] > 0 and set(c["rounds"]) == set(METHODS)
+    assert {x["call"] for x in c["rounds"]["choco"]} == {"all_gather_fixed", "neighbor_exchange"}
+    assert any("processes of this host" in a for a in r["assumptions"])
+    with pytest.raises(ValueError, match="processes"):
+        plan(model=f"{user_module}:build", processes=1)
     m = r["measured"]
     for k in ("forward_seconds", "backward_seconds", "optimizer_seconds"):
         assert m[k] > 0

@@ -123,7 +123,8 @@ def plan(task: str | None = None, model: str | None = None, device: str = "cpu",
     costs = None
     if processes is not None:
         spec = {"task": task, "model": model, "batch_size": batch_size, "seq_len": seq_len}
-        costs = calibrate(spec, method_steps(prof, workers[0]), processes, repeats=max(repeats, 3))
+        steps, work = method_steps(prof, workers[0])
+        costs = calibrate(spec, steps, processes, repeats=max(repeats, 4), work=work)
     settings = predict(prof, workers, bandwidths, latencies, min_speedup, costs=costs)
     assumptions = ["every link has the bandwidth and latency of the setting; collectives are rings",
                    "the decentralized methods gossip on a ring (2 neighbours per worker)",

@@ -69,7 +69,8 @@ def compare_with_race(race: dict | None = None, quick: bool = True, networks=("1
         if calibrate:
             if progress:
                 progress(f"plan: replaying {len(methods)} methods' steps on {n} processes behind {net} links ...")
-            costs[net] = run_calibration(spec, method_steps(prof, n), n, NETWORKS[net], repeats=calibration_repeats)
+            steps, work = method_steps(prof, n)
+            costs[net] = run_calibration(spec, steps, n, NETWORKS[net], repeats=calibration_repeats, work=work)
         lat[net] = (parse_latency(latency) if latency is not None
                     else costs[net].latency_s if calibrate else measure_latency(n, NETWORKS[net]))
     rows = {net: predict(prof, [n], [NETWORKS[net]], [lat[net]], costs=costs.get(net))[0] for net in nets}

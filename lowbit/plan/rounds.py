@@ -158,17 +158,23 @@ def ddp_rounds(method: str, ops) -> list[Round]:
     return [Round(r.op + ("_async" if k == "async" else ""), r.nbytes) for k, r in ops]
 
 
-def method_steps(prof, n: int) -> dict:
-    """Each method's rounds in one step on ``n`` workers, as a
-    :class:`~lowbit.plan.profile.Profile` recorded them: a DDP method's ops bucket after bucket,
-    a decentralized method's last timed step (every call of its transport, the untracked ones
-    too; on the ring the plan measured for ``n``)."""
+def method_steps(prof, n: int) -> tuple[dict, dict]:
+    """Each method's rounds in one step on ``n`` workers as a
+    :class:`~lowbit.plan.profile.Profile` recorded them (a DDP method's ops bucket after bucket;
+    a decentralized method's most common step: every call of its transport, the untracked ones
+    too, on the ring the plan measured for ``n``), and each method's own compute per step (its
+    hook's; the wrapper's beyond a plain step): :func:`calibrate`'s ``steps`` and ``work``."""
+    from collections import Counter
+
     from .methods import GOSSIP_RING
 
     steps = {m: ddp_rounds(m, [op for bops in ops[n] for op in bops]) for m, ops in prof.hook_ops.items()}
+    work = {m: math.fsum(prof.hook_seconds[m]) for m in prof.hook_ops}
     for m, g in prof.gossip.items():
-        steps[m] = list((g[min(n, GOSSIP_RING)].get("rounds") or [[]])[-1])
-    return steps
+        ring = g[min(n, GOSSIP_RING)]
+        seen = Counter(tuple(rs) for rs in ring.get("rounds") or [()])
+        steps[m], work[m] = list(seen.most_common(1)[0][0]), ring["overhead_seconds"]
+    return steps, work
 
 
 def step_seconds(method: str, rounds: Sequence[Round], n: int, net: NetworkModel,
@@ -202,12 +208,12 @@ def _runner(transport, r: Round):
     """A function that runs round ``r`` once on the real ``transport``."""
     import torch.distributed as dist
 
+    if r.call == "neighbor_exchange":
+        peers, buf = _peers(transport.rank, transport.world_size, r.peers), torch.zeros(r.nbytes, dtype=torch.uint8)
+        return lambda: transport.neighbor_exchange(buf, peers)
     x = _buffer(r.nbytes)
     if r.call == "torch_all_reduce":
         return lambda: dist.all_reduce(x, async_op=True).wait()
-    if r.call == "neighbor_exchange":
-        peers = _peers(transport.rank, transport.world_size, r.peers)
-        return lambda: transport.neighbor_exchange(x, peers)
     if r.call in ("all_reduce_async", "all_gather_async"):
         fn = getattr(transport, r.call)
         return lambda: fn(x).wait()
@@ -249,7 +255,7 @@ def _calibration_worker(transport, spec: dict) -> dict:
 
     seqs = [[Round(*r) for r in seq] for seq in spec["sequences"]]
     runners = [[_runner(transport, r) for r in seq] for seq in seqs]
-    warmup, repeats = spec["warmup"], spec["repeats"]
+    warmup, repeats, blocks = spec["warmup"], spec["repeats"], spec["blocks"]
     with transport.untracked():
         ping = _ping(transport, spec["ping_samples"])
         solo = []
@@ -261,26 +267,43 @@ def _calibration_worker(transport, spec: dict) -> dict:
                     solo.append(t)
             transport.barrier()
         shared, times = [], [[[] for _ in seq] for seq in seqs]
-        for i in range(warmup + repeats):
+        per_block = -(-repeats // blocks)
+        for _ in range(blocks):  # each method's steps one after another, as in training
             for s, seq in enumerate(runners):
-                t = compute()
-                if i >= warmup:
-                    shared.append(t)
-                for j, run in enumerate(seq):
-                    t0 = time.perf_counter()
-                    run()
+                transport.barrier()
+                for i in range(warmup + per_block):
+                    t = compute()
                     if i >= warmup:
-                        times[s][j].append(time.perf_counter() - t0)
+                        shared.append(t)
+                    for j, run in enumerate(seq):
+                        if j == len(seq) - 1:
+                            _cpu_work(spec["work"][s])
+                        t0 = time.perf_counter()
+                        run()
+                        if i >= warmup:
+                            times[s][j].append(time.perf_counter() - t0)
         transport.barrier()
     return {"ping": ping, "solo": solo, "shared": shared,
             "rounds": [[statistics.median(t) for t in seq] for seq in times]}
 
 
+def _cpu_work(seconds: float) -> None:
+    """Keep this thread busy for ``seconds`` of its own CPU time (a method's own compute,
+    replayed at its place: wall time grows where the process waits for a core)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
 def calibrate(workload: dict, steps: dict, processes: int = 2, rate: float | None = None, repeats: int = 10,
-              warmup: int = 2, ping_samples: int = 50) -> RoundCosts:
+              warmup: int = 2, ping_samples: int = 50, work: dict | None = None, blocks: int = 2) -> RoundCosts:
     """Replay each method's step (``steps``: method -> the rounds of one step, in order) on
     ``processes`` real gloo processes of this host, over loopback (``rate`` None) or behind
-    ``tc tbf`` links of ``rate`` bits/s, ``repeats`` times each after ``warmup`` (module doc).
+    ``tc tbf`` links of ``rate`` bits/s, ``repeats`` steps of each method in ``blocks`` runs of
+    consecutive steps, each run after ``warmup`` untimed steps (module doc). ``work``: method ->
+    seconds of the method's own compute (its hook's, or the wrapper's beyond a plain step, as the
+    plan measured it), replayed as that much CPU time of the process right before the step's
+    last round (where encoding happens), so that the round waits for a peer still encoding.
     ``workload``: :func:`~lowbit.plan.workload.load_workload`'s keyword arguments (a task or a
     ``module:function`` each process can import). A round's figure is the mean over the ranks of
     each rank's median; the latency per message is measured there too (a 4-byte all-reduce over
@@ -296,9 +319,15 @@ def calibrate(workload: dict, steps: dict, processes: int = 2, rate: float | Non
     # an exchange is replayed with the neighbours a ring of these processes has (1 on 2, else 2)
     replayed = {m: [Round(r.call, int(r.nbytes), min(int(r.peers), 1 if processes == 2 else 2)) for r in steps[m]]
                 for m in methods}
+    work = dict(work or {})
+    if any(not (isinstance(v, (int, float)) and 0 <= v < math.inf) for v in work.values()):
+        raise ValueError(f"work must map methods to CPU seconds >= 0, got {work!r}")
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
     spec = {"workload": dict(workload), "sequences": [[(r.call, r.nbytes, r.peers) for r in replayed[m]]
                                                       for m in methods],
-            "repeats": repeats, "warmup": warmup, "ping_samples": ping_samples}
+            "work": [float(work.get(m, 0.0)) for m in methods], "repeats": repeats, "warmup": warmup,
+            "blocks": blocks, "ping_samples": ping_samples}
     if rate is None:
         res = launch(processes, _calibration_worker, spec)
     else:
