@@ -419,10 +419,13 @@ def test_repair_message_is_16_bit_min_max_per_block(dtype):
     x[64:128] = 0.3  # a constant block
     blocks = {1, 2, 4}
     msg = frame.repair_message(x, blocks)
-    m = frame.block_mask(blocks, d, "cpu")
-    assert msg.dtype == torch.uint8 and msg.numel() == 1 + 8 * len(blocks) + 2 * int(m.sum())
-    got = frame.read_repair(msg, d, "cpu", sender=1)
-    assert got.dtype == torch.float32 and torch.equal(got[~m], torch.zeros(int((~m).sum())))
+    at = frame.block_elements(blocks, d, "cpu")[0]
+    assert torch.equal(at, torch.cat([torch.arange(64, 192), torch.arange(256, 300)]))
+    assert msg.dtype == torch.uint8 and msg.numel() == 1 + 8 * len(blocks) + 2 * at.numel()
+    got_at, vals = frame.read_repair(msg, d, "cpu", sender=1)
+    assert torch.equal(got_at, at) and vals.dtype == torch.float32
+    got = torch.zeros(d, dtype=torch.float32)
+    got[at] = vals
     x32 = x.float()
     for c in sorted(blocks):
         sl = slice(64 * c, min(64 * (c + 1), d))
@@ -571,3 +574,29 @@ def test_train_runs_the_new_algorithms_from_their_config():
                              ("moniqua-d2", dict(momentum=0.0, bits=2, entropy="ans", theta=1.0))):
         s = train(TrainConfig(algorithm=algorithm, workers=3, steps=4, eval_every=4, hidden=8, **extra)).summary
         assert s["bytes_sent"] > 0 and math.isfinite(s["final_train_loss"])
+
+
+def test_block_masks_round_trip_and_repairs_lacking_a_block_are_refused():
+    """The request and repair block masks decode to the blocks packed (a short mask is an
+    error), and a neighbour's repair that lacks a block of the edge is refused naming it."""
+    from types import SimpleNamespace
+
+    from lowbit.algorithms.moniqua.frame import pack_mask, unpack_mask
+    from lowbit.algorithms.moniqua.verify import repair
+
+    g = torch.Generator().manual_seed(3)
+    for nb in (1, 7, 8, 9, 6501):
+        blocks = set(torch.randperm(nb, generator=g)[: max(1, nb // 3)].tolist())
+        assert unpack_mask(pack_mask(blocks, nb), nb) == blocks
+    with pytest.raises(ValueError, match="needs 2 bytes"):
+        unpack_mask(b"\x01", 9)
+    frame = ModuloFrame(bits=2, block=8, verify=True, entropy=None, peers=2, rank=0)
+    x = torch.randn(40, generator=g)
+    theirs = frame.repair_message(torch.randn(40, generator=g), {1})  # the edge asked for blocks 1 and 3
+    ctx = SimpleNamespace(rank=0, transport=SimpleNamespace(neighbor_exchange=lambda msg, peers: {1: theirs}))
+    with pytest.raises(ValueError, match=r"malformed repair message from worker 1: it lacks blocks"):
+        repair(frame, ctx, x, {1: {1, 3}})
+    ctx.transport.neighbor_exchange = lambda msg, peers: {1: frame.repair_message(x + 1, {1, 3})}
+    (at, ex), = repair(frame, ctx, x, {1: {1, 3}}).values()
+    assert torch.equal(at, torch.cat([torch.arange(8, 16), torch.arange(24, 32)]))
+    assert float((ex - 1).abs().max()) < 1e-3  # (x + 1) - x through two 16-bit repairs

@@ -111,20 +111,26 @@ class MoniquaState(MoniquaSaved):
 
 def mix(gamma: float, ctx, x: torch.Tensor, sent: Sent, heard: Heard, exact: dict) -> None:
     """Line 6 with the slack matrix: x += gamma sum_j W_ji (xh_{k,j} - xh_{k,i}), block by block
-    where a block was wrong (left out) or repaired ((x_j - x_i) from the repair instead)."""
+    where a block was wrong (left out) or repaired ((x_j - x_i) from the repair instead).
+
+    A neighbour with such blocks adds its term to every element and then puts the elements of
+    those blocks back: the sum ``delta`` starts at +0 and never holds -0, so leaving a term out
+    there is adding a zero, and the work on those blocks is their size, not the model's."""
     delta = heard.delta
     if not heard.mixed or exact:  # else the one-call kernels have summed every term already
         delta.zero_()
         for j in ctx.neighbors:
-            keep, w = heard.good[j], ctx.w[j]
+            w, out = ctx.w[j], heard.wrong.get(j)
             if j in exact:
-                m, ex = exact[j]
-                keep = ~m if keep is None else keep & ~m
-                delta.add_(ex, alpha=w)
-            if keep is None:  # every block right: w_j (xh_j - xh_i), the kernels' arithmetic
+                at, ex = exact[j]
+                delta[at] = delta[at].add_(ex, alpha=w)
+                out = at if out is None else torch.cat([out, at])
+            if out is None:  # every block right: w_j (xh_j - xh_i), the kernels' arithmetic
                 delta.add_(heard.x_hat[j].to(x.dtype), alpha=w).sub_(sent.x_hat_i, alpha=w)
             else:
-                delta.add_((heard.x_hat[j].to(x.dtype) - sent.x_hat_i) * keep, alpha=w)
+                kept = delta[out]
+                delta.add_(heard.x_hat[j].to(x.dtype) - sent.x_hat_i, alpha=w)
+                delta[out] = kept
     x.add_(delta, alpha=gamma)
 
 

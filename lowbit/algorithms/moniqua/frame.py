@@ -57,7 +57,10 @@ def pack_mask(blocks, nb: int) -> bytes:
 
 def unpack_mask(raw: bytes, nb: int) -> set[int]:
     """The set of block indices whose bit is set in ``raw``, a bitmap of ``nb`` blocks (bit b of byte b // 8)."""
-    return {b for b in range(nb) if raw[b >> 3] >> (b & 7) & 1}
+    if len(raw) * 8 < nb:
+        raise ValueError(f"a mask of {nb} blocks needs {-(-nb // 8)} bytes, got {len(raw)}")
+    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[:nb]
+    return set(np.flatnonzero(bits).tolist())
 
 
 @dataclass
@@ -90,11 +93,17 @@ class ModuloFrame:
     def nblocks(self, d: int) -> int:
         return -(-d // self.block)
 
-    def block_mask(self, blocks, d: int, device) -> torch.Tensor:
-        """Element mask (bool, length d) of the given block indices."""
-        per_block = torch.zeros(self.nblocks(d), dtype=torch.bool)
-        per_block[sorted(b for b in blocks if b < per_block.numel())] = True
-        return per_block.repeat_interleave(self.block)[:d].to(device)
+    def block_elements(self, blocks, d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices (int64, ascending) of the elements of the given blocks of a d-element
+        vector, and for each the rank of its block among the blocks in order (which min and
+        max of a repair it is coded against). Its cost is the blocks' size, not d."""
+        ids = torch.tensor(sorted(b for b in set(blocks) if 0 <= b < self.nblocks(d)), dtype=torch.int64)
+        elem = (ids[:, None] * self.block + torch.arange(self.block)).flatten()
+        seg = torch.arange(ids.numel()).repeat_interleave(self.block)
+        if ids.numel() and elem[-1] >= d:  # only the last block can be short
+            keep = elem < d
+            elem, seg = elem[keep], seg[keep]
+        return elem.to(device), seg.to(device)
 
     def _malformed(self, sender: int, why: str, what: str = "message") -> ValueError:
         return ValueError(f"moniqua: worker {self.rank} got a malformed {what} from worker {sender}: {why}")
@@ -268,7 +277,7 @@ class ModuloFrame:
         block's codes depend on that block's values alone."""
         d = x.numel()
         mask = torch.frombuffer(bytearray(pack_mask(blocks, self.nblocks(d))), dtype=torch.uint8).to(x.device)
-        elem, seg = self._repair_segments(blocks, d, x.device)
+        elem, seg = self.block_elements(blocks, d, x.device)
         v = x.detach()[elem].to(torch.float32).to(torch.float64)
         inf = torch.full((len(blocks),), math.inf, dtype=torch.float64, device=x.device)
         lo, hi = inf.scatter_reduce(0, seg, v, "amin"), (-inf).scatter_reduce(0, seg, v, "amax")
@@ -279,22 +288,16 @@ class ModuloFrame:
         body = codes.to(torch.int32).to(torch.int16)  # two's complement of the low 16 bits, little-endian
         return torch.cat([mask, torch.stack([lo, hi], 1).flatten().view(torch.uint8), body.view(torch.uint8)])
 
-    def _repair_segments(self, blocks: set[int], d: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The element mask of ``blocks`` and, for each element in it, the rank of its block
-        among ``blocks`` in order (which min and max it is coded against)."""
-        elem = self.block_mask(blocks, d, device)
-        ids = torch.tensor(sorted(blocks), dtype=torch.int64, device=device)
-        return elem, torch.searchsorted(ids, torch.nonzero(elem).flatten() // self.block)
-
-    def read_repair(self, buf: torch.Tensor, d: int, device, sender: int) -> torch.Tensor:
-        """A repair message as d float32 values (zero outside the blocks it carries)."""
+    def read_repair(self, buf: torch.Tensor, d: int, device, sender: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A repair message as (the indices of the elements of the blocks it carries, ascending;
+        their float32 values): :meth:`block_elements` of its mask, then the values."""
         nb = self.nblocks(d)
         mask_nbytes = -(-nb // 8)
         if buf.numel() < mask_nbytes:
             raise self._malformed(sender, f"{buf.numel()} bytes, shorter than its {mask_nbytes}-byte block mask",
                                   "repair message")
         blocks = unpack_mask(buf[:mask_nbytes].cpu().numpy().tobytes(), nb)
-        elem, seg = self._repair_segments(blocks, d, device)
+        elem, seg = self.block_elements(blocks, d, device)
         m = seg.numel()
         if buf.numel() != mask_nbytes + 8 * len(blocks) + 2 * m:
             raise self._malformed(sender, f"{buf.numel() - mask_nbytes} bytes after the mask for {len(blocks)} "
@@ -304,9 +307,7 @@ class ModuloFrame:
         bounds = raw[:8 * len(blocks)].view(torch.float32).reshape(-1, 2).to(torch.float64)
         codes = (raw[8 * len(blocks):].view(torch.int16).to(torch.int64) & 0xFFFF).to(torch.float64)
         lo, span = bounds[:, 0][seg], (bounds[:, 1] - bounds[:, 0])[seg]
-        vals = torch.zeros(d, dtype=torch.float32, device=device)
-        vals[elem] = (lo + codes * (span / REPAIR_LEVELS)).to(torch.float32)
-        return vals
+        return elem, (lo + codes * (span / REPAIR_LEVELS)).to(torch.float32)
 
 
 def _undither(x_hat: torch.Tensor, v: torch.Tensor | None) -> torch.Tensor:

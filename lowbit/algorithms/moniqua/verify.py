@@ -68,16 +68,16 @@ class Sent:
 
 @dataclass
 class Heard:
-    """What a worker read at step k: each neighbour's xh_{k,j} (line 5), the element mask of its
-    blocks verified right (None: all), the blocks of each edge to mix from the repair this step
-    (``repair``: asked by either end), the blocks to ask next step (``nack``), and line 6's sum
-    ``delta`` when the one-call kernels built it already (``mixed``)."""
+    """What a worker read at step k: each neighbour's xh_{k,j} (line 5), the indices of the
+    elements of its blocks verified wrong (``wrong``; absent: none), the blocks of each edge to
+    mix from the repair this step (``repair``: asked by either end), the blocks to ask next step
+    (``nack``), and line 6's sum ``delta`` when the one-call kernels built it already (``mixed``)."""
 
     delta: torch.Tensor
     repair: dict[int, set[int]]
     mixed: bool = True
     x_hat: dict[int, torch.Tensor] = field(default_factory=dict)
-    good: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    wrong: dict[int, torch.Tensor] = field(default_factory=dict)
     nack: dict[int, list[int]] = field(default_factory=dict)
 
 
@@ -96,33 +96,38 @@ def receive(state, ctx, k: int, x: torch.Tensor, codec: ModuloCodec, sent: Sent,
         heard.mixed = heard.mixed and r.mixed
         if ctx.rank in r.requests:
             heard.repair.setdefault(j, set()).update(r.requests[ctx.rank])
-        heard.good[j] = None
         if verify:
             state.window[1] += nb
             if r.wrong:  # never use a wrong block: leave it out of this step's mix
                 _mismatch(state, ctx, k, j, len(r.wrong), nb)
                 heard.nack[j] = sorted(r.wrong)
-                heard.good[j] = ~frame.block_mask(r.wrong, d, x.device)
+                heard.wrong[j] = frame.block_elements(r.wrong, d, x.device)[0]
         heard.x_hat[j] = r.x_hat
     return heard
 
 
 def repair(frame: ModuloFrame, ctx, x: torch.Tensor, blocks: dict[int, set[int]]) -> dict:
-    """The repair round, only on the edges (and blocks) with a request: {j: (element mask m of
-    the blocks, (x_j - x_i) m)} (one counted neighbour exchange; none on most steps). Both
-    values are as the repair codes carry them (a block's codes depend on that block alone), so
-    the two ends of an edge add opposite terms and line 6 keeps the models' average."""
+    """The repair round, only on the edges (and blocks) with a request: {j: (the indices of the
+    blocks' elements, (x_j - x_i) there)} (one counted neighbour exchange). Both values are as
+    the repair codes carry them (a block's codes depend on that block alone), so the two ends
+    of an edge add opposite terms and line 6 keeps the models' average. A neighbour's repair
+    that lacks a block of the edge (both ends ask for the same ones) is a malformed message."""
     asked = {j: b for j, b in blocks.items() if b}
     if not asked:
         return {}
     d = x.numel()
     msg = frame.repair_message(x, set().union(*asked.values()))
     got = ctx.transport.neighbor_exchange(msg, sorted(asked))
-    mine = frame.read_repair(msg, d, x.device, ctx.rank).to(x.dtype)
+    mine_at, mine = frame.read_repair(msg, d, x.device, ctx.rank)
     exact = {}
     for j, b in asked.items():
-        m = frame.block_mask(b, d, x.device)
-        exact[j] = (m, (frame.read_repair(got[j], d, x.device, j).to(x.dtype) - mine) * m)
+        at, theirs = frame.read_repair(got[j], d, x.device, j)
+        elem = frame.block_elements(b, d, x.device)[0]
+        pos = torch.searchsorted(at, elem)
+        if pos.numel() and (int(pos.max()) >= at.numel() or not torch.equal(at[pos], elem)):
+            raise frame._malformed(j, f"it lacks blocks of the repair both ends asked for ({sorted(b)})",
+                                   "repair message")
+        exact[j] = (elem, theirs[pos].to(x.dtype) - mine[torch.searchsorted(mine_at, elem)].to(x.dtype))
     return exact
 
 
