@@ -110,8 +110,7 @@ class AmpMixin:
         found = getattr(optimizer, "found_inf", None)
         if isinstance(found, torch.Tensor):  # torch's GradScaler, for an optimizer that handles the scaling
             if bool(found.item()):  # the optimizer skips the update itself
-                if s.in_step is not None:  # clip_grad_norm_ communicated for this step: dropped
-                    s.in_step = None
+                s.in_step = None  # a communication clip_grad_norm_ ran for this step is dropped
                 s.skipping = True
                 return True
             scale = getattr(optimizer, "grad_scale", None)
