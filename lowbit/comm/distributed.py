@@ -23,6 +23,10 @@ way.
 Asynchronous pairwise gossip (``Transport.gossip``, AD-PSGD) runs on a gloo process group
 of its own: :mod:`lowbit.comm.gloo_gossip` describes the protocol.
 
+A refusal another rank posts (``Transport.post_refusal``) ends every blocking wait of a gloo
+transport within about a second, even while the refusing rank lives on
+(:mod:`lowbit.comm.refusal_watch`).
+
 Process group: the default one, or the group given as ``process_group``; ``rank``
 and ``world_size`` are this rank's in that group, and neighbour ranks are group
 ranks (translated to global ranks for point-to-point sends). Asynchronous gossip
@@ -38,7 +42,9 @@ synchronous forms.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import math
 import os
 import time
@@ -47,12 +53,12 @@ import torch
 import torch.distributed as dist
 
 from .base import Transport, check_equal_sizes, then
-from .gloo_gossip import GlooGossip, store_text
+from .gloo_gossip import GlooGossip
+from .refusal_watch import REFUSAL_KEY, RefusalWatch, break_gloo, default_store, read_refusal
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "band": dist.ReduceOp.BAND}
 _ENV_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-# the store key of Transport.post_refusal
-_REFUSAL_KEY = "lowbit/refusal"
+_NOT_WATCHED = contextlib.nullcontext()
 
 
 class TorchDistributedTransport(GlooGossip, Transport):
@@ -100,6 +106,12 @@ class TorchDistributedTransport(GlooGossip, Transport):
         # rank allocates it (None: unbounded). lowbit's training loop and the wrapper set it
         # from the model's size (max_payload_nbytes); a larger stated size is a ValueError.
         self.max_message_bytes: int | None = None
+        # A refusal another rank posts ends this rank's waits (lowbit.comm.refusal_watch), on gloo.
+        self._watch = None
+        if "gloo" in self.backend and self.world_size > 1:
+            self._watch = RefusalWatch(functools.partial(read_refusal, self.MAX_REFUSAL_CHARS),
+                                       functools.partial(break_gloo, process_group, (rank + 1) % self.world_size),
+                                       rank)
 
     @property
     def reduce_ops(self) -> tuple[str, ...]:
@@ -169,16 +181,17 @@ class TorchDistributedTransport(GlooGossip, Transport):
         self._delay(1)
         dev = self._device(buf)
         send = self._staged(buf, copy=False)  # only read
-        # 1) sizes: every buffer size is known before its bytes are posted.
-        my_size = torch.tensor([send.numel()], dtype=torch.int64, device=dev)
-        sizes = {j: torch.zeros(1, dtype=torch.int64, device=dev) for j in peers}
-        _run_p2p([self._p2p(dist.irecv, sizes[j], j, 1) for j in peers]
-                 + [self._p2p(dist.isend, my_size, j, 1) for j in peers])
-        # 2) payloads; an empty buffer is not put on the wire (both sides know).
-        stated = {j: self._check_stated(int(sizes[j].item()), j, "neighbour-exchange message") for j in peers}
-        recv = {j: torch.empty(stated[j], dtype=torch.uint8, device=dev) for j in peers}
-        _run_p2p([self._p2p(dist.irecv, recv[j], j, 2) for j in peers if recv[j].numel() > 0]
-                 + [self._p2p(dist.isend, send, j, 2) for j in peers if send.numel() > 0])
+        with self._waiting("a neighbour exchange"):
+            # 1) sizes: every buffer size is known before its bytes are posted.
+            my_size = torch.tensor([send.numel()], dtype=torch.int64, device=dev)
+            sizes = {j: torch.zeros(1, dtype=torch.int64, device=dev) for j in peers}
+            _run_p2p([self._p2p(dist.irecv, sizes[j], j, 1) for j in peers]
+                     + [self._p2p(dist.isend, my_size, j, 1) for j in peers])
+            # 2) payloads; an empty buffer is not put on the wire (both sides know).
+            stated = {j: self._check_stated(int(sizes[j].item()), j, "neighbour-exchange message") for j in peers}
+            recv = {j: torch.empty(stated[j], dtype=torch.uint8, device=dev) for j in peers}
+            _run_p2p([self._p2p(dist.irecv, recv[j], j, 2) for j in peers if recv[j].numel() > 0]
+                     + [self._p2p(dist.isend, send, j, 2) for j in peers if send.numel() > 0])
         return {j: recv[j].to(buf.device) for j in peers}
 
     def _p2p(self, fn, t: torch.Tensor, peer: int, tag: int):
@@ -187,11 +200,19 @@ class TorchDistributedTransport(GlooGossip, Transport):
             peer = dist.get_global_rank(self.group, peer)
         return dist.P2POp(fn, t, peer, group=self.group, tag=tag)
 
+    def _waiting(self, what: str):
+        """The context around a blocking wait: a refusal another rank posts ends it
+        (:class:`~lowbit.comm.refusal_watch.RefusalWatch`; gloo only)."""
+        return _NOT_WATCHED if self._watch is None else self._watch.waiting(what)
+
     def _all_reduce(self, t, op):
-        return _wait(*self._start_all_reduce(t, op, async_op=False))
+        with self._waiting("an all-reduce"):
+            return _wait(*self._start_all_reduce(t, op, async_op=False))
 
     def _all_reduce_async(self, t, op, inplace: bool = False):
-        return _future(*self._start_all_reduce(t, op, async_op=True, inplace=inplace))
+        with self._waiting("an all-reduce"):
+            return _future(*self._start_all_reduce(t, op, async_op=True, inplace=inplace), self._watch,
+                           "an all-reduce")
 
     def _start_all_reduce(self, t, op, async_op: bool, inplace: bool = False):
         """Issue the all-reduce: (its work, None when synchronous; a function giving the result
@@ -208,17 +229,20 @@ class TorchDistributedTransport(GlooGossip, Transport):
     def _all_gather(self, t):
         self._beat()
         self._delay(self.world_size - 1)
-        return _wait(*self._start_gather_all(t, async_op=False))
+        with self._waiting("an all-gather"):
+            return _wait(*self._start_gather_all(t, async_op=False))
 
     def _all_gather_fixed(self, t):
         self._beat()
         self._delay(self.world_size - 1)
-        return _wait(*self._start_gather_all(t, async_op=False, agree_sizes=False))
+        with self._waiting("an all-gather"):
+            return _wait(*self._start_gather_all(t, async_op=False, agree_sizes=False))
 
     def _all_gather_async(self, t):
         self._beat()
         self._delay(self.world_size - 1)
-        return _future(*self._start_gather_all(t, async_op=True))
+        with self._waiting("an all-gather"):
+            return _future(*self._start_gather_all(t, async_op=True), self._watch, "an all-gather")
 
     def _agree_sizes(self, x: torch.Tensor, what: str) -> None:
         """Before a collective whose every rank must hand in the same number of bytes (all-gather,
@@ -252,7 +276,8 @@ class TorchDistributedTransport(GlooGossip, Transport):
             x = self._staged(t, copy=True)
         else:
             x = torch.empty(t.shape, dtype=t.dtype, device=self._device(t))
-        dist.broadcast(x, self._global(src), group=self.group)
+        with self._waiting("a broadcast"):
+            dist.broadcast(x, self._global(src), group=self.group)
         return x.to(t.device)
 
     def _gather(self, t, dst):
@@ -262,9 +287,10 @@ class TorchDistributedTransport(GlooGossip, Transport):
             parts = _wait(*self._start_gather_all(t, async_op=False))
             return parts if self.rank == dst else None
         x = self._staged(t, copy=False)
-        self._agree_sizes(x, "a gather payload")
-        outs = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
-        dist.gather(x, outs, dst=self._global(dst), group=self.group)
+        with self._waiting("a gather"):
+            self._agree_sizes(x, "a gather payload")
+            outs = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == dst else None
+            dist.gather(x, outs, dst=self._global(dst), group=self.group)
         return [o.to(t.device) for o in outs] if outs is not None else None
 
     def _barrier(self):
@@ -272,7 +298,8 @@ class TorchDistributedTransport(GlooGossip, Transport):
         if self._nccl and torch.cuda.is_available():
             dist.barrier(group=self.group, device_ids=[torch.cuda.current_device()])
         else:
-            dist.barrier(group=self.group)
+            with self._waiting("a barrier"):
+                dist.barrier(group=self.group)
 
     def _global(self, rank: int) -> int:
         """The global rank of group rank ``rank`` (a root of broadcast and gather)."""
@@ -280,31 +307,27 @@ class TorchDistributedTransport(GlooGossip, Transport):
 
     # ---- a refusal that ends the run: the default group's store ---------------
     def _store(self):
-        try:
-            return dist.distributed_c10d._get_default_store()
-        except (RuntimeError, ValueError, AttributeError):  # no store this rank can reach
-            return None
+        return default_store()
 
     def _post_refusal(self, text):
         store = self._store()
         if store is None:
             return super()._post_refusal(text)
         try:
-            store.compare_set(_REFUSAL_KEY, "", text)
+            store.compare_set(REFUSAL_KEY, "", text)
         except RuntimeError:  # the store is gone: the others learn it from their failure alone
             pass
 
     def _posted_refusal(self):
-        store = self._store()
-        if store is None:
+        if self._store() is None:
             return super()._posted_refusal()
-        try:
-            return store_text(store, _REFUSAL_KEY, self.MAX_REFUSAL_CHARS) or None
-        except RuntimeError:
-            return None
+        return read_refusal(self.MAX_REFUSAL_CHARS)
 
     def close(self) -> None:
-        """Destroy the process group if this transport created it (idempotent)."""
+        """Stop the refusal watch; destroy the process group if this transport created it
+        (idempotent)."""
+        if self._watch is not None:
+            self._watch.close()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
@@ -320,12 +343,27 @@ def _wait(work, result):
     return result()
 
 
-def _future(work, result) -> torch.futures.Future:
+def _future(work, result, watch: RefusalWatch | None = None, what: str = "") -> torch.futures.Future:
     """The future of ``result()`` once ``work`` has finished (its error re-raised in the future),
     through :func:`~lowbit.comm.base.then`: an NCCL collective's future is done once its kernels
     are queued, so the result is read at once after ``wait()``, without a ``Future.then`` hop
-    and its CUDA events (the DDP hooks chain one more step on this future)."""
-    return then(work.get_future(), lambda _: result())
+    and its CUDA events (the DDP hooks chain one more step on this future). With a ``watch``
+    (gloo), unfinished work is tracked, and a refusal that ended it is the future's error."""
+    fut = work.get_future()
+    if watch is None or fut.done():
+        return then(fut, lambda _: result())
+    watch.track(work)
+
+    def done(f):
+        try:
+            f.value()
+        except RuntimeError as e:
+            watch.check(what, e)
+            raise
+        watch.check(what)
+        return result()
+
+    return fut.then(done)
 
 
 def _rank_order_sum(parts: list[torch.Tensor]) -> torch.Tensor:
