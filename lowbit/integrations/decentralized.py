@@ -30,9 +30,10 @@ hooks, after which ``optimizer.step()`` is a plain local step.
 
 DDP's idioms keep DDP's meaning: ``optimizer.step(closure)`` runs the closure first and
 returns its loss; torch's ``GradScaler`` skips the same steps on every rank
-(:mod:`lowbit.integrations.amp`); :meth:`~DecentralizedDataParallel.clip_grad_norm_` clips the averaged gradient (the
-centralized algorithms) or the local one (gossip, which has no averaged gradient);
-:meth:`~DecentralizedDataParallel.no_sync` accumulates without communicating.
+(:mod:`lowbit.integrations.amp`); :meth:`~DecentralizedDataParallel.clip_grad_norm_` clips
+the averaged gradient (the centralized algorithms) or the local one (gossip, which has no
+averaged gradient); :meth:`~DecentralizedDataParallel.no_sync` accumulates without
+communicating.
 
 The concerns live in their modules: overlap of the exchange with forward and backward
 (:mod:`lowbit.integrations.overlap`), gradient views, buffers and the averaged module
@@ -57,8 +58,8 @@ from ..algorithms import Algorithm, Worker, build_worker
 from ..algorithms.faults import PeerPayloadError, refusal_error, refusal_text
 from ..comm.base import Transport
 from ..topology import Topology
-from .flat import FlatParams
 from .amp import AmpMixin
+from .flat import FlatParams
 from .gradients import BUFFER_POLICIES, GradientsMixin, InitialStateReplaced
 from .overlap import Exchange, ForwardHook, OverlapMixin, wait_channel
 from .stepping import (CountPasses, LedgerTotals, StepState, attach_hooks, check_not_hooked, detach_hooks,

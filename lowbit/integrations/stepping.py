@@ -130,9 +130,10 @@ class StepState:
     step's communication / the ranks agreed that a gradient overflowed (valid for those
     gradients only; :mod:`lowbit.integrations.amp`); ``overflow_from``, the first rank whose
     gradient overflowed then; ``skipping``, the optimizer's step in progress is one a
-    GradScaler skips; ``fp16``, the last training forward ran under fp16 autocast; ``no_sync``, inside ``no_sync()``; ``exchange``, the overlapped exchange
-    in flight; ``overlapped``, whether the step in progress was overlapped; ``stats``, the last
-    step's figures."""
+    GradScaler skips; ``fp16``, the last training forward ran under fp16 autocast;
+    ``no_sync``, inside ``no_sync()``; ``exchange``, the overlapped exchange in flight;
+    ``overlapped``, whether the step in progress was overlapped; ``stats``, the last step's
+    figures."""
 
     __slots__ = ("k", "in_step", "early", "skip_agreed", "overflow_from", "skipping", "fp16", "no_sync",
                  "exchange", "overlapped", "stats")
