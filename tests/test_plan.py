@@ -434,6 +434,9 @@ def test_plan_predicts_the_race_within_20_percent(tmp_path):
     cmp = compare_with_race(quick=True)
     print(format_race_comparison(cmp))
     errors = cmp["errors"]
+    within = {k: sum(abs(v) <= 0.20 for v in cmp[k].values()) for k in ("errors", "errors_model_only")}
+    print(f"within 20%: calibrated {within['errors']} of {len(errors)}, the network model alone "
+          f"{within['errors_model_only']}")
     assert errors, "the race measured no step time"
     # what must hold: the bytes each method sends (but torch's PowerSGD: the race averages in its
     # first two uncompressed steps, docs/RESULTS.md "The plan against the race"), and the

@@ -30,20 +30,24 @@ What it measures, on the current device, for one model and one batch:
      step's (interleaved), and every message it sends, from its ledger.
 
 What it models, with lowbit's network model (:mod:`lowbit.comm.netmodel`; every link the
-same bandwidth and latency): ring all-reduce, all-gather, neighbour exchange (ring topology,
-2 neighbours in parallel), and DDP's overlap of bucket communication with backward
-(:func:`~lowbit.comm.netmodel.overlap_backward`: a bucket's communication starts when its hook
-issues it and after the previous bucket's communication; compute inside a hook and
-synchronous rounds delay the rest of backward). For ``n`` workers, a step of a DDP method is
-``forward + max(backward end, communication end) + optimizer``; a decentralized step is
-``forward + backward + optimizer + the wrapper's own compute + its messages``, one after
-another (Moniqua, CHOCO and Bagua's low-precision algorithm do not overlap in the wrapper).
+same bandwidth and latency): each *round* of a step (:mod:`lowbit.plan.rounds`: every call of
+the transport, the untracked fault agreement too, with the real transport's framing: an
+exchange's size round) as rings, all-gathers and neighbour exchanges, and DDP's overlap of
+bucket communication with backward (:func:`~lowbit.comm.netmodel.overlap_backward`). A DDP
+step is ``forward + max(backward end, communication end) + optimizer``; a decentralized step
+is ``forward + backward + optimizer + the wrapper's own compute + its rounds`` (Moniqua, CHOCO
+and Bagua's low-precision algorithm do not overlap in the wrapper).
 
-What it does not model (say so when you read a prediction): contention of communication with
-compute for memory bandwidth or cores (gloo's reductions run on the CPU), the CPU time of the
-transport itself, stragglers, collectives other than rings (NCCL's trees at scale), and
-accuracy: a method that needs more steps to reach the same accuracy can be faster per step and
-slower to the target (``lowbit bench race`` measures time to accuracy).
+With ``processes`` (``--processes``, CPU; :func:`compare_with_race` always) it also measures
+what the model misses: each method's step replayed on that many real gloo processes of this
+host (:func:`~lowbit.plan.rounds.calibrate`: the model's step, the method's own compute as CPU
+time, its rounds on the real transport); a round then costs the model's time plus what it
+took there beyond the model (the transport's CPU time, waits for a peer that computed longer
+or waited for a core), and compute is scaled by the measured slow-down of that many processes
+sharing this host's cores. Not modelled: stragglers on other hosts, contention of
+communication with compute for memory bandwidth, collectives other than rings (NCCL's trees),
+how the replayed extra per round changes with the number of workers (taken as constant), and
+accuracy (``lowbit bench race`` measures time to accuracy).
 
 The recommendation for a setting is the method with the shortest predicted step when it is at
 least ``min_speedup`` times faster than torch's DDP in fp32, and plain DDP

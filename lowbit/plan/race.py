@@ -33,7 +33,7 @@ def measure_latency(workers: int, rate: float | None, samples: int = 50) -> floa
 
 def compare_with_race(race: dict | None = None, quick: bool = True, networks=("100Mbit", "1Gbit"),
                       latency: str | None = None, repeats: int = 20, calibrate: bool = True,
-                      calibration_repeats: int = 10, progress=print) -> dict:
+                      calibration_repeats: int = 20, progress=print) -> dict:
     """The plan's predicted step time against ``lowbit bench race``'s measured one, for every
     contender on each shaped network: ``{"errors": {"NETWORK/METHOD": (predicted - measured) /
     measured}, "errors_model_only": {...}, "rows": [...], "plan": ..., "latency_s": {NETWORK:
@@ -41,7 +41,8 @@ def compare_with_race(race: dict | None = None, quick: bool = True, networks=("1
     --json``), or None to run the race here (``quick``: its CI-sized settings). The plan measures
     the race's model, batch and workers with one torch thread, as each race worker runs.
     ``calibrate``: replay every method's step on the race's number of processes behind each
-    network's links (:func:`~lowbit.plan.rounds.calibrate`, ``calibration_repeats`` times):
+    network's links (:func:`~lowbit.plan.rounds.calibrate`, ``calibration_repeats`` steps of
+    each method in 4 runs):
     the prediction then prices each round with what it measured there, and compute by the
     measured factor of that many processes sharing this host; ``errors_model_only`` keeps the
     network model's prediction alone (with the latency measured there) beside it. Without it,
@@ -70,7 +71,8 @@ def compare_with_race(race: dict | None = None, quick: bool = True, networks=("1
             if progress:
                 progress(f"plan: replaying {len(methods)} methods' steps on {n} processes behind {net} links ...")
             steps, work = method_steps(prof, n)
-            costs[net] = run_calibration(spec, steps, n, NETWORKS[net], repeats=calibration_repeats, work=work)
+            costs[net] = run_calibration(spec, steps, n, NETWORKS[net], repeats=calibration_repeats, work=work,
+                                         warmup=1, blocks=4)
         lat[net] = (parse_latency(latency) if latency is not None
                     else costs[net].latency_s if calibrate else measure_latency(n, NETWORKS[net]))
     rows = {net: predict(prof, [n], [NETWORKS[net]], [lat[net]], costs=costs.get(net))[0] for net in nets}

@@ -10,10 +10,12 @@ point-to-point round; an all-gather whose shape is not fixed agrees on the sizes
 
 :func:`calibrate` launches ``processes`` real processes on this host (gloo; over loopback, or over
 the ``tc tbf`` links of :class:`~lowbit.comm.shaping.ShapedNetwork` at a given rate) and, in each,
-replays every method's step: the model's own step (forward, backward, SGD; no communication),
-then the method's rounds in order on the real transport, each timed. The ranks thus arrive at a
-round as they do in training: a round's time holds the transport's own CPU time (copies, gloo's
-threads, futures' callbacks) and the wait for a peer that computed longer or was not scheduled.
+replays every method's steps, one after another as training runs them: the model's own step
+(forward, backward, SGD; no communication), then the method's rounds in order on the real
+transport, each timed, the method's own compute (as the plan measured it) spent as CPU time
+before the last one. The ranks thus arrive at a round as they do in training: a round's time
+holds the transport's own CPU time (copies, gloo's threads, futures' callbacks) and the wait
+for a peer that computed longer or was not scheduled.
 It also measures the model's step on one process alone (the others wait) against the same step
 on every process at once: the factor by which ``processes`` processes sharing this host's cores
 slow compute. A round's price is then the network model's time on the target network plus what
