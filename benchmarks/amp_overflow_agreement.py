@@ -20,15 +20,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gloo_procs import check_at_least, init_gloo, run_gloo
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
@@ -39,8 +34,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     from lowbit.comm.distributed import TorchDistributedTransport
     from lowbit.integrations import DecentralizedDataParallel
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     gen = torch.Generator().manual_seed(1000 + rank)
     batches = [(torch.randn(args.batch, 64, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
                for _ in range(args.steps)]
@@ -106,22 +100,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hidden", type=int, default=128, help="hidden units (default 128: 9,610 parameters)")
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
-    for name, lo in (("rounds", 1), ("warmup", 0), ("steps", 1), ("batch", 1), ("hidden", 1)):
-        if getattr(args, name) < lo:
-            ap.error(f"--{name} must be at least {lo}, got {getattr(args, name)}")
+    check_at_least(ap, args, {"rounds": 1, "warmup": 0, "steps": 1, "batch": 1, "hidden": 1})
     from lowbit.algorithms import ALGORITHMS
 
     unknown = [m for m in args.methods if m not in ALGORITHMS]
     if unknown or not args.methods:
         ap.error(f"--methods must name lowbit algorithms ({', '.join(ALGORITHMS)}), got {args.methods}")
 
-    import torch.multiprocessing as mp
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(2, _free_port(), args, out), nprocs=2, start_method="spawn")
-    times = out.get()
+    times = run_gloo(_worker, 2, args)
     print(f"{'loop':16s} {'median step':>12s}  agreed / off per round")
     for name, t in times.items():
         print(f"{name:16s} {statistics.median(t) * 1e3:9.3f} ms")

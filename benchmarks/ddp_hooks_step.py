@@ -19,16 +19,10 @@ process CPU seconds per step, and of the per-round ratio to ``ddp``'s wall time.
 from __future__ import annotations
 
 import argparse
-import os
-import socket
 import statistics
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gloo_procs import check_at_least, init_gloo, run_gloo
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
@@ -39,8 +33,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     from lowbit.integrations.ddp_hooks import make_hook
     from lowbit.train.tasks import make_task
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     task = make_task(args.task)
     shard, gen = task.shard(rank, world, 0), torch.Generator().manual_seed(rank)
     batches = [task.sample(shard, args.batch, gen) for _ in range(args.steps)]
@@ -89,23 +82,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
     args = ap.parse_args(argv)
     args.hooks = [h for h in args.hooks.split(",") if h]
-    for name, lo in (("workers", 2), ("steps", 1), ("rounds", 1), ("batch", 1)):
-        if getattr(args, name) < lo:
-            ap.error(f"--{name} must be at least {lo}, got {getattr(args, name)}")
+    check_at_least(ap, args, {"workers": 2, "steps": 1, "rounds": 1, "batch": 1})
     from lowbit.integrations.ddp_hooks.names import hook_names
 
     unknown = [h for h in args.hooks if h not in hook_names()]
     if unknown:
         ap.error(f"--hooks must name lowbit hooks ({', '.join(hook_names())}), got {unknown}")
 
-    import torch.multiprocessing as mp
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(args.workers, _free_port(), args, out), nprocs=args.workers,
-                       start_method="spawn")
-    walls, cpus = out.get()
+    walls, cpus = run_gloo(_worker, args.workers, args)
     print(f"{args.task}, {args.workers} gloo processes, {args.steps} steps x {args.rounds} rounds; medians")
     for name in walls:
         ratio = statistics.median(a / b for a, b in zip(walls[name], walls["ddp"]))

@@ -22,15 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gloo_procs import check_at_least, init_gloo, run_gloo
 
 
 def _worker(rank: int, world: int, port: int, tree: str, args: argparse.Namespace, out) -> None:
@@ -46,8 +41,7 @@ def _worker(rank: int, world: int, port: int, tree: str, args: argparse.Namespac
 
     if not os.path.realpath(lowbit.__file__).startswith(os.path.realpath(tree)):
         raise SystemExit(f"imported lowbit from {lowbit.__file__}, not from {tree}")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(rank, world, port)
     task = make_task(args.task)
     torch.manual_seed(0)
     net = task.make_model()
@@ -89,25 +83,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2, help="rounds over the trees (default 2)")
     args = ap.parse_args(argv)
     trees = [os.path.abspath(t) for t in args.trees.split(",") if t]
-    for name, lo in (("workers", 2), ("steps", 1), ("warmup", 0), ("batch", 1), ("rounds", 1)):
-        if getattr(args, name) < lo:
-            ap.error(f"--{name} must be at least {lo}, got {getattr(args, name)}")
+    check_at_least(ap, args, {"workers": 2, "steps": 1, "warmup": 0, "batch": 1, "rounds": 1})
     missing = [t for t in trees if not os.path.isfile(os.path.join(t, "lowbit", "__init__.py"))]
     if missing or not trees:
         ap.error(f"--trees must name source trees holding lowbit/, got {missing or args.trees!r}")
 
-    import torch.multiprocessing as mp
-
-    os.environ["OMP_NUM_THREADS"] = "1"
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
-    ctx = mp.get_context("spawn")
     print(f"{args.algorithm}, {args.task}, {args.workers} gloo processes, {args.steps} steps; rank 0 per step")
     for r in range(args.rounds):
         for tree in trees[r % len(trees):] + trees[:r % len(trees)]:
-            out = ctx.SimpleQueue()
-            mp.start_processes(_worker, args=(args.workers, _free_port(), tree, args, out), nprocs=args.workers,
-                               start_method="spawn")
-            cpu, wall = out.get()
+            cpu, wall = run_gloo(_worker, args.workers, tree, args)
             print(f"round {r}  {tree}: process CPU {cpu * 1e3:7.1f} ms   wall {wall * 1e3:7.1f} ms")
 
 

@@ -1,0 +1,47 @@
+"""What the multi-process benchmarks share: a free port, ``n`` gloo processes on loopback spawned
+with one torch thread each, and the argparse range checks.
+
+A script's worker is ``worker(rank, world, port, *args, out)``; it calls :func:`init_gloo` and
+puts rank 0's result on ``out``; :func:`run_gloo` starts the processes and returns that result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    """One torch thread, and the default process group (gloo over 127.0.0.1:``port``)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def run_gloo(worker, world: int, *args):
+    """Spawn ``world`` processes of ``worker(rank, world, port, *args, out)`` (``OMP_NUM_THREADS=1``,
+    and ``NUMBA_NUM_THREADS=1`` unless set) and return what rank 0 put on ``out``."""
+    import torch.multiprocessing as mp
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    out = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(worker, args=(world, free_port(), *args, out), nprocs=world, start_method="spawn")
+    return out.get()
+
+
+def check_at_least(ap: argparse.ArgumentParser, args: argparse.Namespace, lows: dict[str, int]) -> None:
+    """``ap.error`` naming the first option ``--name`` below its lowest value in ``lows``."""
+    for name, lo in lows.items():
+        if getattr(args, name) < lo:
+            ap.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(args, name)}")
