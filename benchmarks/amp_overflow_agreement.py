@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from gloo_procs import check_at_least, init_gloo, run_gloo
+from gloo_procs import check_at_least, init_gloo, mlp_setup, run_gloo
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
@@ -35,14 +35,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
     from lowbit.integrations import DecentralizedDataParallel
 
     init_gloo(rank, world, port)
-    gen = torch.Generator().manual_seed(1000 + rank)
-    batches = [(torch.randn(args.batch, 64, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
-               for _ in range(args.steps)]
-
-    def model() -> tuple[nn.Module, torch.optim.Optimizer]:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(64, args.hidden), nn.ReLU(), nn.Linear(args.hidden, 10))
-        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    model, batches = mlp_setup(rank, args.hidden, args.batch, args.steps)
 
     runs = {}
     net, opt = model()

@@ -45,3 +45,22 @@ def check_at_least(ap: argparse.ArgumentParser, args: argparse.Namespace, lows: 
     for name, lo in lows.items():
         if getattr(args, name) < lo:
             ap.error(f"--{name.replace('_', '-')} must be at least {lo}, got {getattr(args, name)}")
+
+
+def mlp_setup(rank: int, hidden: int, batch: int, steps: int):
+    """digits-mlp's shape (``64 -> hidden -> 10``, ReLU) for the loop benchmarks: (a function
+    building the model from seed 0 with SGD, lr 0.05, momentum 0.9; ``steps`` synthetic
+    batches of ``batch`` samples drawn once, from this rank's own seed)."""
+    import torch
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(1000 + rank)
+    batches = [(torch.randn(batch, 64, generator=gen), torch.randint(0, 10, (batch,), generator=gen))
+               for _ in range(steps)]
+
+    def model() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+
+    return model, batches
