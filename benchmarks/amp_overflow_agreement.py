@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from gloo_procs import check_at_least, init_gloo, mlp_setup, run_gloo
+from gloo_procs import init_gloo, loop_args, mlp_setup, run_gloo
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
@@ -84,22 +84,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--methods", default="allreduce,dpsgd", help="lowbit algorithms, comma-separated")
-    ap.add_argument("--rounds", type=int, default=15, help="counted rounds (default 15)")
-    ap.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
-    ap.add_argument("--steps", type=int, default=50, help="steps of each loop per round (default 50)")
-    ap.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
-    ap.add_argument("--hidden", type=int, default=128, help="hidden units (default 128: 9,610 parameters)")
-    args = ap.parse_args(argv)
-    args.methods = [m for m in args.methods.split(",") if m]
-    check_at_least(ap, args, {"rounds": 1, "warmup": 0, "steps": 1, "batch": 1, "hidden": 1})
-    from lowbit.algorithms import ALGORITHMS
-
-    unknown = [m for m in args.methods if m not in ALGORITHMS]
-    if unknown or not args.methods:
-        ap.error(f"--methods must name lowbit algorithms ({', '.join(ALGORITHMS)}), got {args.methods}")
-
+    args = loop_args(__doc__, argv)
     times = run_gloo(_worker, 2, args)
     print(f"{'loop':16s} {'median step':>12s}  agreed / off per round")
     for name, t in times.items():

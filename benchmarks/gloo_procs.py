@@ -64,3 +64,25 @@ def mlp_setup(rank: int, hidden: int, batch: int, steps: int):
         return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
     return model, batches
+
+
+def loop_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
+    """The options of the user-loop benchmarks (``--methods``, lowbit algorithms, ``--rounds``,
+    ``--warmup``, ``--steps``, ``--batch``, ``--hidden``), parsed and checked; ``doc`` the
+    script's docstring (its first paragraph is the description)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--methods", default="allreduce,dpsgd", help="lowbit algorithms, comma-separated")
+    ap.add_argument("--rounds", type=int, default=15, help="counted rounds (default 15)")
+    ap.add_argument("--warmup", type=int, default=2, help="uncounted rounds first (default 2)")
+    ap.add_argument("--steps", type=int, default=50, help="steps of each loop per round (default 50)")
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    ap.add_argument("--hidden", type=int, default=128, help="hidden units (default 128: 9,610 parameters)")
+    args = ap.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    check_at_least(ap, args, {"rounds": 1, "warmup": 0, "steps": 1, "batch": 1, "hidden": 1})
+    from lowbit.algorithms import ALGORITHMS
+
+    unknown = [m for m in args.methods if m not in ALGORITHMS]
+    if unknown or not args.methods:
+        ap.error(f"--methods must name lowbit algorithms ({', '.join(ALGORITHMS)}), got {args.methods}")
+    return args
