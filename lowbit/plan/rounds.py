@@ -15,13 +15,13 @@ replays every method's steps, one after another as training runs them: the model
 transport, each timed, the method's own compute (as the plan measured it) spent as CPU time
 before the last one. The ranks thus arrive at a round as they do in training: a round's time
 holds the transport's own CPU time (copies, gloo's threads, futures' callbacks) and the wait
-for a peer that computed longer or was not scheduled.
-It also measures the model's step on one process alone (the others wait) against the same step
-on every process at once: the factor by which ``processes`` processes sharing this host's cores
-slow compute. A round's price is then the network model's time on the target network plus what
-the calibration measured beyond the model's time on the calibration's link (never less than the
-model), and the plan's compute (forward, backward, the methods' own compute) is multiplied by the
-factor. When the target network is the calibration's link, a round's price is what it measured.
+for a peer that computed longer or was not scheduled. It also times the model's step on one
+process alone (the others wait; before each run of the replay) against the same step with every
+process at once (in the replay): the factor by which ``processes`` processes sharing this host's
+cores slow compute. A round's price is the network model's time on the target network plus
+what the calibration measured beyond the model's time on the calibration's link (never less
+than the model), and the plan's compute (forward, backward, the methods' own compute) is
+multiplied by the factor. On the calibration's own link a round costs what it measured.
 """
 
 from __future__ import annotations
@@ -260,18 +260,17 @@ def _calibration_worker(transport, spec: dict) -> dict:
     warmup, repeats, blocks = spec["warmup"], spec["repeats"], spec["blocks"]
     with transport.untracked():
         ping = _ping(transport, spec["ping_samples"])
-        solo = []
-        for i in range(warmup + repeats):  # one process computes, the others wait
-            transport.barrier()
-            if transport.rank == 0:
-                t = compute()
-                if i >= warmup:
-                    solo.append(t)
-            transport.barrier()
-        shared, times = [], [[[] for _ in seq] for seq in seqs]
+        solo, shared, times = [], [], [[[] for _ in seq] for seq in seqs]
         per_block = -(-repeats // blocks)
-        for _ in range(blocks):  # each method's steps one after another, as in training
-            for s, seq in enumerate(runners):
+        for _ in range(blocks):
+            for i in range(warmup + per_block):  # one process computes, the others wait
+                transport.barrier()
+                if transport.rank == 0:
+                    t = compute()
+                    if i >= warmup:
+                        solo.append(t)
+                transport.barrier()
+            for s, seq in enumerate(runners):  # each method's steps one after another, as in training
                 transport.barrier()
                 for i in range(warmup + per_block):
                     t = compute()
