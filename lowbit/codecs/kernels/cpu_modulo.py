@@ -41,9 +41,9 @@ def centered_mod(z, a, inv_a):
 # --- Moniqua's modulo codec ------------------------------------------------------------------
 
 @_jit
-def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes):
+def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes, i0=0):
     """Codes ``Q((x / B) mod 1) * levels mod levels`` (see ModuloCodec; ``levels`` a
-    power of two); returns True when an element is not finite or out of the codec's range
+    power of two; ``x[0]`` is element ``i0`` of the stream's counter); returns True when an element is not finite or out of the codec's range
     (``|x| > (2^53 / levels - 1) B``: :func:`lowbit.codecs.modulo.modulo_limit`), one comparison
     per element for both (the caller tells them apart on that error path)."""
     L = float(levels)
@@ -54,7 +54,7 @@ def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes):
         for i in range(x.shape[0]):
             xv = np.float64(x[i])
             bad |= not abs(xv) <= lim  # NaN fails it too
-            c = round_stochastic(centered_mod(xv * inv_B, 1.0, 1.0) * L, k0, k1, i)
+            c = round_stochastic(centered_mod(xv * inv_B, 1.0, 1.0) * L, k0, k1, i0 + i)
             codes[i] = np.uint8(np.int64(c) & mask)
     else:
         for i in range(x.shape[0]):
@@ -157,14 +157,30 @@ def _modulo_decode_grid(codes, B, levels, y, out, m):
 
 
 @_jit
-def _grid_hashes(m, block, hashes):
-    """Per block of ``block`` elements, the 16-bit hash of the grid integers ``m``."""
+def _grid_hashes(m, i0, block, hashes):
+    """Per block of ``block`` elements, the 16-bit hash of the grid integers ``m`` (``m[0]`` is
+    element ``i0``, the first of a block)."""
     n = m.shape[0]
     for blk in range(hashes.shape[0]):
         acc = np.uint64(0)
         for i in range(blk * block, min(n, (blk + 1) * block)):
-            acc += grid_element_hash(m[i], i)
+            acc += grid_element_hash(m[i], i0 + i)
         hashes[blk] = np.int32(mix32(acc & M32) & np.uint64(0xFFFF))
+
+
+#: elements per chunk of the decode-and-hash kernels (rounded to whole blocks and bytes): their
+#: scratch codes and grid integers (9 bytes an element) stay in the core's caches
+CHUNK = 4096
+
+
+@_jit
+def _chunk(block):
+    """Elements per chunk: whole blocks (each chunk's hashes are its own) and a multiple of 8
+    (its codes start on a byte at any width), about :data:`CHUNK`."""
+    step = block
+    while step % 8:
+        step += block
+    return step * max(1, CHUNK // step)
 
 
 @_jit
@@ -173,12 +189,18 @@ def _modulo_decode_hash(data, b, n, B, levels, y, block, out, hashes):
     4, 8), and per block of ``block`` elements the 16-bit hash of the grid integers ``m = code -
     levels k`` of the decoded values. Returns the largest ``levels |k|`` met (the caller refuses
     it beyond 2^53: the grid integers would not be exact). Three flat passes (unpack, decode,
-    hash) over scratch arrays: about half the time of one fused pass, which did not vectorise."""
-    codes = np.empty(n, dtype=np.uint8)
-    _unpack(data, b, codes)
-    m = np.empty(n, dtype=np.int64)
-    reach = _modulo_decode_grid(codes, B, levels, y, out, m)
-    _grid_hashes(m, block, hashes)
+    hash) per :func:`_chunk` of elements over scratch that stays in cache: one fused pass did
+    not vectorise."""
+    c = _chunk(block)
+    codes = np.empty(min(n, c), dtype=np.uint8)
+    m = np.empty(min(n, c), dtype=np.int64)
+    reach = np.int64(0)
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        cc, mc = codes[:e - s], m[:e - s]
+        _unpack(data[s * b // 8:], b, cc)
+        reach = max(reach, _modulo_decode_grid(cc, B, levels, y[s:e], out[s:e], mc))
+        _grid_hashes(mc, s, block, hashes[s // block:(e + block - 1) // block])
     return float(reach) * float(levels)
 
 
@@ -234,19 +256,25 @@ def _write_hashes(hashes, out):
 
 
 @_jit
-def _moniqua_send(x, inv_B, B, levels, stochastic, k0, k1, bits, block, codes, xhat, hashes, msg, hash_at):
+def _moniqua_send(x, inv_B, B, levels, stochastic, k0, k1, bits, block, xhat, hashes, msg, hash_at):
     """Encode ``x`` (codes into ``msg[:ceil(n bits / 8)]``), decode the sender's own point against
-    ``x`` into ``xhat`` with the block hashes, written ``<u2`` at ``msg[hash_at:]``. Returns
-    (non-finite flag, largest ``levels |k|``)."""
+    ``x`` into ``xhat`` with the block hashes, written ``<u2`` at ``msg[hash_at:]``; per
+    :func:`_chunk` of elements. Returns (non-finite flag, largest ``levels |k|``)."""
     n = x.shape[0]
-    bad = _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes)  # non-finite or out of range
-    nbytes = (n * bits + 7) // 8
-    _pack(codes, bits, msg[:nbytes])
-    m = np.empty(n, dtype=np.int64)
-    reach = float(_modulo_decode_grid(codes, B, levels, x, xhat, m)) * float(levels)
-    _grid_hashes(m, block, hashes)
+    c = _chunk(block)
+    codes = np.empty(min(n, c), dtype=np.uint8)
+    m = np.empty(min(n, c), dtype=np.int64)
+    bad = False  # non-finite or out of range
+    reach = np.int64(0)
+    for s in range(0, n, c):
+        e = min(n, s + c)
+        cc, mc, xc = codes[:e - s], m[:e - s], x[s:e]
+        bad |= _modulo_encode(xc, inv_B, levels, stochastic, k0, k1, cc, s)
+        _pack(cc, bits, msg[s * bits // 8:((e * bits + 7) // 8)])
+        reach = max(reach, _modulo_decode_grid(cc, B, levels, xc, xhat[s:e], mc))
+        _grid_hashes(mc, s, block, hashes[s // block:(e + block - 1) // block])
     _write_hashes(hashes, msg[hash_at:hash_at + 2 * hashes.shape[0]])
-    return bad, reach
+    return bad, float(reach) * float(levels)
 
 
 @_jit
@@ -277,11 +305,10 @@ def moniqua_send(x: torch.Tensor, B: float, levels: int, stochastic: bool, key: 
     hashes from ``hash_at``, the control byte ``ctrl`` last; the bytes between are the caller's)."""
     n = x.numel()
     k0, k1 = keys(key)
-    codes = np.empty(n, dtype=np.uint8)
     hashes = np.empty((n + block - 1) // block, dtype=np.int32)
     m = msg.numpy()
     m[-1] = ctrl
-    bad, reach = _moniqua_send(np_view(x), 1.0 / B, float(B), levels, stochastic, k0, k1, bits, block, codes,
+    bad, reach = _moniqua_send(np_view(x), 1.0 / B, float(B), levels, stochastic, k0, k1, bits, block,
                                xhat.numpy(), hashes, m, hash_at)
     if bad and not bool(torch.isfinite(x).all()):  # else out of range: the reach says so below
         raise nonfinite_error("modulo")

@@ -1,0 +1,145 @@
+"""Moniqua's one-call CPU kernels (``moniqua_send``, ``moniqua_receive`` of
+:mod:`lowbit.codecs.kernels.cpu_modulo`) of two source trees side by side, in one process.
+
+Run (from the repository root; the "before" tree is a worktree of the commit to compare with)::
+
+    git worktree add /tmp/mk_before HEAD
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/moniqua_kernels.py --before /tmp/mk_before
+    python benchmarks/moniqua_kernels.py --before /tmp/mk_before --n 100000 --bits 4 --block 64
+
+Method. The "before" tree's ``cpu_modulo`` is loaded by path as the package ``lowbit_before``
+(its relative imports resolve inside that tree), the "after" one is this checkout's ``lowbit``;
+numba caches into a fresh temporary directory (a cache entry of ``lowbit_before`` in the tree
+would break that tree's own imports), so both trees compile first. One torch and numba thread. The inputs: ``--n`` float32 elements ``x`` (normal, scale 2), a
+neighbour ``x + U(-0.09, 0.09)`` and ``ModuloCodec(bits, theta=0.1)`` (stochastic rounding), so
+every block verifies and the receive runs its mixing loop. Both trees' outputs are checked equal
+(message bytes, own decode, the receive's ``found``, ``xh`` and ``delta``) before timing. Each
+round times, for each tree in turn (the order swapping every round), the best of ``--reps``
+calls of each kernel; reported: the medians over rounds of each tree's milliseconds per call
+and of the per-round ratio after/before (below 1: the change is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def load_before(tree: str):
+    """``cpu_modulo`` of the lowbit in ``tree``, imported as the package ``lowbit_before``."""
+    root = os.path.join(os.path.realpath(tree), "lowbit")
+    spec = importlib.util.spec_from_file_location("lowbit_before", os.path.join(root, "__init__.py"),
+                                                  submodule_search_locations=[root])
+    pkg = importlib.util.module_from_spec(spec)
+    sys.modules["lowbit_before"] = pkg
+    spec.loader.exec_module(pkg)
+    mod = importlib.import_module("lowbit_before.codecs.kernels.cpu_modulo")
+    if not os.path.realpath(mod.__file__).startswith(root):
+        raise SystemExit(f"imported the before kernels from {mod.__file__}, not from {tree}")
+    return mod
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", required=True, help="a source tree (e.g. a git worktree) to compare with")
+    p.add_argument("--n", type=int, default=1_660_000, help="float32 elements")
+    p.add_argument("--bits", type=int, default=2, choices=(1, 2, 4, 8))
+    p.add_argument("--block", type=int, default=256, help="verification block, elements")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--reps", type=int, default=3, help="calls per kernel, tree and round (the best counts)")
+    args = p.parse_args(argv)
+    cache = tempfile.TemporaryDirectory(prefix="moniqua_kernels_numba_")  # removed at exit
+    os.environ["NUMBA_CACHE_DIR"] = cache.name
+    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+    import torch
+
+    torch.set_num_threads(1)
+    import lowbit
+    from lowbit.codecs.kernels import cpu_modulo as after
+    from lowbit.codecs.modulo import ModuloCodec
+
+    before = load_before(args.before)
+    print(f"after: {os.path.dirname(after.__file__)}  before: {os.path.dirname(before.__file__)}  "
+          f"(lowbit {os.path.dirname(lowbit.__file__)})")
+    n, bits, block = args.n, args.bits, args.block
+    codec = ModuloCodec(bits=bits, theta=0.1, rounding="stochastic")
+    B, levels = codec.B_theta, codec.levels
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, generator=g) * 2
+    xj = x + (torch.rand(n, generator=g) * 2 - 1) * 0.09
+    nbytes, nb = -(-n * bits // 8), -(-n // block)
+    hash_at, w = nbytes + 2, 1 / 3
+
+    def send(K, y, key):
+        msg = torch.zeros(hash_at + 2 * nb + 1, dtype=torch.uint8)
+        xhat = torch.empty(n, dtype=y.dtype)
+        K.moniqua_send(y, B, levels, True, key, bits, block, msg, hash_at, 5, xhat)
+        return msg, xhat
+
+    msg_j, _ = send(after, xj, 12345)
+    _, xhat_i = send(after, x, 777)
+    start = torch.randn(n, generator=g)
+
+    def receive(K, delta, xh):
+        return K.moniqua_receive(msg_j, bits, B, levels, x, block, xh, None, xhat_i, w, delta)
+
+    for K in (before, after):  # compile (or load from numba's cache) before timing
+        send(K, x, 1)
+        receive(K, start.clone(), torch.empty(n))
+    outs = {}
+    for name, K in (("before", before), ("after", after)):
+        m, xh = send(K, xj, 12345)
+        d, r = start.clone(), torch.empty(n)
+        found = receive(K, d, r)
+        outs[name] = (m, xh, torch.from_numpy(found), d, r)
+    if not all(torch.equal(a, b) for a, b in zip(outs["before"], outs["after"])):
+        raise SystemExit("the two trees' kernels give different results")
+    if outs["after"][2][:nb].any():
+        raise SystemExit("a block failed verification: the receive would not mix")
+
+    msg = torch.zeros(hash_at + 2 * nb + 1, dtype=torch.uint8)
+    xhat = torch.empty(n)
+    delta, xh = start.clone(), torch.empty(n)
+
+    def time_send(K):
+        best = float("inf")
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            K.moniqua_send(xj, B, levels, True, 12345, bits, block, msg, hash_at, 5, xhat)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    def time_receive(K):
+        best = float("inf")
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            receive(K, delta, xh)
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    res = {(k, t): [] for k in ("before", "after") for t in ("send", "receive")}
+    for r in range(args.rounds):
+        order = [("before", before), ("after", after)]
+        if r % 2:
+            order.reverse()
+        for name, K in order:
+            res[name, "send"].append(time_send(K))
+            res[name, "receive"].append(time_receive(K))
+    print(f"n={n} float32, {bits} bits, block {block}, {args.rounds} rounds x best of {args.reps}, one thread")
+    for kind in ("send", "receive"):
+        b, a = res["before", kind], res["after", kind]
+        ratio = statistics.median(x / y for x, y in zip(a, b))
+        print(f"moniqua_{kind:8s} before {statistics.median(b) * 1e3:7.3f} ms  after {statistics.median(a) * 1e3:7.3f} ms"
+              f"  ({statistics.median(b) / n * 1e9:.2f} -> {statistics.median(a) / n * 1e9:.2f} ns/element)"
+              f"  median ratio after/before {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
