@@ -43,9 +43,10 @@ def centered_mod(z, a, inv_a):
 @_jit
 def _modulo_encode(x, inv_B, levels, stochastic, k0, k1, codes, i0=0):
     """Codes ``Q((x / B) mod 1) * levels mod levels`` (see ModuloCodec; ``levels`` a
-    power of two; ``x[0]`` is element ``i0`` of the stream's counter); returns True when an element is not finite or out of the codec's range
-    (``|x| > (2^53 / levels - 1) B``: :func:`lowbit.codecs.modulo.modulo_limit`), one comparison
-    per element for both (the caller tells them apart on that error path)."""
+    power of two; ``x[0]`` is element ``i0`` of the stochastic rounding's stream); returns True
+    when an element is not finite or out of the codec's range (``|x| > (2^53 / levels - 1) B``:
+    :func:`lowbit.codecs.modulo.modulo_limit`), one comparison per element for both (the caller
+    tells them apart on that error path)."""
     L = float(levels)
     lim = (MODULO_GRID_LIMIT / L - 1.0) / inv_B
     mask = levels - 1
