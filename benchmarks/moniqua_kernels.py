@@ -1,5 +1,6 @@
-"""Moniqua's one-call CPU kernels (``moniqua_send``, ``moniqua_receive`` of
-:mod:`lowbit.codecs.kernels.cpu_modulo`) of two source trees side by side, in one process.
+"""Moniqua's one-call CPU kernels (``moniqua_send``, ``moniqua_receive`` and the codec's
+``modulo_decode_hash`` of :mod:`lowbit.codecs.kernels.cpu_modulo`) of two source trees side by
+side, in one process.
 
 Run (from the repository root; the "before" tree is a worktree of the commit to compare with)::
 
@@ -14,7 +15,8 @@ would break that tree's own imports), so both trees compile first. One torch and
 The inputs: ``--n`` float32 elements ``x`` (normal, scale 2), a neighbour ``x + U(-0.09, 0.09)``
 and ``ModuloCodec(bits, theta=0.1)`` (stochastic rounding), so every block verifies and the
 receive runs its mixing loop. Both trees' outputs are checked equal
-(message bytes, own decode, the receive's ``found``, ``xh`` and ``delta``) before timing. Each
+(message bytes, own decode, the receive's ``found``, ``xh`` and ``delta``, the decode-hash's
+outputs) before timing. Each
 round times, for each tree in turn (the order swapping every round), the best of ``--reps``
 calls of each kernel, by the calling thread's CPU time (``--clock cpu``, the default: the
 work, without the time the thread waits for a core on a loaded machine) or the wall clock;
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None) -> None:
     def receive(K, delta, xh):
         return K.moniqua_receive(msg_j, bits, B, levels, x, block, xh, None, xhat_i, w, delta)
 
+    def decode_hash(K):
+        return K.modulo_decode_hash(msg_j[:nbytes], bits, n, B, levels, x, block)
+
     for K in (before, after):  # compile (or load from numba's cache) before timing
         send(K, x, 1)
         receive(K, start.clone(), torch.empty(n))
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
         m, xh = send(K, xj, 12345)
         d, r = start.clone(), torch.empty(n)
         found = receive(K, d, r)
-        outs[name] = (m, xh, torch.from_numpy(found), d, r)
+        outs[name] = (m, xh, torch.from_numpy(found), d, r, *decode_hash(K))
     if not all(torch.equal(a, b) for a, b in zip(outs["before"], outs["after"])):
         raise SystemExit("the two trees' kernels give different results")
     if outs["after"][2][:nb].any():
@@ -130,7 +135,16 @@ def main(argv: list[str] | None = None) -> None:
             best = min(best, clock() - t)
         return best
 
-    res = {(k, t): [] for k in ("before", "after") for t in ("send", "receive")}
+    def time_decode_hash(K):
+        best = float("inf")
+        for _ in range(args.reps):
+            t = clock()
+            decode_hash(K)
+            best = min(best, clock() - t)
+        return best
+
+    kinds = ("send", "receive", "decode_hash")
+    res = {(k, t): [] for k in ("before", "after") for t in kinds}
     for r in range(args.rounds):
         order = [("before", before), ("after", after)]
         if r % 2:
@@ -138,12 +152,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, K in order:
             res[name, "send"].append(time_send(K))
             res[name, "receive"].append(time_receive(K))
+            res[name, "decode_hash"].append(time_decode_hash(K))
     print(f"n={n} float32, {bits} bits, block {block}, {args.rounds} rounds x best of {args.reps}, one thread, "
           f"{args.clock} clock")
-    for kind in ("send", "receive"):
+    for kind in kinds:
         b, a = res["before", kind], res["after", kind]
         ratio = statistics.median(x / y for x, y in zip(a, b))
-        print(f"moniqua_{kind:8s} before {statistics.median(b) * 1e3:7.3f} ms  "
+        name = {"decode_hash": "modulo_decode_hash"}.get(kind, f"moniqua_{kind}")
+        print(f"{name:18s} before {statistics.median(b) * 1e3:7.3f} ms  "
               f"after {statistics.median(a) * 1e3:7.3f} ms"
               f"  ({statistics.median(b) / n * 1e9:.2f} -> {statistics.median(a) / n * 1e9:.2f} ns/element)"
               f"  median ratio after/before {ratio:.3f}")
