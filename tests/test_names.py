@@ -7,6 +7,7 @@ nothing refused or warned, and Bagua's ``model.with_bagua``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import pytest
@@ -197,35 +198,38 @@ def test_the_cli_refuses_what_the_library_refuses(argv, message, capsys):
 
 # --- Bagua ---------------------------------------------------------------------------------
 
-def _bagua_bytes(t):
+def _bagua_bytes(t, hierarchical):
     import lowbit.bagua as bagua
 
-    out = {}
-    for hierarchical in (True, False):
-        torch.manual_seed(0)
-        m = nn.Linear(128, 64)
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ddp = m.with_bagua([opt], bagua.LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical, node_size=2),
-                               transport=t)
-        sent = []
-        for _ in range(3):
-            m(torch.randn(4, 128)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            sent.append(ddp.bytes_sent)
-        ddp.close()
-        out[hierarchical] = (type(ddp).__name__, sent[-1] - sent[-2],
-                             [str(w.message) for w in caught if "hierarchical=True" in str(w.message)])
-    return out
+    torch.manual_seed(0)
+    m = nn.Linear(128, 64)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ddp = m.with_bagua([opt], bagua.LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical, node_size=2),
+                       transport=t)
+    sent = []
+    for _ in range(3):
+        m(torch.randn(4, 128)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        sent.append(ddp.bytes_sent)
+    ddp.close()
+    return type(ddp).__name__, sent[-1] - sent[-2]
+
+
+def _bagua_run(hierarchical):
+    """Rank 0's (wrapper class, bytes of a step) and the hierarchical warnings of both ranks:
+    recorded around the whole threaded run (``warnings.catch_warnings`` is process-wide, so
+    two threads recording at once would take each other's warnings)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_threads(2, functools.partial(_bagua_bytes, hierarchical=hierarchical))[0]
+    return (*res, [str(w.message) for w in caught if "hierarchical=True" in str(w.message)])
 
 
 def test_with_bagua_is_a_method_and_warns_when_hierarchical_on_one_node_costs_fp32():
-    res = run_threads(2, _bagua_bytes)[0]
-    (kind, hier_bytes, hier_warn), (_, flat_bytes, flat_warn) = res[True], res[False]
+    (kind, hier_bytes, hier_warn), (_, flat_bytes, flat_warn) = _bagua_run(True), _bagua_run(False)
     assert kind == "DecentralizedDataParallel"
-    assert len(hier_warn) == 1 and "hierarchical=False" in hier_warn[0] and flat_warn == []
+    assert len(hier_warn) == 2 and "hierarchical=False" in hier_warn[0] and flat_warn == []  # once per rank
     n = sum(p.numel() for p in nn.Linear(128, 64).parameters())
     assert hier_bytes == 4 * n  # fp32 inside the node: a ring all-reduce of 2 ranks sends the model once
     assert 2 * n <= flat_bytes < 2 * n * 1.01  # 8 bits to each of the two ring neighbours, and headers
