@@ -119,29 +119,20 @@ def main(argv: list[str] | None = None) -> None:
 
     clock = time.thread_time if args.clock == "cpu" else time.perf_counter
 
-    def time_send(K):
-        best = float("inf")
+    def best(call) -> float:
+        """The shortest of ``args.reps`` timed calls."""
+        out = float("inf")
         for _ in range(args.reps):
             t = clock()
-            K.moniqua_send(xj, B, levels, True, 12345, bits, block, msg, hash_at, 5, xhat)
-            best = min(best, clock() - t)
-        return best
+            call()
+            out = min(out, clock() - t)
+        return out
 
-    def time_receive(K):
-        best = float("inf")
-        for _ in range(args.reps):
-            t = clock()
-            receive(K, delta, xh)
-            best = min(best, clock() - t)
-        return best
-
-    def time_decode_hash(K):
-        best = float("inf")
-        for _ in range(args.reps):
-            t = clock()
-            decode_hash(K)
-            best = min(best, clock() - t)
-        return best
+    calls = {
+        "send": lambda K: K.moniqua_send(xj, B, levels, True, 12345, bits, block, msg, hash_at, 5, xhat),
+        "receive": lambda K: receive(K, delta, xh),
+        "decode_hash": lambda K: decode_hash(K),
+    }
 
     kinds = ("send", "receive", "decode_hash")
     res = {(k, t): [] for k in ("before", "after") for t in kinds}
@@ -150,9 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         if r % 2:
             order.reverse()
         for name, K in order:
-            res[name, "send"].append(time_send(K))
-            res[name, "receive"].append(time_receive(K))
-            res[name, "decode_hash"].append(time_decode_hash(K))
+            for kind in kinds:
+                res[name, kind].append(best(lambda: calls[kind](K)))
     print(f"n={n} float32, {bits} bits, block {block}, {args.rounds} rounds x best of {args.reps}, one thread, "
           f"{args.clock} clock")
     for kind in kinds:
