@@ -23,7 +23,7 @@ import os
 import statistics
 import time
 
-from gloo_procs import init_gloo, loop_args, mlp_setup, run_gloo
+from gloo_procs import init_gloo, loop_args, mlp_setup, rotated_rounds, run_gloo
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
@@ -67,15 +67,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         dist.all_reduce(slowest, dist.ReduceOp.MAX)
         return slowest.item() / args.steps
 
-    names = list(runs)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.warmup + args.rounds):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            t = steps(name)
-            if r >= args.warmup:
-                times[name].append(t)
-    for name in names[1:]:
+    times = rotated_rounds(list(runs), args.warmup, args.rounds, steps)
+    for name in list(runs)[1:]:
         runs[name][0].close()
     if rank == 0:
         out.put(times)

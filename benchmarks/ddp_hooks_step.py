@@ -22,7 +22,7 @@ import argparse
 import statistics
 import time
 
-from gloo_procs import check_at_least, init_gloo, run_gloo
+from gloo_procs import check_at_least, init_gloo, rotated_rounds, run_gloo
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> None:
@@ -47,28 +47,28 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out) -> 
         elif name != "ddp":
             model.register_comm_hook(*make_hook(name, seed=0, model=model))
         runs[name] = (model, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9))
-    walls: dict[str, list[float]] = {n: [] for n in runs}
-    cpus: dict[str, list[float]] = {n: [] for n in runs}
-    names = list(runs)
-    for r in range(args.rounds + 1):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            model, opt = runs[name]
-            dist.barrier()
-            w0, c0 = time.perf_counter(), time.process_time()
-            for x, y in batches:
-                opt.zero_grad()
-                torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-            cpu = (time.process_time() - c0) / args.steps
-            wall = torch.tensor([(time.perf_counter() - w0) / args.steps])
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-            if r > 0:
-                walls[name].append(wall.item())
-                cpus[name].append(cpu)
+
+    def steps(name: str) -> tuple[float, float]:
+        """The slowest rank's wall seconds and this rank's process CPU seconds per step."""
+        model, opt = runs[name]
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        for x, y in batches:
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        cpu = (time.process_time() - c0) / args.steps
+        wall = torch.tensor([(time.perf_counter() - w0) / args.steps])
+        dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+        return wall.item(), cpu
+
+    times = rotated_rounds(list(runs), 1, args.rounds, steps)
+    walls = {n: [w for w, _ in t] for n, t in times.items()}
+    cpus = {n: [c for _, c in t] for n, t in times.items()}
     if rank == 0:
         out.put((walls, cpus))
     dist.barrier()
-    del runs  # DDP models hold the group: release them before it goes (a clean exit)
+    runs.clear()  # DDP models hold the group: release them before it goes (a clean exit)
     dist.destroy_process_group()
 
 

@@ -86,3 +86,17 @@ def loop_args(doc: str, argv: list[str] | None) -> argparse.Namespace:
     if unknown or not args.methods:
         ap.error(f"--methods must name lowbit algorithms ({', '.join(ALGORITHMS)}), got {args.methods}")
     return args
+
+
+def rotated_rounds(names: list[str], warmup: int, rounds: int, time_one) -> dict[str, list]:
+    """``time_one(name)`` for every name in each of ``warmup + rounds`` rounds, the order rotating
+    by one every round (a method is not always first after the barrier); the results of the last
+    ``rounds`` rounds, per name."""
+    times: dict[str, list] = {n: [] for n in names}
+    for r in range(warmup + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            t = time_one(name)
+            if r >= warmup:
+                times[name].append(t)
+    return times
