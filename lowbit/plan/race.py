@@ -72,7 +72,7 @@ def compare_with_race(race: dict | None = None, quick: bool = True, networks=("1
                 progress(f"plan: replaying {len(methods)} methods' steps on {n} processes behind {net} links ...")
             steps, work = method_steps(prof, n)
             costs[net] = run_calibration(spec, steps, n, NETWORKS[net], repeats=calibration_repeats, work=work,
-                                         warmup=1, blocks=4)
+                                         warmup=1)
         lat[net] = (parse_latency(latency) if latency is not None
                     else costs[net].latency_s if calibrate else measure_latency(n, NETWORKS[net]))
     rows = {net: predict(prof, [n], [NETWORKS[net]], [lat[net]], costs=costs.get(net))[0] for net in nets}

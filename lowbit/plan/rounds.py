@@ -10,13 +10,13 @@ point-to-point round; an all-gather whose shape is not fixed agrees on the sizes
 
 :func:`calibrate` launches ``processes`` real processes on this host (gloo; over loopback, or over
 the ``tc tbf`` links of :class:`~lowbit.comm.shaping.ShapedNetwork` at a given rate) and, in each,
-replays every method's steps, one after another as training runs them: the model's own step
+replays every method's steps, in passes of one step of each method in turn: the model's own step
 (forward, backward, SGD; no communication), then the method's rounds in order on the real
 transport, each timed, the method's own compute (as the plan measured it) spent as CPU time
 before the last one. The ranks thus arrive at a round as they do in training: a round's time
 holds the transport's own CPU time (copies, gloo's threads, futures' callbacks) and the wait
 for a peer that computed longer or was not scheduled. It also times the model's step on one
-process alone (the others wait; before each run of the replay) against the same step with every
+process alone (the others wait; at the start of each pass) against the same step with every
 process at once (in the replay): the factor by which ``processes`` processes sharing this host's
 cores slow compute. A round's price is the network model's time on the target network plus
 what the calibration measured beyond the model's time on the calibration's link (never less
@@ -257,32 +257,38 @@ def _calibration_worker(transport, spec: dict) -> dict:
 
     seqs = [[Round(*r) for r in seq] for seq in spec["sequences"]]
     runners = [[_runner(transport, r) for r in seq] for seq in seqs]
-    warmup, repeats, blocks = spec["warmup"], spec["repeats"], spec["blocks"]
+    warmup, passes = spec["warmup"], spec["repeats"]
     with transport.untracked():
         ping = _ping(transport, spec["ping_samples"])
         solo, shared, times = [], [], [[[] for _ in seq] for seq in seqs]
-        per_block = -(-repeats // blocks)
-        for _ in range(blocks):
-            for i in range(warmup + per_block):  # one process computes, the others wait
-                transport.barrier()
-                if transport.rank == 0:
-                    t = compute()
+        # passes: in each, the model's step on one process alone (the others wait), then one step
+        # of every method in turn, so that a burst of other load falls on every method alike
+        i, t_timed = 0, None
+        while i < warmup + passes:
+            if i == warmup + 1:  # one timed pass done: as many more as fit in the budget
+                took = time.perf_counter() - t_timed
+                want = min(spec["max_repeats"], max(passes, int(spec["budget_seconds"] / max(took, 1e-9))))
+                passes = int(transport.all_reduce(torch.tensor([want], dtype=torch.int64), "max").item())
+            if i == warmup:
+                t_timed = time.perf_counter()
+            transport.barrier()
+            if transport.rank == 0:
+                t = compute()
+                if i >= warmup:
+                    solo.append(t)
+            transport.barrier()
+            for s, seq in enumerate(runners):
+                t = compute()
+                if i >= warmup:
+                    shared.append(t)
+                for j, run in enumerate(seq):
+                    if j == len(seq) - 1:
+                        _cpu_work(spec["work"][s])
+                    t0 = time.perf_counter()
+                    run()
                     if i >= warmup:
-                        solo.append(t)
-                transport.barrier()
-            for s, seq in enumerate(runners):  # each method's steps one after another, as in training
-                transport.barrier()
-                for i in range(warmup + per_block):
-                    t = compute()
-                    if i >= warmup:
-                        shared.append(t)
-                    for j, run in enumerate(seq):
-                        if j == len(seq) - 1:
-                            _cpu_work(spec["work"][s])
-                        t0 = time.perf_counter()
-                        run()
-                        if i >= warmup:
-                            times[s][j].append(time.perf_counter() - t0)
+                        times[s][j].append(time.perf_counter() - t0)
+            i += 1
         transport.barrier()
     return {"ping": ping, "solo": solo, "shared": shared,
             "rounds": [[statistics.median(t) for t in seq] for seq in times]}
@@ -297,11 +303,15 @@ def _cpu_work(seconds: float) -> None:
 
 
 def calibrate(workload: dict, steps: dict, processes: int = 2, rate: float | None = None, repeats: int = 10,
-              warmup: int = 2, ping_samples: int = 50, work: dict | None = None, blocks: int = 2) -> RoundCosts:
+              warmup: int = 2, ping_samples: int = 50, work: dict | None = None, budget_seconds: float = 5.0,
+              max_repeats: int = 60) -> RoundCosts:
     """Replay each method's step (``steps``: method -> the rounds of one step, in order) on
     ``processes`` real gloo processes of this host, over loopback (``rate`` None) or behind
-    ``tc tbf`` links of ``rate`` bits/s, ``repeats`` steps of each method in ``blocks`` runs of
-    consecutive steps, each run after ``warmup`` untimed steps (module doc). ``work``: method ->
+    ``tc tbf`` links of ``rate`` bits/s: ``warmup`` untimed passes, then timed ones, each pass one
+    step of every method in turn (interleaved, so that other load on the host falls on every
+    method alike; module doc): ``repeats`` of them, or more, up to ``max_repeats``, where the
+    first timed pass says they fit in ``budget_seconds`` (a round of a small model costs about a
+    millisecond and one in four took 3-6 ms on this host's 2 cores: a median needs dozens). ``work``: method ->
     seconds of the method's own compute (its hook's, or the wrapper's beyond a plain step, as the
     plan measured it), replayed as that much CPU time of the process right before the step's
     last round (where encoding happens), so that the round waits for a peer still encoding.
@@ -313,7 +323,7 @@ def calibrate(workload: dict, steps: dict, processes: int = 2, rate: float | Non
 
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 2:
         raise ValueError(f"processes must be an int >= 2 (a round needs a peer), got {processes!r}")
-    for name, v, lo in (("repeats", repeats, 1), ("warmup", warmup, 0)):
+    for name, v, lo in (("repeats", repeats, 1), ("warmup", warmup, 0), ("max_repeats", max_repeats, repeats)):
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     methods = list(steps)
@@ -323,12 +333,12 @@ def calibrate(workload: dict, steps: dict, processes: int = 2, rate: float | Non
     work = dict(work or {})
     if any(not (isinstance(v, (int, float)) and 0 <= v < math.inf) for v in work.values()):
         raise ValueError(f"work must map methods to CPU seconds >= 0, got {work!r}")
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ValueError(f"blocks must be an int >= 1, got {blocks!r}")
+    if not (isinstance(budget_seconds, (int, float)) and 0 <= budget_seconds < math.inf):
+        raise ValueError(f"budget_seconds must be a number >= 0, got {budget_seconds!r}")
     spec = {"workload": dict(workload), "sequences": [[(r.call, r.nbytes, r.peers) for r in replayed[m]]
                                                       for m in methods],
             "work": [float(work.get(m, 0.0)) for m in methods], "repeats": repeats, "warmup": warmup,
-            "blocks": blocks, "ping_samples": ping_samples}
+            "ping_samples": ping_samples, "budget_seconds": float(budget_seconds), "max_repeats": max_repeats}
     if rate is None:
         res = launch(processes, _calibration_worker, spec)
     else:
