@@ -1,115 +1,63 @@
-"""Two CPU kernel pairs kept apart for speed, each against its one-loop merge, at 1e6 codes:
-``cpu_lanes.pack_words`` (``R``, ``k`` at run time) against ``specialised(R, k)``'s
-``pack_all``, and ``cpu_sign._sign_encode`` (separate order-0 loop) against one loop with
-the lane sums behind an ``order != 0`` test, or with order 0 adding 0.0. Results are checked
-equal first; then the two are timed interleaved (thread CPU time, median of 5 blocks of 20
-calls, order alternating per round) and the median of the per-round ratios merged / kept is
-printed, with min and max.
+"""The CPU kernels that share one inlined loop between a general and a specialised caller, of
+two source trees side by side: ``cpu_lanes``' packer (``pack_words``, ``R`` and ``k`` at run
+time, and ``specialised(R, k)``'s ``pack_all``, compiled with them as constants) at four
+layouts, and ``cpu_sign._sign_encode`` at orders 0, 1 and 2 (order 0 a constant in its loop).
+Both trees' results are checked equal, then ``trees.race`` times them (one thread, the trees'
+order swapping every round, best of ``--reps`` calls by the thread's CPU time).
 
-Run: ``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/kernel_pairs.py``.
+Run (the "before" tree a worktree of the commit to compare with)::
+
+    git worktree add /tmp/kp_before HEAD
+    OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/kernel_pairs.py --before /tmp/kp_before
 """
-import statistics
-import time
 
-import numpy as np
+from __future__ import annotations
 
-from lowbit.codecs.kernels.cpu import _jit, nonfinite
-from lowbit.codecs.kernels import cpu_lanes as L
-import lowbit.codecs.kernels.cpu_sign as S
+import argparse
 
-@_jit
-def sign_merged(x, order, out):
-    """``_sign_encode`` as one loop: the lane sums behind ``order != 0``."""
-    n = x.shape[0]
-    full = n // 8
-    bad = False
-    lanes = np.zeros(8)
-    for j in range(full):
-        acc = 0
-        for k in range(8):
-            v = np.float64(x[8 * j + k])
-            bad |= nonfinite(v)
-            acc |= (1 if v >= 0.0 else 0) << k
-            if order != 0:
-                lanes[k] += abs(v) if order == 1 else v * v
-        out[j] = np.uint8(acc)
-    if full * 8 < n:
-        acc = 0
-        for k in range(n - full * 8):
-            v = np.float64(x[8 * full + k])
-            bad |= nonfinite(v)
-            acc |= (1 if v >= 0.0 else 0) << k
-            lanes[k] += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
-        out[full] = np.uint8(acc)
-    total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
-    return total, bad
+from trees import load_before, private_numba_cache, race
 
-@_jit
-def sign_merged_add(x, order, out):
-    """``_sign_encode`` as one loop: order 0 adds 0.0 to the lane sums."""
-    n = x.shape[0]
-    full = n // 8
-    bad = False
-    lanes = np.zeros(8)
-    for j in range(full):
-        acc = 0
-        for k in range(8):
-            v = np.float64(x[8 * j + k])
-            bad |= nonfinite(v)
-            acc |= (1 if v >= 0.0 else 0) << k
-            lanes[k] += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
-        out[j] = np.uint8(acc)
-    if full * 8 < n:
-        acc = 0
-        for k in range(n - full * 8):
-            v = np.float64(x[8 * full + k])
-            bad |= nonfinite(v)
-            acc |= (1 if v >= 0.0 else 0) << k
-            lanes[k] += 0.0 if order == 0 else (abs(v) if order == 1 else v * v)
-        out[full] = np.uint8(acc)
-    total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))
-    return total, bad
 
-def t(f, reps):
-    """Median nanoseconds per call of ``f`` over 5 blocks of ``reps`` calls."""
-    best = []
-    for _ in range(5):
-        s = time.thread_time_ns()
-        for _ in range(reps):
-            f()
-        best.append((time.thread_time_ns() - s) / reps)
-    return statistics.median(best)
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", required=True, help="a source tree (e.g. a git worktree) to compare with")
+    p.add_argument("--n", type=int, default=1_000_000, help="codes (lanes) and float32 elements (sign)")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--reps", type=int, default=5, help="calls per kernel, tree and round (the best counts)")
+    args = p.parse_args(argv)
+    private_numba_cache()
+    import numpy as np
 
-def race(name, a, b, rounds=15, reps=20):
-    """Print the median of per-round ratios b / a (``b`` the merge)."""
-    a()
-    b()
-    rs = []
-    for r in range(rounds):
-        if r % 2:
-            tb, ta = t(b, reps), t(a, reps)
-        else:
-            ta, tb = t(a, reps), t(b, reps)
-        rs.append(tb / ta)
-    print(f"{name}: merged/kept median {statistics.median(rs):.3f} (min {min(rs):.3f} max {max(rs):.3f}); kept {ta/1e3:.0f} us", flush=True)
+    from lowbit.codecs.kernels import cpu_lanes, cpu_sign
 
-n = 1_000_000
-rng = np.random.default_rng(0)
-for R, k in [(5, 27), (9, 19), (17, 15), (33, 12)]:
-    codes = rng.integers(-(R // 2), R // 2 + 1, n).astype(np.int8)
-    out = np.empty(-(-n // k), np.int64)
-    out2 = out.copy()
-    pa = L.specialised(R, k)[0]
-    pa(codes, out)
-    L.pack_words(codes, R, k, out2)
-    assert (out == out2).all()
-    race(f"lanes pack R={R} k={k}", lambda: pa(codes, out), lambda: L.pack_words(codes, R, k, out2))
-x = rng.standard_normal(n).astype(np.float32)
-o1 = np.empty((n + 7) // 8, np.uint8)
-o2 = o1.copy()
-for order in (0, 1, 2):
-    r1, r2 = S._sign_encode(x, order, o1), sign_merged(x, order, o2)
-    assert r1 == r2 and (o1 == o2).all(), order
-    assert sign_merged_add(x, order, o2) == r1 and (o1 == o2).all(), order
-    race(f"sign order={order} (if order != 0)", lambda: S._sign_encode(x, order, o1), lambda: sign_merged(x, order, o2))
-    race(f"sign order={order} (add 0.0)", lambda: S._sign_encode(x, order, o1), lambda: sign_merged_add(x, order, o2))
+    trees = ((load_before(args.before, "codecs.kernels.cpu_lanes"), load_before(args.before, "codecs.kernels.cpu_sign")),
+             (cpu_lanes, cpu_sign))
+    n = args.n
+    rng = np.random.default_rng(0)
+    calls = {}
+    for R, k in ((5, 27), (9, 19), (17, 15), (33, 12)):
+        codes = rng.integers(-(R // 2), R // 2 + 1, n).astype(np.int8)
+        outs = [np.empty(-(-n // k), np.int64) for _ in range(4)]
+        for side, (L, _) in enumerate(trees):
+            L.pack_words(codes, R, k, outs[2 * side])
+            L.specialised(R, k)[0](codes, outs[2 * side + 1])
+        if not all((o == outs[0]).all() for o in outs):
+            raise SystemExit(f"lanes R={R} k={k}: the kernels give different words")
+        calls[f"pack_words R={R} k={k}"] = tuple(
+            lambda L=L, o=outs[2 * s], R=R, k=k, c=codes: L.pack_words(c, R, k, o) for s, (L, _) in enumerate(trees))
+        calls[f"pack_all R={R} k={k}"] = tuple(
+            lambda f=L.specialised(R, k)[0], o=outs[2 * s + 1], c=codes: f(c, o) for s, (L, _) in enumerate(trees))
+    x = rng.standard_normal(n).astype(np.float32)
+    for order in (0, 1, 2):
+        outs = [np.empty((n + 7) // 8, np.uint8) for _ in trees]
+        got = [S._sign_encode(x, order, o) for (_, S), o in zip(trees, outs)]
+        if got[0] != got[1] or not (outs[0] == outs[1]).all():
+            raise SystemExit(f"sign order {order}: the kernels give different results")
+        calls[f"sign_encode order={order}"] = tuple(
+            lambda S=S, o=o, order=order: S._sign_encode(x, order, o) for (_, S), o in zip(trees, outs))
+    print(f"n={n}, {args.rounds} rounds x best of {args.reps}, one thread, cpu clock")
+    race(calls, args.rounds, args.reps, per=n)
+
+
+if __name__ == "__main__":
+    main()

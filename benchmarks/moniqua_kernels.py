@@ -8,46 +8,24 @@ Run (from the repository root; the "before" tree is a worktree of the commit to 
     OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 python benchmarks/moniqua_kernels.py --before /tmp/mk_before
     python benchmarks/moniqua_kernels.py --before /tmp/mk_before --n 100000 --bits 4 --block 64
 
-Method. The "before" tree's ``cpu_modulo`` is loaded by path as the package ``lowbit_before``
-(its relative imports resolve inside that tree), the "after" one is this checkout's ``lowbit``;
-numba caches into a fresh temporary directory (a cache entry of ``lowbit_before`` in the tree
-would break that tree's own imports), so both trees compile first. One torch and numba thread.
+Method. The "before" tree's ``cpu_modulo`` is loaded as ``lowbit_before`` (``trees.py``), the
+"after" one is this checkout's ``lowbit``; both compile first. One torch and numba thread.
 The inputs: ``--n`` float32 elements ``x`` (normal, scale 2), a neighbour ``x + U(-0.09, 0.09)``
 and ``ModuloCodec(bits, theta=0.1)`` (stochastic rounding), so every block verifies and the
 receive runs its mixing loop. Both trees' outputs are checked equal
 (message bytes, own decode, the receive's ``found``, ``xh`` and ``delta``, the decode-hash's
-outputs) before timing. Each
-round times, for each tree in turn (the order swapping every round), the best of ``--reps``
-calls of each kernel, by the calling thread's CPU time (``--clock cpu``, the default: the
-work, without the time the thread waits for a core on a loaded machine) or the wall clock;
-reported: the medians over rounds of each tree's milliseconds per call and of the per-round
-ratio after/before (below 1: the change is faster).
+outputs) before timing, then ``trees.race`` times them: ``--rounds`` rounds, the trees' order
+swapping every round, the best of ``--reps`` calls of each kernel by the thread's CPU time
+(``--clock cpu``) or the wall clock; reported: the medians over rounds of each tree's
+milliseconds per call and of the per-round ratio after/before (below 1: the change is faster).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
-import statistics
-import sys
-import tempfile
-import time
 
-
-def load_before(tree: str):
-    """``cpu_modulo`` of the lowbit in ``tree``, imported as the package ``lowbit_before``."""
-    root = os.path.join(os.path.realpath(tree), "lowbit")
-    spec = importlib.util.spec_from_file_location("lowbit_before", os.path.join(root, "__init__.py"),
-                                                  submodule_search_locations=[root])
-    pkg = importlib.util.module_from_spec(spec)
-    sys.modules["lowbit_before"] = pkg
-    spec.loader.exec_module(pkg)
-    mod = importlib.import_module("lowbit_before.codecs.kernels.cpu_modulo")
-    if not os.path.realpath(mod.__file__).startswith(root):
-        raise SystemExit(f"imported the before kernels from {mod.__file__}, not from {tree}")
-    return mod
+from trees import load_before, private_numba_cache, race
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -60,9 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=3, help="calls per kernel, tree and round (the best counts)")
     p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="the thread's CPU time or the wall clock")
     args = p.parse_args(argv)
-    cache = tempfile.TemporaryDirectory(prefix="moniqua_kernels_numba_")  # removed at exit
-    os.environ["NUMBA_CACHE_DIR"] = cache.name
-    os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+    private_numba_cache()
 
     import torch
 
@@ -71,7 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     from lowbit.codecs.kernels import cpu_modulo as after
     from lowbit.codecs.modulo import ModuloCodec
 
-    before = load_before(args.before)
+    before = load_before(args.before, "codecs.kernels.cpu_modulo")
     print(f"after: {os.path.dirname(after.__file__)}  before: {os.path.dirname(before.__file__)}  "
           f"(lowbit {os.path.dirname(lowbit.__file__)})")
     n, bits, block = args.n, args.bits, args.block
@@ -117,42 +93,15 @@ def main(argv: list[str] | None = None) -> None:
     xhat = torch.empty(n)
     delta, xh = start.clone(), torch.empty(n)
 
-    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
-
-    def best(call) -> float:
-        """The shortest of ``args.reps`` timed calls."""
-        out = float("inf")
-        for _ in range(args.reps):
-            t = clock()
-            call()
-            out = min(out, clock() - t)
-        return out
-
     calls = {
-        "send": lambda K: K.moniqua_send(xj, B, levels, True, 12345, bits, block, msg, hash_at, 5, xhat),
-        "receive": lambda K: receive(K, delta, xh),
-        "decode_hash": lambda K: decode_hash(K),
+        "moniqua_send": lambda K: K.moniqua_send(xj, B, levels, True, 12345, bits, block, msg, hash_at, 5, xhat),
+        "moniqua_receive": lambda K: receive(K, delta, xh),
+        "modulo_decode_hash": lambda K: decode_hash(K),
     }
-
-    kinds = ("send", "receive", "decode_hash")
-    res = {(k, t): [] for k in ("before", "after") for t in kinds}
-    for r in range(args.rounds):
-        order = [("before", before), ("after", after)]
-        if r % 2:
-            order.reverse()
-        for name, K in order:
-            for kind in kinds:
-                res[name, kind].append(best(lambda: calls[kind](K)))
     print(f"n={n} float32, {bits} bits, block {block}, {args.rounds} rounds x best of {args.reps}, one thread, "
           f"{args.clock} clock")
-    for kind in kinds:
-        b, a = res["before", kind], res["after", kind]
-        ratio = statistics.median(x / y for x, y in zip(a, b))
-        name = {"decode_hash": "modulo_decode_hash"}.get(kind, f"moniqua_{kind}")
-        print(f"{name:18s} before {statistics.median(b) * 1e3:7.3f} ms  "
-              f"after {statistics.median(a) * 1e3:7.3f} ms"
-              f"  ({statistics.median(b) / n * 1e9:.2f} -> {statistics.median(a) / n * 1e9:.2f} ns/element)"
-              f"  median ratio after/before {ratio:.3f}")
+    race({k: (lambda f=f: f(before), lambda f=f: f(after)) for k, f in calls.items()}, args.rounds, args.reps,
+         args.clock, per=n)
 
 
 if __name__ == "__main__":

@@ -33,19 +33,20 @@ import numba
 import numpy as np
 import torch
 
-from .cpu import _jit, np_view
+from .cpu import _inline, _jit, np_view
 
 __all__ = ["pack", "unpack"]
 
 SPECIALISE_FROM = 1 << 16  # codes from which pack and unpack compile the layout's specialised kernels
 
 
-@_jit
-def pack_words(codes, R, k, out):
-    """``out[j] = sum_i codes[i m + j] R^i`` (``m = out.shape[0]``; codes past the end are 0)."""
+@_inline
+def _pack_rows(codes, RI, k, out):
+    """:func:`pack_words`' loops, ``RI = R`` as an int64; inlined, so that :func:`specialised`'s
+    constant ``R`` and ``k`` reach them. The inner loops index slices from 0 (``codes[b + j]``
+    kept LLVM from vectorising them: 10x slower)."""
     n = codes.shape[0]
     m = out.shape[0]
-    RI = np.int64(R)
     out[:] = 0
     for i in range(k - 1, -1, -1):
         b = i * m
@@ -56,6 +57,12 @@ def pack_words(codes, R, k, out):
             o[j] = o[j] * RI + np.int64(c[j])
         for j in range(lim, m):
             out[j] = out[j] * RI
+
+
+@_jit
+def pack_words(codes, R, k, out):
+    """``out[j] = sum_i codes[i m + j] R^i`` (``m = out.shape[0]``; codes past the end are 0)."""
+    _pack_rows(codes, np.int64(R), k, out)
 
 
 @_jit
@@ -108,22 +115,9 @@ def specialised(R: int, k: int):
     TOP = np.uint64(R ** (k - (NG - 1) * G))  # the last limb's bound
     opts = dict(nogil=True, boundscheck=False, error_model="numpy")
 
-    # kept: pack_words is 0.71-1.08x pack_all by layout, 1e6 codes, 1 thread (benchmarks/kernel_pairs.py)
-    # the inner loops index slices from 0 (codes[b + j] kept LLVM from vectorising: 10x slower)
     @numba.njit(**opts)
     def pack_all(codes, out):
-        n = codes.shape[0]
-        m = out.shape[0]
-        out[:] = 0
-        for i in range(K - 1, -1, -1):
-            b = i * m
-            lim = min(max(n - b, 0), m)
-            o = out[:lim]
-            c = codes[b:b + lim]
-            for j in range(lim):
-                o[j] = o[j] * RI + np.int64(c[j])
-            for j in range(lim, m):
-                out[j] = out[j] * RI
+        _pack_rows(codes, RI, K, out)
 
     @numba.njit(**opts)
     def unpack_all(words, out, limbs):

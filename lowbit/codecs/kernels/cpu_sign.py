@@ -13,12 +13,30 @@ import numpy as np
 import torch
 
 from . import empty_output
-from .cpu import _jit, _out_dtype, as_numba, nonfinite, np_view
+from .cpu import _inline, _jit, _out_dtype, as_numba, nonfinite, np_view
 
 __all__ = ["sign_encode", "sign_decode"]
 
 
 # --- sign (1-bit SGD, signSGD) --------------------------------------------------------------
+
+@_inline
+def _sign_bytes(x, full, order, out, lanes):
+    """Bytes ``0..full-1`` of :func:`_sign_encode`: the sign bits of ``x[8 j: 8 j + 8]``, the
+    lane sums of order ``order`` added to ``lanes`` (none for 0); returns whether any element
+    is not finite. Inlined: a caller's constant ``order`` drops the sums from the loop."""
+    bad = False
+    for j in range(full):
+        acc = 0
+        for k in range(8):
+            v = np.float64(x[8 * j + k])
+            bad |= nonfinite(v)
+            acc |= (1 if v >= 0.0 else 0) << k
+            if order != 0:
+                lanes[k] += abs(v) if order == 1 else v * v
+        out[j] = np.uint8(acc)
+    return bad
+
 
 @_jit
 def _sign_encode(x, order, out):
@@ -28,26 +46,10 @@ def _sign_encode(x, order, out):
     byte, then pairwise; 0 for order 0)."""
     n = x.shape[0]
     full = n // 8
-    bad = False
     lanes = np.zeros(8)
-    # two loops: one loop costs 1.17x at order 1-2 or 4.1x at order 0 (benchmarks/kernel_pairs.py, 1 thread)
-    if order == 0:
-        for j in range(full):
-            acc = 0
-            for k in range(8):
-                v = np.float64(x[8 * j + k])
-                bad |= nonfinite(v)
-                acc |= (1 if v >= 0.0 else 0) << k
-            out[j] = np.uint8(acc)
-    else:
-        for j in range(full):
-            acc = 0
-            for k in range(8):
-                v = np.float64(x[8 * j + k])
-                bad |= nonfinite(v)
-                acc |= (1 if v >= 0.0 else 0) << k
-                lanes[k] += abs(v) if order == 1 else v * v
-            out[j] = np.uint8(acc)
+    # order 0 passed as a constant: the inlined loop then has no lane sums at all, as fast as a
+    # loop of its own (benchmarks/kernel_pairs.py); a run-time test of order in it cost 4.1x
+    bad = _sign_bytes(x, full, 0, out, lanes) if order == 0 else _sign_bytes(x, full, order, out, lanes)
     if full * 8 < n:
         acc = 0
         for k in range(n - full * 8):
