@@ -353,7 +353,7 @@ def test_plan_report_schema_and_cli(user_module, tmp_path):
     out = tmp_path / "plan.json"
     rc = main(["plan", "--model", f"{user_module}:build", "--workers", "2,8", "--bandwidth", "100Mbit,1000Tbit",
                "--latency", "0s", "--repeats", "2", "--warmup", "1", "--threads", "1", "--json", str(out),
-               "--min-speedup", "2", "--processes", "2"])  # wide: timing noise on a 1 ms step (below)
+               "--min-speedup", "1.5", "--processes", "2"])  # wide: timing noise on a 1 ms step (below)
     assert rc == 0
     r = json.loads(out.read_text())
     assert set(r["methods"]) == set(METHODS)
@@ -382,9 +382,9 @@ def test_plan_report_schema_and_cli(user_module, tmp_path):
         for meth in ("lowbit-qsgd-maxnorm-2", "lowbit-fp16", "torch-fp16", "moniqua-2"):
             assert s["methods"][meth]["bytes_per_step"] < fp32, meth
         # nothing to save: plain DDP. Every method's rounds here are a millisecond of waits, one
-        # in five 3-8 ms: with the interleaved calibration the largest speedup at 1000Tbit was
-        # 1.42x in 18 plans (benchmarks/plan_noise.py, quiet and beside a CPU-bound process);
-        # with each method's 4 samples in consecutive steps it reached 3.9x (a CI failure)
+        # in five 3-8 ms: the interleaved calibration's largest speedup at 1000Tbit was 1.31x in
+        # 20 plans (benchmarks/plan_noise.py, quiet and at load 7); with each method's 4 samples
+        # in consecutive steps it reached 3.9x (a CI failure)
         if s["bandwidth"] == "1000Tbit":
             assert s["recommendation"] == BASELINE, {k: v["speedup"] for k, v in s["methods"].items()}
     assert (tmp_path / "plan_100Mbit_0us.png").stat().st_size > 0

@@ -10,7 +10,8 @@ point-to-point round; an all-gather whose shape is not fixed agrees on the sizes
 
 :func:`calibrate` launches ``processes`` real processes on this host (gloo; over loopback, or over
 the ``tc tbf`` links of :class:`~lowbit.comm.shaping.ShapedNetwork` at a given rate) and, in each,
-replays every method's steps, in passes of one step of each method in turn: the model's own step
+replays every method's steps, in passes of one step of each method in turn, each begun with the
+ranks together (an untimed barrier): the model's own step
 (forward, backward, SGD; no communication), then the method's rounds in order on the real
 transport, each timed, the method's own compute (as the plan measured it) spent as CPU time
 before the last one. The ranks thus arrive at a round as they do in training: a round's time
@@ -278,6 +279,7 @@ def _calibration_worker(transport, spec: dict) -> dict:
                     solo.append(t)
             transport.barrier()
             for s, seq in enumerate(runners):
+                transport.barrier()  # each method's step starts with the ranks together, not where the last left them
                 t = compute()
                 if i >= warmup:
                     shared.append(t)
