@@ -114,6 +114,8 @@ def _add_race(what) -> None:
     r.add_argument("--eval-samples", type=int, default=None, help="test images of the evaluations during training")
     r.add_argument("--backend", default="gloo", help="gloo (CPU) or nccl (one GPU per worker)")
     r.add_argument("--seed", type=int, default=0, help="seed of the model, the data order and the codecs")
+    r.add_argument("--repeats", type=int, default=1, help="runs of every method on every network, interleaved "
+                   "(the order rotated each repeat); a row is the median run")
     r.add_argument("--plot-dir", default=None, help="write race-NETWORK.png there (default: beside --json)")
     r.add_argument("--json", default=None, help="also write the report to this JSON file")
 
@@ -271,7 +273,7 @@ def _bench(args) -> int:
         report = bench_race(task=args.task, workers=args.workers, networks=args.networks, methods=args.methods,
                             steps=args.steps, eval_every=args.eval_every, target=args.target, batch=args.batch,
                             lr=args.lr, momentum=args.momentum, quick=args.quick, backend=args.backend,
-                            seed=args.seed, eval_samples=args.eval_samples, plot_dir=plot_dir,
+                            seed=args.seed, eval_samples=args.eval_samples, plot_dir=plot_dir, repeats=args.repeats,
                             progress=lambda line: print(line, file=sys.stderr, flush=True))
         print(format_race_report(report))
         for net, path in report.get("plots", {}).items():

@@ -45,6 +45,7 @@ def test_time_to_target_skips_points_without_accuracy_and_refuses_bad_input():
     ({"networks": ""}, "networks"), ({"methods": "torch-ddp-fp16"}, "methods"), ({"task": "nope"}, "task"),
     ({"task": "quadratic"}, "task"), ({"backend": "mpi"}, "backend"), ({"seed": -1}, "seed"),
     ({"warmup": 60}, "warmup"), ({"eval_samples": 0}, "eval_samples"), ({"task_options": [1]}, "task_options"),
+    ({"repeats": 0}, "repeats"), ({"repeats": 1.5}, "repeats"),
 ])
 def test_bad_arguments_are_refused_by_name(kw, name):
     with pytest.raises(ValueError, match=name):
@@ -130,3 +131,32 @@ def test_a_failing_method_is_reported_and_the_others_still_run(monkeypatch):
     for m in ("torch-ddp-fp32", "lowbit-fp16"):
         assert rows[m]["bytes_per_step"] > 0 and not rows[m].get("failed")
     assert "FAILED" in format_race_report(report)
+
+
+def test_the_median_run_counts_a_missed_target_as_the_slowest():
+    from lowbit.bench.race import _median_run
+
+    def row(t, step=0.1):
+        return {"seconds_to_target": t, "step_seconds": step, "curve": [t]}
+
+    assert _median_run([row(3.0)]) == row(3.0)  # one run: its row as it is
+    got = _median_run([row(5.0, 0.5), row(None, 0.9), row(2.0, 0.2)])
+    assert got["seconds_to_target"] == 5.0 and got["curve"] == [5.0] and got["step_seconds"] == 0.5
+    assert got["repeats_seconds_to_target"] == [5.0, None, 2.0] and got["repeats_step_seconds"] == [0.5, 0.9, 0.2]
+    failed = {"seconds_to_target": None, "step_seconds": None, "failed": "x"}
+    assert _median_run([row(None), failed, failed]).get("failed") == "x"  # most runs failed: the median failed
+
+
+def test_repeats_run_every_method_that_often_and_report_the_median_ratio():
+    report = bench_race(quick=True, networks="loopback", methods="torch-ddp-fp32,lowbit-fp16", steps=12, eval_every=6,
+                        target=0.3, repeats=2, progress=None)
+    assert report["settings"]["repeats"] == 2
+    rows = report["networks"]["loopback"]
+    for m, r in rows.items():
+        runs = r["repeats_seconds_to_target"]
+        assert len(runs) == 2 and all(t > 0 for t in runs), (m, runs)
+        assert r["seconds_to_target"] in runs and len(r["repeats_step_seconds"]) == 2
+        ratios = [a / t for a, t in zip(rows["torch-ddp-fp32"]["repeats_seconds_to_target"], runs)]
+        assert r["x_ddp_median"] == pytest.approx(sum(ratios) / 2)  # the median of two: their mean
+    assert rows["torch-ddp-fp32"]["x_ddp_median"] == 1.0
+    assert "runs' s to target" in format_race_report(report)

@@ -49,6 +49,13 @@ Measured per method and network (JSON keys):
 
 A method that fails (its launch dies) is reported with ``failed`` (the reason) and ``null``
 figures; the methods after it run in a new launch.
+
+``repeats`` > 1 runs the whole race that many times in the same launch, interleaved: each
+repeat runs every network's methods once, in an order rotated by one method per repeat, so that a
+change of the machine's load falls on every method alike. A method's row is then its median run
+(by ``seconds_to_target``, a run that never reaches the target counting as the slowest; its
+curve, step and bytes are that run's), with ``repeats_seconds_to_target`` and
+``repeats_step_seconds`` listing every run's.
 """
 
 from __future__ import annotations
@@ -223,14 +230,17 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
                batch: int | None = None, lr: float | None = None, momentum: float = 0.9, quick: bool = False,
                backend: str = "gloo", seed: int = 0, warmup: int | None = None, compute_steps: int = 5,
                eval_samples: int | None = None, task_options: dict | None = None, plot_dir: str | None = None,
-               progress=print) -> dict:
+               progress=print, repeats: int = 1) -> dict:
     """Run the race (module doc) and return its report: ``{"networks": {NETWORK: {METHOD: {...}}},
     "settings": {...}, "methods": {...}, "shaping": ...}``. Unset arguments take the full race's
     settings (:data:`FULL`), or ``--quick``'s (:data:`QUICK`) with ``quick``. ``plot_dir``: write
     ``race-NETWORK.png`` (accuracy against training seconds) there. ``progress``: a callable taking
     one line of text (None: silent). ``warmup``: the first steps left out of ``step_seconds``
     (default ``min(5, steps // 4)``). ``task_options``: keyword arguments of the task (default: the
-    preset's, e.g. ``--quick``'s MLP width, when its task is the preset's)."""
+    preset's, e.g. ``--quick``'s MLP width, when its task is the preset's). ``repeats``: runs of
+    each method on each network, interleaved; a row is the median run (module doc)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     s, task_options = _settings(quick, task_options, dict(
         task=task, workers=workers, steps=steps, eval_every=eval_every, target=target, batch=batch, lr=lr,
         eval_samples=eval_samples))
@@ -265,10 +275,17 @@ def bench_race(task: str | None = None, workers: int | None = None, networks=Non
     shaped = any(NETWORKS[n] is not None for n in runnable)
     t0 = time.perf_counter()
     say(f"race: {', '.join(runnable)}: {len(chosen)} methods on {s['workers']} {backend} processes ...")
-    records = _race(runnable, s["workers"], backend, cfg, specs, shaped, say)
+    report["settings"]["repeats"] = repeats
+    records = _race(runnable, s["workers"], backend, cfg, specs, shaped, say, repeats)
     report["wall_seconds"] = time.perf_counter() - t0
     for net in runnable:
-        report["networks"][net] = {name: _summarise(records[net, name], s["target"]) for name in chosen}
+        report["networks"][net] = {name: _median_run([_summarise(records[net, name, r], s["target"])
+                                                      for r in range(repeats)]) for name in chosen}
+        if repeats > 1 and "torch-ddp-fp32" in chosen:  # the median of the per-repeat ratios
+            anchor = report["networks"][net]["torch-ddp-fp32"]["repeats_seconds_to_target"]
+            for row in report["networks"][net].values():
+                ratios = [a / t for a, t in zip(anchor, row["repeats_seconds_to_target"]) if a and t]
+                row["x_ddp_median"] = statistics.median(ratios) if len(ratios) == repeats else None
         if plot_dir is not None:
             report.setdefault("plots", {})[net] = str(plot_race(report, net, plot_dir))
     report["settings"]["loadavg_end"] = _loadavg()
@@ -282,21 +299,37 @@ def _loadavg() -> list[float] | None:
         return None
 
 
-def _race(nets: list[str], workers: int, backend: str, cfg: dict, specs: dict, shaped: bool, say) -> dict:
-    """Every ``(network, method)``'s per-rank records, from one launch (shaped: each rank in its
-    namespace, its link set to each network's rate in turn), or more when a method fails: a
-    failed method is recorded with the launch's reason and the runs after it go on in a new
-    launch."""
+def _median_run(rows: list[dict]) -> dict:
+    """The median of one method's runs on one network by seconds to the target (a run that never
+    reaches it, or failed, the slowest), with every run's seconds to target and step seconds."""
+    if len(rows) == 1:
+        return rows[0]
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["seconds_to_target"] is None, rows[i]["seconds_to_target"]
+                                                   or 0.0, rows[i].get("failed") is not None))
+    out = dict(rows[order[(len(rows) - 1) // 2]])
+    out["repeats_seconds_to_target"] = [r["seconds_to_target"] for r in rows]
+    out["repeats_step_seconds"] = [r["step_seconds"] for r in rows]
+    return out
+
+
+def _race(nets: list[str], workers: int, backend: str, cfg: dict, specs: dict, shaped: bool, say,
+          repeats: int = 1) -> dict:
+    """Every ``(network, method, repeat)``'s per-rank records, from one launch (shaped: each rank
+    in its namespace, its link set to each network's rate in turn), or more when a method fails:
+    a failed run is recorded with the launch's reason and the runs after it go on in a new
+    launch. Each repeat runs every network's methods, their order rotated by the repeat."""
     from ..comm import launch
     from ..comm.liveness import WorkerDied, WorkerFailed, WorkerStalled
 
     records: dict[tuple[str, str], dict] = {}
-    remaining = [(net, name) for net in nets for name in specs]
+    names = list(specs)
+    remaining = [(net, name, r) for r in range(repeats) for net in nets
+                 for name in names[r % len(names):] + names[:r % len(names)]]
     while remaining:
         tmp = tempfile.mkdtemp(prefix="lowbit-race-")
         try:
             run_cfg = {**cfg, "methods": specs, "record_dir": tmp, "shaped": shaped,
-                       "runs": [(net, NETWORKS[net], name) for net, name in remaining]}
+                       "runs": [(net, NETWORKS[net], name, r) for net, name, r in remaining]}
             failure = None
             try:
                 if not shaped:
@@ -304,19 +337,19 @@ def _race(nets: list[str], workers: int, backend: str, cfg: dict, specs: dict, s
                 else:
                     from ..comm.shaping import ShapedNetwork
 
-                    first = next((NETWORKS[n] for n, _ in remaining if NETWORKS[n] is not None), 1e9)
+                    first = next((NETWORKS[n] for n, _, _ in remaining if NETWORKS[n] is not None), 1e9)
                     with ShapedNetwork(workers, first) as net:
                         launch(workers, _worker_entry, run_cfg, backend=backend, network=net)
             except (WorkerFailed, WorkerDied, WorkerStalled) as e:
                 failure = e
             for key in list(remaining):
-                per_rank = _read_records(tmp, f"{key[0]}.{key[1]}", workers)
+                per_rank = _read_records(tmp, ".".join(map(str, key)), workers)
                 if per_rank is not None:
                     records[key] = {"ranks": per_rank}
                     remaining.remove(key)
             if failure is not None:
                 started = [k for k in remaining if any(
-                    os.path.exists(os.path.join(tmp, f"{k[0]}.{k[1]}.rank{r}.started")) for r in range(workers))]
+                    os.path.exists(os.path.join(tmp, f"{'.'.join(map(str, k))}.rank{r}.started")) for r in range(workers))]
                 if not started:  # the launch failed before any method: nothing to blame on a method
                     raise failure
                 bad = started[0]
@@ -429,10 +462,15 @@ def format_race_report(report: dict) -> str:
                 lines.append(f"{m:<24} FAILED: {r['failed']}")
                 continue
             x = None if anchor is None or r["seconds_to_target"] is None else anchor / r["seconds_to_target"]
-            lines.append(row_line(_RACE_COLUMNS, {**r, "method": m, "x_ddp": x}))
+            lines.append(row_line(_RACE_COLUMNS, {**r, "method": m, "x_ddp": r.get("x_ddp_median", x)}))
+            if r.get("repeats_seconds_to_target"):
+                lines.append(f"{'':<24} runs' s to target: " + ", ".join(
+                    "-" if t is None else f"{t:.1f}" for t in r["repeats_seconds_to_target"]))
     for net, why in report.get("skipped_networks", {}).items():
         lines.append(f"{net}: SKIPPED ({why})")
-    lines.append("x ddp: torch-ddp-fp32's seconds to target / the method's (above 1: sooner). step ms: median step, "
+    lines.append("x ddp: torch-ddp-fp32's seconds to target / the method's (above 1: sooner; with --repeats, "
+                 "the median of the runs' ratios, - where a run missed the target, and each row the method's "
+                 "median run). step ms: median step, "
                  "slowest rank; compute: the same step with no communication; enc/dec: CPU seconds per step beyond "
                  "compute's; comm wait: the rest; load: the machine's load average when the method started and ended.")
     return "\n".join(lines)

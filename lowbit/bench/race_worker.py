@@ -12,9 +12,10 @@ second barrier: evaluation is not training time. Then, untimed, the rank times
 ``compute_steps`` steps of the plain module (forward, backward and the optimizer's step on a
 copy, no communication), on the wall clock and on the process's CPU clock.
 
-Each finished method's record is written as JSON to ``record_dir`` (``METHOD.rankR.json``), and
-``METHOD.rankR.started`` is written before it starts, so that the launcher keeps the methods
-that finished and names the one that failed when a launch dies.
+Each finished run's record is written as JSON to ``record_dir``
+(``NETWORK.METHOD.REPEAT.rankR.json``), and ``NETWORK.METHOD.REPEAT.rankR.started`` before it
+starts, so that the launcher keeps the runs that finished and names the one that failed when a
+launch dies.
 """
 
 from __future__ import annotations
@@ -301,10 +302,10 @@ def set_link(rate_bps: float | None) -> None:
 
 
 def race_worker(transport, cfg: dict) -> dict:
-    """Run every ``(network, rate, method)`` of ``cfg["runs"]`` in order on this rank (see the
-    module doc); on a shaped launch (``cfg["shaped"]``) each rank first sets its link to the
+    """Run every ``(network, rate, method, repeat)`` of ``cfg["runs"]`` in order on this rank (see
+    the module doc); on a shaped launch (``cfg["shaped"]``) each rank first sets its link to the
     network's rate (:func:`set_link`) whenever the network changes. Each record is written to
-    ``cfg["record_dir"]`` as ``NETWORK.METHOD.rankR.json``."""
+    ``cfg["record_dir"]`` as ``NETWORK.METHOD.REPEAT.rankR.json``."""
     from ..train.tasks import make_task
 
     torch.manual_seed(cfg["seed"])
@@ -316,8 +317,8 @@ def race_worker(transport, cfg: dict) -> dict:
     idx = torch.randperm(len(task.y_test), generator=torch.Generator().manual_seed(54321))[:ne]
     Xe, ye = task.X_test[idx], task.y_test[idx]
     done, network = [], object()
-    for net, rate, name in cfg["runs"]:
-        stem = os.path.join(cfg["record_dir"], f"{net}.{name}.rank{transport.rank}")
+    for net, rate, name, rep in cfg["runs"]:
+        stem = os.path.join(cfg["record_dir"], f"{net}.{name}.{rep}.rank{transport.rank}")
         with open(stem + ".started", "w") as f:
             f.write(name)
         if net != network and cfg["shaped"]:
@@ -336,5 +337,5 @@ def race_worker(transport, cfg: dict) -> dict:
         os.replace(stem + ".json.tmp", stem + ".json")
         if transport.rank == 0:
             print(f"  {net} {name}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-        done.append(f"{net}.{name}")
+        done.append(f"{net}.{name}.{rep}")
     return {"done": done}
