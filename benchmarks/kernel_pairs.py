@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from lowbit.codecs.kernels import cpu_lanes, cpu_sign
 
-    trees = ((load_before(args.before, "codecs.kernels.cpu_lanes"), load_before(args.before, "codecs.kernels.cpu_sign")),
-             (cpu_lanes, cpu_sign))
+    before = tuple(load_before(args.before, f"codecs.kernels.{m}") for m in ("cpu_lanes", "cpu_sign"))
+    trees = (before, (cpu_lanes, cpu_sign))
     n = args.n
     rng = np.random.default_rng(0)
     calls = {}

@@ -348,8 +348,8 @@ def _race(nets: list[str], workers: int, backend: str, cfg: dict, specs: dict, s
                     records[key] = {"ranks": per_rank}
                     remaining.remove(key)
             if failure is not None:
-                started = [k for k in remaining if any(
-                    os.path.exists(os.path.join(tmp, f"{'.'.join(map(str, k))}.rank{r}.started")) for r in range(workers))]
+                started = [k for k in remaining if any(os.path.exists(
+                    os.path.join(tmp, f"{'.'.join(map(str, k))}.rank{r}.started")) for r in range(workers))]
                 if not started:  # the launch failed before any method: nothing to blame on a method
                     raise failure
                 bad = started[0]

@@ -279,7 +279,7 @@ def _calibration_worker(transport, spec: dict) -> dict:
                     solo.append(t)
             transport.barrier()
             for s, seq in enumerate(runners):
-                transport.barrier()  # each method's step starts with the ranks together, not where the last left them
+                transport.barrier()  # each step starts with the ranks together, not where the last method left them
                 t = compute()
                 if i >= warmup:
                     shared.append(t)
@@ -313,8 +313,8 @@ def calibrate(workload: dict, steps: dict, processes: int = 2, rate: float | Non
     step of every method in turn (interleaved, so that other load on the host falls on every
     method alike; module doc): ``repeats`` of them, or more, up to ``max_repeats``, where the
     first timed pass says they fit in ``budget_seconds`` (a round of a small model costs about a
-    millisecond and one in four took 3-6 ms on this host's 2 cores: a median needs dozens). ``work``: method ->
-    seconds of the method's own compute (its hook's, or the wrapper's beyond a plain step, as the
+    millisecond and one in five took 3-8 ms on this host's 2 cores: a median needs dozens).
+    ``work``: method -> seconds of the method's own compute (its hook's, or the wrapper's beyond a plain step, as the
     plan measured it), replayed as that much CPU time of the process right before the step's
     last round (where encoding happens), so that the round waits for a peer still encoding.
     ``workload``: :func:`~lowbit.plan.workload.load_workload`'s keyword arguments (a task or a
