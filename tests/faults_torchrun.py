@@ -12,6 +12,7 @@ which a rank could once end normally); then rank 1 skips optimizer.step() at ste
 inf gradient); then the training loop (lowbit train's run_worker) with a non-finite loss on
 rank 1 at step 2; then the all-gather algorithms with a payload one byte short on rank 1. The
 ranks agree on every fault, so the process group stays usable for the next case.
+MODE ``loop``: the training loop's case alone, for each algorithm named (to repeat one case).
 MODE ``payload``: rank 1 sends naive's neighbours a payload one byte short at step 2; the others
 name it (then every process leaves: the hostile rank is still waiting).
 """
@@ -143,6 +144,9 @@ def main():
         for name in ("moniqua-async",):
             if name in names:
                 emit(f"loop/{name}", t.rank, *loop_case(t, name))
+    elif mode == "loop":
+        for name in names:
+            emit(f"loop/{name}", t.rank, *loop_case(t, name))
     else:
         orig = t.neighbor_exchange
         if t.rank == BAD:

@@ -29,9 +29,12 @@ forwarding to each other do not wait on each other; not after this rank's DONE),
 and from then on a rank answers every request with a FAULT header instead of a
 reply, and its worker raises ``GossipFault`` at its next gossip or in
 ``gossip_close``: the fault the store holds, so every rank raises the same one
-even when two ranks fail at once. An exchange that fails (the partner gone)
-raises the posted fault if there is one, and otherwise posts ``failed``, so
-that the ranks waiting in ``gossip_close`` end too.
+even when two ranks fail at once. An exchange that fails at any of its
+messages (the partner gone: it may have read the posted fault and left), or a
+responder that fails, raises the posted fault if there is one, and otherwise
+posts ``failed``, so that the ranks waiting in ``gossip_close`` end too. The
+FAULT headers are only a wake-up (the outcome is posted before anyone is
+told): one to a neighbour already gone is dropped, never this rank's error.
 
 :class:`GlooGossip` is the transport's part that runs it (its ``_gossip_*`` steps); it uses
 the transport's ``rank``, ``world_size``, ``group``, ``_gossip_peers``, ``_beat``, ``_store``
@@ -40,6 +43,7 @@ and ``_check_stated``.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -174,10 +178,30 @@ class GlooGossip:
             self._g_wake.set()
             if self._g_done:
                 return
-            hdr = torch.tensor([_KIND_FAULT, word, step], dtype=torch.int64)
-            for j in self._gossip_peers or ():
-                if j != src:
-                    self._g_sends.append(dist.isend(hdr, dst=j, group=self._g_group, tag=_TAG_REQ))
+            self._g_sends += self._tell(word, step, [j for j in self._gossip_peers or () if j != src])
+
+    def _tell(self, word: int, step: int, peers) -> list:
+        """Send a FAULT header to each of ``peers`` (``isend``); the sends begun. Only a wake-up:
+        the fault is the session's outcome in the store already (posted before anyone is told),
+        so a neighbour that is gone (the ranks that read the outcome raise it and leave) is
+        skipped: it has nothing to learn, and a rank whose exchange with it fails reads the store."""
+        hdr, sends = torch.tensor([_KIND_FAULT, word, step], dtype=torch.int64), []
+        for j in peers:
+            try:
+                sends.append(dist.isend(hdr, dst=j, group=self._g_group, tag=_TAG_REQ))
+            except RuntimeError:  # that neighbour is gone
+                pass
+        return sends
+
+    @staticmethod
+    def _drain(sends) -> None:
+        """Wait for FAULT headers :meth:`_tell` began (this process may exit right after); one to a
+        neighbour gone meanwhile is dropped (see :meth:`_tell`)."""
+        for w in sends:
+            try:
+                w.wait()
+            except RuntimeError:  # that neighbour is gone: nothing to tell it
+                pass
 
     def _raise_fault(self) -> None:
         """Raise the fault this rank heard as a GossipFault, once (not one this rank sent), after
@@ -188,11 +212,7 @@ class GlooGossip:
             self._g_fault_known = True
             with self._g_lock:
                 sends, self._g_sends = self._g_sends, []
-            for w in sends:
-                try:
-                    w.wait()
-                except RuntimeError:  # that neighbour is gone: nothing to tell it
-                    pass
+            self._drain(sends)
             try:
                 posted = self._fault_of(self._outcome())
             except RuntimeError:  # the store is gone (or holds no fault of this run): the one heard
@@ -213,13 +233,14 @@ class GlooGossip:
             if self._g_fault is not None:  # heard one that lost the race to the store: told already
                 return
             self._g_fault = (word, step, self.rank)
-            hdr = torch.tensor([_KIND_FAULT, word, step], dtype=torch.int64)
-            sends = [dist.isend(hdr, dst=j, group=self._g_group, tag=_TAG_REQ) for j in self._gossip_peers]
-        for w in sends:  # sent before this rank raises (its process may exit right after)
-            w.wait()
+            sends = self._tell(word, step, self._gossip_peers)
+        self._drain(sends)  # sent before this rank raises (its process may exit right after)
 
     def _check_responder(self) -> None:
+        """A failed responder (a neighbour gone mid-message: it may have left on the posted fault)
+        ends this rank's gossip as a failed exchange does: the posted fault if there is one."""
         if self._g_error is not None:
+            self._failed(self._g_error, "its gossip responder failed")
             raise RuntimeError(f"rank {self.rank}: the gossip responder failed: {self._g_error!r}") from self._g_error
 
     # ---- the active side ---------------------------------------------------------
@@ -230,16 +251,13 @@ class GlooGossip:
         g = self._g_group
         buf = make()
         send = buf.detach().cpu().contiguous()
-        try:
+        hdr = torch.empty(3, dtype=torch.int64)
+        with self._exchange(peer, step):
             dist.send(torch.tensor([_KIND_REQUEST, send.numel(), step], dtype=torch.int64), dst=peer, group=g,
                       tag=_TAG_REQ)
             if send.numel():
                 dist.send(send, dst=peer, group=g, tag=_TAG_REQ_DATA)
-            hdr = torch.empty(3, dtype=torch.int64)
             dist.recv(hdr, src=peer, group=g, tag=_TAG_REP)
-        except RuntimeError as e:
-            self._failed(e, f"its exchange with rank {peer} at step {step} failed")
-            raise
         kind, n, fstep = (int(v) for v in hdr.tolist())
         if kind == _KIND_FAULT:  # the partner stopped: its fault
             self._heard_fault(n, fstep, peer)
@@ -249,8 +267,19 @@ class GlooGossip:
             raise RuntimeError(f"rank {self.rank}: unexpected gossip reply header {hdr.tolist()} from rank {peer}")
         reply = torch.empty(self._check_stated(n, peer, "gossip reply"), dtype=torch.uint8)
         if reply.numel():
-            dist.recv(reply, src=peer, group=g, tag=_TAG_REP_DATA)
+            with self._exchange(peer, step):  # the partner may leave between its header and its bytes
+                dist.recv(reply, src=peer, group=g, tag=_TAG_REP_DATA)
         return reply.to(buf.device)
+
+    @contextlib.contextmanager
+    def _exchange(self, peer: int, step: int):
+        """Around the messages of an exchange with ``peer``: one that fails (the partner gone, e.g.
+        on the posted fault) raises the posted fault, else posts that the session failed."""
+        try:
+            yield
+        except RuntimeError as e:
+            self._failed(e, f"its exchange with rank {peer} at step {step} failed")
+            raise
 
     def _failed(self, err: BaseException, what: str) -> None:
         """This rank's gossip failed with ``err`` (a partner gone): raise the fault posted, if any
@@ -310,9 +339,7 @@ class GlooGossip:
             outcome = self._outcome()
             if outcome is not None:
                 return outcome
-            if self._g_error is not None:
-                self._failed(self._g_error, "its gossip responder failed")
-                self._check_responder()
+            self._check_responder()
             if time.monotonic() > deadline:
                 left = [r for r in range(self.world_size) if not store.check([f"{self._g_key}closed/{r}"])]
                 raise TimeoutError(f"rank {self.rank}: waited {store.timeout.total_seconds():g} s (the process "
