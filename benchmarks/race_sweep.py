@@ -21,14 +21,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--method", required=True, choices=sorted(race.METHODS))
     p.add_argument("--option", required=True, help="an option of the method's algorithm or hook, e.g. gamma")
-    p.add_argument("--values", required=True, help="comma-separated values of --option (numbers)")
+    p.add_argument("--values", required=True, help="comma-separated values of --option (integers or numbers)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--network", default="loopback", choices=sorted(race.NETWORKS))
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--json", default=None, help="write every run's row there")
     a = p.parse_args(argv)
-    values = [float(v) for v in a.values.split(",")]
+    values = [int(v) if v.strip().lstrip("-").isdigit() else float(v) for v in a.values.split(",")]
     seeds = [int(s) for s in a.seeds.split(",")]
     method = race.METHODS[a.method]
     base = dict(method.options)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                    "final_accuracy": r.get("final_accuracy"), "failed": r.get("failed"),
                    "curve": [c["accuracy"] for c in r.get("curve") or []]}
             rows.append(row)
-            print(f"{a.option}={v:g} seed {seed}: steps to target {row['steps_to_target']}, final accuracy "
+            print(f"{a.option}={v} seed {seed}: steps to target {row['steps_to_target']}, final accuracy "
                   f"{row['final_accuracy']}" + (f", failed: {row['failed']}" if row["failed"] else ""), flush=True)
     method.options.clear()
     method.options.update(base)
