@@ -321,7 +321,7 @@ def _race(nets: list[str], workers: int, backend: str, cfg: dict, specs: dict, s
     from ..comm import launch
     from ..comm.liveness import WorkerDied, WorkerFailed, WorkerStalled
 
-    records: dict[tuple[str, str], dict] = {}
+    records: dict[tuple[str, str, int], dict] = {}
     names = list(specs)
     remaining = [(net, name, r) for r in range(repeats) for net in nets
                  for name in names[r % len(names):] + names[:r % len(names)]]
