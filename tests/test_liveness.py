@@ -141,7 +141,8 @@ def _torchrun_fault(tmp_path, sig, *extra, victim=1):
                 and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
             pids = [_rank_pid(proc.pid, r) for r in range(2)]
             time.sleep(0.1)
-        assert None not in pids and proc.poll() is None, "the run never got going"
+        assert None not in pids and proc.poll() is None, "the run never got going" + (
+            "; its output:\n" + proc.communicate()[0][-6000:] if proc.poll() is not None else "")
         t0 = time.monotonic()
         if sig is not None:
             os.kill(pids[victim], sig)
@@ -153,6 +154,7 @@ def _torchrun_fault(tmp_path, sig, *extra, victim=1):
         if proc.poll() is None:
             proc.kill()
     assert not any(_alive(p) for p in pids)
+    assert (out / "summary.json").is_file(), f"no summary.json after {elapsed:.1f} s; the run's output:\n{output[-6000:]}"
     return elapsed, output, json.loads((out / "summary.json").read_text())
 
 
@@ -223,6 +225,29 @@ def test_peer_monitor_verdicts_on_one_store():
     assert str(first) == str(verdict)
     second = mons[1]._publish_end(ValueError("later"), own=True)
     assert type(second) is WorkerStalled and str(second) == str(verdict)
+
+
+def test_a_rank_that_ends_goes_on_ignoring_sigterm():
+    """torchrun's agent sends SIGTERM to a rank once its peer died: a rank already ending with the
+    run's verdict keeps ignoring it after the block, until it has written its summary and exited
+    (the CI failure of 2026-11-28: rank 1 killed between the block and summary.json)."""
+    from lowbit.comm.liveness import Terminated, sigterm_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        ending = False
+        with pytest.raises(Terminated):
+            with sigterm_as_interrupt("rank: signal {signum}", ignore_while=lambda: ending):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(1)
+        assert signal.getsignal(signal.SIGTERM) is before  # left running: the old handler is back
+        with sigterm_as_interrupt("rank: signal {signum}", ignore_while=lambda: ending):
+            ending = True
+            os.kill(os.getpid(), signal.SIGTERM)  # ignored: the rank is ending
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGTERM)  # still ignored after the block
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 # ---- 4. workers leave with their launcher ---------------------------------------------------

@@ -124,9 +124,10 @@ def stopped_note(pid: int | None) -> str:
     return ", process stopped (SIGSTOP?)" if pid is not None and os_state(pid) == "T" else ""
 
 
-def died_error(who: str, rank: int, world_size: int, how: str, step: int) -> WorkerDied:
-    """The one message of a dead worker: how it ended and at which step."""
-    where = "before its first step" if step < 0 else f"at step {step}"
+def died_error(who: str, rank: int, world_size: int, how: str, step: int, heard: bool = False) -> WorkerDied:
+    """The one message of a dead worker: how it ended and at which step (``heard``: the step of its
+    last heartbeat, which may be behind the step it reached)."""
+    where = "before its first step" if step < 0 else f"(last heard from at step {step})" if heard else f"at step {step}"
     err = WorkerDied(f"{who}: worker rank {rank} of {world_size} {how} {where}, without a result")
     err.rank = rank
     return err
@@ -289,10 +290,10 @@ class PeerMonitor:
                 continue
             if self._local(r) and _gone(p.pid):
                 return died_error("torchrun", r, self.world_size, "died (its process is gone: killed, out of "
-                                  "memory or exited)", p.step)
+                                  "memory or exited)", p.step, heard=True)
             if quiet_s is not None and p.seq >= 0 and now - p.seen_at > quiet_s:
                 return died_error("torchrun", r, self.world_size, f"stopped sending heartbeats {now - p.seen_at:.1f} "
-                                  f"s ago (its process is gone or stopped)", p.step)
+                                  f"s ago (its process is gone or stopped)", p.step, heard=True)
         return None
 
     def _stalled(self, now: float) -> BaseException | None:
@@ -438,8 +439,10 @@ def _is_comm_failure(e: BaseException) -> bool:
 @contextlib.contextmanager
 def sigterm_as_interrupt(message: str, ignore_while=None):
     """While inside, SIGTERM raises :class:`Terminated` in the main thread as SIGINT does (so that
-    ``finally`` blocks run), unless ``ignore_while()`` is true (a rank already ending). Only on the
-    main thread, where handlers can be set."""
+    ``finally`` blocks run), unless ``ignore_while()`` is true (a rank already ending). A rank that
+    leaves the block ending goes on ignoring SIGTERM: it is on its way out with the run's verdict
+    (writing its summary), and torchrun's agent, which sends SIGTERM once a peer died, would
+    otherwise end it between the block and the summary. Only on the main thread, where handlers can be set."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -453,7 +456,8 @@ def sigterm_as_interrupt(message: str, ignore_while=None):
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        ending = ignore_while is not None and ignore_while()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN if ending else old)
 
 
 def _connect_store():
