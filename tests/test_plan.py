@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 
+from lowbit.bench.race import POWERSGD_RANK
 from lowbit.comm.ledger import CommRecord
 from lowbit.comm.netmodel import NetworkModel, overlap_backward
 from lowbit.plan import (BASELINE, DDP_METHODS, GOSSIP_METHODS, METHODS, Bucket, MirrorTransport, Profile, Round,
@@ -161,7 +162,8 @@ def test_lowbit_powersgd_sends_p_synchronously():
     ops = _hook_ops("lowbit-powersgd", 8, [torch.nn.Parameter(torch.empty(100, 50)),
                                            torch.nn.Parameter(torch.empty(100))])
     assert [k for k, _ in ops] == ["sync", "async"]
-    assert ops[0][1].nbytes == (100 * 2 + 100) * 4 and ops[1][1].nbytes == 50 * 2 * 4
+    r = POWERSGD_RANK  # the race's, which the plan assumes
+    assert ops[0][1].nbytes == (100 * r + 100) * 4 and ops[1][1].nbytes == 50 * r * 4
 
 
 # --- rounds: every call of a step, priced by the model and by a calibration ----------------------

@@ -89,8 +89,6 @@ def _ddp_contender(name: str, n: int | None = None, model: nn.Module | None = No
         hook_name, opts = "qsgd-maxnorm", {"bits": int(name.rsplit("-", 1)[1])}
     else:
         raise ValueError(f"method {name!r} is not a DDP method of the race")
-    if hook_name == "powersgd":
-        opts.setdefault("powersgd_rank", POWERSGD_RANK)
     state, hook = make_hook(hook_name, **opts, **({} if model is None else {"model": model}))
     if n is None:
         return hook, state, None

@@ -3,11 +3,11 @@ the checks of its ``workers`` and ``methods`` arguments."""
 
 from __future__ import annotations
 
+from ..bench.race import POWERSGD_RANK  # noqa: F401 - the race's, which the plan assumes (torch's hook also
+# starts compressing at its second iteration, as the race configures it)
+
 #: the DDP anchor (``lowbit bench race``'s name)
 BASELINE = "torch-ddp-fp32"
-#: PowerSGD's rank, torch's hook and lowbit's alike (the race's; torch's hook also starts
-#: compressing at its second iteration, as the race configures it)
-POWERSGD_RANK = 2
 
 
 def _race_methods() -> dict:

@@ -161,7 +161,7 @@ def format_plan_report(report: dict) -> str:
              f"measured on {m['device']} ({m['threads']} torch threads), medians of {m['repeats']} steps after "
              f"{m['warmup']} warm-up: forward {m['forward_seconds'] * 1e3:.1f} ms, backward "
              f"{m['backward_seconds'] * 1e3:.1f} ms, optimizer {m['optimizer_seconds'] * 1e3:.1f} ms",
-             f"DDP buckets (ready at ms of backward): " + ", ".join(
+             "DDP buckets (ready at ms of backward): " + ", ".join(
                  f"{b['bytes'] / 2**20:.1f} MiB@{b['ready_seconds'] * 1e3:.1f}" for b in m["buckets"])]
     c = report.get("calibration")
     if c:

@@ -111,7 +111,7 @@ _COMPARISON_COLUMNS = (
 
 def format_race_comparison(cmp: dict) -> str:
     """The table of :func:`compare_with_race`: predicted and measured step and bytes per method."""
-    lines = [f"latency per message (measured): " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in cmp["latency_s"].items())]
+    lines = ["latency per message (measured): " + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in cmp["latency_s"].items())]
     for net, c in cmp.get("calibration", {}).items():
         lines.append(f"{net}: {c['processes']} processes replayed each method's step; compute x{c['compute_factor']:.2f} "
                      f"({c['compute_shared_seconds'] * 1e3:.2f} ms with every process computing, "
